@@ -1,0 +1,169 @@
+"""The ``lora-bench`` command line: thin typer commands that declare options and call the library.
+Domain errors become one clear message and an exit code (2 for usage errors), no traceback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .config import (ATTENTION, OPS, PRECISIONS, PROFILES, TIMING, TOKEN_POSITIONS, TRAINABLE_LAYERS, WEIGHTS,
+                     TrainConfig)
+from .errors import LoraBenchError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  pretty_exceptions_show_locals=False,
+                  help="Benchmark and ablation harness for LoRA fine-tuning of GPT-2 (SMS spam classification).")
+data_app = typer.Typer(no_args_is_help=True, help="Data set commands.")
+app.add_typer(data_app, name="data")
+console = Console()
+err_console = Console(stderr=True)
+
+D = TrainConfig()  # defaults: one source
+
+
+def _choices(values) -> str:
+    return ", ".join(values)
+
+
+# Shared option aliases (reused by several commands)
+ResultsDir = Annotated[Path, typer.Option("--results-dir", help="Folder for runs.csv and per-run files.")]
+CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE",
+                                                  help="Download cache (default ~/.cache/lora-bench).")]
+NoProgress = Annotated[bool, typer.Option("--no-progress", help="No progress bars (logs, CI).")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"lora-bench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
+
+
+@app.command(no_args_is_help=False)
+def train(
+    model_size: Annotated[str, typer.Option(help="124M, 355M, 774M, 1558M, tiny, or 'gpt2-small (124M)' ...")] = D.model_size,
+    weights: Annotated[str, typer.Option(help=_choices(WEIGHTS))] = D.weights,
+    weights_dir: Annotated[Optional[Path], typer.Option(help="Local OpenAI checkpoint folder (no download).")] = None,
+    emb_dim: Annotated[Optional[int], typer.Option(help="Override width (random weights).")] = None,
+    n_layers: Annotated[Optional[int], typer.Option(help="Override number of blocks (random weights).")] = None,
+    n_heads: Annotated[Optional[int], typer.Option(help="Override number of heads (random weights).")] = None,
+    trainable_layers: Annotated[str, typer.Option(help=_choices(TRAINABLE_LAYERS))] = D.trainable_layers,
+    rank: Annotated[int, typer.Option("--rank", "--lora-rank", help="LoRA rank.")] = D.lora_rank,
+    alpha: Annotated[float, typer.Option("--alpha", "--lora-alpha", help="LoRA alpha (not divided by rank).")] = D.lora_alpha,
+    trainable_token_pos: Annotated[str, typer.Option("--trainable-token-pos", "--token-position",
+                                                     help=_choices(TOKEN_POSITIONS))] = D.trainable_token_pos,
+    average_embeddings: Annotated[bool, typer.Option(help="Classify from the mean over positions.")] = False,
+    context_length: Annotated[str, typer.Option(help="longest_training_example, model_context_length, or an integer.")] = D.context_length,
+    no_padding: Annotated[bool, typer.Option(help="No padding (batch size must be 1).")] = False,
+    batch_size: Annotated[int, typer.Option(help="Batch size.")] = D.batch_size,
+    accumulation_steps: Annotated[int, typer.Option(help="Gradient accumulation steps.")] = D.accumulation_steps,
+    num_epochs: Annotated[int, typer.Option("--num-epochs", "--epochs", help="Epochs.")] = D.num_epochs,
+    learning_rate: Annotated[float, typer.Option("--learning-rate", "--lr", help="AdamW learning rate.")] = D.learning_rate,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = D.weight_decay,
+    disable_causal_mask: Annotated[bool, typer.Option(help="Disable the causal mask.")] = False,
+    ignore_index: Annotated[int, typer.Option(help="Cross-entropy ignore_index.")] = D.ignore_index,
+    seed: Annotated[int, typer.Option(help="Seed (the reference uses 123).")] = D.seed,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = D.device,
+    eval_freq: Annotated[int, typer.Option(help="Periodic loss every N steps (0 = never).")] = D.eval_freq,
+    eval_iter: Annotated[int, typer.Option(help="Batches per periodic evaluation.")] = D.eval_iter,
+    max_steps: Annotated[Optional[int], typer.Option(help="Stop after N steps (timing runs).")] = None,
+    skip_final_eval: Annotated[bool, typer.Option(help="Skip the final full-loader accuracies.")] = False,
+    precision: Annotated[str, typer.Option(help=_choices(PRECISIONS))] = D.precision,
+    attention: Annotated[str, typer.Option(help=_choices(ATTENTION))] = D.attention,
+    ops: Annotated[str, typer.Option(help=_choices(OPS))] = D.ops,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
+    cuda_graphs: Annotated[bool, typer.Option(help="Capture and replay the step as CUDA graphs.")] = False,
+    timing: Annotated[str, typer.Option(help=_choices(TIMING) + " (sync perturbs the step)")] = D.timing,
+    warmup_steps: Annotated[int, typer.Option(help="Steps excluded from the timing summaries.")] = D.warmup_steps,
+    profile: Annotated[str, typer.Option(help=_choices(PROFILES))] = D.profile,
+    data_file: Annotated[Optional[Path], typer.Option(help="Raw SMSSpamCollection TSV (no download).")] = None,
+    results_dir: ResultsDir = Path("results/runs"),
+    run_id: Annotated[Optional[str], typer.Option(help="Run id (default: settings hash + time).")] = None,
+    cache_dir: CacheDir = None,
+    no_progress: NoProgress = False,
+) -> None:
+    """Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
+
+    Example: [bold]lora-bench train --trainable-layers lora --rank 16 --alpha 16[/bold]
+    """
+    from .display import phase_table
+    from .run import execute_run
+
+    cfg = TrainConfig(
+        model_size=model_size, emb_dim=emb_dim, n_layers=n_layers, n_heads=n_heads, weights=weights,
+        weights_dir=str(weights_dir) if weights_dir else None, trainable_layers=trainable_layers,
+        lora_rank=rank, lora_alpha=alpha, trainable_token_pos=trainable_token_pos,
+        average_embeddings=average_embeddings, context_length=context_length, no_padding=no_padding,
+        batch_size=batch_size, accumulation_steps=accumulation_steps, num_epochs=num_epochs,
+        learning_rate=learning_rate, weight_decay=weight_decay, disable_causal_mask=disable_causal_mask,
+        ignore_index=ignore_index, seed=seed, eval_freq=eval_freq, eval_iter=eval_iter, max_steps=max_steps,
+        skip_final_eval=skip_final_eval, device=device, precision=precision, attention=attention, ops=ops,
+        compile=compile, cuda_graphs=cuda_graphs, timing=timing, warmup_steps=warmup_steps, profile=profile,
+        data_file=str(data_file) if data_file else None,
+    ).validate()
+    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                      cache_dir=cache_dir)
+    if row.get("timing_clock") not in (None, "off"):
+        console.print(phase_table(row))
+    console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
+
+
+@app.command()
+def show(results_dir: Annotated[Path, typer.Argument(help="A results folder holding runs.csv.")],
+         run_id: Annotated[Optional[str], typer.Argument(help="Run id (default: the latest run).")] = None) -> None:
+    """Print a run's phase breakdown again, from the files."""
+    from .display import phase_table
+    from .errors import UsageError
+    from .results import read_runs
+
+    path = results_dir / "runs.csv"
+    if not path.is_file():
+        raise UsageError(f"no runs.csv in {results_dir}: run `lora-bench train --results-dir {results_dir}` first")
+    df = read_runs(path)
+    if run_id is None:
+        rows = df.to_dict("records")
+        if not rows:
+            raise UsageError(f"{path} holds no runs")
+        console.print(phase_table(rows[-1]))
+        return
+    hit = df[df["run_id"] == run_id]
+    if hit.empty:
+        close = ", ".join(df["run_id"].tail(5))
+        raise UsageError(f"run_id {run_id!r} not found in {path}; latest runs: {close}")
+    console.print(phase_table(hit.iloc[0].to_dict()))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    out: Annotated[Path, typer.Option("--out", help="Folder for train.csv, validation.csv, test.csv.")],
+    data_file: Annotated[Optional[Path], typer.Option(help="Raw SMSSpamCollection TSV (default: download).")] = None,
+    cache_dir: CacheDir = None,
+    no_progress: NoProgress = False,
+) -> None:
+    """Balance and split the SMS Spam Collection exactly as the reference."""
+    from .data import ensure_sms_spam, prepare_splits
+    from .run import default_cache_dir
+    from .tokenizer import sha256_file
+
+    raw = data_file or ensure_sms_spam(cache_dir or default_cache_dir(), progress=not no_progress)
+    for name, path in prepare_splits(raw, out).items():
+        console.print(f"{name:>10}: {path}  sha256 {sha256_file(path)}")
+
+
+def main() -> None:
+    """Entry point: typer handles usage errors (exit 2); domain errors become one message."""
+    try:
+        app()
+    except LoraBenchError as e:
+        err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        sys.exit(e.exit_code)

@@ -1,0 +1,300 @@
+"""Triton kernels for the LoRA layer y = x·Wᵀ + b + s·(x·A)·B (W frozen).
+
+Two kernels cover forward and backward (shapes: x N×k, W n×k, A k×r, B r×n):
+
+* ``lora_mm``: out = X·Wt + bias + s·(X·P)·Q and H = X·P, in one launch. Each output tile
+  accumulates X_tile·P_tile (BLOCK_M×r) next to X_tile·Wt_tile in the same K loop, so X is read
+  once for both, then adds s·H_tile·Q_tile in the epilogue. Forward: (X, Wt, P, Q) = (x, Wᵀ, A, B)
+  gives y and h. Backward: (g, W, Bᵀ, Aᵀ) gives grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ. Every column
+  tile recomputes its rows' H (extra MMA work r/BLOCK_N, ~12 % at r=16): cheaper than a second
+  launch plus a round trip of H through memory; only column tile 0 stores it.
+* ``lora_grad_ab``: grad_A = s·xᵀ·u (k×r) and grad_B = s·hᵀ·g (r×n), one launch, the program id
+  choosing which; both reduce over the N rows, so each program streams one column strip.
+
+This module imports Triton; import it lazily (``lora_bench.lora.kernel`` does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
+# forgets to write shows up instead of hiding behind whatever memory held before.
+POISON_OUTPUTS = False
+
+MAX_RANK = 128  # the H accumulator lives in registers next to the output tile; beyond this, torch
+
+
+class MMConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class ABConfig(NamedTuple):
+    block_m: int  # rows reduced per step
+    block_d: int  # columns of x (or g) each program owns
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _lora_mm_kernel(
+    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
+    M, N, K, R, scale,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr,
+    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped tile order: neighbouring programs share X rows and Wt columns in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_size)
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
+    # lanes compute garbage that is never stored, and the K loop stays mask-free.
+    rm = offs_m % M
+    rn = offs_n % N
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BM, BK)
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN)
+    p_ptrs = p_ptr + offs_k[:, None] * stride_pk + offs_r[None, :] * stride_pr  # (BK, BR)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
+            if EVEN_R:
+                pt = tl.load(p_ptrs)
+            else:
+                pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
+        else:
+            # the K tail must read zeros: it is summed
+            k_mask = offs_k < K - kb * BLOCK_K
+            xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            pt = tl.load(p_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        hacc = tl.dot(xt, pt, hacc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+        p_ptrs += BLOCK_K * stride_pk
+
+    # H is rounded to the input dtype, as torch's x @ A would be, before the second product
+    h = hacc.to(x_ptr.dtype.element_ty)
+    m_mask = offs_m < M
+    if WRITE_H:
+        if pid_n == 0:
+            h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
+            tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
+    q_ptrs = q_ptr + offs_r[:, None] * stride_qr + rn[None, :] * stride_qn  # (BR, BN)
+    qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+    acc += scale * tl.dot(h, qt, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _lora_grad_ab_kernel(
+    x_ptr, u_ptr, h_ptr, g_ptr, ga_ptr, gb_ptr,
+    M, K, N, R, NUM_A, scale,
+    stride_xm, stride_xk, stride_um, stride_ur, stride_hm, stride_hr, stride_gm, stride_gn,
+    stride_gak, stride_gar, stride_gbr, stride_gbn,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    if pid < NUM_A:
+        # grad_A[d, :] = s · Σ_m x[m, d] · u[m, :]   -> (BD, BR)
+        offs_d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < K
+        acc = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < M  # padded rows must be zero: they are summed
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_d[None, :] * stride_xk,
+                         mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
+            ut = tl.load(u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur,
+                         mask=row_ok[:, None] & r_mask[None, :], other=0.0)  # (BM, BR)
+            acc = tl.dot(tl.trans(xt), ut, acc, input_precision=PRECISION)
+        ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + offs_r[None, :] * stride_gar
+        tl.store(ga_ptrs, (acc * scale).to(ga_ptr.dtype.element_ty), mask=d_mask[:, None] & r_mask[None, :])
+    else:
+        # grad_B[:, d] = s · Σ_m h[m, :]ᵀ · g[m, d]   -> (BR, BD)
+        offs_d = (pid - NUM_A) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < N
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < M
+            ht = tl.load(h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr,
+                         mask=row_ok[:, None] & r_mask[None, :], other=0.0)  # (BM, BR)
+            gt = tl.load(g_ptr + rows[:, None] * stride_gm + offs_d[None, :] * stride_gn,
+                         mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
+            acc = tl.dot(tl.trans(ht), gt, acc, input_precision=PRECISION)
+        gb_ptrs = gb_ptr + offs_r[:, None] * stride_gbr + offs_d[None, :] * stride_gbn
+        tl.store(gb_ptrs, (acc * scale).to(gb_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------- host side
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def block_r(rank: int) -> int:
+    """Rank padded to a power of two, at least 16 (the smallest MMA tile side)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 follows torch's matmul setting: tf32 only where torch itself would allow it."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+# (BM, BN, BK, warps, stages). 16-bit: BK=64 (128 B rows); fp32 halves BK to keep the
+# shared-memory stages the same size.
+_MM_CANDIDATES_16 = (
+    MMConfig(128, 128, 64, 8, 4), MMConfig(128, 64, 64, 4, 4),
+    MMConfig(64, 128, 64, 4, 4), MMConfig(128, 256, 64, 8, 3),
+)
+_MM_CANDIDATES_32 = (MMConfig(128, 128, 32, 8, 3), MMConfig(64, 128, 32, 4, 3), MMConfig(128, 64, 32, 4, 3))
+# relative throughput of a tile shape when the chip is full (bigger tiles reuse operands more)
+_TILE_EFF = {(128, 256): 1.0, (128, 128): 0.92, (128, 64): 0.8, (64, 128): 0.8}
+
+
+def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MMConfig:
+    """Tile shape for ``lora_mm``: fewest estimated waves-times-tile-cost on this GPU.
+
+    A plain tile count heuristic, because M (batch×seq) is only ~1k rows in this project: a
+    128×128 grid leaves most of 132 SMs idle for n=1600, and a smaller tile fills them."""
+    if device.type != "cuda":  # the interpreter: small tiles, many programs, masks exercised
+        return MMConfig(32, 32, 32, 4, 1)
+    sms = _sm_count(device)
+    cands = _MM_CANDIDATES_32 if dtype == torch.float32 else _MM_CANDIDATES_16
+    best, best_cost = cands[0], float("inf")
+    for c in cands:
+        tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
+        waves = triton.cdiv(tiles, sms)
+        cost = waves * c.block_m * c.block_n / _TILE_EFF.get((c.block_m, c.block_n), 0.8)
+        if cost < best_cost:
+            best, best_cost = c, cost
+    return best
+
+
+def pick_ab_config(M: int, K: int, N: int, device: torch.device) -> ABConfig:
+    if device.type != "cuda":
+        return ABConfig(32, 16, 4, 1)
+    # 64-wide strips unless that leaves most SMs idle; then 32 (twice the programs)
+    wide = triton.cdiv(K, 64) + triton.cdiv(N, 64) >= _sm_count(device)
+    return ABConfig(64, 64 if wide else 32, 4, 3)
+
+
+def _alloc(shape: tuple[int, ...], *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or like.dtype
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def lora_mm(
+    x: torch.Tensor, wt: torch.Tensor, p: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None = None,
+    *, scale: float, out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
+    write_h: bool = True, config: MMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out (M×N) = x·wt + bias + scale·(x·p)·q, and h_out (M×R) = x·p when ``write_h``.
+
+    x: M×K, wt: K×N, p: K×R, q: R×N, bias: N; any strides (views such as Wᵀ are free).
+    All in one dtype; accumulation is fp32."""
+    M, K = x.shape
+    N = wt.shape[1]
+    R = p.shape[1]
+    assert wt.shape[0] == K and p.shape[0] == K and q.shape == (R, N), (x.shape, wt.shape, p.shape, q.shape)
+    assert R <= MAX_RANK, R
+    if out is None:
+        out = _alloc((M, N), like=x)
+    if write_h and h_out is None:
+        h_out = _alloc((M, R), like=x)
+    c = config or pick_mm_config(M, N, K, x.dtype, x.device)
+    br = block_r(R)
+    h_arg = h_out if write_h else out  # an unused pointer still needs a tensor
+    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n),)
+    _lora_mm_kernel[grid](
+        x, wt, p, q, bias if bias is not None else out, out, h_arg,
+        M, N, K, R, float(scale),
+        x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), p.stride(0), p.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), h_arg.stride(0), h_arg.stride(1),
+        HAS_BIAS=bias is not None, WRITE_H=write_h, EVEN_K=K % c.block_k == 0, EVEN_R=R == br,
+        PRECISION=_precision(x.dtype), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        BLOCK_R=br, GROUP_M=8, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return out, h_out
+
+
+def lora_grad_ab(
+    x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, g: torch.Tensor, *, scale: float,
+    ga_out: torch.Tensor | None = None, gb_out: torch.Tensor | None = None,
+    grad_dtype: torch.dtype | None = None, do_a: bool = True, do_b: bool = True,
+    config: ABConfig | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """grad_A (K×R) = scale·xᵀ·u and grad_B (R×N) = scale·hᵀ·g in one launch.
+
+    x: M×K, u: M×R, h: M×R, g: M×N. Gradients are stored in ``grad_dtype`` (the parameters'
+    dtype: fp32 master weights under autocast get fp32 gradients without a cast pass)."""
+    M, K = x.shape
+    N = g.shape[1]
+    R = u.shape[1]
+    grad_dtype = grad_dtype or x.dtype
+    if do_a and ga_out is None:
+        ga_out = _alloc((K, R), like=x, dtype=grad_dtype)
+    if do_b and gb_out is None:
+        gb_out = _alloc((R, N), like=x, dtype=grad_dtype)
+    c = config or pick_ab_config(M, K, N, x.device)
+    num_a = triton.cdiv(K, c.block_d) if do_a else 0
+    num_b = triton.cdiv(N, c.block_d) if do_b else 0
+    if num_a + num_b == 0:
+        return ga_out, gb_out
+    ga = ga_out if do_a else gb_out  # placeholders for the branch that never runs
+    gb = gb_out if do_b else ga_out
+    _lora_grad_ab_kernel[(num_a + num_b,)](
+        x, u, h, g, ga, gb,
+        M, K, N, R, num_a, float(scale),
+        x.stride(0), x.stride(1), u.stride(0), u.stride(1), h.stride(0), h.stride(1),
+        g.stride(0), g.stride(1),
+        ga.stride(0) if do_a else 0, ga.stride(1) if do_a else 0,
+        gb.stride(0) if do_b else 0, gb.stride(1) if do_b else 0,
+        PRECISION=_precision(x.dtype), BLOCK_M=c.block_m, BLOCK_D=c.block_d, BLOCK_R=block_r(R),
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return ga_out, gb_out

@@ -1,0 +1,227 @@
+"""One training run from a ``TrainConfig`` to its result rows: device and precision set-up, model,
+data, optimizer, the instrumented loop, final evaluation, and the files it leaves behind
+(``runs.csv`` row, ``<run_id>/steps.csv``, ``<run_id>/run.json``, profiles)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from .classifier import build_classifier, cast_frozen, model_config
+from .config import TrainConfig
+from .data import build_loaders, cached_splits, ensure_sms_spam
+from .errors import UsageError
+from .evaluate import calc_accuracy_loader
+from .metrics import flops_per_step, peak_tflops, summarise_steps
+from .model import count_params
+from .provenance import environment
+from .results import STEP_COLUMNS, atomic_write_text, settings_columns, upsert_run, write_csv
+from .timing import PhaseTimer
+from .tokenizer import gpt2_tokenizer
+from .train import LoopSettings, TrainResult, train_classifier
+
+
+def default_cache_dir() -> Path:
+    from .weights import default_cache_dir as _d
+
+    return _d()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device={name!r} but CUDA is not available here; use --device cpu or auto")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device={name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def settings_hash(cfg: TrainConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def make_run_id(cfg: TrainConfig, *, repeat: int | None = None) -> str:
+    """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs."""
+    slug = f"{cfg.model_size}-{cfg.trainable_layers}".replace(" ", "").replace("(", "").replace(")", "")
+    base = f"{slug}-{settings_hash(cfg)}"
+    if repeat is not None:
+        return f"{base}-r{repeat}"
+    return f"{base}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S%f')}"
+
+
+def set_precision(cfg: TrainConfig) -> None:
+    # fp32 is the reference: no TF32 anywhere in matmuls (torch's default); tf32 opts in.
+    torch.set_float32_matmul_precision("high" if cfg.precision == "tf32" else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = cfg.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = cfg.precision == "tf32"
+
+
+def amp_context(cfg: TrainConfig, device: torch.device):
+    if cfg.precision != "bf16":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class RunContext:
+    """What a run builds before its loop; kept for the profilers and CUDA graphs."""
+
+    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, console: Console, progress: bool):
+        self.cfg = cfg
+        self.console = console
+        self.device = resolve_device(cfg.device)
+        set_precision(cfg)
+        mcfg = model_config(cfg)
+        raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
+        splits = cached_splits(raw, cache_dir)
+        self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
+        self.trainable_params = count_params(self.model, trainable_only=True)
+        self.total_params = count_params(self.model)
+        if cfg.precision == "bf16":
+            cast_frozen(self.model, torch.bfloat16)
+        self.model.to(self.device)
+        self.loaders = build_loaders(splits, gpt2_tokenizer(), context_length=cfg.context_length,
+                                     model_context=mcfg.context_length, batch_size=cfg.batch_size,
+                                     no_padding=cfg.no_padding)
+        self.mcfg = mcfg
+        torch.manual_seed(cfg.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay,
+                                           **({"capturable": True} if cfg.cuda_graphs else {}))
+        self.amp = amp_context(cfg, self.device)
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+
+    def loop_settings(self) -> LoopSettings:
+        c = self.cfg
+        return LoopSettings(num_epochs=c.num_epochs, eval_freq=c.eval_freq, eval_iter=c.eval_iter,
+                            accumulation_steps=c.accumulation_steps, token_pos=c.trainable_token_pos,
+                            ignore_index=c.ignore_index, average_embeddings=c.average_embeddings,
+                            max_steps=c.max_steps)
+
+    def backend(self) -> str:
+        if self.cfg.trainable_layers != "lora-kernel":
+            return ""
+        from .lora.kernel import lora_kernel_backend
+
+        return lora_kernel_backend(self.device)
+
+
+def final_accuracies(ctx: RunContext) -> dict[str, float]:
+    kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
+    out = {}
+    for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
+        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.forward_model, ctx.device, **kw) * 100
+    return out
+
+
+def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
+                progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None) -> dict:
+    """Run one configuration and record it. On failure or interruption the row is still written
+    (status failed / interrupted, with the error) and the exception propagates."""
+    from .progress import TrainProgress
+    from .profiling import Profiler
+
+    cfg.validate()
+    console = console or Console()
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    results_dir = Path(results_dir)
+    run_id = run_id or make_run_id(cfg)
+    run_dir = results_dir / run_id
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
+    timer = None
+    log: list[str] = []
+
+    def say(msg: str) -> None:
+        log.append(msg)
+        console.print(msg, highlight=False)
+
+    try:
+        ctx = RunContext(cfg, cache_dir=cache_dir, console=console, progress=progress)
+        row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
+                   backend=ctx.backend(), **environment(ctx.device))
+        timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        profiler = Profiler(cfg.profile, run_dir=run_dir, warmup_steps=cfg.warmup_steps, device=ctx.device)
+        step_fn = None
+        if cfg.cuda_graphs:
+            from .graphs import GraphedStep
+
+            step_fn = GraphedStep(ctx, timer=timer)
+        total = (cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train))
+        with TrainProgress(console, total=total, enabled=progress, timer=timer) as bar:
+            on_step = profiler.chain(bar.update)
+            timer.label_phases = profiler.labels_phases
+            result: TrainResult = profiler.run(
+                train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step, say=say)
+        row.update(steps=result.steps, training_time_s=result.training_time_s,
+                   training_time_min=result.training_time_s / 60,
+                   final_train_loss=result.train_losses[-1] if result.train_losses else None,
+                   final_val_loss=result.val_losses[-1] if result.val_losses else None)
+        say(f"Training completed in {result.training_time_s / 60:.2f} minutes.")
+        if not cfg.skip_final_eval:
+            accs = final_accuracies(ctx)
+            row.update(accs)
+            say(f"Training accuracy: {accs['train_acc']:.2f}%")
+            say(f"Validation accuracy: {accs['val_acc']:.2f}%")
+            say(f"Test accuracy: {accs['test_acc']:.2f}%")
+        profiler.finish(console)
+        row.update(_summary(ctx, timer, cfg))
+        row["status"] = "done"
+        return row
+    except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
+        row["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        raise
+    finally:
+        if timer is not None and timer.enabled:
+            try:
+                write_csv(run_dir / "steps.csv", timer.step_rows(run_id), [c.name for c in STEP_COLUMNS])
+            except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
+                row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+        row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        atomic_write_text(run_dir / "run.json", json.dumps({"row": row, "log": log}, indent=1, default=str))
+        upsert_run(results_dir / "runs.csv", row)
+
+
+def _cfg_columns(cfg: TrainConfig) -> dict:
+    return {
+        "model_size": cfg.model_size, "weights": cfg.weights, "trainable_layers": cfg.trainable_layers,
+        "lora_rank": cfg.lora_rank if cfg.is_lora else None,
+        "lora_alpha": cfg.lora_alpha if cfg.is_lora else None,
+        "warmup_steps": cfg.warmup_steps, **settings_columns(cfg),
+    }
+
+
+def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig) -> dict:
+    out: dict = {"timing_clock": timer.clock, "eval_s": timer.eval_ms / 1e3 if timer.enabled else None}
+    if ctx.device.type == "cuda":
+        out["peak_mem_allocated_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+        out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(ctx.device) / 2**20
+    if not timer.enabled:
+        return out
+    s = summarise_steps(timer.step_rows(""), clock=timer.clock)
+    out.update(s)
+    if "step_ms_median" in s:
+        tokens = s["tokens_per_step"]
+        step_s = s["step_ms_median"] / 1e3
+        flops = flops_per_step(ctx.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank)
+        out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
+        if ctx.device.type == "cuda":
+            peak = peak_tflops(torch.cuda.get_device_name(ctx.device), cfg.precision)
+            if peak:
+                out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / peak)
+    return out
+

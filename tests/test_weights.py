@@ -1,0 +1,277 @@
+"""lora_bench.weights: a tiny TF1 Saver checkpoint named like OpenAI's is written once per module,
+then read, mapped onto GPTModel (checked tensor by tensor), converted to .pt and reloaded without
+TensorFlow; ensure_checkpoint is exercised against a local HTTP server."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import shutil
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from lora_bench import weights
+from lora_bench.errors import CheckpointError, DownloadError
+from lora_bench.model import GPTConfig, GPTModel
+from lora_bench.weights import (CHECKPOINT_FILES, CONVERTED_NAME, default_cache_dir, ensure_checkpoint,
+                                load_pretrained_into, load_tf_checkpoint, load_weights_into_gpt)
+
+VOCAB, CTX, EMB, LAYERS, HEADS = 50, 16, 16, 2, 2
+CFG = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=EMB, n_layers=LAYERS, n_heads=HEADS)
+
+
+def _openai_like_arrays() -> dict[str, np.ndarray]:
+    """Random (never zero) values with OpenAI's names and shapes, incl. the leading singleton dim
+    of the conv1d weights."""
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return (rng.uniform(0.1, 1.0, shape) * rng.choice([-1, 1], shape)).astype(np.float32)
+
+    e = EMB
+    arrays = {"model/wte": rand(VOCAB, e), "model/wpe": rand(CTX, e),
+              "model/ln_f/g": rand(e), "model/ln_f/b": rand(e)}
+    for i in range(LAYERS):
+        h = f"model/h{i}/"
+        arrays.update({h + "attn/c_attn/w": rand(1, e, 3 * e), h + "attn/c_attn/b": rand(3 * e),
+                       h + "attn/c_proj/w": rand(1, e, e), h + "attn/c_proj/b": rand(e),
+                       h + "mlp/c_fc/w": rand(1, e, 4 * e), h + "mlp/c_fc/b": rand(4 * e),
+                       h + "mlp/c_proj/w": rand(1, 4 * e, e), h + "mlp/c_proj/b": rand(e),
+                       h + "ln_1/g": rand(e), h + "ln_1/b": rand(e),
+                       h + "ln_2/g": rand(e), h + "ln_2/b": rand(e)})
+    return arrays
+
+
+@pytest.fixture(scope="module")
+def tf_ckpt(tmp_path_factory):
+    """(folder, arrays): a TF1 Saver checkpoint, as OpenAI's files are, plus hparams.json."""
+    tf = pytest.importorskip("tensorflow")
+    folder = tmp_path_factory.mktemp("ckpt")
+    arrays = _openai_like_arrays()
+    graph = tf.Graph()
+    with graph.as_default():
+        for name, value in arrays.items():
+            tf.compat.v1.Variable(value, name=name)
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(folder / "model.ckpt"))
+    hparams = {"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB, "n_head": HEADS, "n_layer": LAYERS}
+    (folder / "hparams.json").write_text(json.dumps(hparams))
+    assert sorted(n for n, _ in tf.train.list_variables(str(folder / "model.ckpt"))) == sorted(arrays)
+    return folder, arrays
+
+
+@pytest.fixture
+def ckpt_copy(tf_ckpt, tmp_path):
+    """A private copy of the checkpoint folder, for tests that write or break files."""
+    return shutil.copytree(tf_ckpt[0], tmp_path / "ckpt")
+
+
+def _expected_state(arrays) -> dict[str, np.ndarray]:
+    """The reference mapping, written out independently of the code under test."""
+    e = EMB
+    out = {"tok_emb.weight": arrays["model/wte"], "pos_emb.weight": arrays["model/wpe"],
+           "final_norm.scale": arrays["model/ln_f/g"], "final_norm.shift": arrays["model/ln_f/b"],
+           "out_head.weight": arrays["model/wte"]}
+    for i in range(LAYERS):
+        h, m = f"model/h{i}/", f"trf_blocks.{i}."
+        w, b = arrays[h + "attn/c_attn/w"][0], arrays[h + "attn/c_attn/b"]
+        for j, part in enumerate(["W_query", "W_key", "W_value"]):
+            out[f"{m}att.{part}.weight"] = w[:, j * e:(j + 1) * e].T
+            out[f"{m}att.{part}.bias"] = b[j * e:(j + 1) * e]
+        for src, dst in [("attn/c_proj", "att.out_proj"), ("mlp/c_fc", "ff.layers.0"),
+                         ("mlp/c_proj", "ff.layers.2")]:
+            out[f"{m}{dst}.weight"] = arrays[h + src + "/w"][0].T
+            out[f"{m}{dst}.bias"] = arrays[h + src + "/b"]
+        for src, dst in [("ln_1", "norm1"), ("ln_2", "norm2")]:
+            out[f"{m}{dst}.scale"] = arrays[h + src + "/g"]
+            out[f"{m}{dst}.shift"] = arrays[h + src + "/b"]
+    return out
+
+
+def _assert_loaded(model, arrays):
+    state = model.state_dict()
+    expected = _expected_state(arrays)
+    assert set(expected) == set(state)  # every parameter is covered by the mapping
+    for name, value in expected.items():
+        assert state[name].dtype == torch.float32, name
+        assert torch.equal(state[name], torch.from_numpy(np.ascontiguousarray(value))), name
+
+
+def test_params_layout_matches_reference(tf_ckpt):
+    folder, arrays = tf_ckpt
+    settings, params = load_tf_checkpoint(folder)
+    assert settings["n_embd"] == EMB and len(params["blocks"]) == LAYERS
+    assert params["blocks"][1]["attn"]["c_attn"]["w"].shape == (EMB, 3 * EMB)  # singleton squeezed
+    np.testing.assert_array_equal(params["blocks"][1]["mlp"]["c_proj"]["w"], arrays["model/h1/mlp/c_proj/w"][0])
+    np.testing.assert_array_equal(params["g"], arrays["model/ln_f/g"])  # ln_f lands at top level
+    np.testing.assert_array_equal(params["wte"], arrays["model/wte"])
+
+
+def test_mapping_and_forward(tf_ckpt):
+    folder, arrays = tf_ckpt
+    _, params = load_tf_checkpoint(folder)
+    torch.manual_seed(0)
+    model = GPTModel(CFG)
+    load_weights_into_gpt(model, params)
+    _assert_loaded(model, arrays)
+    assert model.out_head.weight is not model.tok_emb.weight  # tied by value, as in the reference
+    logits = model(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    assert logits.shape == (2, 4, VOCAB) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    (GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=32, n_layers=LAYERS, n_heads=HEADS),
+     "tok_emb.weight has shape (50, 32)"),
+    (GPTConfig(vocab_size=VOCAB, context_length=8, emb_dim=EMB, n_layers=LAYERS, n_heads=HEADS),
+     "pos_emb.weight has shape (8, 16)"),
+    (GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=EMB, n_layers=3, n_heads=HEADS),
+     "2 transformer blocks but the model has 3"),
+])
+def test_shape_mismatch_is_named(tf_ckpt, cfg, needle):
+    _, params = load_tf_checkpoint(tf_ckpt[0])
+    with pytest.raises(CheckpointError) as err:
+        load_weights_into_gpt(GPTModel(cfg), params)
+    assert needle in str(err.value) and "another model size" in str(err.value)
+    if "tok_emb" in needle:
+        assert "(50, 16)" in str(err.value)  # the checkpoint's shape too
+
+
+def test_missing_folder_and_files(ckpt_copy, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist.*--weights-dir"):
+        load_tf_checkpoint(tmp_path / "nowhere")
+    (ckpt_copy / "model.ckpt.index").unlink()
+    with pytest.raises(CheckpointError) as err:
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)
+    msg = str(err.value)
+    assert "model.ckpt.index" in msg and str(ckpt_copy) in msg and "delete" in msg
+
+
+def test_unreadable_checkpoint(ckpt_copy):
+    data = ckpt_copy / "model.ckpt.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:100])  # truncated weights
+    with pytest.raises(CheckpointError, match="cannot read the TensorFlow checkpoint"):
+        load_tf_checkpoint(ckpt_copy)
+    (ckpt_copy / "hparams.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="hparams.json"):
+        load_tf_checkpoint(ckpt_copy)
+
+
+def test_converted_file_used_without_tensorflow(ckpt_copy, tf_ckpt, monkeypatch):
+    first = GPTModel(CFG)
+    settings = load_pretrained_into(first, ckpt_copy)
+    assert settings["n_layer"] == LAYERS
+    assert (ckpt_copy / CONVERTED_NAME).is_file()
+    assert not [p for p in ckpt_copy.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # any `import tensorflow` now fails
+    second = GPTModel(CFG)
+    load_pretrained_into(second, ckpt_copy)
+    _assert_loaded(second, tf_ckpt[1])
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+    # without the converted file, the missing TensorFlow is reported with the fix
+    (ckpt_copy / CONVERTED_NAME).unlink()
+    with pytest.raises(CheckpointError, match="needs TensorFlow"):
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)
+
+
+def test_corrupt_converted_file_is_rewritten(ckpt_copy, tf_ckpt):
+    (ckpt_copy / CONVERTED_NAME).write_bytes(b"garbage, not a torch file")
+    model = GPTModel(CFG)
+    with pytest.warns(RuntimeWarning, match="unreadable") as record:
+        load_pretrained_into(model, ckpt_copy)
+    assert len(record) == 1
+    _assert_loaded(model, tf_ckpt[1])
+    payload = torch.load(ckpt_copy / CONVERTED_NAME, weights_only=True, map_location="cpu")
+    assert payload["tensors"]["h0/attn/c_attn/w"].shape == (EMB, 3 * EMB)
+
+
+def test_converted_file_alone_suffices(ckpt_copy, tf_ckpt):
+    weights.convert_checkpoint(ckpt_copy)
+    for name in ("model.ckpt.index", "model.ckpt.data-00000-of-00001"):
+        (ckpt_copy / name).unlink()  # e.g. TF files deleted to save space
+    model = GPTModel(CFG)
+    load_pretrained_into(model, ckpt_copy)
+    _assert_loaded(model, tf_ckpt[1])
+
+
+# --- ensure_checkpoint against a local server -------------------------------------------------
+
+class _Handler(BaseHTTPRequestHandler):
+    files: dict = {}
+    hits: collections.Counter
+
+    def do_GET(self):  # noqa: N802
+        self.hits[self.path] += 1
+        body = self.files.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def mirror(monkeypatch):
+    """A server holding a fake 124M tree under /mirror; the tokenizer hashes pinned to its files."""
+    tree = {name: f"fake {name} ".encode() * 50 for name in CHECKPOINT_FILES}
+    handler = type("H", (_Handler,), {"files": {f"/mirror/124M/{n}": b for n, b in tree.items()},
+                                      "hits": collections.Counter()})
+    monkeypatch.setattr(weights, "KNOWN_SHA256", {n: hashlib.sha256(tree[n]).hexdigest()
+                                                  for n in ("vocab.bpe", "encoder.json")})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", tree, handler
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _dead_base() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/models"
+
+
+@pytest.mark.parametrize("primary", ["dead", "404"])
+def test_ensure_checkpoint_falls_back(mirror, tmp_path, primary):
+    url, tree, handler = mirror
+    first = _dead_base() if primary == "dead" else url + "/models"
+    folder = ensure_checkpoint("gpt2-small (124M)", cache_dir=tmp_path, base_urls=[first, url + "/mirror"],
+                               progress=False)
+    assert folder == tmp_path / "gpt2" / "124M"
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == tree
+    assert sum(handler.hits.values()) == (7 if primary == "dead" else 14)
+    handler.hits.clear()
+    ensure_checkpoint("124M", cache_dir=tmp_path, base_urls=[first, url + "/mirror"], progress=False)
+    assert sum(handler.hits.values()) == 0  # complete: no request at all
+
+
+def test_ensure_checkpoint_rejects_wrong_tokenizer_file(mirror, tmp_path, monkeypatch):
+    url, _, _ = mirror
+    monkeypatch.setitem(weights.KNOWN_SHA256, "vocab.bpe", "0" * 64)
+    with pytest.raises(DownloadError) as err:
+        ensure_checkpoint("124M", cache_dir=tmp_path, base_urls=[url + "/mirror"], progress=False)
+    assert "vocab.bpe" in str(err.value) and "--weights-dir" in str(err.value)
+    assert not (tmp_path / "gpt2" / "124M" / "vocab.bpe").exists()
+
+
+def test_ensure_checkpoint_unknown_size_and_cache_dir(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match="'tiny'"):
+        ensure_checkpoint("tiny", cache_dir=tmp_path)
+    monkeypatch.setenv("LORA_BENCH_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("LORA_BENCH_CACHE")
+    assert default_cache_dir().parts[-2:] == (".cache", "lora-bench")
