@@ -141,6 +141,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
     timer = None
     log: list[str] = []
+    curves: dict = {}
 
     def say(msg: str) -> None:
         log.append(msg)
@@ -166,6 +167,8 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
             result: TrainResult = profiler.run(
                 train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
                 settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step, say=say)
+        curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
+                      train_accs=result.train_accs, val_accs=result.val_accs)
         row.update(steps=result.steps, training_time_s=result.training_time_s,
                    training_time_min=result.training_time_s / 60,
                    final_train_loss=result.train_losses[-1] if result.train_losses else None,
@@ -192,7 +195,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
             except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
                 row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
         row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        atomic_write_text(run_dir / "run.json", json.dumps({"row": row, "log": log}, indent=1, default=str))
+        atomic_write_text(run_dir / "run.json", json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
         upsert_run(results_dir / "runs.csv", row)
 
 

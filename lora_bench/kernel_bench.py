@@ -1,0 +1,330 @@
+"""``lora-bench kernel-bench``: time one LoRA layer, forward / backward / forward+backward.
+
+Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
+gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
+measurements ``lora-kernel:MODE`` forces a plan (see ``lora_bench.lora.kernel``).
+
+How it times (docs performance.md / METHOD.md):
+* CUDA events around each repeat, with no synchronisation between repeats: back to back, as in
+  training. When the GPU outruns the host, the start event fires as soon as it is recorded and
+  the interval includes the host's launch time; when the GPU is the bottleneck it is device time.
+  Either way it is what a training step pays. ``graph_fwdbwd_ms`` replays the same forward+backward
+  from a CUDA graph: device cost with launch overhead removed.
+* warm-up first (Triton compiles, cuBLAS handles); median, p10, p90 over the repeats.
+* fresh random inputs, never zeros, rotated over several (layer, x, grad) sets whose total is
+  several times the L2, so neither weights nor activations are served from cache.
+* on CPU: perf_counter, fewer repeats.
+Gradients are taken with ``torch.autograd.grad`` (no .grad accumulation kernels in the timing).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from lora_bench.lora import lora_class
+
+SHAPE_GROUPS: dict[str, list[str]] = {
+    "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
+    "124m": ["960:768->768:r16", "960:768->3072:r16", "960:3072->768:r16"],
+    "1558m": ["960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16"],
+}
+# What the earlier guide reported for its three shapes on an RTX 4090, (CPU ms, GPU ms). Kept
+# for comparison only: what exactly it timed is not recorded.
+REFERENCE_4090_MS: dict[str, tuple[float, float]] = {
+    "4x512:768->768:r16": (45.0, 15.0), "8x256:1024->1024:r32": (85.0, 22.0), "2x1024:2048->2048:r16": (120.0, 28.0),
+}
+IMPLS = ("frozen", "lora", "lora-merged", "lora-kernel")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALPHA = 2.0
+L2_FLUSH_BYTES = 256 << 20  # rotate sets until this much data cycles: ~4× the H200's 60 MB L2
+PHASES = ("fwd", "bwd", "fwdbwd")
+COLUMNS = [
+    "shape", "tokens", "d_in", "d_out", "rank", "impl", "dtype", "device", "backend",
+    *[f"{p}_{s}" for p in PHASES for s in ("ms", "p10_ms", "p90_ms")],
+    "graph_fwdbwd_ms", "cpu_fwdbwd_ms", "x_frozen", "x_lora", "ref_4090_cpu_ms", "ref_4090_gpu_ms",
+    "repeats", "sets",
+]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    seq: int
+    d_in: int
+    d_out: int
+    rank: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def parse_shape(text: str) -> Shape:
+    """'BxT:IN->OUT:rR' or 'N:IN->OUT:rR' (N tokens as one sequence), e.g. '4x512:768->768:r16'."""
+    try:
+        rows, proj, rank = text.split(":")
+        d_in, d_out = (int(v) for v in proj.split("->"))
+        b, _, t = rows.partition("x")
+        batch, seq = (int(b), int(t)) if t else (1, int(b))
+        if not rank.startswith("r"):
+            raise ValueError
+        return Shape(text, batch, seq, d_in, d_out, int(rank[1:]))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: expected 'BxT:IN->OUT:rR' or 'N:IN->OUT:rR', or a group "
+                         f"{sorted(SHAPE_GROUPS)}") from None
+
+
+def resolve_shapes(shapes: list[str] | None) -> list[Shape]:
+    names = shapes or [s for group in ("guide", "124m", "1558m") for s in SHAPE_GROUPS[group]]
+    out: list[Shape] = []
+    for name in names:
+        for item in SHAPE_GROUPS.get(name.lower(), [name]):
+            shape = parse_shape(item)
+            if shape not in out:
+                out.append(shape)
+    return out
+
+
+def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, list]:
+    """A layer with random weights (B too: a zero B would skip nothing but is not real data)."""
+    lin = nn.Linear(shape.d_in, shape.d_out)
+    nn.init.normal_(lin.weight, std=shape.d_in ** -0.5)
+    nn.init.normal_(lin.bias, std=0.02)
+    lin.requires_grad_(False)
+    if impl == "frozen":
+        return lin.to(device, dtype), []
+    layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
+    nn.init.normal_(layer.lora.B, std=0.02)
+    layer = layer.to(device, dtype)
+    return layer, [layer.lora.A, layer.lora.B]
+
+
+def _make_sets(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device, n_sets: int) -> list[tuple]:
+    sets = []
+    for _ in range(n_sets):
+        layer, params = _make_layer(impl, shape, dtype, device)
+        x = torch.randn(shape.batch, shape.seq, shape.d_in, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(shape.batch, shape.seq, shape.d_out, device=device, dtype=dtype)
+        sets.append((layer, x, g, [x, *params]))
+    return sets
+
+
+def _n_sets(shape: Shape, dtype: torch.dtype, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    elt = torch.tensor([], dtype=dtype).element_size()
+    per_set = elt * (shape.d_in * shape.d_out + shape.tokens * (shape.d_in + shape.d_out))
+    return max(2, min(8, math.ceil(L2_FLUSH_BYTES / per_set)))
+
+
+def _stats(ms: list[float]) -> tuple[float, float, float]:
+    qs = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    return statistics.median(ms), qs[0], qs[-1]
+
+
+def _time_phase(sets: list[tuple], phase: str, *, repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds per repeat of one phase, rotating over the sets."""
+    cuda = device.type == "cuda"
+    spans = []
+    for i in range(warmup + repeats):
+        layer, x, g, inputs = sets[i % len(sets)]
+        y = layer(x) if phase == "bwd" else None  # untimed forward for a backward-only timing
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        if phase != "bwd":
+            y = layer(x)
+        if phase != "fwd":
+            torch.autograd.grad(y, inputs, g)
+        del y
+        if cuda:
+            end.record()
+            if i >= warmup:
+                spans.append((start, end))
+        elif i >= warmup:
+            spans.append(1e3 * (time.perf_counter() - t0))
+    if cuda:
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) for s, e in spans]
+    return spans
+
+
+def _time_graph(sets: list[tuple], *, repeats: int, device: torch.device) -> float | None:
+    """Median ms of replaying forward+backward from a CUDA graph (one graph per set)."""
+    graphs = []
+    try:
+        for layer, x, g, inputs in sets:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up on a side stream, as capture requires
+                    torch.autograd.grad(layer(x), inputs, g)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch.autograd.grad(layer(x), inputs, g)
+            graphs.append(graph)
+    except RuntimeError as exc:  # report, don't fail the whole bench
+        print(f"kernel-bench: CUDA graph capture failed: {exc}", file=sys.stderr)
+        return None
+    for i in range(5):
+        graphs[i % len(graphs)].replay()
+    spans = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+        spans.append((start, end))
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in spans)
+
+
+def _backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
+    if not impl.startswith("lora-kernel"):
+        return "cublas" if device.type == "cuda" else "torch"
+    from lora_bench.lora import kernel as k
+
+    mode = impl.partition(":")[2] or None
+    k.set_kernel_mode(mode)
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return f"{k.lora_kernel_backend(device)}/" + ":".join(dict.fromkeys(k._plan(probe, 16)))
+
+
+def _bench_one(impl: str, shape: Shape, dtype_name: str, *, device: torch.device, repeats: int, warmup: int,
+               cpu: bool) -> dict:
+    dtype = DTYPES[dtype_name]
+    backend = _backend(impl, device, dtype)  # also applies a forced lora-kernel mode
+    torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
+    sets = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
+    row: dict = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
+                 "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
+                 "backend": backend, "repeats": repeats, "sets": len(sets)}
+    for phase in PHASES:
+        ms = _time_phase(sets, phase, repeats=repeats, warmup=warmup, device=device)
+        row[f"{phase}_ms"], row[f"{phase}_p10_ms"], row[f"{phase}_p90_ms"] = _stats(ms)
+    row["graph_fwdbwd_ms"] = _time_graph(sets, repeats=repeats, device=device) if device.type == "cuda" else None
+    del sets
+    if cpu and dtype_name == "fp32":
+        if device.type == "cpu":
+            row["cpu_fwdbwd_ms"] = row["fwdbwd_ms"]
+        else:
+            cpu_dev = torch.device("cpu")
+            cpu_sets = _make_sets(impl, shape, dtype, cpu_dev, 2)
+            n = max(3, repeats // 10)
+            row["cpu_fwdbwd_ms"] = statistics.median(
+                _time_phase(cpu_sets, "fwdbwd", repeats=n, warmup=min(2, warmup), device=cpu_dev))
+    ref = REFERENCE_4090_MS.get(shape.name)
+    row["ref_4090_cpu_ms"], row["ref_4090_gpu_ms"] = ref if ref else (None, None)
+    if impl.startswith("lora-kernel"):
+        from lora_bench.lora import kernel as k
+
+        k.set_kernel_mode(None)
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    base = {(r["shape"], r["dtype"], r["impl"]): r["fwdbwd_ms"] for r in rows}
+    for r in rows:
+        frozen, lora = base.get((r["shape"], r["dtype"], "frozen")), base.get((r["shape"], r["dtype"], "lora"))
+        r["x_frozen"] = r["fwdbwd_ms"] / frozen if frozen else None
+        r["x_lora"] = r["fwdbwd_ms"] / lora if lora else None
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """Atomic: a temp file in the same folder, then os.replace (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in COLUMNS})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_kernel_bench(
+    *, shapes: list[str] | None = None, impls: list[str] | None = None, dtypes: list[str] | None = None,
+    device: str = "cuda", repeats: int = 200, warmup: int = 20, out_csv: Path | None = None,
+    cpu: bool = False, progress: bool = False,
+) -> list[dict]:
+    """Time every (shape, impl, dtype); returns rows (keys = ``COLUMNS``) and writes ``out_csv``.
+
+    shapes: names, groups ('guide', '124m', '1558m') or 'BxT:IN->OUT:rR' specs; None = all groups.
+    impls: subset of ``IMPLS`` (or 'lora-kernel:MODE'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
+    device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
+    forward+backward column to the fp32 rows."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("kernel-bench: device is CUDA but no GPU is visible; use device='cpu'")
+    impls = impls or list(IMPLS)
+    for impl in impls:
+        if impl.split(":")[0] not in IMPLS:
+            raise ValueError(f"impl {impl!r} is not one of {IMPLS}")
+    dtypes = dtypes or ["fp32", "bf16"]
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"dtype {d!r} is not one of {sorted(DTYPES)}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    rows = []
+    for shape in resolve_shapes(shapes):
+        for dtype_name in dtypes:
+            for impl in impls:
+                rows.append(_bench_one(impl, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu))
+                if progress:
+                    r = rows[-1]
+                    print(f"kernel-bench {shape.name} {dtype_name} {impl}: fwd+bwd {1e3 * r['fwdbwd_ms']:.1f} us",
+                          file=sys.stderr, flush=True)
+    _add_ratios(rows)
+    if out_csv is not None:
+        write_csv(rows, out_csv)
+    return rows
+
+
+def render_kernel_table(rows: list[dict]):
+    """A rich Table: medians in microseconds, forward+backward spread, ratios to frozen and lora."""
+    from rich.table import Table
+
+    def us(v):
+        return "" if v is None or v == "" else f"{1e3 * float(v):.1f}"
+
+    def x(v):
+        return "" if v is None or v == "" else f"{float(v):.2f}x"
+
+    t = Table(title="LoRA layer: forward / backward (median us; fwd+bwd p10-p90)")
+    for col in ("shape", "dtype", "impl", "backend", "fwd", "bwd", "fwd+bwd", "p10-p90", "graph",
+                "x frozen", "x lora", "CPU ms", "4090 ref CPU/GPU ms"):
+        t.add_column(col, justify="left" if col in ("shape", "dtype", "impl", "backend") else "right")
+    for r in rows:
+        ref = (f"{r['ref_4090_cpu_ms']:g}/{r['ref_4090_gpu_ms']:g}" if r.get("ref_4090_cpu_ms") else "")
+        cpu_ms = r.get("cpu_fwdbwd_ms")
+        t.add_row(r["shape"], r["dtype"], r["impl"], r["backend"], us(r["fwd_ms"]), us(r["bwd_ms"]),
+                  us(r["fwdbwd_ms"]), f"{us(r['fwdbwd_p10_ms'])}-{us(r['fwdbwd_p90_ms'])}",
+                  us(r.get("graph_fwdbwd_ms")), x(r.get("x_frozen")), x(r.get("x_lora")),
+                  "" if cpu_ms in (None, "") else f"{float(cpu_ms):.2f}", ref)
+    return t
+
+
+__all__ = ["run_kernel_bench", "render_kernel_table", "write_csv", "parse_shape", "resolve_shapes",
+           "SHAPE_GROUPS", "IMPLS", "COLUMNS"]
