@@ -110,12 +110,32 @@ def train(
         skip_final_eval=skip_final_eval, device=device, precision=precision, attention=attention, ops=ops,
         compile=compile, cuda_graphs=cuda_graphs, timing=timing, warmup_steps=warmup_steps, profile=profile,
         data_file=str(data_file) if data_file else None,
-    ).validate()
+    )
+    _validate_as_flags(cfg)
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
                       cache_dir=cache_dir)
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
+
+
+_FLAG_NAMES = {"lora_rank": "--rank", "lora_alpha": "--alpha"}
+
+
+def _validate_as_flags(cfg: TrainConfig) -> None:
+    """Validate, naming problems by their command-line flags (the YAML keys are the field names)."""
+    from .errors import ConfigError
+
+    problems = cfg.problems()
+    if not problems:
+        return
+    out = []
+    for p in problems:
+        for name in sorted(TrainConfig.field_names(), key=len, reverse=True):
+            flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+            p = p.replace(f"{name}=", f"{flag}=").replace(f"needs {name}", f"needs {flag}")
+        out.append(p)
+    raise ConfigError(out)
 
 
 @app.command()

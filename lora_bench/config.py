@@ -150,8 +150,9 @@ class TrainConfig:
             p.append(f"no_padding needs batch_size=1 (got batch_size={self.batch_size}): "
                      "unpadded texts of different lengths cannot be stacked")
         overrides = [n for n in ("emb_dim", "n_layers", "n_heads") if getattr(self, n) is not None]
-        if overrides and self.weights == "pretrained":
-            p.append(f"{', '.join(overrides)} override(s) need weights=random (a checkpoint fixes the shape)")
+        if self.weights == "pretrained":
+            for n in overrides:
+                p.append(f"{n}={getattr(self, n)} needs weights=random (a checkpoint fixes the model's shape)")
         for n in overrides:
             if getattr(self, n) < 1:
                 p.append(f"{n}={getattr(self, n)} must be at least 1")

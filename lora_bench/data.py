@@ -100,6 +100,8 @@ def prepare_splits(raw_file: Path, out_dir: Path) -> dict[str, Path]:
 
 def cached_splits(raw_file: Path, cache_dir: Path) -> dict[str, Path]:
     """Splits of ``raw_file`` under the cache, keyed by the raw file's content."""
+    if not Path(raw_file).is_file():
+        read_raw(raw_file)  # raises the clear "not found" error
     digest = hashlib.sha256(Path(raw_file).read_bytes()).hexdigest()[:16]
     folder = Path(cache_dir) / "sms_spam" / f"splits-{digest}"
     if all((folder / f).is_file() for f in SPLIT_FILES):

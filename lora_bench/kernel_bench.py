@@ -100,7 +100,7 @@ def resolve_shapes(shapes: list[str] | None) -> list[Shape]:
 
 def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, list]:
     """A layer with random weights (B too: a zero B would skip nothing but is not real data)."""
-    lin = nn.Linear(shape.d_in, shape.d_out)
+    lin = nn.Linear(shape.d_in, shape.d_out, device=device, dtype=dtype)  # built where it runs: fast
     nn.init.normal_(lin.weight, std=shape.d_in ** -0.5)
     nn.init.normal_(lin.bias, std=0.02)
     lin.requires_grad_(False)

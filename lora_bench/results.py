@@ -72,6 +72,12 @@ RUN_COLUMNS: list[Column] = [
     Column("peak_mem_allocated_mib", "float64", "MiB", "peak CUDA memory allocated", "lower"),
     Column("peak_mem_reserved_mib", "float64", "MiB", "peak CUDA memory reserved", "lower"),
     Column("peak_rss_mib", "float64", "MiB", "peak host resident memory of the process", "lower"),
+    # sweep provenance (blank for one-off `lora-bench train` runs)
+    Column("sweep_name", "string", "", "name of the sweep the run belongs to"),
+    Column("sweep_file", "string", "", "sweep YAML file the run was expanded from"),
+    Column("sweep_sha256", "string", "", "sha256 of that YAML file when the run started"),
+    Column("sweep_label", "string", "", "the run's label in the sweep file (e.g. 'row 10'), if any"),
+    Column("repeat", "Int64", "", "repeat index within the sweep (0-based)"),
 ]
 ENV_COLUMNS: list[Column] = [
     Column(n, "string", "", h) for n, h in [

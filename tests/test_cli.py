@@ -1,0 +1,98 @@
+"""The command line: help, bad input (one clear message, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from lora_bench.results import read_runs
+
+TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress"]
+
+
+def _assert_clean_usage_error(code: int, out: str, *needles: str) -> None:
+    assert code == 2, out
+    assert "Traceback" not in out
+    for n in needles:
+        assert n in out, out
+
+
+def test_help_and_version(run_cli):
+    code, out = run_cli("train", "--help")
+    assert code == 0 and "--trainable-layers" in out and "--max-steps" in out and "--lora-rank" in out
+    code, out = run_cli("--version")
+    assert code == 0 and "lora-bench" in out
+
+
+def test_invalid_option_value_names_value_and_choices(run_cli, tmp_path):
+    code, out = run_cli("train", *TINY, "--trainable-layers", "everything", "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "--trainable-layers='everything'", "last_block", "lora-merged")
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def test_several_problems_reported_at_once(run_cli, tmp_path):
+    code, out = run_cli("train", *TINY, "--precision", "fp8", "--batch-size", "0", "--timing", "maybe",
+                        "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "3 problems", "--precision='fp8'", "--batch-size=0", "--timing='maybe'")
+
+
+def test_no_padding_needs_batch_size_one(run_cli, tmp_path):
+    code, out = run_cli("train", *TINY, "--no-padding", "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "no_padding needs --batch-size=1", "got --batch-size=8")
+
+
+def test_context_length_above_model(run_cli, tmp_path, sms_file):
+    code, out = run_cli("train", *TINY, "--context-length", "2048", "--data-file", str(sms_file),
+                        "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "context_length=2048 exceeds the model's context length 1024")
+    # the attempt is recorded, not lost
+    assert read_runs(tmp_path / "runs.csv")["status"].tolist() == ["failed"]
+
+
+def test_missing_data_file(run_cli, tmp_path):
+    code, out = run_cli("train", *TINY, "--data-file", str(tmp_path / "nope.tsv"), "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "data file not found", "nope.tsv", "--data-file")
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
+    port = _dead_port()
+    monkeypatch.setattr("lora_bench.data.SMS_URLS", [f"http://127.0.0.1:{port}/a.zip", f"http://127.0.0.1:{port}/b.zip"])
+    code, out = run_cli("train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, f"http://127.0.0.1:{port}/a.zip", f"http://127.0.0.1:{port}/b.zip",
+                              "--data-file")
+
+
+def test_corrupt_checkpoint(run_cli, tmp_path, sms_file):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.data-00000-of-00001",
+                 "model.ckpt.index", "model.ckpt.meta", "vocab.bpe"):
+        (ckpt / name).write_bytes(b"not a checkpoint")
+    code, out = run_cli("train", "--model-size", "124M", "--weights", "pretrained", "--weights-dir", str(ckpt),
+                        "--device", "cpu", "--no-progress", "--data-file", str(sms_file),
+                        "--results-dir", str(tmp_path / "r"))
+    _assert_clean_usage_error(code, out, str(ckpt))
+
+
+def test_pretrained_override_refused(run_cli, tmp_path):
+    code, out = run_cli("train", "--weights", "pretrained", "--emb-dim", "64", "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "--emb-dim", "--weights=random")
+
+
+@pytest.mark.parametrize("device", ["cuda:7", "tpu"])
+def test_bad_device(run_cli, tmp_path, sms_file, device):
+    code, out = run_cli("train", *TINY[:-3], "--device", device, "--data-file", str(sms_file),
+                        "--results-dir", str(tmp_path), "--no-progress")
+    assert code == 2 and "Traceback" not in out and device in out
+
+
+def test_show_missing_and_unknown(run_cli, tmp_path):
+    code, out = run_cli("show", str(tmp_path))
+    _assert_clean_usage_error(code, out, "no runs.csv")

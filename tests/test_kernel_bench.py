@@ -1,0 +1,45 @@
+"""kernel-bench runs tiny on CPU: CSV columns, every impl/dtype present, sane numbers."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from lora_bench.kernel_bench import COLUMNS, IMPLS, parse_shape, render_kernel_table, resolve_shapes, run_kernel_bench
+
+
+def test_tiny_cpu_bench_writes_csv(tmp_path):
+    out = tmp_path / "sub" / "kb.csv"
+    rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=None, dtypes=["fp32", "bf16"], device="cpu",
+                            repeats=3, warmup=1, out_csv=out, cpu=True, progress=False)
+    with out.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        got = list(reader)
+    assert len(got) == len(rows) == len(IMPLS) * 2
+    assert {(r["impl"], r["dtype"]) for r in got} == {(i, d) for i in IMPLS for d in ("fp32", "bf16")}
+    for r in got:
+        for phase in ("fwd", "bwd", "fwdbwd"):
+            assert float(r[f"{phase}_p10_ms"]) <= float(r[f"{phase}_ms"]) <= float(r[f"{phase}_p90_ms"])
+            assert float(r[f"{phase}_ms"]) > 0
+        assert r["device"] == "cpu" and r["graph_fwdbwd_ms"] == ""
+        assert (r["cpu_fwdbwd_ms"] != "") == (r["dtype"] == "fp32")
+    frozen = [r for r in got if r["impl"] == "frozen"]
+    assert all(float(r["x_frozen"]) == 1.0 for r in frozen)
+    assert not list(tmp_path.glob("sub/*.tmp"))  # the atomic write left no temp file
+    assert render_kernel_table(rows).row_count == len(rows)
+
+
+def test_shapes_and_groups():
+    s = parse_shape("4x512:768->3072:r16")
+    assert (s.batch, s.seq, s.tokens, s.d_in, s.d_out, s.rank) == (4, 512, 2048, 768, 3072, 16)
+    assert parse_shape("960:1600->6400:r16").tokens == 960
+    names = [s.name for s in resolve_shapes(["1558m"])]
+    assert names == ["960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16"]
+    assert len(resolve_shapes(None)) == 9
+    with pytest.raises(ValueError):
+        parse_shape("960x1600")
+    with pytest.raises(ValueError):
+        run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["nope"], dtypes=["fp32"], device="cpu",
+                         repeats=1, warmup=0, out_csv=None, cpu=False, progress=False)

@@ -1,0 +1,317 @@
+"""lora-kernel: forward and all gradients against float64 on fresh random inputs; frozen base
+untouched; trainable head gets its gradient; same outputs and grads as LinearWithLoRA in a model.
+
+CPU tests exercise the torch path (and, where Triton is installed, the kernels under Triton's
+interpreter). GPU tests (``-m gpu``) run the Triton kernels with every output pre-filled with NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
+from lora_bench.lora import kernel as K
+from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, lora_linear
+from lora_bench.model import build_random_model, gpt_config
+
+TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
+DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖; an exactly-zero reference must be matched exactly (NaN never passes)."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out.isnan().any():
+        return float("inf")
+    if ref.norm() == 0:
+        return 0.0 if out.norm() == 0 else float("inf")
+    return float((out - ref).norm() / ref.norm())
+
+
+def _fresh(*shape, device, dtype, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)  # fresh draw every call: no fixed seed
+
+
+def check_case(*, device, dt: str, batch: tuple[int, ...], k: int, n: int, r: int, alpha: float,
+               bias: bool = True, noncontig: bool = False, head: bool = False) -> None:
+    """One forward+backward of lora_linear against a float64 reference of the same math."""
+    dtype = DTYPE[dt]
+    x = _fresh(*batch, k, device=device, dtype=dtype)
+    if noncontig:  # same values, transposed storage
+        x = _fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
+        assert not x.is_contiguous()
+    w = _fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
+    b = _fresh(n, device=device, dtype=dtype) if bias else None
+    a = _fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    bm = _fresh(r, n, device=device, dtype=dtype)
+    g = _fresh(*batch, n, device=device, dtype=dtype)
+    w_before, b_before = w.clone(), (b.clone() if bias else None)
+    leaves = [x, a, bm] + ([w] + ([b] if bias else []) if head else [])
+    for t in leaves:
+        t.requires_grad_(True)
+    y = lora_linear(x, w, b, a, bm, alpha)
+    grads = torch.autograd.grad(y, leaves, g)
+
+    ref_leaves = [t.detach().double().cpu().requires_grad_(True) for t in leaves]
+    xr, ar, bmr = ref_leaves[:3]
+    wr = ref_leaves[3] if head else w.double().cpu()
+    br = (ref_leaves[4] if head else b.double().cpu()) if bias else None
+    yr = xr @ wr.t() + alpha * (xr @ ar) @ bmr + (br if bias else 0)
+    ref_grads = torch.autograd.grad(yr, ref_leaves, g.double().cpu())
+
+    tol = TOL[dt]
+    assert y.dtype == dtype and y.shape == (*batch, n)
+    assert rel_err(y, yr) <= tol, ("y", rel_err(y, yr))
+    names = ["grad_x", "grad_A", "grad_B", "grad_W", "grad_b"]
+    for name, got, ref, leaf in zip(names, grads, ref_grads, leaves):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype, name
+        assert rel_err(got, ref) <= tol, (name, rel_err(got, ref))
+    assert torch.equal(w, w_before) and (not bias or torch.equal(b, b_before)), "frozen base was modified"
+
+
+CASES = [  # odd sizes (not tile multiples), ranks 1..64, alpha 0, 2-D/3-D, no bias, views
+    dict(batch=(37,), k=70, n=53, r=1, alpha=0.5),
+    dict(batch=(3, 41), k=96, n=130, r=16, alpha=0.0, noncontig=True),
+    dict(batch=(2, 5, 7), k=45, n=33, r=33, alpha=2.0, bias=False),
+    dict(batch=(150,), k=128, n=192, r=64, alpha=8.0, head=True),
+]
+
+
+# ----------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+def test_cpu_matches_float64(case, dt):
+    check_case(device="cpu", dt=dt, **case)
+
+
+def test_cpu_backend_is_torch():
+    assert lora_kernel_backend("cpu") == "torch"
+    assert K._plan(torch.empty(1), 16) == ("torch", "torch")
+
+
+def test_gradcheck_float64():
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)  # trainable: grad_W checked too
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    bm = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: lora_linear(*t, 1.7), (x, w, b, a, bm))
+
+
+def _layer_pair(k: int, n: int, r: int, alpha: float, *, trainable_base: bool = False):
+    lin = nn.Linear(k, n)
+    lin.requires_grad_(trainable_base)
+    ker = LinearWithLoRAKernel(lin, r, alpha)
+    nn.init.normal_(ker.lora.B)  # a zero B would hide grad_A
+    ref = LinearWithLoRA(nn.Linear(k, n), r, alpha)
+    ref.load_state_dict(ker.state_dict())  # same parameter names in every variant
+    ref.linear.requires_grad_(trainable_base)
+    return ker, ref
+
+
+def test_frozen_base_gets_no_gradient_and_is_not_modified():
+    ker, _ = _layer_pair(24, 18, 4, 2.0)
+    before = {k: v.clone() for k, v in ker.state_dict().items()}
+    ker(torch.randn(5, 24, requires_grad=True)).square().sum().backward()
+    assert ker.linear.weight.grad is None and ker.linear.bias.grad is None
+    assert ker.lora.A.grad is not None and ker.lora.B.grad is not None
+    for k, v in ker.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_trainable_head_gets_weight_and_bias_gradients():
+    ker, ref = _layer_pair(24, 2, 16, 16.0, trainable_base=True)
+    x = torch.randn(4, 9, 24)
+    ker(x)[:, -1].square().sum().backward()
+    ref(x)[:, -1].square().sum().backward()
+    for (name, p), q in zip(ker.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+def test_cpu_autocast_bf16_matches_lora_under_autocast():
+    ker, ref = _layer_pair(64, 48, 8, 2.0)
+    x = torch.randn(3, 10, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yk, yr = ker(x), ref(x)
+    assert yk.dtype == yr.dtype == torch.bfloat16
+    assert rel_err(yk, yr) <= 1e-2
+    g = torch.randn_like(yk)
+    gk = torch.autograd.grad(yk, [ker.lora.A, ker.lora.B], g)
+    gr = torch.autograd.grad(yr, [ref.lora.A, ref.lora.B], g)
+    for a, b in zip(gk, gr):
+        assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
+
+
+def test_dtype_mismatch_without_autocast_raises():
+    ker, _ = _layer_pair(8, 8, 2, 1.0)
+    with pytest.raises(TypeError):
+        ker(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_registry_and_state_dict_interchange():
+    assert lora_class("lora-kernel") is LinearWithLoRAKernel
+    ker, ref = _layer_pair(12, 10, 3, 1.0)
+    assert set(ker.state_dict()) == set(ref.state_dict()) == {"linear.weight", "linear.bias", "lora.A", "lora.B"}
+
+
+def _model_pair(device: str, dtype: torch.dtype):
+    """Tiny GPT with a trainable 2-class head, LoRA everywhere: lora vs lora-kernel."""
+    models = []
+    for cls in (LinearWithLoRA, LinearWithLoRAKernel):
+        torch.manual_seed(7)
+        m = build_random_model(gpt_config("tiny", context_length=64))
+        m.requires_grad_(False)
+        m.out_head = nn.Linear(m.cfg.emb_dim, 2)
+        torch.manual_seed(8)
+        inject_lora(m, cls=cls, rank=4, alpha=8.0)
+        models.append(m)
+    for name, p in models[0].named_parameters():
+        if name.endswith("lora.B"):
+            p.data.normal_()
+    models[1].load_state_dict(models[0].state_dict())
+    return [m.to(device, dtype) for m in models]
+
+
+def _compare_models(device: str, dtype: torch.dtype, tol: float):
+    ref, ker = _model_pair(device, dtype)
+    idx = torch.randint(0, 50257, (3, 20), device=device)
+    outs = []
+    for m in (ref, ker):
+        logits = m(idx)[:, -1, :]
+        logits.float().logsumexp(-1).sum().backward()
+        outs.append((logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (lr, gr), (lk, gk) = outs
+    assert rel_err(lk, lr) <= tol
+    assert gr.keys() == gk.keys() and any("out_head.linear.weight" in n for n in gk)
+    for name in gr:
+        assert rel_err(gk[name], gr[name]) <= tol, name
+    for name, p in ker.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, name
+
+
+def test_model_equivalence_with_lora_cpu():
+    _compare_models("cpu", torch.float32, 1e-5)
+
+
+def test_missing_triton_warns_once(monkeypatch):
+    monkeypatch.setattr(K, "_triton_state", {})
+    monkeypatch.setitem(sys.modules, "lora_bench.kernels.lora_triton", None)  # import now fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert K._triton() is None and K._triton() is None
+        assert lora_kernel_backend("cuda") == "torch"
+    assert sum("Triton is unavailable" in str(w.message) for w in caught) == 1
+
+
+def test_kernels_under_triton_interpreter():
+    """The Triton kernels themselves, on CPU, outputs pre-filled with NaN (fp32 and fp16)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "lora_bench.kernels.selfcheck", "--interpret"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if "only 0-dimensional arrays can be converted" in proc.stderr:
+        pytest.skip("this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interpreter check: all ok" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output the Triton wrappers allocate starts as NaN; unwritten elements fail."""
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    yield
+
+
+@pytest.fixture
+def tf32():
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(prev)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_backend_is_triton():
+    assert lora_kernel_backend("cuda") == "triton"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", [None, "cublas"])
+@pytest.mark.parametrize("dt", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_matches_float64(case, dt, mode, poisoned, request):
+    if dt == "tf32":
+        request.getfixturevalue("tf32")
+    K.set_kernel_mode(mode)
+    try:
+        check_case(device="cuda", dt=dt, **case)
+    finally:
+        K.set_kernel_mode(None)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "tf32"])
+def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
+    from lora_bench.kernels import lora_triton as lt
+
+    if dt == "tf32":
+        request.getfixturevalue("tf32")
+    dtype, dev, nan = DTYPE[dt], "cuda", float("nan")
+    for M, k, n, r, s in ((1000, 1600, 1700, 16, 2.0), (77, 300, 200, 5, 0.0), (129, 64, 65, 64, 1.0)):
+        x, g = _fresh(M, k, device=dev, dtype=dtype), _fresh(M, n, device=dev, dtype=dtype)
+        w, bias = _fresh(n, k, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(n, device=dev, dtype=dtype)
+        a, b = _fresh(k, r, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(r, n, device=dev, dtype=dtype)
+        y, h = torch.full((M, n), nan, device=dev, dtype=dtype), torch.full((M, r), nan, device=dev, dtype=dtype)
+        lt.lora_mm(x, w.t(), a, b, bias, scale=s, out=y, h_out=h)
+        gx, u = torch.full((M, k), nan, device=dev, dtype=dtype), torch.full((M, r), nan, device=dev, dtype=dtype)
+        lt.lora_mm(g, w, b.t(), a.t(), None, scale=s, out=gx, h_out=u)
+        ga, gb = torch.full((k, r), nan, device=dev), torch.full((r, n), nan, device=dev)
+        lt.lora_grad_ab(x, u, h, g, scale=s, ga_out=ga, gb_out=gb)
+        X, G, W, A, B = (t.double() for t in (x, g, w, a, b))
+        tol = TOL[dt]
+        assert rel_err(h, X @ A) <= tol and rel_err(u, G @ B.t()) <= tol
+        assert rel_err(y, X @ W.t() + bias.double() + s * (X @ A) @ B) <= tol
+        assert rel_err(gx, G @ W + s * (G @ B.t()) @ A.t()) <= tol
+        assert rel_err(ga, s * X.t() @ u.double()) <= tol and rel_err(gb, s * h.double().t() @ G) <= tol
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_autocast_bf16(poisoned):
+    ker, ref = (m.cuda() for m in _layer_pair(256, 192, 16, 2.0))
+    x = torch.randn(4, 33, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yk, yr = ker(x), ref(x)
+    assert yk.dtype == yr.dtype == torch.bfloat16
+    g = torch.randn_like(yk)
+    gk = torch.autograd.grad(yk, [x, ker.lora.A, ker.lora.B], g)
+    gr = torch.autograd.grad(yr, [x, ref.lora.A, ref.lora.B], g)
+    assert rel_err(yk, yr) <= 1e-2
+    for a, b in zip(gk, gr):
+        assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+def test_gpu_model_equivalence_with_lora(dt, poisoned):
+    _compare_models("cuda", DTYPE[dt], TOL[dt] if dt == "fp32" else 3e-2)
