@@ -29,6 +29,7 @@ class Profiler:
         self.stop = warmup_steps + TORCH_WINDOW
         self._prof = None
         self._lp = None
+        self._active = False
         self.recorded_steps = 0
 
     @property
@@ -51,13 +52,13 @@ class Profiler:
             return on_step
 
         def hook(step: int, epoch: int, loss) -> None:
-            # step is the index of the step that just ended
+            # ``step`` is the index of the step that just ended
+            if self._active:
+                self.recorded_steps += 1
             if step + 1 == self.start:
                 self._begin()
-            elif step + 1 == self.stop and self._prof is not None:
+            elif step + 1 == self.stop:
                 self._end()
-            if self._prof is not None:
-                self.recorded_steps += 1 if step + 1 > self.start else 0
             on_step(step, epoch, loss)
 
         if self.start == 0:
@@ -70,12 +71,16 @@ class Profiler:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
         self._prof.__enter__()
+        self._active = True
         self.recorded_steps = 0
 
     def _end(self) -> None:
+        if not self._active:
+            return  # exiting a profiler twice crashes the process
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._prof.__exit__(None, None, None)
+        self._active = False
 
     # -- output -------------------------------------------------------------------------------
     def finish(self, console) -> None:
@@ -86,8 +91,7 @@ class Profiler:
             atomic_write_text(self.run_dir / "line_profile.txt", buf.getvalue())
             console.print(f"line_profiler report: {self.run_dir / 'line_profile.txt'}")
         if self._prof is not None:
-            if self._prof.profiler is not None and self._prof.profiler.enabled:
-                self._end()
+            self._end()
             trace = self.run_dir / "trace.json"
             self._prof.export_chrome_trace(str(trace))
             rows, top = kernel_summary(self._prof, steps=max(self.recorded_steps, 1),

