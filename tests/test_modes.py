@@ -1,0 +1,95 @@
+"""Execution modes reproduce book mode: same loss trajectory within a precision-fitting tolerance.
+CPU tests for what runs here; GPU-marked tests for CUDA graphs, torch.compile and bf16 on CUDA."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from rich.console import Console
+
+from lora_bench.config import TrainConfig
+from lora_bench.errors import ConfigError
+from lora_bench.model import build_random_model, gpt_config
+from lora_bench.run import execute_run
+
+
+def _losses(cfg: TrainConfig, tmp_path, run_id: str) -> tuple[list[float], dict]:
+    row = execute_run(cfg, results_dir=tmp_path, run_id=run_id, console=Console(quiet=True), progress=False,
+                      cache_dir=tmp_path / "cache")
+    return pd.read_csv(tmp_path / run_id / "steps.csv")["loss"].tolist(), row
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((ta - tb).norm() / tb.norm())
+
+
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_sdpa_and_fused_ops_match_book_on_cpu(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(trainable_layers=layers, max_steps=25, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, f"{layers}-book")
+    for attention, ops in (("sdpa", "book"), ("book", "fused"), ("sdpa", "fused")):
+        got, _ = _losses(base.replace(attention=attention, ops=ops), tmp_path, f"{layers}-{attention}-{ops}")
+        assert len(got) == len(book)
+        assert _rel(got, book) < 1e-5, (attention, ops)
+
+
+def test_bf16_autocast_close_to_book_on_cpu(tiny_cfg, tmp_path):
+    base = tiny_cfg.replace(trainable_layers="lora", max_steps=20, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, "fp32")
+    got, row = _losses(base.replace(precision="bf16"), tmp_path, "bf16")
+    assert 0 < _rel(got, book) < 3e-2  # bf16: close, not equal
+    assert row["status"] == "done"
+
+
+def test_fused_ops_are_numerically_the_book_ops():
+    a = build_random_model(gpt_config("tiny"), seed=1).double()
+    b = build_random_model(gpt_config("tiny", ops="fused", attention="sdpa"), seed=1).double()
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 50257, (2, 17))
+    # the book GELU builds sqrt(2/pi) from a float32 tensor: 1e-8-level difference even in float64
+    assert torch.allclose(a(x), b(x), rtol=1e-7, atol=1e-7)
+    assert not torch.equal(a(x), b(x))
+    c = build_random_model(gpt_config("tiny", disable_causal_mask=True, attention="sdpa"), seed=1).double()
+    d = build_random_model(gpt_config("tiny", disable_causal_mask=True), seed=1).double()
+    d.load_state_dict(c.state_dict())
+    assert torch.allclose(c(x), d(x), rtol=1e-10, atol=1e-10)
+
+
+def test_impossible_combinations_are_refused():
+    cfg = TrainConfig(weights="random", cuda_graphs=True, compile=True, device="cpu", no_padding=True, batch_size=1)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    msg = str(e.value)
+    assert "cuda_graphs needs a CUDA device" in msg and "static shapes" in msg and "choose one" in msg
+
+
+# ---- GPU (marked; run on the device) ---------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
+                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    eager, _ = _losses(base, tmp_path, f"{layers}-eager")
+    graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")
+    assert _rel(graphed, eager) < 1e-5
+    assert row["status"] == "done" and row["step_ms_median"] > 0
+
+
+@pytest.mark.gpu
+def test_compile_matches_eager(tiny_cfg, tmp_path):
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora", max_steps=15, lora_rank=4, lora_alpha=8.0)
+    eager, _ = _losses(base, tmp_path, "eager")
+    compiled, _ = _losses(base.replace(compile=True), tmp_path, "compiled")
+    assert _rel(compiled, eager) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bf16_on_cuda_close_to_fp32(tiny_cfg, tmp_path, graphs):
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora", max_steps=20, lora_rank=4, lora_alpha=8.0,
+                            attention="sdpa", ops="fused")
+    ref, _ = _losses(base, tmp_path, f"fp32-{graphs}")
+    got, _ = _losses(base.replace(precision="bf16", cuda_graphs=graphs), tmp_path, f"bf16-{graphs}")
+    assert _rel(got, ref) < 3e-2
