@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Device call 1: environment, GPU tests of the modes, the published random-weights row (row 10),
+# and the 124M phase-timing study. Results are tarred into $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+DATA=.devdata/SMSSpamCollection.tsv
+R=/tmp/res; mkdir -p $R
+python3 -m pytest -q -m gpu tests/test_modes.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+python3 -m lora_bench train --model-size 124M --weights random --trainable-layers all --data-file $DATA \
+  --results-dir $R/row10 --run-id row10-124M-all-random --no-progress 2>&1 | tee $OUT/row10.log
+python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing 2>&1 | grep -v '^USDT' > $OUT/phase_timing.log
+tail -12 $OUT/phase_timing.log
+tar czf $OUT/results.tgz -C $R .
