@@ -26,9 +26,35 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     )
 
 
+_RANDOM_BASE: dict = {}  # (GPTConfig, seed) -> state dict of the last random base model built
+
+
+def _random_base(mcfg: GPTConfig, seed: int) -> GPTModel:
+    """The seeded random model. Building 1558M on a CPU takes ~20 s, so the last state built is
+    kept and reused within a process (studies run many configurations); the values are those of a
+    fresh build, and the RNG is re-seeded right after by ``make_trainable``, so reuse changes no
+    number of the run."""
+    key = (mcfg, seed)
+    if key not in _RANDOM_BASE:
+        _RANDOM_BASE.clear()
+        model = build_random_model(mcfg, seed=seed)
+        _RANDOM_BASE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
+    with torch.device("meta"):
+        model = GPTModel(mcfg)
+    model.load_state_dict({k: v.clone() for k, v in _RANDOM_BASE[key].items()}, assign=True)
+    for name, buf in list(model.named_buffers()):  # non-persistent buffers (the causal mask) are rebuilt
+        if buf.is_meta:
+            n = mcfg.context_length
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            parent.register_buffer("mask", torch.triu(torch.ones(n, n), diagonal=1), persistent=False)
+    torch.manual_seed(seed)
+    return model
+
+
 def load_base_model(cfg: TrainConfig, mcfg: GPTConfig, *, cache_dir: Path, progress: bool = True) -> GPTModel:
     if cfg.weights == "random":
-        return build_random_model(mcfg, seed=cfg.seed)
+        return _random_base(mcfg, cfg.seed)
     from . import weights
 
     size = resolve_model_size(cfg.model_size)

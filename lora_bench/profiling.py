@@ -102,16 +102,17 @@ class Profiler:
 
 
 def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
-    """Per phase: device kernels (and memcpy/memset) launched per step — CPU ops when there is no
-    GPU — their device time per step, and the top kernels by time. On CUDA the phase ranges are
-    the profiler's GPU-side annotations of the ``phase:*`` ranges, so each kernel is attributed on
-    the device timeline itself, whichever host thread launched it."""
+    """Per phase: device kernels (incl. memcpy/memset) launched per step — top-level aten ops when
+    there is no GPU — their device time per step, and the top kernels by time.
+
+    A kernel belongs to the phase whose host-side ``phase:*`` range contains the start of the
+    CPU op that launched it (the profiler links each kernel to its op by correlation id). The
+    backward's ops run on autograd's own thread, inside the main thread's backward range."""
     from torch.autograd import DeviceType
 
     events = list(prof.events())
-    want = DeviceType.CUDA if cuda else DeviceType.CPU
     ranges = sorted((ev.time_range.start, ev.time_range.end, ev.name[6:]) for ev in events
-                    if ev.name.startswith("phase:") and ev.device_type == want)
+                    if ev.name.startswith("phase:") and ev.device_type == DeviceType.CPU)
 
     def phase_of(t: float) -> str:
         for start, end, name in ranges:
@@ -122,19 +123,23 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
     count: collections.Counter = collections.Counter()
     dur_us: collections.Counter = collections.Counter()
     per_kernel: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for ev in events:
-        if ev.name.startswith("phase:") or ev.device_type != want:
-            continue
-        if not cuda:  # count top-level aten ops only (children are part of their parent)
-            if not ev.name.startswith("aten::") or (ev.cpu_parent is not None and ev.cpu_parent.name.startswith("aten::")):
-                continue
-        ph = phase_of(ev.time_range.start)
-        us = ev.time_range.end - ev.time_range.start
+
+    def add(ph: str, name: str, us: float) -> None:
         count[ph] += 1
         dur_us[ph] += us
-        acc = per_kernel[(ph, ev.name)]
+        acc = per_kernel[(ph, name)]
         acc[0] += 1
         acc[1] += us
+
+    for ev in events:
+        if ev.device_type != DeviceType.CPU or ev.name.startswith("phase:"):
+            continue
+        if cuda:
+            for k in getattr(ev, "kernels", None) or []:
+                add(phase_of(ev.time_range.start), k.name, k.duration)
+        elif ev.name.startswith("aten::") and not (ev.cpu_parent is not None
+                                                   and ev.cpu_parent.name.startswith("aten::")):
+            add(phase_of(ev.time_range.start), ev.name, ev.time_range.end - ev.time_range.start)
     unit = "cuda kernels+memcpy" if cuda else "top-level aten ops (CPU)"
     rows = [{"phase": ph, "launches_per_step": count[ph] / steps, "kernel_ms_per_step": dur_us[ph] / 1e3 / steps,
              "unit": unit} for ph in sorted(count)]

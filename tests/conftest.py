@@ -9,7 +9,11 @@ import torch
 
 from lora_bench.config import TrainConfig
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "SMSSpamCollection.tsv"
+import os
+
+# the corpus beside the checkout; LORA_BENCH_SMS_FILE points elsewhere (e.g. on a GPU machine)
+SHARED_DATA = Path(os.environ.get("LORA_BENCH_SMS_FILE") or
+                   Path(__file__).resolve().parents[2] / "shared" / "data" / "SMSSpamCollection.tsv")
 
 
 def pytest_collection_modifyitems(config, items):

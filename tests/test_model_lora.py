@@ -135,3 +135,15 @@ def test_frozen_weights_unchanged_after_a_step(cls):
         if n in frozen:
             assert p.grad is None and torch.equal(p, frozen[n]), n
     assert any(not torch.equal(p, adapters[n]) for n, p in model.named_parameters() if n in adapters)
+
+
+def test_reused_random_base_equals_a_fresh_build():
+    from lora_bench.classifier import _random_base
+
+    cfg = gpt_config("tiny")
+    first, second = _random_base(cfg, 123), _random_base(cfg, 123)
+    fresh = build_random_model(cfg, seed=123)
+    for (n, p), (_, q), (_, r) in zip(first.named_parameters(), second.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, r) and torch.equal(q, r), n
+        assert p.data_ptr() != q.data_ptr()  # independent copies: one run's training cannot leak
+    assert torch.equal(second.trf_blocks[1].att.mask, fresh.trf_blocks[1].att.mask)

@@ -1,0 +1,67 @@
+"""Quick exploration of execution modes (before committing a sweep): for each model size,
+trainable set and mode, a short timing run through ``execute_run``; prints a table of median step
+times and the LoRA/all ratio. Random weights are built once per size (reused in-process).
+
+    python -m lora_bench.studies.modes --data-file PATH --out DIR --sizes 124M 1558M
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import TrainConfig
+from ..run import execute_run
+
+MODES = {
+    "eager-fp32": {},
+    "graphs-fp32": dict(cuda_graphs=True),
+    "eager-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused"),
+    "graphs-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True),
+    "compile-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", compile=True),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data-file", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", nargs="+", default=["124M", "1558M"])
+    ap.add_argument("--layers", nargs="+", default=["all", "lora", "lora-kernel"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    console = Console(width=150)
+    out = Path(args.out)
+    table = Table(title="median step ms (device events)")
+    for col in ("size", "mode", *args.layers, "lora/all"):
+        table.add_column(col)
+    for size in args.sizes:
+        for mode in args.modes:
+            cells = {}
+            for layers in args.layers:
+                cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
+                                  lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
+                                  device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
+                                  warmup_steps=15, **MODES[mode])
+                rid = f"{size}-{mode}-{layers}"
+                try:
+                    row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
+                    cells[layers] = row.get("step_ms_median")
+                    console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  host fwd "
+                                  f"{row.get('host_forward_ms_median'):.2f} dev fwd {row.get('forward_ms_median'):.2f}")
+                except Exception as e:  # an exploration goes on past one failing mode; the row records it
+                    console.print(f"{rid}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                    cells[layers] = None
+            ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
+            table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
+                          f"{ratio:.2f}" if ratio else "-")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
