@@ -26,17 +26,19 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     )
 
 
-_RANDOM_BASE: dict = {}  # (GPTConfig, seed) -> state dict of the last random base model built
+_RANDOM_BASE: dict = {}  # (GPTConfig, seed) -> state dict of a random base model built earlier
+_RANDOM_BASE_KEEP = 4  # sizes kept (a sweep over the four GPT-2 sizes builds each once)
 
 
 def _random_base(mcfg: GPTConfig, seed: int) -> GPTModel:
     """The seeded random model. Building 1558M on a CPU takes ~20 s, so the last state built is
-    kept and reused within a process (studies run many configurations); the values are those of a
+    kept (a few sizes) and reused within a process (studies run many configurations); the values are those of a
     fresh build, and the RNG is re-seeded right after by ``make_trainable``, so reuse changes no
     number of the run."""
     key = (mcfg, seed)
     if key not in _RANDOM_BASE:
-        _RANDOM_BASE.clear()
+        while len(_RANDOM_BASE) >= _RANDOM_BASE_KEEP:
+            _RANDOM_BASE.pop(next(iter(_RANDOM_BASE)))
         model = build_random_model(mcfg, seed=seed)
         _RANDOM_BASE[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return model

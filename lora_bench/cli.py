@@ -180,6 +180,61 @@ def data_prepare(
         console.print(f"{name:>10}: {path}  sha256 {sha256_file(path)}")
 
 
+# -- sweeps and reports (lora_bench.sweep, lora_bench.worker, lora_bench.report) ---------------------
+SweepFiles = Annotated[list[Path], typer.Argument(help="Sweep YAML files.", show_default=False)]
+
+
+@app.command()
+def validate(files: SweepFiles) -> None:
+    """Check every run of each sweep file and report all problems at once (nothing runs)."""
+    from .sweep import validate_files
+
+    validate_files(files, console=console)
+
+
+@app.command()
+def sweep(
+    file: Annotated[Path, typer.Argument(help="Sweep YAML file (see configs/).", show_default=False)],
+    device: Annotated[Optional[str], typer.Option(help="Override every run's device (auto, cpu, cuda, cuda:N).")] = None,
+    data_file: Annotated[Optional[Path], typer.Option(help="Override every run's data_file (raw SMS TSV).")] = None,
+    results_dir: Annotated[Optional[Path], typer.Option("--results-dir", help="Results folder (default: results/<name> of the sweep).")] = None,
+    cache_dir: CacheDir = None,
+    isolation: Annotated[str, typer.Option(help="process (each run in a child process) or inline.")] = "process",
+    fresh: Annotated[bool, typer.Option("--fresh", help="Forget earlier results of these runs and start over.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs; run nothing.")] = False,
+    shard: Annotated[Optional[str], typer.Option(help="Run only shard I of N (I/N, 1-based), e.g. 2/4.")] = None,
+    no_progress: NoProgress = False,
+) -> None:
+    """Run every configuration of a sweep file; resumes by default (finished runs are skipped).
+
+    Example: [bold]lora-bench sweep configs/smoke.yaml[/bold]
+    """
+    from .sweep import sweep_command
+
+    overrides = {"device": device, "data_file": str(data_file.resolve()) if data_file else None}
+    raise typer.Exit(sweep_command(file, overrides=overrides, results_dir=results_dir, cache_dir=cache_dir,
+                                   isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
+                                   progress=not no_progress, console=console))
+
+
+@app.command()
+def report(
+    paths: Annotated[list[Path], typer.Argument(help="Results folders (or runs.csv files); merged by run id.",
+                                                show_default=False)],
+    group_by: Annotated[Optional[str], typer.Option(help="Comma-separated settings (default: the run labels, or the settings that vary).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="key=value runs to compare against, e.g. trainable_layers=all.")] = None,
+    metrics: Annotated[Optional[str], typer.Option(help="Comma-separated result columns; the first is ratioed.")] = None,
+    format: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+    output: Annotated[Optional[Path], typer.Option(help="Write the report to this file instead of the terminal.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE.png.")] = None,
+) -> None:
+    """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
+    from .report import report_command
+
+    report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,
+                   plot=plot, console=console)
+
+
 def main() -> None:
     """Entry point: typer handles usage errors (exit 2); domain errors become one message."""
     try:

@@ -200,8 +200,9 @@ def _backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
         return "cublas" if device.type == "cuda" else "torch"
     from lora_bench.lora import kernel as k
 
-    mode = impl.partition(":")[2] or None
-    k.set_kernel_mode(mode)
+    mode = impl.partition(":")[2]
+    if mode:  # a forced plan for this impl only (_bench_one restores the previous one)
+        k.set_kernel_mode(mode)
     probe = torch.empty(0, device=device, dtype=dtype)
     return f"{k.lora_kernel_backend(device)}/" + ":".join(dict.fromkeys(k._plan(probe, 16)))
 
@@ -209,6 +210,9 @@ def _backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
 def _bench_one(impl: str, shape: Shape, dtype_name: str, *, device: torch.device, repeats: int, warmup: int,
                cpu: bool) -> dict:
     dtype = DTYPES[dtype_name]
+    from lora_bench.lora import kernel as k
+
+    prev_mode = k._mode_override  # e.g. from LORA_BENCH_KERNEL_MODE; restored below
     backend = _backend(impl, device, dtype)  # also applies a forced lora-kernel mode
     torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
     sets = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
@@ -231,10 +235,7 @@ def _bench_one(impl: str, shape: Shape, dtype_name: str, *, device: torch.device
                 _time_phase(cpu_sets, "fwdbwd", repeats=n, warmup=min(2, warmup), device=cpu_dev))
     ref = REFERENCE_4090_MS.get(shape.name)
     row["ref_4090_cpu_ms"], row["ref_4090_gpu_ms"] = ref if ref else (None, None)
-    if impl.startswith("lora-kernel"):
-        from lora_bench.lora import kernel as k
-
-        k.set_kernel_mode(None)
+    k._mode_override = prev_mode
     return row
 
 
@@ -285,7 +286,7 @@ def run_kernel_bench(
     for d in dtypes:
         if d not in DTYPES:
             raise ValueError(f"dtype {d!r} is not one of {sorted(DTYPES)}")
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     rows = []
     for shape in resolve_shapes(shapes):

@@ -1,8 +1,7 @@
 """Sweep files: parse a YAML sweep (``name``, ``base``, ``grid``, ``runs``, ``repeats``), report
 every problem of every run it expands to at once, expand it into planned runs with
-deterministic ids, and run the plan: shard selection, resume (finished runs are skipped; failed and
-interrupted ones rerun), a progress bar over runs and a summary. How one run is isolated and
-interrupted lives in ``worker``.
+deterministic ids, pick a shard, and list the plan (``--dry-run``). Running the plan (resume,
+isolation, interrupts, progress) lives in ``worker``.
 
 Precedence of settings: defaults < ``base`` < the ``grid`` point < the explicit ``runs`` entry <
 CLI overrides (``--device``, ``--data-file``). Relative ``data_file`` / ``weights_dir`` values are
@@ -28,7 +27,8 @@ from .errors import ConfigError, UsageError
 
 SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats")
 PATH_SETTINGS = ("data_file", "weights_dir")  # resolved against the YAML file's folder
-OVERRIDABLE = ("device", "data_file")  # environment-specific: may differ per machine, not in the id
+OVERRIDABLE = ("device", "data_file")  # CLI overrides: environment-specific, may differ per machine
+ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (see module docstring)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -72,30 +72,31 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
         data = yaml.safe_load(raw.decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
+    from .run import make_run_id, settings_hash  # imports torch: only once the file parsed
+
     problems: list[str] = []
     name, base, grid, runs, repeats = _structure(data, problems)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if set(overrides) - set(OVERRIDABLE):
+        raise UsageError(f"only {', '.join(OVERRIDABLE)} can be overridden, not {sorted(set(overrides))}")
     points = _points(grid, runs, problems)
     planned: list[tuple[str, dict, TrainConfig, TrainConfig]] = []
     by_message: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
-    for label, point in points:
+    for label, point, desc in points:
         declared = {**base, **point}
         effective = {**_resolve_paths(declared, path.parent), **overrides}
-        desc = label or _describe(point)
+        cfg, errs = None, _combination_problems({**TrainConfig().to_dict(), **effective})
         try:
             cfg = TrainConfig.from_mapping(effective)
-            errs = _combination_problems(cfg)
         except ConfigError as e:
-            cfg, errs = None, e.problems
+            errs = e.problems + errs
         for msg in errs:
             by_message.setdefault(msg, []).append(desc)
         if cfg is None or errs:
             continue
         # the id is the file's own settings: a --data-file or --device override leaves it alone
-        id_cfg = cfg.replace(**{k: declared.get(k, getattr(TrainConfig(), k)) for k in (*PATH_SETTINGS, "device")})
-        from .run import settings_hash  # torch import: only once the file parsed
-
+        id_cfg = cfg.replace(**{k: declared.get(k, getattr(TrainConfig(), k)) for k in ID_AS_DECLARED})
         key = settings_hash(id_cfg)
         if key in seen:
             problems.append(f"{desc} has the same settings as {seen[key]} (they would share run ids); "
@@ -106,8 +107,6 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     problems += [_group_message(msg, descs, len(points)) for msg, descs in by_message.items()]
     if problems:
         raise ConfigError(problems, source=str(path))
-    from .run import make_run_id
-
     runs_out = []
     for repeat in range(repeats):  # repeat-major: drift over a long sweep spreads over every setting
         for label, point, cfg, id_cfg in planned:
@@ -123,7 +122,7 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
     for path in paths:
         try:
             sw = load_sweep(path)
-        except ConfigError as e:
+        except UsageError as e:  # ConfigError (every problem) or a missing file
             bad += 1
             console.print(f"[red]✗[/red] {e}", highlight=False)
             continue
@@ -222,17 +221,20 @@ def _runs(runs: Any, problems: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def _points(grid: dict[str, list], runs: list[tuple[str, dict]], problems: list[str]) -> list[tuple[str, dict]]:
-    """Explicit runs (outer) × the grid's cartesian product (inner, last key fastest)."""
+def _points(grid: dict[str, list], runs: list[tuple[str, dict]],
+            problems: list[str]) -> list[tuple[str, dict, str]]:
+    """(label, settings, description) of each point: explicit runs (outer) × the grid's cartesian
+    product (inner, last key fastest)."""
     grid_points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     if not runs:
-        return [("", g) for g in grid_points]
+        return [("", g, _describe(g)) for g in grid_points]
     out = []
     for i, (label, run) in enumerate(runs):
         clash = sorted(set(run) & set(grid))
         if clash:
             problems.append(f"runs[{i}] sets {', '.join(clash)}, which grid also varies; keep it in one place")
-        out += [(label, {**g, **run}) for g in grid_points]
+        name = label or f"runs[{i}]"
+        out += [(label, {**g, **run}, f"{name} ({_describe(g)})" if g else name) for g in grid_points]
     return out
 
 
@@ -247,23 +249,26 @@ def _resolve_paths(settings: dict, folder: Path) -> dict:
     return out
 
 
-def _combination_problems(cfg: TrainConfig) -> list[str]:
-    """Impossible combinations ``TrainConfig.problems`` leaves to run time (model-shape checks)."""
+def _combination_problems(s: dict) -> list[str]:
+    """Impossible combinations ``TrainConfig.problems`` leaves to run time (model-shape checks),
+    on the type-checked settings mapping ``s`` (so they are found next to any other problem)."""
     from .model import gpt_config, resolve_model_size
 
     try:
-        size = resolve_model_size(cfg.model_size)
+        size = resolve_model_size(s["model_size"])
     except ValueError:
-        return []  # already reported
+        return []  # reported by TrainConfig.problems
     out = []
-    if size == "tiny" and cfg.weights == "pretrained":
+    if size == "tiny" and s["weights"] == "pretrained":
         out.append("model_size=tiny has no pretrained checkpoint; use weights=random")
+    if any(s[k] is not None and s[k] < 1 for k in ("emb_dim", "n_layers", "n_heads")):
+        return out  # reported by TrainConfig.problems
     try:
-        mcfg = gpt_config(size, emb_dim=cfg.emb_dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
-    except (ValueError, ZeroDivisionError) as e:
+        mcfg = gpt_config(size, emb_dim=s["emb_dim"], n_layers=s["n_layers"], n_heads=s["n_heads"])
+    except ValueError as e:
         return out + [str(e)]
-    if str(cfg.context_length).isdigit() and int(cfg.context_length) > mcfg.context_length:
-        out.append(f"context_length={cfg.context_length} exceeds the model's context length {mcfg.context_length}")
+    if str(s["context_length"]).isdigit() and int(s["context_length"]) > mcfg.context_length:
+        out.append(f"context_length={s['context_length']} exceeds the model's context length {mcfg.context_length}")
     return out
 
 
@@ -293,142 +298,30 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 
 def select_shard(runs: tuple[PlannedRun, ...] | list[PlannedRun], shard: tuple[int, int] | None) -> list[PlannedRun]:
-    """Round-robin over the expanded order: disjoint, covering, balanced to within one run, and
-    each shard gets a share of every model size (the grid's outer keys)."""
+    """Shard I of N is the I-th contiguous block of the expanded order (sizes differ by at most one
+    run): disjoint and covering for any N. Contiguous, not round-robin, because the grid's last key
+    varies fastest: runs that differ only in it (put the compared axis last, as in
+    all-vs-lora.yaml) stay on one shard and so are compared on one device; round-robin would send
+    every 'all' run to one GPU and every 'lora' run to another."""
     if shard is None:
         return list(runs)
     i, n = shard
-    return [r for r in runs if r.index % n == i - 1]
+    lo, hi = (i - 1) * len(runs) // n, i * len(runs) // n
+    return [r for r in runs if lo <= r.index < hi]
 
 
-# -- running -------------------------------------------------------------------------------------
-@dataclass
-class SweepResult:
-    selected: int  # runs in this shard
-    skipped: int  # finished earlier, not rerun
-    rows: list[dict]  # rows recorded by this invocation
-    interrupted: bool
-
-    def count(self, status: str) -> int:
-        return sum(r.get("status") == status for r in self.rows)
-
-    @property
-    def not_started(self) -> int:
-        return self.selected - self.skipped - len(self.rows)
-
-    @property
-    def exit_code(self) -> int:
-        """130 when interrupted (as a shell reports Ctrl-C), 1 when a run failed, else 0."""
-        from .worker import EXIT_INTERRUPTED
-
-        return EXIT_INTERRUPTED if self.interrupted else (1 if self.count("failed") else 0)
-
-
-def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "process", fresh: bool = False,
-              shard: tuple[int, int] | None = None, progress: bool = True, cache_dir: Path | None = None) -> SweepResult:
-    """Run the (shard's) runs not yet done, each isolated; a failure is recorded and the sweep
-    goes on; SIGINT / SIGTERM stops it after recording the interrupted run."""
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from .worker import ISOLATION, Interrupts, Job, run_job
-
-    if isolation not in ISOLATION:
-        raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
-    results_dir = Path(results_dir)
-    runs = select_shard(sweep.runs, shard)
-    _preflight(runs, console)
-    if fresh:
-        forget_runs(results_dir, [r.run_id for r in runs])
-    status = run_statuses(results_dir)
-    todo = [r for r in runs if status.get(r.run_id) != "done"]
-    result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[current]}"))
-    with Interrupts(inline=isolation == "inline") as stop, \
-            Progress(*columns, console=console, transient=True, disable=not progress) as bar:
-        task = bar.add_task(sweep.name, total=len(todo), current="")
-        try:
-            for run in todo:
-                if stop.stopped:
-                    break
-                bar.update(task, current=run.run_id)
-                job = Job(cfg=run.cfg, run_id=run.run_id, results_dir=results_dir, extra=sweep.provenance(run),
-                          cache_dir=cache_dir)
-                t0 = time.monotonic()
-                row = run_job(job, isolation=isolation, interrupts=stop)
-                result.rows.append(row)
-                bar.console.print(_run_line(run, row, time.monotonic() - t0, results_dir), highlight=False)
-                bar.advance(task)
-        except KeyboardInterrupt:  # inline mode: a signal between runs; every record is complete
-            stop.signum = stop.signum or 2
-        result.interrupted = stop.stopped
-    return result
-
-
-def _preflight(runs: list[PlannedRun], console) -> None:
-    """Environment checks that `validate` cannot do on another machine: fail before the first run."""
-    from .run import resolve_device
-
-    for device in sorted({r.cfg.device for r in runs}):
-        resolve_device(device)  # UsageError when CUDA is asked for and absent
-    for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
-        if not Path(path).is_file():
-            console.print(f"[yellow]warning:[/yellow] data_file {path} does not exist; runs using it will fail",
-                          highlight=False)
-
-
-def run_statuses(results_dir: Path) -> dict[str, str]:
-    from .report import result_rows
-
-    return {r["run_id"]: r.get("status", "") for r in result_rows(Path(results_dir))}
-
-
-def forget_runs(results_dir: Path, run_ids: list[str]) -> int:
-    """``--fresh``: drop these runs' rows and folders (only this sweep's / shard's runs)."""
-    import shutil
-
-    import pandas as pd
-
-    from .results import run_column_names, write_csv
-
-    ids = set(run_ids)
-    csv = Path(results_dir) / "runs.csv"
-    gone = 0
-    if csv.is_file():
-        rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
-        keep = [r for r in rows if r.get("run_id") not in ids]
-        gone = len(rows) - len(keep)
-        write_csv(csv, keep, run_column_names())
-    for run_id in ids:
-        if (Path(results_dir) / run_id).is_dir():
-            shutil.rmtree(Path(results_dir) / run_id)
-    return gone
-
-
-def _run_line(run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> str:
-    st = row.get("status")
-    mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]"}.get(st, "[yellow]![/yellow]")
-    line = f"{mark} {st:<11} {run.run_id}  {run.describe()}  {seconds:.1f} s"
-    step = row.get("step_ms_median")
-    if st == "done" and isinstance(step, (int, float)):
-        line += f"  step {step:.2f} ms"
-    if st != "done":
-        err = str(row.get("error") or "").splitlines()[0][:300] if row.get("error") else ""
-        line += f"\n    {err}\n    log: {results_dir / run.run_id / 'worker.log'}"
-    return line
-
-
+# -- plan and command ------------------------------------------------------------------------
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
     """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped."""
     from rich.table import Table
+
+    from .worker import run_statuses
 
     status = run_statuses(results_dir)
     table = Table(title=f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})",
                   title_justify="left")
     for col in ("#", "run id", "repeat", "settings", "action"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in ("run id", "action"))
     todo = 0
     for r in runs:
         st = status.get(r.run_id)
@@ -439,7 +332,8 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
     console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
 
 
-def print_summary(sweep: Sweep, result: SweepResult, *, results_dir: Path, console) -> None:
+def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
+    """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
     parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
              f"{result.skipped} skipped (done earlier)"]
     if result.count("interrupted") or result.not_started:
@@ -449,7 +343,8 @@ def print_summary(sweep: Sweep, result: SweepResult, *, results_dir: Path, conso
                   + ", ".join(parts), highlight=False)
     for row in result.rows:
         if row.get("status") == "failed":
-            console.print(f"  [red]failed[/red] {row['run_id']}: {str(row.get('error', ''))[:300]}", highlight=False)
+            error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
+            console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
                       highlight=False)
@@ -465,6 +360,8 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
     if dry_run:
         print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
         return 0
+    from .worker import run_sweep
+
     result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
                        shard=selected, progress=progress, cache_dir=cache_dir)
     print_summary(sw, result, results_dir=results_dir, console=console)

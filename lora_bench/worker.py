@@ -1,6 +1,7 @@
-"""Run isolation for sweeps: one run either in a child process (``python -m lora_bench.worker
-JOB.json``, the default) or inline, and the signal handling that lets Ctrl-C / SIGTERM stop a sweep
-without losing or tearing any result.
+"""Running a sweep's planned runs: the loop (resume, progress bar, summary) and the isolation of
+each run, either in a child process (``python -m lora_bench.worker JOB.json``, the default) or
+inline, with the signal handling that lets Ctrl-C / SIGTERM stop a sweep without losing or tearing
+any result.
 
 Process mode: the child runs ``execute_run``, which records done / failed / interrupted itself.
 When the child dies without recording (segfault, CUDA fatal error, OOM kill), the parent records
@@ -12,18 +13,26 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import pandas as pd
 from rich.console import Console
 
 from .config import TrainConfig
-from .results import atomic_write_text, settings_columns, upsert_run
+from .errors import UsageError
+from .results import atomic_write_text, run_column_names, settings_columns, upsert_run, write_csv
+
+if TYPE_CHECKING:
+    from .sweep import PlannedRun, Sweep
 
 ISOLATION = ("process", "inline")
 GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
@@ -51,12 +60,14 @@ class Interrupts:
     def __init__(self, *, inline: bool = False) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen | None = None
+        self.forwarded = False
         self.inline = inline
         self._old: dict = {}
 
     def __enter__(self) -> "Interrupts":
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handle)
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -68,11 +79,16 @@ class Interrupts:
         self.signum = self.signum or signum
         if self.child is not None and self.child.poll() is None:
             if first:
-                self.child.send_signal(signum)
+                self.forward()
             else:
                 self.child.kill()
         elif self.inline and first:
             raise KeyboardInterrupt
+
+    def forward(self) -> None:
+        if self.child is not None and not self.forwarded:
+            self.forwarded = True
+            self.child.send_signal(self.signum)
 
     @property
     def stopped(self) -> bool:
@@ -96,11 +112,13 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts) -> dict:
         # the run never reached its own bookkeeping: record it here
         status = "interrupted" if interrupts.stopped else "failed"
         row = {**_base_row(job), "started_at": started, "status": status, "error": _exit_text(rc, log)}
-        atomic_write_text(job.run_dir / "run.json", json.dumps({"row": row, "log": []}, indent=1, default=str))
-    elif interrupts.stopped and row["status"] == "failed":
+        _rewrite_record(job.run_dir / "run.json", row)
+    elif interrupts.stopped and row["status"] != "done":
         # an exception raised while the signal unwound the run is the interruption, not a bug
-        row = {**row, "status": "interrupted"}
-        atomic_write_text(job.run_dir / "run.json", json.dumps({"row": row, "log": []}, indent=1, default=str))
+        error = str(row.get("error") or "")
+        cause = "" if error.startswith("KeyboardInterrupt") else f" ({error})"
+        row = {**row, "status": "interrupted", "error": f"interrupted by {_signal_name(interrupts.signum)}{cause}"}
+        _rewrite_record(job.run_dir / "run.json", row)
     # idempotent; also repairs runs.csv when the child died between run.json and runs.csv
     upsert_run(job.results_dir / "runs.csv", row)
     return row
@@ -146,9 +164,26 @@ def _wait(proc: subprocess.Popen, interrupts: Interrupts) -> int:
             return proc.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             if interrupts.stopped:
+                interrupts.forward()  # the signal may have come between Popen and registering the child
                 stop_seen = stop_seen or time.monotonic()
                 if time.monotonic() - stop_seen > GRACE_S:
                     proc.kill()
+
+
+def _rewrite_record(path: Path, row: dict) -> None:
+    """Replace the row in run.json, keeping the log and curves the run wrote."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {"log": []}
+    atomic_write_text(path, json.dumps({**record, "row": row}, indent=1, default=str))
+
+
+def _signal_name(signum: int | None) -> str:
+    try:
+        return signal.Signals(signum).name
+    except (TypeError, ValueError):
+        return f"signal {signum}"
 
 
 def _recorded_row(job: Job) -> dict | None:
@@ -171,11 +206,7 @@ def _base_row(job: Job) -> dict:
 
 def _exit_text(rc: int, log: Path) -> str:
     if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = f"signal {-rc}"
-        what = f"worker killed by {name} (exit code {rc})"
+        what = f"worker killed by {_signal_name(-rc)} (exit code {rc})"
         if -rc == signal.SIGKILL:
             what += "; killed from outside, often the out-of-memory killer"
     else:
@@ -192,6 +223,143 @@ def _tail(path: Path, size: int = 4000) -> list[str]:
             return f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return []
+
+
+# -- the sweep loop ------------------------------------------------------------------------------
+@dataclass
+class SweepResult:
+    selected: int  # runs in this shard
+    skipped: int  # finished earlier, not rerun
+    rows: list[dict]  # rows recorded by this invocation
+    interrupted: bool
+
+    def count(self, status: str) -> int:
+        return sum(r.get("status") == status for r in self.rows)
+
+    @property
+    def not_started(self) -> int:
+        return self.selected - self.skipped - len(self.rows)
+
+    @property
+    def exit_code(self) -> int:
+        """130 when interrupted (as a shell reports Ctrl-C), 1 when a run failed, else 0."""
+        return EXIT_INTERRUPTED if self.interrupted else (1 if self.count("failed") else 0)
+
+
+def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "process", fresh: bool = False,
+              shard: tuple[int, int] | None = None, progress: bool = True,
+              cache_dir: Path | None = None) -> SweepResult:
+    """Run the (shard's) runs not yet done, each isolated; a failure is recorded and the sweep
+    goes on; SIGINT / SIGTERM stops it after recording the interrupted run."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from .sweep import select_shard
+
+    if isolation not in ISOLATION:
+        raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
+    results_dir = Path(results_dir)
+    runs = select_shard(sweep.runs, shard)
+    _preflight(runs, console)
+    if fresh:
+        forget_runs(results_dir, [r.run_id for r in runs])
+    repair_runs_csv(results_dir)
+    status = run_statuses(results_dir)
+    todo = [r for r in runs if status.get(r.run_id) != "done"]
+    result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[current]}"))
+    with Interrupts(inline=isolation == "inline") as stop, \
+            Progress(*columns, console=console, transient=True, disable=not progress) as bar:
+        task = bar.add_task(sweep.name, total=len(todo), current="")
+        try:
+            for run in todo:
+                if stop.stopped:
+                    break
+                bar.update(task, current=run.run_id)
+                job = Job(cfg=run.cfg, run_id=run.run_id, results_dir=results_dir, extra=sweep.provenance(run),
+                          cache_dir=cache_dir)
+                t0 = time.monotonic()
+                row = run_job(job, isolation=isolation, interrupts=stop)
+                result.rows.append(row)
+                _print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
+                bar.advance(task)
+        except KeyboardInterrupt:  # inline mode: a signal between runs; every record is complete
+            stop.signum = stop.signum or signal.SIGINT
+        result.interrupted = stop.stopped
+    repair_runs_csv(results_dir)
+    return result
+
+
+def _preflight(runs: list[PlannedRun], console) -> None:
+    """Environment checks that `validate` cannot do on another machine: fail before the first run."""
+    import torch
+
+    for device in sorted({r.cfg.device for r in runs if r.cfg.device.startswith("cuda")}):
+        # counts only: creating a CUDA context here would hold GPU memory for the whole sweep
+        index = int(device[5:]) if device.startswith("cuda:") else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                             "use --device cpu or auto")
+    for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
+        if not Path(path).is_file():
+            console.print(f"[yellow]warning:[/yellow] data_file {path} does not exist; runs using it will fail",
+                          highlight=False)
+
+
+def repair_runs_csv(results_dir: Path) -> int:
+    """Bring runs.csv in line with the per-run run.json files (written first, never contended).
+    Shards sharing one results folder can lose each other's runs.csv update in a race; each
+    sweep repairs that when it starts and ends. Returns the number of rows fixed."""
+    csv = Path(results_dir) / "runs.csv"
+    have = {}
+    if csv.is_file():
+        have = {r["run_id"]: r for r in pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")}
+    fixed = 0
+    for path in sorted(Path(results_dir).glob("*/run.json")):
+        try:
+            row = json.loads(path.read_text())["row"]
+        except (OSError, ValueError, KeyError):
+            continue
+        old = have.get(row["run_id"], {})
+        if (old.get("status"), old.get("started_at")) != (row.get("status"), row.get("started_at")):
+            upsert_run(csv, row)
+            fixed += 1
+    return fixed
+
+
+def run_statuses(results_dir: Path) -> dict[str, str]:
+    from .report import result_rows
+
+    return {r["run_id"]: r.get("status", "") for r in result_rows(Path(results_dir))}
+
+
+def forget_runs(results_dir: Path, run_ids: list[str]) -> int:
+    """``--fresh``: drop these runs' rows and folders (only this sweep's / shard's runs)."""
+    ids = set(run_ids)
+    csv = Path(results_dir) / "runs.csv"
+    gone = 0
+    if csv.is_file():
+        rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
+        keep = [r for r in rows if r.get("run_id") not in ids]
+        gone = len(rows) - len(keep)
+        write_csv(csv, keep, run_column_names())
+    for run_id in ids:
+        if (Path(results_dir) / run_id).is_dir():
+            shutil.rmtree(Path(results_dir) / run_id)
+    return gone
+
+
+def _print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> None:
+    st = str(row.get("status"))
+    mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]"}.get(st, "[yellow]![/yellow]")
+    step = row.get("step_ms_median")
+    step_text = f"step {step:7.2f} ms" if st == "done" and isinstance(step, (int, float)) else ""
+    console.print(f"{mark} {st:<11} {seconds:6.1f} s  {step_text:<16} {run.run_id}  {run.describe()}",
+                  highlight=False, no_wrap=True, overflow="ellipsis")
+    if st != "done":
+        err = str(row.get("error") or "").splitlines()[0][:300] if row.get("error") else ""
+        console.print(f"    {err}\n    log: {results_dir / run.run_id / 'worker.log'}", highlight=False)
 
 
 # -- child side ----------------------------------------------------------------------------------

@@ -164,37 +164,49 @@ def test_registry_and_state_dict_interchange():
     assert set(ker.state_dict()) == set(ref.state_dict()) == {"linear.weight", "linear.bias", "lora.A", "lora.B"}
 
 
-def _model_pair(device: str, dtype: torch.dtype):
-    """Tiny GPT with a trainable 2-class head, LoRA everywhere: lora vs lora-kernel."""
+def _model_pair(device: str, dtype: torch.dtype, classes=(LinearWithLoRA, LinearWithLoRAKernel)):
+    """Tiny GPT with a trainable 2-class head, LoRA everywhere, one model per class, same weights."""
     models = []
-    for cls in (LinearWithLoRA, LinearWithLoRAKernel):
+    for cls in classes:
         torch.manual_seed(7)
         m = build_random_model(gpt_config("tiny", context_length=64))
         m.requires_grad_(False)
         m.out_head = nn.Linear(m.cfg.emb_dim, 2)
         torch.manual_seed(8)
-        inject_lora(m, cls=cls, rank=4, alpha=8.0)
+        inject_lora(m, cls=cls, rank=4, alpha=2.0)
         models.append(m)
+    gen = torch.Generator().manual_seed(9)
     for name, p in models[0].named_parameters():
-        if name.endswith("lora.B"):
-            p.data.normal_()
-    models[1].load_state_dict(models[0].state_dict())
+        if name.endswith("lora.B"):  # moderate, so the model is not chaotic in bf16
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
     return [m.to(device, dtype) for m in models]
 
 
+def _run_model(m, idx):
+    logits = m(idx)[:, -1, :]
+    logits.float().logsumexp(-1).sum().backward()
+    return logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+
 def _compare_models(device: str, dtype: torch.dtype, tol: float):
-    ref, ker = _model_pair(device, dtype)
+    """fp32: lora-kernel must match lora to ``tol``. bf16: both are compared with an fp32 lora
+    model, and lora-kernel may be at most 2x (+tol) further from it than lora is: two bf16
+    computations that round in different places are not expected to agree bit for bit."""
     idx = torch.randint(0, 50257, (3, 20), device=device)
-    outs = []
-    for m in (ref, ker):
-        logits = m(idx)[:, -1, :]
-        logits.float().logsumexp(-1).sum().backward()
-        outs.append((logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
-    (lr, gr), (lk, gk) = outs
-    assert rel_err(lk, lr) <= tol
+    ref, ker = _model_pair(device, dtype)
+    (lr, gr), (lk, gk) = _run_model(ref, idx), _run_model(ker, idx)
     assert gr.keys() == gk.keys() and any("out_head.linear.weight" in n for n in gk)
-    for name in gr:
-        assert rel_err(gk[name], gr[name]) <= tol, name
+    if dtype == torch.float32:
+        assert rel_err(lk, lr) <= tol
+        for name in gr:
+            assert rel_err(gk[name], gr[name]) <= tol, name
+    else:
+        (l32, g32), = [_run_model(m, idx) for m in _model_pair(device, torch.float32, (LinearWithLoRA,))]
+        assert rel_err(lk, l32) <= 2 * rel_err(lr, l32) + tol
+        for name in gr:
+            assert rel_err(gk[name], g32[name]) <= 2 * rel_err(gr[name], g32[name]) + tol, name
     for name, p in ker.named_parameters():
         if not p.requires_grad:
             assert p.grad is None, name
@@ -202,6 +214,10 @@ def _compare_models(device: str, dtype: torch.dtype, tol: float):
 
 def test_model_equivalence_with_lora_cpu():
     _compare_models("cpu", torch.float32, 1e-5)
+
+
+def test_model_equivalence_with_lora_cpu_bf16():
+    _compare_models("cpu", torch.bfloat16, 1e-2)
 
 
 def test_missing_triton_warns_once(monkeypatch):
@@ -216,7 +232,10 @@ def test_missing_triton_warns_once(monkeypatch):
 
 def test_kernels_under_triton_interpreter():
     """The Triton kernels themselves, on CPU, outputs pre-filled with NaN (fp32 and fp16)."""
-    pytest.importorskip("triton")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "lora_bench.kernels.selfcheck", "--interpret"],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -276,7 +295,8 @@ def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
     if dt == "tf32":
         request.getfixturevalue("tf32")
     dtype, dev, nan = DTYPE[dt], "cuda", float("nan")
-    for M, k, n, r, s in ((1000, 1600, 1700, 16, 2.0), (77, 300, 200, 5, 0.0), (129, 64, 65, 64, 1.0)):
+    cases = ((1000, 1600, 1700, 16, 2.0), (77, 300, 200, 5, 0.0), (129, 64, 65, 64, 1.0))
+    for M, k, n, r, s in cases + cases:  # the repeat launches through the cached fast path
         x, g = _fresh(M, k, device=dev, dtype=dtype), _fresh(M, n, device=dev, dtype=dtype)
         w, bias = _fresh(n, k, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(n, device=dev, dtype=dtype)
         a, b = _fresh(k, r, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(r, n, device=dev, dtype=dtype)
@@ -292,6 +312,9 @@ def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
         assert rel_err(y, X @ W.t() + bias.double() + s * (X @ A) @ B) <= tol
         assert rel_err(gx, G @ W + s * (G @ B.t()) @ A.t()) <= tol
         assert rel_err(ga, s * X.t() @ u.double()) <= tol and rel_err(gb, s * h.double().t() @ G) <= tol
+    from lora_bench.kernels import launch
+
+    assert not launch.FAST or len(launch._COMPILED) >= 2
 
 
 @pytest.mark.gpu
@@ -314,4 +337,4 @@ def test_gpu_autocast_bf16(poisoned):
 @gpu
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_gpu_model_equivalence_with_lora(dt, poisoned):
-    _compare_models("cuda", DTYPE[dt], TOL[dt] if dt == "fp32" else 3e-2)
+    _compare_models("cuda", DTYPE[dt], TOL[dt])

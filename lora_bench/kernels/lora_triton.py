@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
 # forgets to write shows up instead of hiding behind whatever memory held before.
 POISON_OUTPUTS = False
@@ -47,9 +49,9 @@ class ABConfig(NamedTuple):
 @triton.jit
 def _lora_mm_kernel(
     x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, K, R, scale,
+    M, N, K, R,
     stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
     HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
@@ -118,9 +120,9 @@ def _lora_mm_kernel(
 @triton.jit
 def _lora_grad_ab_kernel(
     x_ptr, u_ptr, h_ptr, g_ptr, ga_ptr, gb_ptr,
-    M, K, N, R, NUM_A, scale,
+    M, K, N, R, NUM_A,
     stride_xm, stride_xk, stride_um, stride_ur, stride_hm, stride_hr, stride_gm, stride_gn,
-    stride_gak, stride_gar, stride_gbr, stride_gbn,
+    stride_gak, stride_gar, stride_gbr, stride_gbn, scale,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -173,7 +175,7 @@ def _sm_count(device: torch.device) -> int:
 
 def block_r(rank: int) -> int:
     """Rank padded to a power of two, at least 16 (the smallest MMA tile side)."""
-    return max(16, triton.next_power_of_2(rank))
+    return 16 if rank <= 16 else triton.next_power_of_2(rank)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -186,10 +188,16 @@ def _precision(dtype: torch.dtype) -> str:
 # (BM, BN, BK, warps, stages). 16-bit: BK=64 (128 B rows); fp32 halves BK to keep the
 # shared-memory stages the same size. 128×256 is left out: compiled for sm_90 it spills
 # (ptxas: 255 registers, 568 B stack) because the H accumulator sits beside the output tile.
-_MM_CANDIDATES_16 = (MMConfig(128, 128, 64, 8, 4), MMConfig(128, 64, 64, 4, 4), MMConfig(64, 128, 64, 4, 4))
-_MM_CANDIDATES_32 = (MMConfig(128, 128, 32, 8, 3), MMConfig(64, 128, 32, 4, 3), MMConfig(128, 64, 32, 4, 3))
-# relative throughput of a tile shape when the chip is full (bigger tiles reuse operands more)
-_TILE_EFF = {(128, 128): 1.0, (128, 64): 0.85, (64, 128): 0.85}
+_MM_CANDIDATES_16 = (MMConfig(64, 128, 64, 4, 4), MMConfig(128, 128, 64, 8, 4), MMConfig(128, 64, 64, 4, 4))
+_MM_CANDIDATES_32 = (MMConfig(64, 128, 32, 4, 3), MMConfig(128, 128, 32, 8, 3), MMConfig(128, 64, 32, 4, 3))
+# Relative throughput per tile shape. From the H200 sweep (docs/kernel-notes.md, bf16, M=960,
+# graph replay): 64×128 was fastest at all six GPT-2 1558M launch shapes, by 3-20 %, even where
+# it needs twice the waves of 128×128, so it is weighted up.
+_TILE_EFF = {(64, 128): 1.0, (128, 128): 0.85, (128, 64): 0.8}
+
+
+# Measured best tiles for exact launch shapes (M, N, K, dtype); selfcheck fills it from its sweep.
+TUNED: dict[tuple[int, int, int, torch.dtype], MMConfig] = {}
 
 
 def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MMConfig:
@@ -199,6 +207,9 @@ def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
     128×128 grid leaves most of 132 SMs idle for n=1600, and a smaller tile fills them."""
     if device.type != "cuda":  # the interpreter: small tiles, many programs, masks exercised
         return MMConfig(32, 32, 32, 4, 1)
+    tuned = TUNED.get((M, N, K, dtype))
+    if tuned is not None:
+        return tuned
     sms = _sm_count(device)
     cands = _MM_CANDIDATES_32 if dtype == torch.float32 else _MM_CANDIDATES_16
     best, best_cost = cands[0], float("inf")
@@ -211,6 +222,9 @@ def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
     return best
 
 
+_AB_PICKED: dict[tuple, ABConfig] = {}
+
+
 def pick_ab_config(M: int, K: int, N: int, device: torch.device) -> ABConfig:
     if device.type != "cuda":
         return ABConfig(32, 16, 4, 1)
@@ -219,11 +233,41 @@ def pick_ab_config(M: int, K: int, N: int, device: torch.device) -> ABConfig:
     return ABConfig(64, 64 if wide else 32, 4, 3)
 
 
-def _alloc(shape: tuple[int, ...], *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    dtype = dtype or like.dtype
+def _alloc(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
-    return torch.empty(shape, dtype=dtype, device=like.device)
+        return torch.full(shape, float("nan"), dtype=dtype or like.dtype, device=like.device)
+    return like.new_empty(shape, dtype=dtype)
+
+
+_PICKED: dict[tuple, MMConfig] = {}
+
+
+def _mm_config(M: int, N: int, K: int, x: torch.Tensor) -> MMConfig:
+    key = (M, N, K, x.dtype)
+    c = TUNED.get(key) or _PICKED.get(key)
+    if c is None:
+        c = _PICKED[key] = pick_mm_config(M, N, K, x.dtype, x.device)
+    return c
+
+
+def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config):
+    """Launch ``_lora_mm_kernel``; operands come with explicit (row, col) strides so callers pass
+    W, A, B as stored instead of building transposed views (each view costs host time)."""
+    c = config or _mm_config(M, N, K, x)
+    br = block_r(R)
+    write_h = h is not None
+    h_arg = h if write_h else out  # an unused pointer still needs a tensor
+    hs = h_arg.stride()
+    os_ = out.stride()
+    launch(
+        _lora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
+        (x, wt, p, q, bias if bias is not None else out, out, h_arg),
+        (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
+        (float(scale),),
+        (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
+         c.block_k, br, 8),
+        tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
+    )
 
 
 def lora_mm(
@@ -233,31 +277,38 @@ def lora_mm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out (M×N) = x·wt + bias + scale·(x·p)·q, and h_out (M×R) = x·p when ``write_h``.
 
-    x: M×K, wt: K×N, p: K×R, q: R×N, bias: N; any strides (views such as Wᵀ are free).
-    All in one dtype; accumulation is fp32."""
+    x: M×K, wt: K×N, p: K×R, q: R×N, bias: N; any strides (views such as Wᵀ work). One dtype;
+    fp32 accumulation. The layer itself uses ``lora_fwd``/``lora_bwd_x``, which skip the views."""
     M, K = x.shape
-    N = wt.shape[1]
-    R = p.shape[1]
+    N, R = wt.shape[1], p.shape[1]
     assert wt.shape[0] == K and p.shape[0] == K and q.shape == (R, N), (x.shape, wt.shape, p.shape, q.shape)
     assert R <= MAX_RANK, R
-    if out is None:
-        out = _alloc((M, N), like=x)
+    out = _alloc((M, N), x) if out is None else out
     if write_h and h_out is None:
-        h_out = _alloc((M, R), like=x)
-    c = config or pick_mm_config(M, N, K, x.dtype, x.device)
-    br = block_r(R)
-    h_arg = h_out if write_h else out  # an unused pointer still needs a tensor
-    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n),)
-    _lora_mm_kernel[grid](
-        x, wt, p, q, bias if bias is not None else out, out, h_arg,
-        M, N, K, R, float(scale),
-        x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), p.stride(0), p.stride(1),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), h_arg.stride(0), h_arg.stride(1),
-        HAS_BIAS=bias is not None, WRITE_H=write_h, EVEN_K=K % c.block_k == 0, EVEN_R=R == br,
-        PRECISION=_precision(x.dtype), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        BLOCK_R=br, GROUP_M=8, num_warps=c.num_warps, num_stages=c.num_stages,
-    )
+        h_out = _alloc((M, R), x)
+    _mm(x, x.stride(), wt, wt.stride(), p, p.stride(), q, q.stride(), bias, out, h_out if write_h else None,
+        M, N, K, R, scale, config)
     return out, h_out
+
+
+def lora_fwd(x, w, a, b, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x·Wᵀ + bias + s·(x·A)·B and h = x·A for x (M×k), W (n×k), A (k×r), B (r×n)."""
+    M, K = x.shape
+    N, R = w.shape[0], a.shape[1]
+    y, h = _alloc((M, N), x), _alloc((M, R), x)
+    ws = w.stride()
+    _mm(x, x.stride(), w, (ws[1], ws[0]), a, a.stride(), b, b.stride(), bias, y, h, M, N, K, R, scale, None)
+    return y, h
+
+
+def lora_bwd_x(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ for g (M×n): the forward kernel on (g, W, Bᵀ, Aᵀ)."""
+    M, K = g.shape  # K here is n, the reduction
+    N, R = w.shape[1], a.shape[1]
+    gx, u = _alloc((M, N), g), _alloc((M, R), g)
+    bs, as_ = b.stride(), a.stride()
+    _mm(g, g.stride(), w, w.stride(), b, (bs[1], bs[0]), a, (as_[1], as_[0]), None, gx, u, M, N, K, R, scale, None)
+    return gx, u
 
 
 def lora_grad_ab(
@@ -271,28 +322,24 @@ def lora_grad_ab(
     x: M×K, u: M×R, h: M×R, g: M×N. Gradients are stored in ``grad_dtype`` (the parameters'
     dtype: fp32 master weights under autocast get fp32 gradients without a cast pass)."""
     M, K = x.shape
-    N = g.shape[1]
-    R = u.shape[1]
-    grad_dtype = grad_dtype or x.dtype
+    N, R = g.shape[1], u.shape[1]
     if do_a and ga_out is None:
-        ga_out = _alloc((K, R), like=x, dtype=grad_dtype)
+        ga_out = _alloc((K, R), x, grad_dtype)
     if do_b and gb_out is None:
-        gb_out = _alloc((R, N), like=x, dtype=grad_dtype)
-    c = config or pick_ab_config(M, K, N, x.device)
+        gb_out = _alloc((R, N), x, grad_dtype)
+    c = config or _AB_PICKED.get((M, K, N)) or _AB_PICKED.setdefault((M, K, N), pick_ab_config(M, K, N, x.device))
     num_a = triton.cdiv(K, c.block_d) if do_a else 0
     num_b = triton.cdiv(N, c.block_d) if do_b else 0
     if num_a + num_b == 0:
         return ga_out, gb_out
     ga = ga_out if do_a else gb_out  # placeholders for the branch that never runs
     gb = gb_out if do_b else ga_out
-    _lora_grad_ab_kernel[(num_a + num_b,)](
-        x, u, h, g, ga, gb,
-        M, K, N, R, num_a, float(scale),
-        x.stride(0), x.stride(1), u.stride(0), u.stride(1), h.stride(0), h.stride(1),
-        g.stride(0), g.stride(1),
-        ga.stride(0) if do_a else 0, ga.stride(1) if do_a else 0,
-        gb.stride(0) if do_b else 0, gb.stride(1) if do_b else 0,
-        PRECISION=_precision(x.dtype), BLOCK_M=c.block_m, BLOCK_D=c.block_d, BLOCK_R=block_r(R),
-        num_warps=c.num_warps, num_stages=c.num_stages,
+    xs, us, hs, gs, gas, gbs = x.stride(), u.stride(), h.stride(), g.stride(), ga.stride(), gb.stride()
+    launch(
+        _lora_grad_ab_kernel, (num_a + num_b, 1, 1), (x, u, h, g, ga, gb),
+        (M, K, N, R, num_a, xs[0], xs[1], us[0], us[1], hs[0], hs[1], gs[0], gs[1], gas[0], gas[1], gbs[0], gbs[1]),
+        (float(scale),),
+        (_precision(x.dtype), c.block_m, c.block_d, block_r(R)),
+        tag="ab", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return ga_out, gb_out

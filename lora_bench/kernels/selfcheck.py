@@ -98,14 +98,17 @@ def _function_check(gen: torch.Generator, *, verbose: bool) -> list[str]:
     return failures
 
 
-def _bench_ms(fn) -> float:
+def _dev_us(fn) -> float:
+    """Device-only microseconds per call: ``fn`` captured in a CUDA graph and replayed (no launch
+    gaps; inputs stay in L2 for cuBLAS and Triton alike)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
 
 
 def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[str]:
-    """Each launch per tile config against cuBLAS doing the plain GEMM (the floor for it)."""
+    """Each launch per tile config against cuBLAS doing the plain GEMM (the floor for it); the
+    fastest tile per launch shape goes into ``lora_triton.TUNED`` for the bench that follows."""
     from lora_bench.kernels import lora_triton as lt
 
     lines = []
@@ -114,30 +117,41 @@ def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[s
     for M, k, n, r in shapes:
         x, g = torch.randn(M, k, device=dev, dtype=dtype), torch.randn(M, n, device=dev, dtype=dtype)
         w = torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5
-        a, b, bias = torch.randn(k, r, device=dev, dtype=dtype), torch.randn(r, n, device=dev, dtype=dtype), torch.randn(n, device=dev, dtype=dtype)
+        a, b, bias = (torch.randn(k, r, device=dev, dtype=dtype), torch.randn(r, n, device=dev, dtype=dtype),
+                      torch.randn(n, device=dev, dtype=dtype))
         h, u = x @ a, g @ b.t()
         tag = f"{M}x{k}->{n} r{r} {str(dtype)[6:]}"
-        picks = {"fwd": lt.pick_mm_config(M, n, k, dtype, dev), "bwd": lt.pick_mm_config(M, k, n, dtype, dev)}
-        res = {"fwd cublas addmm": _bench_ms(lambda: torch.addmm(bias, x, w.t())),
-               "bwd cublas g@W": _bench_ms(lambda: g @ w)}
+        res = {"fwd cublas addmm (floor)": _dev_us(lambda: torch.addmm(bias, x, w.t())),
+               "bwd cublas g@W (floor)": _dev_us(lambda: g @ w),
+               "fwd torch 3 ops": _dev_us(lambda: torch.addmm(bias, x, w.t()).addmm_(x @ a, b, alpha=2.0)),
+               "bwd torch 3 ops": _dev_us(lambda: (g @ w).addmm_(g @ b.t(), a.t(), alpha=2.0))}
+        best = {}
         for c in cands:
-            res[f"fwd {tuple(c)}"] = _bench_ms(lambda c=c: lt.lora_mm(x, w.t(), a, b, bias, scale=2.0, config=c))
-            res[f"bwd {tuple(c)}"] = _bench_ms(lambda c=c: lt.lora_mm(g, w, b.t(), a.t(), None, scale=2.0, config=c))
-        res["ab torch 2x mm"] = _bench_ms(lambda: (x.t() @ u, h.t() @ g))
+            for phase, (MM, NN, KK), fn in (
+                ("fwd", (M, n, k), lambda c=c: lt.lora_mm(x, w.t(), a, b, bias, scale=2.0, config=c)),
+                ("bwd", (M, k, n), lambda c=c: lt.lora_mm(g, w, b.t(), a.t(), None, scale=2.0, config=c)),
+            ):
+                t = res[f"{phase} triton {tuple(c)}"] = _dev_us(fn)
+                if t < best.get((MM, NN, KK), (None, 1e9))[1]:
+                    best[(MM, NN, KK)] = (c, t)
+        for key, (c, _) in best.items():
+            lt.TUNED[(*key, dtype)] = c
+        res["ab torch 2 mm"] = _dev_us(lambda: (x.t() @ u, h.t() @ g))
         for bd in (32, 64):
             c = lt.ABConfig(64, bd, 4, 3)
-            res[f"ab {tuple(c)}"] = _bench_ms(lambda c=c: lt.lora_grad_ab(x, u, h, g, scale=2.0, config=c))
-        res[f"ab picked {tuple(lt.pick_ab_config(M, k, n, dev))}"] = _bench_ms(lambda: lt.lora_grad_ab(x, u, h, g, scale=2.0))
-        for name, ms in res.items():
-            mark = " <- picked" if any(name == f"{p} {tuple(c)}" for p, c in picks.items()) else ""
-            lines.append(f"sweep {tag:24} {name:34} {1e3 * ms:8.1f} us{mark}")
+            res[f"ab triton {tuple(c)}"] = _dev_us(lambda c=c: lt.lora_grad_ab(x, u, h, g, scale=2.0, config=c))
+        for name, us in res.items():
+            lines.append(f"sweep {tag:24} {name:34} {us:8.1f} us")
+        lines.append(f"tuned {tag:24} " + "  ".join(f"{kk}: {tuple(c)}" for kk, (c, _) in best.items()))
     return lines
 
 
 def host_cost(dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Launch-bound throughput (tiny shapes, no sync per call) = host cost per call."""
-    from lora_bench.lora.kernel import lora_linear
+    from lora_bench.kernels import launch
     from lora_bench.kernels import lora_triton as lt
+    from lora_bench.lora.kernel import lora_linear
+    from lora_bench.lora.layer import LinearWithLoRA
 
     dev = torch.device("cuda")
     x = torch.randn(64, 64, device=dev, dtype=dtype, requires_grad=True)
@@ -145,11 +159,26 @@ def host_cost(dtype: torch.dtype = torch.bfloat16) -> list[str]:
     a = torch.randn(64, 16, device=dev, dtype=dtype, requires_grad=True)
     b = torch.randn(16, 64, device=dev, dtype=dtype, requires_grad=True)
     g = torch.randn(64, 64, device=dev, dtype=dtype)
+    ref = LinearWithLoRA(torch.nn.Linear(64, 64), 16, 2.0).to(dev, dtype).requires_grad_(True)
+    ref.linear.requires_grad_(False)
+    xd, ad, bd = x.detach(), a.detach(), b.detach()
+
+    def jit_launch():
+        launch.FAST = False
+        try:
+            lt.lora_fwd(xd, w, ad, bd, bias, 2.0)
+        finally:
+            launch.FAST = True
+
     cases = {
-        "torch.mm": lambda: torch.mm(x.detach(), w),
-        "triton lora_mm": lambda: lt.lora_mm(x.detach(), w.t(), a.detach(), b.detach(), bias, scale=2.0),
+        "torch.mm": lambda: torch.mm(xd, w),
+        "triton lora_fwd, fast launch": lambda: lt.lora_fwd(xd, w, ad, bd, bias, 2.0),
+        "triton lora_fwd, triton launch": jit_launch,
+        "F.linear fwd only (frozen)": lambda: torch.nn.functional.linear(x, w, bias),
+        "lora_linear fwd only": lambda: lora_linear(x, w, bias, a, b, 2.0),
         "F.linear fwd+bwd (frozen)": lambda: torch.autograd.grad(torch.nn.functional.linear(x, w, bias), [x], g),
         "lora_linear fwd+bwd": lambda: torch.autograd.grad(lora_linear(x, w, bias, a, b, 2.0), [x, a, b], g),
+        "LinearWithLoRA fwd+bwd": lambda: torch.autograd.grad(ref(x), [x, ref.lora.A, ref.lora.B], g),
     }
     lines = []
     for name, fn in cases.items():
@@ -157,10 +186,11 @@ def host_cost(dtype: torch.dtype = torch.bfloat16) -> list[str]:
             fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(500):
+        for _ in range(300):
             fn()
         torch.cuda.synchronize()
-        lines.append(f"host  {name:28} {1e6 * (time.perf_counter() - t0) / 500:7.1f} us/call")
+        lines.append(f"host  {name:32} {1e6 * (time.perf_counter() - t0) / 300:7.1f} us/call")
+    lines.append(f"host  fast launch {launch.FAST}, direct C launch {launch._DIRECT_C}, cached {len(launch._COMPILED)}")
     return lines
 
 
@@ -189,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     from lora_bench.kernel_bench import render_kernel_table, resolve_shapes, run_kernel_bench
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
-    lines = []
+    lines = host_cost()
+    print("\n".join(lines), flush=True)
     if not args.no_sweep:
         shapes = [(s.tokens, s.d_in, s.d_out, s.rank) for s in resolve_shapes(args.shapes)]
-        lines += sweep(shapes, torch.bfloat16)
-        lines += host_cost()
-        (args.out / "sweep.txt").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines), flush=True)
+        swept = sweep(shapes, torch.bfloat16)
+        print("\n".join(swept), flush=True)
+        lines += swept
+    (args.out / "sweep.txt").write_text("\n".join(lines) + "\n")
     rows = run_kernel_bench(shapes=args.shapes, impls=args.impls, dtypes=args.dtypes, device="cuda",
                             repeats=args.repeats, warmup=10, out_csv=args.out / "kernel_bench.csv", cpu=False,
                             progress=True)

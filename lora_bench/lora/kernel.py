@@ -12,6 +12,11 @@ Where it runs (``_plan``; ``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` overrides, for me
   fused   Triton: one launch forward (big GEMM with the rank-r path folded in), two backward
   cublas  cuBLAS for the GEMMs (torch ops), one Triton launch for grad_A and grad_B together
   torch   torch ops only: the CPU path, and the fallback on CUDA without Triton
+Default on CUDA: fused for bf16/fp16 (and fp32 when torch allows tf32); cublas for exact fp32.
+Chosen by measured speed with launch overhead included (H200, docs/kernel-notes.md): at GPT-2
+sizes an eager layer is host-bound, and fused has the fewest launches (bf16 fwd+bwd 666-770 us
+vs 896-1038 for cublas, same call); replayed from a CUDA graph (device only) cublas is 4-15 % faster at the
+4×-MLP shapes, so graph users may set LORA_BENCH_KERNEL_MODE=cublas.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from .layer import LoRALinearBase
 
 _MODES = ("fused", "cublas", "torch")
+_TORCH = ("torch", "torch")
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _triton_state: dict[str, object] = {}  # "module" -> lora_triton, or "error" -> reason
 
 
@@ -77,27 +84,30 @@ def lora_kernel_backend(device: torch.device | str) -> str:
 
 def _plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
     """(forward mode, backward mode) for this input; see the module docstring."""
-    if x.device.type != "cuda" and not (_mode_override and os.environ.get("TRITON_INTERPRET") == "1"):
-        return "torch", "torch"  # (a forced mode under Triton's CPU interpreter is for tests)
-    tk = _triton()
+    if not x.is_cuda and not (_mode_override and _INTERPRET):
+        return _TORCH  # (a forced mode under Triton's CPU interpreter is for tests)
+    tk = _triton_state.get("module") or _triton()
     if tk is None or rank > tk.MAX_RANK:
-        return "torch", "torch"
+        return _TORCH
     if _mode_override is not None:
         return _mode_override
-    if x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+    if x.dtype is torch.float32 and torch.get_float32_matmul_precision() == "highest":
         # exact fp32 GEMMs: cuBLAS's fp32 path; Triton's ieee dots would be far slower
         return "cublas", "cublas"
     return "fused", "fused"
 
 
 # ------------------------------------------------------------------------------- the math
+# Host time matters as much as device time here: at GPT-2 sizes a layer's forward+backward is
+# host-bound on a fast GPU, so the code below avoids views, no-op casts and context managers it
+# does not need (each costs microseconds of Python/dispatcher time per call).
 
 
 def _forward(mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
              a: torch.Tensor, bm: torch.Tensor, s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """y (N×n), h (N×r) for x (N×k), w (n×k), a (k×r), bm (r×n)."""
     if mode == "fused":
-        return _triton().lora_mm(x, w.t(), a, bm, b, scale=s)
+        return _triton().lora_fwd(x, w, a, bm, b, s)
     h = x @ a  # (N, r)
     y = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (N, n)
     y.addmm_(h, bm, alpha=s)  # in place: no N×n temporary
@@ -108,7 +118,7 @@ def _grad_x_u(mode: str, g: torch.Tensor, w: torch.Tensor, a: torch.Tensor, bm: 
               s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_x = g·W + s·u·Aᵀ (N×k) and u = g·Bᵀ (N×r)."""
     if mode == "fused":
-        return _triton().lora_mm(g, w, bm.t(), a.t(), None, scale=s)
+        return _triton().lora_bwd_x(g, w, a, bm, s)
     u = g @ bm.t()  # (N, r)
     gx = g @ w  # (N, k)
     gx.addmm_(u, a.t(), alpha=s)
@@ -125,69 +135,78 @@ def _grad_ab(mode: str, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, g: to
     return ga, gb
 
 
-def _compute_dtype(x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype:
-    """Autocast's dtype when autocast is on for x's device, else x's dtype (which must match)."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev) and x.is_floating_point():
-        return torch.get_autocast_dtype(dev)
-    for p in params:
-        if p.dtype != x.dtype:
-            raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
-    return x.dtype
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype is dtype else t.to(dtype)
 
 
 class LoRAKernelFunction(torch.autograd.Function):
     """y = x·Wᵀ + b + s·(x·A)·B with the minimal backward. Inputs: x (..., k), weight (n, k),
-    bias (n) or None, A (k, r), B (r, n), scale (a float)."""
+    bias (n) or None, A (k, r), B (r, n), scale (a float).
+
+    Autocast: ``custom_fwd`` records CUDA autocast state; on any device, with autocast on, every
+    operand is cast once to autocast's dtype (what F.linear does) and the math runs with autocast
+    off, so the Triton and torch paths see the same dtypes. Backward needs no autocast state (it
+    casts explicitly), so instead of ``custom_bwd``'s context manager on every call it switches
+    autocast off only where it is on (CPU backward runs on the caller's thread)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, weight, bias, A, B, scale):
-        k, n = weight.shape[1], weight.shape[0]
-        params = [weight, A, B] + ([bias] if bias is not None else [])
-        cdt = _compute_dtype(x, params)
-        # Casts are done here, once, so every path (Triton too) sees one dtype; autocast is then
-        # switched off so torch ops inside do not cast again.
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, k).to(cdt)  # (N, k); a copy only when the batch dims don't flatten
-            w, a, bm = weight.to(cdt), A.to(cdt), B.to(cdt)
-            b = bias.to(cdt) if bias is not None else None
+        n, k = weight.shape
+        dev = "cuda" if x.is_cuda else x.device.type
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (N, k); a copy only if the batch dims don't flatten
+        s = float(scale)
+        if torch.is_autocast_enabled(dev) and x.is_floating_point():
+            cdt = torch.get_autocast_dtype(dev)
+            with torch.autocast(dev, enabled=False):
+                x2, w, a, bm, b = (_cast(t, cdt) for t in (x2, weight, A, B, bias))
+                fwd_mode, bwd_mode = _plan(x2, A.shape[1])
+                y, h = _forward(fwd_mode, x2, w, b, a, bm, s)
+        else:
+            for p in (weight, A, B, bias):
+                if p is not None and p.dtype is not x.dtype:
+                    raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
+            w, a, bm, b = weight, A, B, bias
             fwd_mode, bwd_mode = _plan(x2, A.shape[1])
-            y, h = _forward(fwd_mode, x2, w, b, a, bm, float(scale))
+            y, h = _forward(fwd_mode, x2, w, b, a, bm, s)
         ctx.save_for_backward(x2, h, w, a, bm)
-        ctx.scale = float(scale)
-        ctx.bwd_mode = bwd_mode
+        ctx.scale, ctx.bwd_mode, ctx.dev = s, bwd_mode, dev
         ctx.x_meta = (x.shape, x.dtype)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None, A.dtype, B.dtype)
-        return y.reshape(*x.shape[:-1], n)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_out):
+        if torch.is_autocast_enabled(ctx.dev):
+            with torch.autocast(ctx.dev, enabled=False):
+                return LoRAKernelFunction._backward(ctx, grad_out)
+        return LoRAKernelFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x2, h, w, a, bm = ctx.saved_tensors
         s, mode = ctx.scale, ctx.bwd_mode
-        need_x, need_w, need_b, need_a, need_b_lora, _ = ctx.needs_input_grad
+        need_x, need_w, need_b, need_a, need_bl, _ = ctx.needs_input_grad
         w_dt, b_dt, a_dt, bl_dt = ctx.param_dtypes
         grad_x = grad_w = grad_b = grad_a = grad_bl = None
-        with torch.autocast(x2.device.type, enabled=False):
-            g = grad_out.reshape(-1, w.shape[0]).to(x2.dtype)  # (N, n)
-            if need_x:
-                gx, u = _grad_x_u(mode, g, w, a, bm, s)
-                grad_x = gx.reshape(ctx.x_meta[0]).to(ctx.x_meta[1])
-            elif need_a:
-                u = g @ bm.t()  # input needs no gradient (first layer): skip the big GEMM
-            else:
-                u = None
-            if need_a or need_b_lora:
-                grad_a, grad_bl = _grad_ab(mode, x2, u if u is not None else h, h, g, s,
-                                           do_a=need_a, do_b=need_b_lora, dtype=a_dt)
-                if grad_bl is not None and grad_bl.dtype != bl_dt:
-                    grad_bl = grad_bl.to(bl_dt)
-            # Only a trainable base layer (the classification head) pays for these.
-            if need_w:
-                grad_w = (g.t() @ x2).to(w_dt)  # (n, k)
-            if need_b:
-                grad_b = g.sum(0).to(b_dt)
+        g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, w.shape[0])  # (N, n)
+        g = _cast(g, x2.dtype)
+        u = None
+        if need_x:
+            gx, u = _grad_x_u(mode, g, w, a, bm, s)
+            x_shape, x_dt = ctx.x_meta
+            grad_x = _cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
+        elif need_a:
+            u = g @ bm.t()  # the input needs no gradient (first layer): skip the big GEMM
+        if need_a or need_bl:
+            grad_a, grad_bl = _grad_ab(mode, x2, u if u is not None else h, h, g, s,
+                                       do_a=need_a, do_b=need_bl, dtype=a_dt)
+            grad_bl = _cast(grad_bl, bl_dt)
+        # Only a trainable base layer (the classification head) pays for these.
+        if need_w:
+            grad_w = _cast(g.t() @ x2, w_dt)  # (n, k)
+        if need_b:
+            grad_b = _cast(g.sum(0), b_dt)
         return grad_x, grad_w, grad_b, grad_a, grad_bl, None
 
 

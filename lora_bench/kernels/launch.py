@@ -1,0 +1,98 @@
+"""Launch a Triton kernel with less host work than ``kernel[grid](...)``.
+
+Why: on the H200 lease machine one ``kernel[grid](...)`` call of Triton 3.6 cost ~98 us of host
+time (torch.mm: ~20 us), and a LoRA layer is host-bound at GPT-2 sizes: three such launches cost
+more than the frozen layer's whole forward+backward. Triton's own path re-derives, on every call,
+the specialisation of each argument, a string cache key, the device and stream, and then has its
+C launcher call ``data_ptr()`` and ``cuPointerGetAttribute`` once per tensor.
+
+Here the first call for a key goes through Triton (compiling if needed) and keeps the returned
+``CompiledKernel``; later calls hand raw pointers straight to its C launcher. The key covers
+everything Triton 3.x specialises on (dtypes, 16-byte alignment of each pointer, integer
+arguments equal to 1 or divisible by 16, constexprs, warps, stages, device), so a cached binary is
+only reused where Triton would pick the same one. Launch hooks (profilers such as proton) are not
+called on the fast path. Measured on the H200 machine (host cost of one lora_fwd call, tiny
+shape): Triton's path 122 us, first fast path (per-call specialisation tuples) 77 us.
+
+Only for Triton versions whose launch internals were read (3.6: the device machine; 3.9: here);
+elsewhere, or with ``LORA_BENCH_TRITON_FAST_LAUNCH=0``, every call takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import warnings
+
+import torch
+import triton
+
+_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+FAST = ((3, 6) <= _VERSION <= (3, 9) and os.environ.get("LORA_BENCH_TRITON_FAST_LAUNCH", "1") != "0"
+        and os.environ.get("TRITON_INTERPRET") != "1")
+# Triton 3.6's CudaLauncher.__call__ only allocates scratch (none for these kernels) and calls
+# its C ``launch``; on 3.6 that C function is called directly. Other versions go through __call__.
+_DIRECT_C = _VERSION == (3, 6)
+_COMPILED: dict[tuple, tuple] = {}
+_I32 = 1 << 31
+_DTYPE = operator.attrgetter("dtype")
+_PTR = torch.Tensor.data_ptr
+
+
+def _entry(kernel) -> tuple | None:
+    """What a later launch needs from a CompiledKernel; None if it cannot be reused safely."""
+    if getattr(kernel, "function", None) is None:
+        return None
+    runner = kernel.run  # the CudaLauncher (handles are initialised by now)
+    md = kernel.metadata
+    if (_DIRECT_C and not getattr(md, "global_scratch_size", 0) and not getattr(md, "profile_scratch_size", 0)
+            and hasattr(runner, "launch")):
+        return (True, runner.launch, kernel.function, kernel.packed_metadata, runner.launch_cooperative_grid,
+                runner.launch_pdl)
+    return (False, runner, kernel.function, kernel.packed_metadata, None, None)
+
+
+def _disable_direct(exc: BaseException) -> None:
+    """A Triton whose C launcher takes other arguments: stop calling it directly, say so once."""
+    global _DIRECT_C
+    _DIRECT_C = False
+    _COMPILED.clear()
+    warnings.warn(f"lora-bench fast launch: direct C launch failed ({exc}); using the launcher object",
+                  RuntimeWarning, stacklevel=3)
+
+
+def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tuple, consts: tuple,
+           *, tag: str, num_warps: int, num_stages: int) -> None:
+    """Launch ``fn`` whose parameters are, in order: ``tensors`` (pointers), ``ints``, ``tail``
+    (floats: not specialised by Triton), then ``consts`` (the constexprs, in signature order).
+
+    The cache key holds the integer arguments themselves (finer than Triton's 'equal to 1' and
+    'divisible by 16', so never wrong; a training run repeats a handful of shapes) and requires
+    every pointer to be 16-byte aligned (torch's allocations are); anything else takes Triton's
+    own path each time."""
+    fast = FAST and max(ints) < _I32 and min(ints) >= -_I32  # i64 arguments: Triton's own path
+    if fast:
+        ptrs = list(map(_PTR, tensors))
+        fast = not (functools.reduce(operator.or_, ptrs) & 15)
+    if fast:
+        dev = tensors[0].get_device()
+        key = (tag, dev, num_warps, num_stages, consts, ints, tuple(map(_DTYPE, tensors)))
+        entry = _COMPILED.get(key)
+        if entry is not None:
+            direct, run, function, packed, coop, pdl = entry
+            stream = torch._C._cuda_getCurrentRawStream(dev)
+            if not direct:
+                run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *ptrs, *ints, *tail, *consts)
+                return
+            try:
+                run(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, packed, None, None, None,
+                    *ptrs, *ints, *tail, *consts)
+                return
+            except (TypeError, SystemError) as exc:  # argument parsing fails before anything launches
+                _disable_direct(exc)
+    kernel = fn[grid](*tensors, *ints, *tail, *consts, num_warps=num_warps, num_stages=num_stages)
+    if fast:
+        entry = _entry(kernel)
+        if entry is not None:
+            _COMPILED[key] = entry

@@ -1,0 +1,292 @@
+"""lora_bench.sweep / lora_bench.worker: expansion and deterministic ids, validation of every run in
+one pass, shards, and running tiny sweeps on the CPU — a failing and a crashing run are recorded
+while the others finish, SIGINT leaves intact results and a resume runs only what is missing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lora_bench import cli
+from lora_bench.errors import ConfigError, UsageError
+from lora_bench.sweep import load_sweep, parse_shard, select_shard
+
+SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
+TINY = f"""\
+  model_size: tiny
+  weights: random
+  device: cpu
+  data_file: {SAMPLE}
+  num_epochs: 1
+  max_steps: 2
+  warmup_steps: 1
+  eval_freq: 0
+  skip_final_eval: true
+"""
+
+
+def write(tmp_path: Path, body: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(f"# lora-bench sweep {name}\n" + textwrap.dedent(body))
+    return path
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``lora-bench ARGS`` in-process through ``main()`` (the real error mapping)."""
+    monkeypatch.setattr("sys.argv", ["lora-bench", *map(str, args)])
+    monkeypatch.setenv("COLUMNS", "200")
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def rows(results: Path) -> pd.DataFrame:
+    return pd.read_csv(results / "runs.csv", dtype=str, keep_default_na=False)
+
+
+# -- expansion -----------------------------------------------------------------------------------
+def test_grid_repeats_and_deterministic_ids(tmp_path):
+    path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n"
+                 "  batch_size: [4, 8]\nrepeats: 2\n")
+    sw = load_sweep(path)
+    assert len(sw.runs) == 8 and len({r.run_id for r in sw.runs}) == 8
+    assert [r.run_id for r in load_sweep(path).runs] == [r.run_id for r in sw.runs]
+    # repeat-major, last grid key fastest
+    assert [(r.repeat, r.cfg.trainable_layers, r.cfg.batch_size) for r in sw.runs[:4]] == [
+        (0, "all", 4), (0, "all", 8), (0, "lora", 4), (0, "lora", 8)]
+    assert sw.runs[0].run_id.endswith("-r0") and sw.runs[4].run_id == sw.runs[0].run_id[:-1] + "1"
+    # environment overrides change what runs, not the ids (shards on other hosts merge by id)
+    other = load_sweep(path, overrides={"device": "auto", "data_file": "/elsewhere/sms.tsv"})
+    assert [r.run_id for r in other.runs] == [r.run_id for r in sw.runs]
+    assert other.runs[0].cfg.device == "auto" and other.runs[0].cfg.data_file == "/elsewhere/sms.tsv"
+    assert sw.provenance(sw.runs[5]) == {"sweep_name": "g", "sweep_file": path.as_posix(),
+                                         "sweep_sha256": sw.sha256, "sweep_label": None, "repeat": 1}
+
+
+def test_explicit_runs_times_grid_and_relative_data_file(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sms.tsv").write_text(SAMPLE.read_text())
+    path = write(tmp_path, """\
+        name: r
+        base: {model_size: tiny, weights: random, data_file: data/sms.tsv, lora_rank: 2}
+        grid: {trainable_layers: [lora, lora-merged]}
+        runs:
+          - {label: small, lora_alpha: 4}
+          - {label: big, lora_alpha: 32, lora_rank: 16}
+        """)
+    sw = load_sweep(path)
+    got = [(r.label, r.cfg.trainable_layers, r.cfg.lora_rank, r.cfg.lora_alpha) for r in sw.runs]
+    assert got == [("small", "lora", 2, 4.0), ("small", "lora-merged", 2, 4.0),
+                   ("big", "lora", 16, 32.0), ("big", "lora-merged", 16, 32.0)]
+    assert sw.runs[0].cfg.data_file == str((tmp_path / "data" / "sms.tsv").resolve())
+
+
+def test_validate_reports_every_problem_in_one_pass(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, """\
+        name: bad
+        repeat: 2
+        base: {model_size: tiny, weights: random, lora_rnak: 4, no_padding: true}
+        grid:
+          trainable_layers: [all, lorra]
+          max_steps: 5
+        runs:
+          - {label: odd-width, emb_dim: 30, n_heads: 4}
+          - {label: pretrained-tiny, weights: pretrained}
+        """)
+    with pytest.raises(ConfigError) as e:
+        load_sweep(path)
+    text = "\n".join(e.value.problems)
+    for expected in ("unknown top-level key 'repeat'; did you mean 'repeats'?",
+                     "unknown setting 'lora_rnak'; did you mean 'lora_rank'?",
+                     "grid.max_steps must be a non-empty list",
+                     "trainable_layers='lorra' is not allowed",
+                     "no_padding needs batch_size=1",
+                     "emb_dim=30 is not divisible by n_heads=4",
+                     "model_size=tiny has no pretrained checkpoint"):
+        assert expected in text
+    good = write(tmp_path, "name: ok\nbase:\n" + TINY, name="ok.yaml")
+    code, out = run_cli(monkeypatch, capsys, "validate", path, good)
+    assert code == 2
+    assert "did you mean 'lora_rank'?" in out and "not divisible" in out and "Traceback" not in out
+    assert "✓" in out and "ok.yaml" in out and "1 of 2 sweep file(s) have problems" in out
+
+
+def test_duplicate_settings_and_clashing_keys_are_problems(tmp_path):
+    path = write(tmp_path, """\
+        name: dup
+        base: {model_size: tiny, weights: random}
+        grid: {batch_size: [4, 8]}
+        runs:
+          - {label: a}
+          - {label: b}
+          - {label: c, batch_size: 2}
+        """)
+    with pytest.raises(ConfigError) as e:
+        load_sweep(path)
+    text = "\n".join(e.value.problems)
+    assert "has the same settings as a (batch_size=4)" in text
+    assert "runs[2] sets batch_size, which grid also varies" in text
+
+
+def test_shards_are_disjoint_and_cover_the_sweep(tmp_path):
+    path = write(tmp_path, "name: sh\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora, lora-merged]\n"
+                 "  batch_size: [2, 4, 8]\nrepeats: 2\n")
+    runs = load_sweep(path).runs
+    for n in range(1, 6):
+        parts = [{r.run_id for r in select_shard(runs, (i, n))} for i in range(1, n + 1)]
+        assert set().union(*parts) == {r.run_id for r in runs}
+        assert sum(map(len, parts)) == len(runs)  # disjoint
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        assert [r.run_id for p in range(1, n + 1) for r in select_shard(runs, (p, n))] == [r.run_id for r in runs]
+    assert parse_shard("2/4") == (2, 4) and parse_shard(None) is None
+    for bad in ("0/3", "4/3", "a/b", "3"):
+        with pytest.raises(UsageError, match="I/N"):
+            parse_shard(bad)
+
+
+# -- running -------------------------------------------------------------------------------------
+def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    """Process isolation: a data error (exception) and a segfault (the child dies) each become a
+    failed row; the good run finishes."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # test-only crash: the worker child segfaults before running when its job has seed 666
+    (hook / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import json, os, signal, sys
+        if sys.argv and sys.argv[-1].endswith("job.json"):
+            if json.load(open(sys.argv[-1]))["config"]["seed"] == 666:
+                os.kill(os.getpid(), signal.SIGSEGV)
+        """))
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    path = write(tmp_path, "name: f\nbase:\n" + TINY + textwrap.dedent("""\
+        runs:
+          - {label: ok}
+          - {label: bad-data, data_file: missing.tsv}
+          - {label: crash, seed: 666}
+        """))
+    results = tmp_path / "res"
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+                        tmp_path / "cache", "--no-progress")
+    assert code == 1, out
+    df = rows(results).set_index("sweep_label")
+    assert df.loc["ok", "status"] == "done"
+    assert df.loc["bad-data", "status"] == "failed" and "data file not found" in df.loc["bad-data", "error"]
+    assert df.loc["crash", "status"] == "failed" and "SIGSEGV" in df.loc["crash", "error"]
+    assert set(df["sweep_name"]) == {"f"} and set(df["repeat"]) == {"0"}
+    assert len(set(df["sweep_sha256"])) == 1 and len(df["sweep_sha256"].iloc[0]) == 64
+    assert "1 done, 2 failed" in out
+
+
+def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent("""\
+        runs:
+          - {label: quick}
+          - {label: slow, max_steps: 2000, num_epochs: 1000}
+          - {label: after, seed: 7}
+        """))
+    results = tmp_path / "res"
+    ids = {r.label: r.run_id for r in load_sweep(path).runs}
+    proc = subprocess.Popen([sys.executable, "-c", "from lora_bench.cli import main; main()", "sweep", str(path),
+                             "--results-dir", str(results), "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (results / ids["slow"] / "job.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(2.5)  # into the slow run (its child imports torch first; either moment must work)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    df = rows(results)  # parses: no torn rows
+    assert sorted(df["run_id"]) == sorted([ids["quick"], ids["slow"]])  # no duplicates, 'after' never started
+    status = dict(zip(df["run_id"], df["status"]))
+    assert status == {ids["quick"]: "done", ids["slow"]: "interrupted"}
+    quick_started = df.set_index("run_id").loc[ids["quick"], "started_at"]
+
+    import lora_bench.run as run_mod
+
+    calls, real = [], run_mod.execute_run
+
+    def short(cfg, **kw):  # rerun for real, but a few steps only (the id stays the sweep's)
+        calls.append(kw["run_id"])
+        return real(cfg.replace(max_steps=2), **kw)
+
+    monkeypatch.setattr(run_mod, "execute_run", short)
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+                        tmp_path / "cache", "--isolation", "inline", "--no-progress")
+    assert code == 0, out
+    assert calls == [ids["slow"], ids["after"]]
+    df = rows(results)
+    assert len(df) == 3 and df["run_id"].is_unique and set(df["status"]) == {"done"}
+    assert df.set_index("run_id").loc[ids["quick"], "started_at"] == quick_started
+    assert "1 skipped" in out
+
+
+def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatch, capsys):
+    import lora_bench.run as run_mod
+
+    def killed(*args, **kwargs):  # the loop receives SIGTERM mid-run
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(run_mod, "train_classifier", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    path = write(tmp_path, "name: t\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    results = tmp_path / "res"
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+                        tmp_path / "cache", "--isolation", "inline", "--no-progress")
+    assert code == 130, out
+    df = rows(results)
+    assert list(df["status"]) == ["interrupted"] and "SIGTERM" in df["error"].iloc[0]
+    assert "1 not started" in out
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers restored after the sweep
+
+
+def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, capsys):
+    import lora_bench.run as run_mod
+
+    calls, real = [], run_mod.execute_run
+    monkeypatch.setattr(run_mod, "execute_run", lambda cfg, **kw: calls.append(kw["run_id"]) or real(cfg, **kw))
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, "name: fr\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    common = ("--cache-dir", tmp_path / "cache", "--isolation", "inline", "--no-progress")
+    ids = [r.run_id for r in load_sweep(path).runs]
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--dry-run")
+    assert code == 0 and all(i in out for i in ids) and "2 to run" in out
+    assert not (tmp_path / "results").exists()
+    assert run_cli(monkeypatch, capsys, "sweep", path, *common)[0] == 0
+    assert len(calls) == 2 and (tmp_path / "results" / "fr" / "runs.csv").is_file()
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, *common)
+    assert code == 0 and len(calls) == 2 and "2 skipped" in out
+    assert "skip (done)" in run_cli(monkeypatch, capsys, "sweep", path, "--dry-run")[1]
+    assert run_cli(monkeypatch, capsys, "sweep", path, "--fresh", *common)[0] == 0
+    assert len(calls) == 4 and len(rows(tmp_path / "results" / "fr")) == 2
+
+
+def test_usage_errors_exit_2_without_traceback(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, "name: u\nbase:\n" + TINY)
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--shard", "5/4")
+    assert code == 2 and "1 <= I <= N" in out and "Traceback" not in out
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--isolation", "thread", "--results-dir", tmp_path / "r")
+    assert code == 2 and "choose one of: process, inline" in out
+    code, out = run_cli(monkeypatch, capsys, "sweep", tmp_path / "nope.yaml")
+    assert code == 2 and "sweep file not found" in out
+    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--device", "gpu", "--dry-run")
+    assert code == 2 and "device='gpu' is not allowed" in out
+    import torch
+
+    if torch.cuda.device_count() < 8:  # checked before the first run, not failed run by run
+        code, out = run_cli(monkeypatch, capsys, "sweep", path, "--device", "cuda:7", "--results-dir", tmp_path / "r")
+        assert code == 2 and "CUDA device(s)" in out and not (tmp_path / "r").exists()
