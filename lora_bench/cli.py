@@ -235,6 +235,34 @@ def report(
                    plot=plot, console=console)
 
 
+@app.command("kernel-bench")
+def kernel_bench(
+    shapes: Annotated[Optional[str], typer.Option(help="Comma-separated: groups guide, 124m, 1558m, or specs "
+                                                       "like 4x512:768->768:r16 (default: all groups).")] = None,
+    impls: Annotated[Optional[str], typer.Option(help="Comma-separated subset of frozen, lora, lora-merged, "
+                                                      "lora-kernel (lora-kernel:MODE forces a plan).")] = None,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16.")] = "fp32,bf16",
+    device: Annotated[str, typer.Option(help="cuda, cuda:N, or cpu.")] = "cuda",
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median, p10, p90).")] = 200,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls.")] = 20,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Add a CPU forward+backward column (fp32 rows).")] = False,
+    out: Annotated[Path, typer.Option(help="CSV output.")] = Path("results/kernel-bench/kernel_bench.csv"),
+    no_progress: NoProgress = False,
+) -> None:
+    """Time one LoRA layer (forward, backward, both) against the frozen layer: the floor."""
+    from .errors import UsageError
+    from .kernel_bench import render_kernel_table, run_kernel_bench
+
+    split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
+    try:
+        rows = run_kernel_bench(shapes=split(shapes), impls=split(impls), dtypes=split(dtypes), device=device,
+                                repeats=repeats, warmup=warmup, out_csv=out, cpu=cpu, progress=not no_progress)
+    except (ValueError, RuntimeError) as e:  # bad shape/impl/dtype names, or no GPU for device=cuda
+        raise UsageError(str(e)) from e
+    console.print(render_kernel_table(rows))
+    console.print(f"written: {out}")
+
+
 def main() -> None:
     """Entry point: typer handles usage errors (exit 2); domain errors become one message."""
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import socket
 import subprocess
@@ -15,10 +16,15 @@ from . import __version__
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
+    """The commit of the lora-bench source: ``LORA_BENCH_GIT_COMMIT`` when set (a copy of the tree
+    without its history, e.g. on a lent GPU machine), else git, marked ``+dirty`` when modified."""
+    if os.environ.get("LORA_BENCH_GIT_COMMIT"):
+        return os.environ["LORA_BENCH_GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=5).stdout.strip()
+        proc = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=5)
+        sha = proc.stdout.strip() if proc.returncode == 0 else ""
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):

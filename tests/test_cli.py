@@ -96,3 +96,16 @@ def test_bad_device(run_cli, tmp_path, sms_file, device):
 def test_show_missing_and_unknown(run_cli, tmp_path):
     code, out = run_cli("show", str(tmp_path))
     _assert_clean_usage_error(code, out, "no runs.csv")
+
+
+def test_kernel_bench_command_on_cpu(run_cli, tmp_path):
+    out = tmp_path / "kb.csv"
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--repeats", "2",
+                         "--warmup", "1", "--out", str(out), "--no-progress")
+    assert code == 0, text
+    import pandas as pd
+
+    rows = pd.read_csv(out)
+    assert set(rows["impl"]) >= {"frozen", "lora", "lora-merged", "lora-kernel"}
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--impls", "bogus", "--out", str(out))
+    _assert_clean_usage_error(code, text, "bogus", "frozen")

@@ -109,7 +109,7 @@ def test_line_profile_report(tiny_cfg, tmp_path):
 
 def test_torch_profile_trace_and_phase_summary(tiny_cfg, tmp_path):
     _run(tiny_cfg.replace(profile="torch", max_steps=8, warmup_steps=2, eval_freq=0), tmp_path, "tp")
-    assert (tmp_path / "tp" / "trace.json").stat().st_size > 1000
+    assert (tmp_path / "tp" / "trace.json.gz").stat().st_size > 1000
     k = pd.read_csv(tmp_path / "tp" / "kernels_by_phase.csv")
     phases = set(k["phase"])
     assert {"forward", "backward", "optimizer"} <= phases
@@ -123,3 +123,16 @@ def test_show_prints_phase_table(tiny_cfg, tmp_path, run_cli):
     _run(tiny_cfg, tmp_path, "sh")
     code, out = run_cli("show", str(tmp_path), "sh")
     assert code == 0 and "forward" in out and "optimizer" in out and "sh" in out
+
+
+def test_git_commit_provenance(monkeypatch):
+    from lora_bench import provenance
+
+    provenance.git_commit.cache_clear()
+    monkeypatch.setenv("LORA_BENCH_GIT_COMMIT", "abc1234")
+    assert provenance.git_commit() == "abc1234"
+    provenance.git_commit.cache_clear()
+    monkeypatch.delenv("LORA_BENCH_GIT_COMMIT")
+    got = provenance.git_commit()
+    assert got == "" or len(got.split("+")[0]) == 40  # a real sha, never the literal 'HEAD'
+    provenance.git_commit.cache_clear()

@@ -2,6 +2,7 @@
 # Device call 1: environment, GPU tests of the modes, the published random-weights row (row 10),
 # and the 124M phase-timing study. Results are tarred into $OUT.
 set -uo pipefail
+export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"

@@ -2,6 +2,7 @@
 # Device call 2: GPU tests, timer overhead (events vs off), kernel counts per phase, and a first
 # exploration of execution modes at 124M and 1558M.
 set -uo pipefail
+export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export LORA_BENCH_SMS_FILE=$PWD/.devdata/SMSSpamCollection.tsv

@@ -2,6 +2,7 @@
 # Device call 3: the committed all-vs-LoRA study (sweep, inline so base weights are shared), the
 # 124M 5-epoch wall time in the fastest mode, and the report rendered from the results.
 set -uo pipefail
+export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 DATA=$PWD/.devdata/SMSSpamCollection.tsv
