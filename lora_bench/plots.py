@@ -85,6 +85,11 @@ def _points(rep: Report) -> pd.DataFrame:
     if "step_ms_median" not in d or d["step_ms_median"].isna().all():
         return pd.DataFrame(columns=cols)
     d["series"] = d[SERIES] if SERIES in d else "runs"
+    # runs labelled with different execution modes (a sweep's ``runs`` labels) are separate lines,
+    # and each is compared with the baseline of its own mode
+    d["mode"] = d["sweep_label"].fillna("") if "sweep_label" in d and d["sweep_label"].nunique() > 1 else ""
+    if (d["mode"] != "").any():
+        d["series"] = d["series"].astype(str) + " [" + d["mode"] + "]"
     keys = [k for k in SIZE_KEYS if k in d]
     d["size"] = [_size_name(r, keys) for r in d[keys].fillna("").astype(str).to_dict("records")] if keys else "model"
     # LoRA adds adapter parameters: the smallest count at a size is the base model's
@@ -92,12 +97,12 @@ def _points(rep: Report) -> pd.DataFrame:
     d["tokens"] = _numbers(d, "tokens_per_step").round()
     spec = _baseline_spec(rep)
     d["is_base"] = matches(d, spec) if spec else False
-    by = ["series", "size", "tokens"]
+    by = ["series", "mode", "size", "tokens"]
     agg = d.groupby(by, dropna=False).agg(step=("step_ms_median", "median"), size_x=("size_x", "first"),
                                           is_base=("is_base", "all")).reset_index()
-    base = d[d["is_base"]].groupby(["size", "tokens"], dropna=False)["step_ms_median"].median()
-    agg["ratio"] = [s / base.get((z, t), math.nan) if (z, t) in base.index else math.nan
-                    for s, z, t in zip(agg["step"], agg["size"], agg["tokens"])]
+    base = d[d["is_base"]].groupby(["mode", "size", "tokens"], dropna=False)["step_ms_median"].median()
+    agg["ratio"] = [s / base.get((m, z, t), math.nan) if (m, z, t) in base.index else math.nan
+                    for s, m, z, t in zip(agg["step"], agg["mode"], agg["size"], agg["tokens"])]
     return agg[cols]
 
 
