@@ -19,12 +19,9 @@ Gradients are taken with ``torch.autograd.grad`` (no .grad accumulation kernels 
 
 from __future__ import annotations
 
-import csv
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -33,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from lora_bench import results
 from lora_bench.lora import lora_class
 
 SHAPE_GROUPS: dict[str, list[str]] = {
@@ -248,20 +246,8 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    """Atomic: a temp file in the same folder, then os.replace (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            for r in rows:
-                w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in COLUMNS})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """The bench table, written atomically through the results module's writer."""
+    results.write_csv(path, ({c: r.get(c) for c in COLUMNS} for r in rows), list(COLUMNS))
 
 
 def run_kernel_bench(

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 from pathlib import Path
 
 import tiktoken
 import tiktoken.load
 
+from .download import sha256_of
 from .errors import DataError
 
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -20,12 +20,7 @@ PAD_TOKEN_ID = 50256  # <|endoftext|>
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+sha256_file = sha256_of  # one helper for file hashes (download owns it)
 
 
 def bpe_files(folder: Path | None = None) -> tuple[Path, Path]:

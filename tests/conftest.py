@@ -52,7 +52,7 @@ def run_cli(monkeypatch, capsys):
     from lora_bench import cli
 
     def run(*args: str) -> tuple[int, str]:
-        monkeypatch.setattr("sys.argv", ["lora-bench", *args])
+        monkeypatch.setattr("sys.argv", ["lora-bench", *map(str, args)])
         monkeypatch.setenv("COLUMNS", "200")
         code = 0
         try:

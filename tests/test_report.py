@@ -13,27 +13,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lora_bench import cli
 from lora_bench.errors import UsageError
 from lora_bench.report import build_report, load_results, to_markdown
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 
 
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    monkeypatch.setattr("sys.argv", ["lora-bench", *map(str, args)])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
-def test_markdown_matches_the_expected_file(monkeypatch, capsys):
-    code, out = run_cli(monkeypatch, capsys, "report", FIXTURES, "--baseline", "trainable_layers=all",
+def test_markdown_matches_the_expected_file(monkeypatch, capsys, run_cli):
+    code, out = run_cli("report", FIXTURES, "--baseline", "trainable_layers=all",
                         "--format", "markdown")
     assert code == 0
     assert out == (FIXTURES / "expected.md").read_text()
@@ -54,8 +43,8 @@ def test_within_spread_rule_and_ratios():
     assert rep.excluded == {"failed": 1}
 
 
-def test_group_by_metrics_and_csv(monkeypatch, capsys):
-    code, out = run_cli(monkeypatch, capsys, "report", FIXTURES, "--group-by", "trainable_layers",
+def test_group_by_metrics_and_csv(monkeypatch, capsys, run_cli):
+    code, out = run_cli("report", FIXTURES, "--group-by", "trainable_layers",
                         "--metrics", "backward_ms_median,step_ms_median", "--format", "csv")
     assert code == 0
     df = pd.read_csv(io.StringIO(out))
@@ -64,9 +53,9 @@ def test_group_by_metrics_and_csv(monkeypatch, capsys):
     assert list(df["n"]) == [6, 6, 4]
 
 
-def test_rich_table_and_plot(tmp_path, monkeypatch, capsys):
+def test_rich_table_and_plot(tmp_path, monkeypatch, capsys, run_cli):
     png = tmp_path / "plots" / "report.png"
-    code, out = run_cli(monkeypatch, capsys, "report", FIXTURES, "--baseline", "trainable_layers=all",
+    code, out = run_cli("report", FIXTURES, "--baseline", "trainable_layers=all",
                         "--plot", png)
     assert code == 0 and "1.01× ≈" in out and "1 failed" in out
     data = png.read_bytes()
@@ -102,14 +91,14 @@ def test_labels_group_by_default():
     assert "| label |" in to_markdown(rep)
 
 
-def test_nothing_to_report(tmp_path, monkeypatch, capsys):
-    code, out = run_cli(monkeypatch, capsys, "report", tmp_path)
+def test_nothing_to_report(tmp_path, monkeypatch, capsys, run_cli):
+    code, out = run_cli("report", tmp_path)
     assert code == 2 and "nothing to report" in out and "Traceback" not in out
-    code, out = run_cli(monkeypatch, capsys, "report", tmp_path / "missing")
+    code, out = run_cli("report", tmp_path / "missing")
     assert code == 2 and "no such results folder" in out
     rows = pd.read_csv(FIXTURES / "runs.csv", dtype=str, keep_default_na=False)
     rows[rows["status"] == "failed"].to_csv(tmp_path / "runs.csv", index=False)
-    code, out = run_cli(monkeypatch, capsys, "report", tmp_path)
+    code, out = run_cli("report", tmp_path)
     assert code == 2 and "none finished (1 failed)" in out
 
 

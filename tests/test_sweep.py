@@ -15,7 +15,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lora_bench import cli
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.sweep import load_sweep, parse_shard, select_shard
 
@@ -39,17 +38,6 @@ def write(tmp_path: Path, body: str, name: str = "s.yaml") -> Path:
     return path
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``lora-bench ARGS`` in-process through ``main()`` (the real error mapping)."""
-    monkeypatch.setattr("sys.argv", ["lora-bench", *map(str, args)])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 def rows(results: Path) -> pd.DataFrame:
@@ -93,7 +81,7 @@ def test_explicit_runs_times_grid_and_relative_data_file(tmp_path):
     assert sw.runs[0].cfg.data_file == str((tmp_path / "data" / "sms.tsv").resolve())
 
 
-def test_validate_reports_every_problem_in_one_pass(tmp_path, monkeypatch, capsys):
+def test_validate_reports_every_problem_in_one_pass(tmp_path, monkeypatch, capsys, run_cli):
     path = write(tmp_path, """\
         name: bad
         repeat: 2
@@ -117,7 +105,7 @@ def test_validate_reports_every_problem_in_one_pass(tmp_path, monkeypatch, capsy
                      "model_size=tiny has no pretrained checkpoint"):
         assert expected in text
     good = write(tmp_path, "name: ok\nbase:\n" + TINY, name="ok.yaml")
-    code, out = run_cli(monkeypatch, capsys, "validate", path, good)
+    code, out = run_cli("validate", path, good)
     assert code == 2
     assert "did you mean 'lora_rank'?" in out and "not divisible" in out and "Traceback" not in out
     assert "✓" in out and "ok.yaml" in out and "1 of 2 sweep file(s) have problems" in out
@@ -157,7 +145,7 @@ def test_shards_are_disjoint_and_cover_the_sweep(tmp_path):
 
 
 # -- running -------------------------------------------------------------------------------------
-def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys, run_cli):
     """Process isolation: a data error (exception) and a segfault (the child dies) each become a
     failed row; the good run finishes."""
     hook = tmp_path / "hook"
@@ -177,7 +165,7 @@ def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monke
           - {label: crash, seed: 666}
         """))
     results = tmp_path / "res"
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir",
                         tmp_path / "cache", "--no-progress")
     assert code == 1, out
     df = rows(results).set_index("sweep_label")
@@ -189,7 +177,7 @@ def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monke
     assert "1 done, 2 failed" in out
 
 
-def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeypatch, capsys):
+def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeypatch, capsys, run_cli):
     path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent("""\
         runs:
           - {label: quick}
@@ -224,7 +212,7 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
         return real(cfg.replace(max_steps=2), **kw)
 
     monkeypatch.setattr(run_mod, "execute_run", short)
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir",
                         tmp_path / "cache", "--isolation", "inline", "--no-progress")
     assert code == 0, out
     assert calls == [ids["slow"], ids["after"]]
@@ -234,7 +222,7 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
     assert "1 skipped" in out
 
 
-def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatch, capsys):
+def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatch, capsys, run_cli):
     import lora_bench.run as run_mod
 
     def killed(*args, **kwargs):  # the loop receives SIGTERM mid-run
@@ -245,7 +233,7 @@ def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatc
     before = signal.getsignal(signal.SIGTERM)
     path = write(tmp_path, "name: t\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
     results = tmp_path / "res"
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--results-dir", results, "--cache-dir",
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir",
                         tmp_path / "cache", "--isolation", "inline", "--no-progress")
     assert code == 130, out
     df = rows(results)
@@ -254,7 +242,7 @@ def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatc
     assert signal.getsignal(signal.SIGTERM) == before  # handlers restored after the sweep
 
 
-def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, capsys):
+def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, capsys, run_cli):
     import lora_bench.run as run_mod
 
     calls, real = [], run_mod.execute_run
@@ -263,30 +251,30 @@ def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, cap
     path = write(tmp_path, "name: fr\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
     common = ("--cache-dir", tmp_path / "cache", "--isolation", "inline", "--no-progress")
     ids = [r.run_id for r in load_sweep(path).runs]
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--dry-run")
+    code, out = run_cli("sweep", path, "--dry-run")
     assert code == 0 and all(i in out for i in ids) and "2 to run" in out
     assert not (tmp_path / "results").exists()
-    assert run_cli(monkeypatch, capsys, "sweep", path, *common)[0] == 0
+    assert run_cli("sweep", path, *common)[0] == 0
     assert len(calls) == 2 and (tmp_path / "results" / "fr" / "runs.csv").is_file()
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, *common)
+    code, out = run_cli("sweep", path, *common)
     assert code == 0 and len(calls) == 2 and "2 skipped" in out
-    assert "skip (done)" in run_cli(monkeypatch, capsys, "sweep", path, "--dry-run")[1]
-    assert run_cli(monkeypatch, capsys, "sweep", path, "--fresh", *common)[0] == 0
+    assert "skip (done)" in run_cli("sweep", path, "--dry-run")[1]
+    assert run_cli("sweep", path, "--fresh", *common)[0] == 0
     assert len(calls) == 4 and len(rows(tmp_path / "results" / "fr")) == 2
 
 
-def test_usage_errors_exit_2_without_traceback(tmp_path, monkeypatch, capsys):
+def test_usage_errors_exit_2_without_traceback(tmp_path, monkeypatch, capsys, run_cli):
     path = write(tmp_path, "name: u\nbase:\n" + TINY)
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--shard", "5/4")
+    code, out = run_cli("sweep", path, "--shard", "5/4")
     assert code == 2 and "1 <= I <= N" in out and "Traceback" not in out
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--isolation", "thread", "--results-dir", tmp_path / "r")
+    code, out = run_cli("sweep", path, "--isolation", "thread", "--results-dir", tmp_path / "r")
     assert code == 2 and "choose one of: process, inline" in out
-    code, out = run_cli(monkeypatch, capsys, "sweep", tmp_path / "nope.yaml")
+    code, out = run_cli("sweep", tmp_path / "nope.yaml")
     assert code == 2 and "sweep file not found" in out
-    code, out = run_cli(monkeypatch, capsys, "sweep", path, "--device", "gpu", "--dry-run")
+    code, out = run_cli("sweep", path, "--device", "gpu", "--dry-run")
     assert code == 2 and "device='gpu' is not allowed" in out
     import torch
 
     if torch.cuda.device_count() < 8:  # checked before the first run, not failed run by run
-        code, out = run_cli(monkeypatch, capsys, "sweep", path, "--device", "cuda:7", "--results-dir", tmp_path / "r")
+        code, out = run_cli("sweep", path, "--device", "cuda:7", "--results-dir", tmp_path / "r")
         assert code == 2 and "CUDA device(s)" in out and not (tmp_path / "r").exists()
