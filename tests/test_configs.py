@@ -70,7 +70,10 @@ def test_all_vs_lora_grid():
     got = {(r.cfg.model_size, r.cfg.trainable_layers) for r in sw.runs}
     assert got == {(s, t) for s in ("124M", "355M", "774M", "1558M")
                    for t in ("all", "lora", "lora-merged", "lora-kernel")}
-    assert len(sw.runs) == 16 * sw.repeats
+    modes = {(r.cfg.precision, r.cfg.attention, r.cfg.ops, r.cfg.cuda_graphs) for r in sw.runs}
+    assert ("fp32", "book", "book", False) in modes and ("bf16", "sdpa", "fused", True) in modes
+    assert {r.cfg.batch_size for r in sw.runs} == {8, 32}  # the tokens-per-step axis
+    assert len(sw.runs) == 16 * len(modes) * 2 * sw.repeats
     for r in sw.runs:
         c = r.cfg
         assert c.weights == "random" and c.skip_final_eval and c.eval_freq == 0
