@@ -190,7 +190,7 @@ def _precision(dtype: torch.dtype) -> str:
 # (ptxas: 255 registers, 568 B stack) because the H accumulator sits beside the output tile.
 _MM_CANDIDATES_16 = (MMConfig(64, 128, 64, 4, 4), MMConfig(128, 128, 64, 8, 4), MMConfig(128, 64, 64, 4, 4))
 _MM_CANDIDATES_32 = (MMConfig(64, 128, 32, 4, 3), MMConfig(128, 128, 32, 8, 3), MMConfig(128, 64, 32, 4, 3))
-# Relative throughput per tile shape. From the H200 sweep (docs/kernel-notes.md, bf16, M=960,
+# Relative throughput per tile shape. From the H200 sweep (lora_bench/kernels/NOTES.md, bf16, M=960,
 # graph replay): 64×128 was fastest at all six GPT-2 1558M launch shapes, by 3-20 %, even where
 # it needs twice the waves of 128×128, so it is weighted up.
 _TILE_EFF = {(64, 128): 1.0, (128, 128): 0.85, (128, 64): 0.8}

