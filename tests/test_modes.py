@@ -93,3 +93,14 @@ def test_bf16_on_cuda_close_to_fp32(tiny_cfg, tmp_path, graphs):
     ref, _ = _losses(base, tmp_path, f"fp32-{graphs}")
     got, _ = _losses(base.replace(precision="bf16", cuda_graphs=graphs), tmp_path, f"bf16-{graphs}")
     assert _rel(got, ref) < 3e-2
+
+
+def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
+    before = torch.get_float32_matmul_precision()
+    try:
+        _, row = _losses(tiny_cfg.replace(precision="tf32", max_steps=3), tmp_path, "tf32")
+        assert row["float32_matmul_precision"] == "high" and row["tf32_matmul"] == "True"
+        _, row = _losses(tiny_cfg.replace(max_steps=3), tmp_path, "fp32")
+        assert row["float32_matmul_precision"] == "highest" and row["tf32_matmul"] == "False"
+    finally:
+        torch.set_float32_matmul_precision(before)
