@@ -3,6 +3,8 @@ every measured column with its unit, dtype and which direction is better — and
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
@@ -161,16 +163,32 @@ def _convert(s: pd.Series, dtype: str) -> pd.Series:
     return s
 
 
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive advisory lock beside ``path`` (``<name>.lock``), so processes sharing a results
+    folder (sweep shards on several GPUs) read-modify-write ``runs.csv`` one at a time."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def upsert_run(path: Path, row: dict) -> None:
     """Add (or replace, by run_id) one row of runs.csv, rewriting the file atomically so an
-    interruption leaves either the old or the new table, never a torn row."""
+    interruption leaves either the old or the new table, never a torn row; under a lock, so
+    concurrent writers lose no row."""
     path = Path(path)
-    rows = []
-    if path.exists():
-        old = pd.read_csv(path, dtype=str, keep_default_na=False)
-        rows = [r for r in old.to_dict("records") if r.get("run_id") != row["run_id"]]
-    rows.append({k: _fmt(v) for k, v in row.items()})
-    write_csv(path, rows, run_column_names())
+    with locked(path):
+        rows = []
+        if path.exists():
+            old = pd.read_csv(path, dtype=str, keep_default_na=False)
+            rows = [r for r in old.to_dict("records") if r.get("run_id") != row["run_id"]]
+        rows.append({k: _fmt(v) for k, v in row.items()})
+        write_csv(path, rows, run_column_names())
 
 
 def _fmt(v):

@@ -29,7 +29,7 @@ from rich.console import Console
 
 from .config import TrainConfig
 from .errors import UsageError
-from .results import atomic_write_text, run_column_names, settings_columns, upsert_run, write_csv
+from .results import atomic_write_text, locked, run_column_names, settings_columns, upsert_run, write_csv
 
 if TYPE_CHECKING:
     from .sweep import PlannedRun, Sweep
@@ -308,9 +308,9 @@ def _preflight(runs: list[PlannedRun], console) -> None:
 
 
 def repair_runs_csv(results_dir: Path) -> int:
-    """Bring runs.csv in line with the per-run run.json files (written first, never contended).
-    Shards sharing one results folder can lose each other's runs.csv update in a race; each
-    sweep repairs that when it starts and ends. Returns the number of rows fixed."""
+    """Bring runs.csv in line with the per-run run.json files (written first). Writers of runs.csv
+    take a lock, so this only matters when a process died between its run.json and its runs.csv
+    row; each sweep repairs that when it starts and ends. Returns the number of rows fixed."""
     csv = Path(results_dir) / "runs.csv"
     have = {}
     if csv.is_file():
@@ -339,11 +339,12 @@ def forget_runs(results_dir: Path, run_ids: list[str]) -> int:
     ids = set(run_ids)
     csv = Path(results_dir) / "runs.csv"
     gone = 0
-    if csv.is_file():
-        rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
-        keep = [r for r in rows if r.get("run_id") not in ids]
-        gone = len(rows) - len(keep)
-        write_csv(csv, keep, run_column_names())
+    with locked(csv):
+        if csv.is_file():
+            rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
+            keep = [r for r in rows if r.get("run_id") not in ids]
+            gone = len(rows) - len(keep)
+            write_csv(csv, keep, run_column_names())
     for run_id in ids:
         if (Path(results_dir) / run_id).is_dir():
             shutil.rmtree(Path(results_dir) / run_id)

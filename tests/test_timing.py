@@ -136,3 +136,4 @@ def test_git_commit_provenance(monkeypatch):
     got = provenance.git_commit()
     assert got == "" or len(got.split("+")[0]) == 40  # a real sha, never the literal 'HEAD'
     provenance.git_commit.cache_clear()
+
