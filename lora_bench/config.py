@@ -156,6 +156,8 @@ class TrainConfig:
         for n in overrides:
             if getattr(self, n) < 1:
                 p.append(f"{n}={getattr(self, n)} must be at least 1")
+        if not any(getattr(self, n) is not None and getattr(self, n) < 1 for n in overrides):
+            p += model_shape_problems(self.to_dict())
         if self.trainable_token_pos == "flexible" and self.average_embeddings:
             p.append("trainable_token_pos=flexible and average_embeddings exclude each other")
         if self.weights_dir and self.weights != "pretrained":
@@ -175,6 +177,29 @@ class TrainConfig:
         if problems:
             raise ConfigError(problems, source=source)
         return self
+
+
+def model_shape_problems(s: dict) -> list[str]:
+    """Problems only the model's shape reveals: a size without a checkpoint, a width the heads
+    don't divide, a context length the model doesn't have. ``s`` maps setting names to values
+    (a TrainConfig's, or a sweep run's before it is built)."""
+    from .model import gpt_config, resolve_model_size
+
+    try:
+        size = resolve_model_size(s["model_size"])
+    except ValueError:
+        return []  # reported with the other choices
+    out = []
+    if size == "tiny" and s["weights"] == "pretrained":
+        out.append("model_size=tiny has no pretrained checkpoint; use weights=random")
+    try:
+        mcfg = gpt_config(size, emb_dim=s["emb_dim"], n_layers=s["n_layers"], n_heads=s["n_heads"])
+    except ValueError as e:
+        return out + [str(e)]
+    ctx = str(s["context_length"])
+    if ctx.isdigit() and int(ctx) > mcfg.context_length:
+        out.append(f"context_length={ctx} exceeds the model's context length {mcfg.context_length}")
+    return out
 
 
 def _valid_device(dev: str) -> bool:

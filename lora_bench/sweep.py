@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .config import TrainConfig, type_problems, unknown_key_problems
+from .config import TrainConfig, model_shape_problems, type_problems, unknown_key_problems
 from .errors import ConfigError, UsageError
 
 SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats")
@@ -86,11 +86,12 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     for label, point, desc in points:
         declared = {**base, **point}
         effective = {**_resolve_paths(declared, path.parent), **overrides}
-        cfg, errs = None, _combination_problems({**TrainConfig().to_dict(), **effective})
+        cfg, errs = None, []
         try:
             cfg = TrainConfig.from_mapping(effective)
         except ConfigError as e:
-            errs = e.problems + errs
+            extra = _combination_problems({**TrainConfig().to_dict(), **effective})
+            errs = e.problems + [m for m in extra if m not in e.problems]
         for msg in errs:
             by_message.setdefault(msg, []).append(desc)
         if cfg is None or errs:
@@ -250,26 +251,14 @@ def _resolve_paths(settings: dict, folder: Path) -> dict:
 
 
 def _combination_problems(s: dict) -> list[str]:
-    """Impossible combinations ``TrainConfig.problems`` leaves to run time (model-shape checks),
-    on the type-checked settings mapping ``s`` (so they are found next to any other problem)."""
-    from .model import gpt_config, resolve_model_size
-
+    """The model-shape problems of a run whose settings did not all type-check (so no TrainConfig
+    could be built to report them), found next to its other problems."""
+    if any(s[k] is not None and (not isinstance(s[k], int) or s[k] < 1) for k in ("emb_dim", "n_layers", "n_heads")):
+        return []  # reported by the type / range checks
     try:
-        size = resolve_model_size(s["model_size"])
-    except ValueError:
-        return []  # reported by TrainConfig.problems
-    out = []
-    if size == "tiny" and s["weights"] == "pretrained":
-        out.append("model_size=tiny has no pretrained checkpoint; use weights=random")
-    if any(s[k] is not None and s[k] < 1 for k in ("emb_dim", "n_layers", "n_heads")):
-        return out  # reported by TrainConfig.problems
-    try:
-        mcfg = gpt_config(size, emb_dim=s["emb_dim"], n_layers=s["n_layers"], n_heads=s["n_heads"])
-    except ValueError as e:
-        return out + [str(e)]
-    if str(s["context_length"]).isdigit() and int(s["context_length"]) > mcfg.context_length:
-        out.append(f"context_length={s['context_length']} exceeds the model's context length {mcfg.context_length}")
-    return out
+        return model_shape_problems(s)
+    except (TypeError, AttributeError):  # a mistyped model_size / weights: reported by the type checks
+        return []
 
 
 def _describe(point: dict) -> str:

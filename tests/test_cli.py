@@ -45,9 +45,18 @@ def test_no_padding_needs_batch_size_one(run_cli, tmp_path):
 def test_context_length_above_model(run_cli, tmp_path, sms_file):
     code, out = run_cli("train", *TINY, "--context-length", "2048", "--data-file", str(sms_file),
                         "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, "context_length=2048 exceeds the model's context length 1024")
-    # the attempt is recorded, not lost
-    assert read_runs(tmp_path / "runs.csv")["status"].tolist() == ["failed"]
+    _assert_clean_usage_error(code, out, "--context-length=2048 exceeds the model's context length 1024")
+    assert not (tmp_path / "runs.csv").exists()  # refused before anything ran
+
+
+def test_run_time_failure_is_recorded(run_cli, tmp_path):
+    """A failure that only shows once the run has started still leaves its row (status failed)."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("x\ty\n" * 20)
+    code, out = run_cli("train", *TINY, "--data-file", str(bad), "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "does not look like the SMS Spam Collection")
+    runs = read_runs(tmp_path / "runs.csv")
+    assert runs["status"].tolist() == ["failed"] and "does not look like" in runs["error"].iloc[0]
 
 
 def test_missing_data_file(run_cli, tmp_path):
@@ -109,3 +118,15 @@ def test_kernel_bench_command_on_cpu(run_cli, tmp_path):
     assert set(rows["impl"]) >= {"frozen", "lora", "lora-merged", "lora-kernel"}
     code, text = run_cli("kernel-bench", "--device", "cpu", "--impls", "bogus", "--out", str(out))
     _assert_clean_usage_error(code, text, "bogus", "frozen")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model-size", "tiny"], "--model-size=tiny has no pretrained checkpoint; use --weights=random"),
+    (["--model-size", "tiny", "--weights", "random", "--emb-dim", "30", "--n-heads", "4"],
+     "--emb-dim=30 is not divisible by --n-heads=4"),
+    (["--weights", "random", "--context-length", "4096"], "exceeds the model's context length 1024"),
+])
+def test_model_shape_problems_are_usage_errors(run_cli, tmp_path, args, needle):
+    code, out = run_cli("train", *args, "--device", "cpu", "--results-dir", str(tmp_path), "--no-progress")
+    _assert_clean_usage_error(code, out, needle)
+    assert not (tmp_path / "runs.csv").exists()  # refused before anything ran
