@@ -15,6 +15,8 @@ class TrainProgress:
             TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
             console=console, transient=True, disable=not enabled,
+            # the refresh thread takes the GIL; a host-bound training loop feels every redraw
+            refresh_per_second=2,
         )
         self._task = None
         self.total = total
