@@ -76,9 +76,8 @@ def amp_context(cfg: TrainConfig, device: torch.device):
 class RunContext:
     """What a run builds before its loop; kept for the profilers and CUDA graphs."""
 
-    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, console: Console, progress: bool):
+    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool):
         self.cfg = cfg
-        self.console = console
         self.device = resolve_device(cfg.device)
         set_precision(cfg)
         mcfg = model_config(cfg)
@@ -148,7 +147,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         console.print(msg, highlight=False)
 
     try:
-        ctx = RunContext(cfg, cache_dir=cache_dir, console=console, progress=progress)
+        ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress)
         row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
                    backend=ctx.backend(), **environment(ctx.device))
         timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)

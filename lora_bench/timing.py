@@ -45,7 +45,6 @@ class PhaseTimer:
     def __post_init__(self):
         self.cuda = self.device.type == "cuda"
         self.enabled = self.mode != "off"
-        self._eval_events: list[tuple] = []
 
     @property
     def clock(self) -> str:

@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-from rich.console import Console
 
 from ..config import TrainConfig
 from ..run import RunContext, default_cache_dir
@@ -43,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = TrainConfig(model_size=args.model_size, weights="random", trainable_layers=args.trainable_layers,
                       lora_rank=16, lora_alpha=16.0, data_file=args.data_file, device=args.device)
-    ctx = RunContext(cfg, cache_dir=default_cache_dir(), console=Console(), progress=False)
+    ctx = RunContext(cfg, cache_dir=default_cache_dir(), progress=False)
     measure(ctx, mode="off", steps=10)  # warm-up
     res: dict[str, list[float]] = {"off": [], "events": []}
     for _ in range(args.blocks):
