@@ -9,7 +9,11 @@ import torch
 
 from lora_bench.config import TrainConfig
 
+import collections
 import os
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # the corpus beside the checkout; LORA_BENCH_SMS_FILE points elsewhere (e.g. on a GPU machine)
 SHARED_DATA = Path(os.environ.get("LORA_BENCH_SMS_FILE") or
@@ -63,3 +67,43 @@ def run_cli(monkeypatch, capsys):
         return code, captured.out + captured.err
 
     return run
+
+
+class _Handler(BaseHTTPRequestHandler):
+    routes: dict = {}  # path -> (mode, bytes): "ok", or "truncate" (promises 1000 bytes more, then closes)
+    hits: collections.Counter
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.hits[self.path] += 1
+        mode, body = self.routes.get(self.path, ("missing", b""))
+        if mode == "missing":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body) + (1000 if mode == "truncate" else 0)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+
+@pytest.fixture
+def http_server():
+    """An HTTP server on 127.0.0.1 (ephemeral port): set ``routes``, read ``hits``; ``url`` is its base."""
+    handler = type("Handler", (_Handler,), {"routes": {}, "hits": collections.Counter()})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True).start()
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.routes, httpd.hits = handler.routes, handler.hits
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def refused_url(path: str = "/file.bin") -> str:
+    """A URL on a port that refuses connections (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}{path}"

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from conftest import refused_url
 from lora_bench.results import read_runs
 
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress"]
@@ -64,18 +63,11 @@ def test_missing_data_file(run_cli, tmp_path):
     _assert_clean_usage_error(code, out, "data file not found", "nope.tsv", "--data-file")
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
-    port = _dead_port()
-    monkeypatch.setattr("lora_bench.data.SMS_URLS", [f"http://127.0.0.1:{port}/a.zip", f"http://127.0.0.1:{port}/b.zip"])
+    urls = [refused_url("/a.zip"), refused_url("/b.zip")]
+    monkeypatch.setattr("lora_bench.data.SMS_URLS", urls)
     code, out = run_cli("train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, f"http://127.0.0.1:{port}/a.zip", f"http://127.0.0.1:{port}/b.zip",
-                              "--data-file")
+    _assert_clean_usage_error(code, out, *urls, "--data-file")
 
 
 def test_corrupt_checkpoint(run_cli, tmp_path, sms_file):

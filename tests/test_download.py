@@ -3,16 +3,13 @@ hash checks, skipping complete files, and zip extraction that refuses path trave
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
-import socket
-import threading
 import zipfile
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import refused_url
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError
 
@@ -20,45 +17,9 @@ PAYLOAD = os.urandom(200_000) + b"end"  # several chunks, so streaming is exerci
 SHA = hashlib.sha256(PAYLOAD).hexdigest()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    routes: dict = {}  # path -> (mode, bytes); set per server
-    hits: collections.Counter
-
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        self.hits[self.path] += 1
-        mode, body = self.routes.get(self.path, ("missing", b""))
-        if mode == "missing":
-            self.send_error(404)
-            return
-        self.send_response(200)
-        # "truncate" promises more bytes than it sends, then the connection closes (HTTP/1.0)
-        self.send_header("Content-Length", str(len(body) + (1000 if mode == "truncate" else 0)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):  # keep pytest output clean
-        pass
-
-
 @pytest.fixture
-def server():
-    handler = type("Handler", (_Handler,), {"routes": {}, "hits": collections.Counter()})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.routes, httpd.hits = handler.routes, handler.hits
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def _dead_url() -> str:
-    """A URL whose port refuses connections (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/file.bin"
+def server(http_server):
+    return http_server
 
 
 def _leftovers(folder):
@@ -77,7 +38,7 @@ def test_success_writes_verified_file_and_no_part(server, tmp_path):
 @pytest.mark.parametrize("first", ["404", "refused"])
 def test_falls_back_to_next_url(server, tmp_path, first):
     server.routes["/file.bin"] = ("ok", PAYLOAD)
-    primary = server.url + "/gone.bin" if first == "404" else _dead_url()
+    primary = server.url + "/gone.bin" if first == "404" else refused_url()
     dest = tmp_path / "file.bin"
     download_file([primary, server.url + "/file.bin"], dest, progress=False, timeout=5)
     assert dest.read_bytes() == PAYLOAD
@@ -97,7 +58,7 @@ def test_interrupted_transfer_is_detected(server, tmp_path):
 
 
 def test_all_urls_fail_names_each_and_offline_fix(server, tmp_path):
-    dead = _dead_url()
+    dead = refused_url()
     dest = tmp_path / "file.bin"
     with pytest.raises(DownloadError) as err:
         download_file([server.url + "/nope.bin", dead], dest, progress=False, timeout=5)

@@ -4,18 +4,15 @@ TensorFlow; ensure_checkpoint is exercised against a local HTTP server."""
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import shutil
-import socket
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
+from conftest import refused_url
 
 from lora_bench import weights
 from lora_bench.errors import CheckpointError, DownloadError
@@ -205,50 +202,20 @@ def test_converted_file_alone_suffices(ckpt_copy, tf_ckpt):
 
 # --- ensure_checkpoint against a local server -------------------------------------------------
 
-class _Handler(BaseHTTPRequestHandler):
-    files: dict = {}
-    hits: collections.Counter
-
-    def do_GET(self):  # noqa: N802
-        self.hits[self.path] += 1
-        body = self.files.get(self.path)
-        if body is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def mirror(monkeypatch):
+def mirror(monkeypatch, http_server):
     """A server holding a fake 124M tree under /mirror; the tokenizer hashes pinned to its files."""
     tree = {name: f"fake {name} ".encode() * 50 for name in CHECKPOINT_FILES}
-    handler = type("H", (_Handler,), {"files": {f"/mirror/124M/{n}": b for n, b in tree.items()},
-                                      "hits": collections.Counter()})
+    http_server.routes.update({f"/mirror/124M/{n}": ("ok", b) for n, b in tree.items()})
     monkeypatch.setattr(weights, "KNOWN_SHA256", {n: hashlib.sha256(tree[n]).hexdigest()
                                                   for n in ("vocab.bpe", "encoder.json")})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", tree, handler
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def _dead_base() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/models"
+    return http_server.url, tree, http_server
 
 
 @pytest.mark.parametrize("primary", ["dead", "404"])
 def test_ensure_checkpoint_falls_back(mirror, tmp_path, primary):
     url, tree, handler = mirror
-    first = _dead_base() if primary == "dead" else url + "/models"
+    first = refused_url("/models") if primary == "dead" else url + "/models"
     folder = ensure_checkpoint("gpt2-small (124M)", cache_dir=tmp_path, base_urls=[first, url + "/mirror"],
                                progress=False)
     assert folder == tmp_path / "gpt2" / "124M"
