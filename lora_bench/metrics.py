@@ -44,9 +44,8 @@ def flops_per_step(mcfg: GPTConfig, *, trainable_layers: str, tokens: float, ran
         adapter = L * (4 * (e + e) + (e + 4 * e) + (4 * e + e)) * rank + (e + n_classes) * rank
         return fwd + 2 * P * tokens + 2 * head * tokens + 6 * adapter * tokens
     blocks = {"last_layer": 0, "last_block": 1, "last_two_blocks": 2}.get(trainable_layers, 0)
-    bwd_in = 2 * per_block * blocks * tokens + 2 * head * tokens
-    bwd_w = 2 * per_block * blocks * tokens + 2 * head * tokens
-    return fwd + bwd_in + bwd_w
+    # input gradients and weight gradients cost the same for the trainable blocks and the head
+    return fwd + 2 * (2 * per_block * blocks * tokens + 2 * head * tokens)
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -139,6 +139,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
     timer = None
+    steps: list[dict] | None = None  # the per-step rows, built once
     log: list[str] = []
     curves: dict = {}
 
@@ -180,7 +181,8 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
             say(f"Validation accuracy: {accs['val_acc']:.2f}%")
             say(f"Test accuracy: {accs['test_acc']:.2f}%")
         profiler.finish(console)
-        row.update(_summary(ctx, timer, cfg))
+        steps = timer.step_rows(run_id) if timer.enabled else []
+        row.update(_summary(ctx, timer, cfg, steps))
         row["status"] = "done"
         return row
     except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
@@ -190,7 +192,9 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     finally:
         if timer is not None and timer.enabled:
             try:
-                write_csv(run_dir / "steps.csv", timer.step_rows(run_id), [c.name for c in STEP_COLUMNS])
+                if steps is None:  # the run stopped before its summary
+                    steps = timer.step_rows(run_id)
+                write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
             except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
                 row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
         row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -207,14 +211,14 @@ def _cfg_columns(cfg: TrainConfig) -> dict:
     }
 
 
-def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig) -> dict:
+def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:
     out: dict = {"timing_clock": timer.clock, "eval_s": timer.eval_ms / 1e3 if timer.enabled else None}
     if ctx.device.type == "cuda":
         out["peak_mem_allocated_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
         out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(ctx.device) / 2**20
     if not timer.enabled:
         return out
-    s = summarise_steps(timer.step_rows(""), clock=timer.clock)
+    s = summarise_steps(steps, clock=timer.clock)
     out.update(s)
     if "step_ms_median" in s:
         tokens = s["tokens_per_step"]
