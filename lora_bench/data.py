@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .errors import DataError
+from .errors import DataError, UsageError
 from .tokenizer import PAD_TOKEN_ID
 
 SMS_URLS = [
@@ -146,8 +146,6 @@ def resolve_max_length(context_length: str, *, model_context: int) -> int | None
         return None
     n = model_context if context_length == "model_context_length" else int(context_length)
     if n > model_context:
-        from .errors import UsageError
-
         raise UsageError(f"context_length={n} exceeds the model's context length {model_context}; "
                          f"use at most {model_context} (or model_context_length)")
     return n
@@ -159,8 +157,6 @@ def build_loaders(splits: dict[str, Path], tokenizer, *, context_length: str, mo
     max_length = None if no_padding else resolve_max_length(context_length, model_context=model_context)
     train_ds = SpamDataset(splits["train"], tokenizer, max_length=max_length, no_padding=no_padding)
     if train_ds.max_length > model_context:
-        from .errors import UsageError
-
         raise UsageError(f"the longest training text has {train_ds.max_length} tokens, more than the model's "
                          f"context length {model_context}; pass --context-length {model_context}")
     eval_len = None if no_padding else train_ds.max_length
