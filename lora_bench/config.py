@@ -22,6 +22,7 @@ PROFILES = ("none", "line", "torch")
 PRECISIONS = ("fp32", "tf32", "bf16")
 ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
+OPTIMIZERS = ("book", "fused")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -65,7 +66,9 @@ class TrainConfig:
     attention: str = _f("book", "book (hand-written) or sdpa (scaled_dot_product_attention)")
     ops: str = _f("book", "book (hand-written LayerNorm/GELU) or fused (torch built-ins)")
     compile: bool = _f(False, "torch.compile the model")
-    cuda_graphs: bool = _f(False, "capture and replay the training step as CUDA graphs")
+    cuda_graphs: bool = _f(False, "capture and replay the training step (and evaluation forwards) as CUDA graphs")
+    optimizer: str = _f("book", "book (torch.optim.AdamW's default multi-tensor update) or fused "
+                        "(AdamW(fused=True): the whole update in a few kernels)")
     # measurement
     timing: str = _f("events", "events (CUDA events, default), sync (perturbing), off")
     warmup_steps: int = _f(5, "steps excluded from the timing summaries")
@@ -123,6 +126,7 @@ class TrainConfig:
         choice("precision", PRECISIONS)
         choice("attention", ATTENTION)
         choice("ops", OPS)
+        choice("optimizer", OPTIMIZERS)
         if not _valid_device(self.device):
             p.append(f"device={self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N")
         if self.context_length not in CONTEXT_LENGTHS:
@@ -168,8 +172,6 @@ class TrainConfig:
             p.append("cuda_graphs needs static shapes; no_padding gives every batch its own length")
         if self.cuda_graphs and self.profile == "line":
             p.append("profile=line times Python lines; a replayed CUDA graph has none (use profile=torch)")
-        if self.cuda_graphs and self.compile:
-            p.append("cuda_graphs and compile: choose one (torch.compile has its own 'reduce-overhead' graphs)")
         return p
 
     def validate(self, *, source: str | None = None) -> "TrainConfig":

@@ -1,6 +1,7 @@
 """The training step captured as CUDA graphs and replayed: three graphs sharing one memory pool
 (forward+loss, backward, optimizer), so the phase timer still records a boundary between phases
-while the host launches three graphs instead of hundreds of kernels.
+while the host launches three graphs instead of hundreds of kernels. Evaluation forwards (no
+gradient) are captured too, one graph per input shape (``GraphedEval``).
 
 Capture needs warm-up iterations that really update the model; the parameters and optimizer state
 are snapshotted before and restored after, so the run's step sequence is the same as eager mode
@@ -102,3 +103,56 @@ class GraphedStep:
         g_opt.replay()  # update is always True with accumulation_steps == 1
         timer.mark("optimizer")
         return loss
+
+
+class GraphedEval:
+    """The model's no-grad forward replayed from a CUDA graph per input shape: what the periodic
+    evaluation and the accuracies call in cuda_graphs mode. Same kernels as the eager forward, so
+    the same numbers; a call with gradients enabled, or a shape beyond ``MAX_SHAPES``, runs eagerly.
+    ``eval()``/``train()`` pass through to the model (the reference toggles them)."""
+
+    MAX_SHAPES = 4
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def _capture(self, inputs: torch.Tensor, amp_dtype):
+        static_in = inputs.clone()
+        # autocast's weight-cast cache must be off inside a capture (cached casts would be freed
+        # when the context exits while the graph still reads them)
+        amp = ((lambda: torch.autocast("cuda", dtype=amp_dtype, cache_enabled=False)) if amp_dtype is not None
+               else contextlib.nullcontext)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), amp():
+            for _ in range(2):  # warm-up: workspaces, compiled kernels
+                self.model(static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with amp(), torch.cuda.graph(graph):
+            static_out = self.model(static_in)
+        return graph, static_in, static_out
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or not inputs.is_cuda:
+            return self.model(inputs)
+        amp_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (tuple(inputs.shape), inputs.dtype, amp_dtype, self.model.training)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.MAX_SHAPES:
+                return self.model(inputs)
+            entry = self.graphs[key] = self._capture(inputs, amp_dtype)
+        graph, static_in, static_out = entry
+        static_in.copy_(inputs)
+        graph.replay()
+        return static_out.clone()  # the static buffer is overwritten by the next replay

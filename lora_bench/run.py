@@ -94,11 +94,18 @@ class RunContext:
                                      no_padding=cfg.no_padding)
         self.mcfg = mcfg
         torch.manual_seed(cfg.seed)
+        opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
+        if cfg.cuda_graphs:
+            opt_kw["capturable"] = True
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay,
-                                           **({"capturable": True} if cfg.cuda_graphs else {}))
+                                           weight_decay=cfg.weight_decay, **opt_kw)
         self.amp = amp_context(cfg, self.device)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.eval_model = self.forward_model
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from .graphs import GraphedEval
+
+            self.eval_model = GraphedEval(self.forward_model)
 
     def loop_settings(self) -> LoopSettings:
         c = self.cfg
@@ -119,7 +126,7 @@ def final_accuracies(ctx: RunContext) -> dict[str, float]:
     kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
     out = {}
     for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.forward_model, ctx.device, **kw) * 100
+        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
     return out
 
 
@@ -166,7 +173,8 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
             timer.label_phases = profiler.labels_phases
             result: TrainResult = profiler.run(
                 train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step, say=say)
+                settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step,
+                eval_model=ctx.eval_model, say=say)
         curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
                       train_accs=result.train_accs, val_accs=result.val_accs)
         row.update(steps=result.steps, training_time_s=result.training_time_s,

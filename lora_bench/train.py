@@ -41,12 +41,14 @@ class LoopSettings:
 def train_classifier(model, train_loader, val_loader, optimizer, device, *, settings: LoopSettings,
                      timer: PhaseTimer, amp: AmpContext = contextlib.nullcontext,
                      step_fn: Callable | None = None, on_step: Callable | None = None,
-                     say: Callable[[str], None] = print) -> TrainResult:
+                     eval_model: Callable | None = None, say: Callable[[str], None] = print) -> TrainResult:
     """Run the loop. ``step_fn(inputs, targets, update) -> loss`` replaces the eager forward /
-    backward / optimizer phases when given (CUDA-graph replay); ``on_step(step, epoch, loss)`` is
-    called after every step (progress display, profiler window)."""
+    backward / optimizer phases when given (CUDA-graph replay); ``eval_model`` replaces the model
+    in evaluations (graph-replayed forwards); ``on_step(step, epoch, loss)`` is called after every
+    step (progress display, profiler window)."""
     s = settings
     res = TrainResult()
+    ev = model if eval_model is None else eval_model
     loss_kw = dict(token_pos=s.token_pos, ignore_index=s.ignore_index, average_embeddings=s.average_embeddings)
     acc_kw = dict(token_pos=s.token_pos, average_embeddings=s.average_embeddings, amp=amp)
     n_batches = len(train_loader)
@@ -83,7 +85,7 @@ def train_classifier(model, train_loader, val_loader, optimizer, device, *, sett
             if s.eval_freq and global_step % s.eval_freq == 0:
                 timer.sync_point()
                 tok = timer.eval_begin()
-                train_loss, val_loss = evaluate_model(model, train_loader, val_loader, device,
+                train_loss, val_loss = evaluate_model(ev, train_loader, val_loader, device,
                                                       eval_iter=s.eval_iter, amp=amp, **loss_kw)
                 timer.eval_end(tok)
                 res.train_losses.append(train_loss)
@@ -93,8 +95,8 @@ def train_classifier(model, train_loader, val_loader, optimizer, device, *, sett
                 done = True
                 break
         tok = timer.eval_begin()
-        train_acc = calc_accuracy_loader(train_loader, model, device, num_batches=s.eval_iter, **acc_kw)
-        val_acc = calc_accuracy_loader(val_loader, model, device, num_batches=s.eval_iter, **acc_kw)
+        train_acc = calc_accuracy_loader(train_loader, ev, device, num_batches=s.eval_iter, **acc_kw)
+        val_acc = calc_accuracy_loader(val_loader, ev, device, num_batches=s.eval_iter, **acc_kw)
         timer.eval_end(tok)
         say(f"Training accuracy: {train_acc * 100:.2f}% | Validation accuracy: {val_acc * 100:.2f}%")
         res.train_accs.append(train_acc)

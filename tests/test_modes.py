@@ -3,6 +3,8 @@ CPU tests for what runs here; GPU-marked tests for CUDA graphs, torch.compile an
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -58,11 +60,25 @@ def test_fused_ops_are_numerically_the_book_ops():
 
 
 def test_impossible_combinations_are_refused():
-    cfg = TrainConfig(weights="random", cuda_graphs=True, compile=True, device="cpu", no_padding=True, batch_size=1)
+    cfg = TrainConfig(weights="random", cuda_graphs=True, device="cpu", no_padding=True, batch_size=1,
+                      optimizer="adam")
     with pytest.raises(ConfigError) as e:
         cfg.validate()
     msg = str(e.value)
-    assert "cuda_graphs needs a CUDA device" in msg and "static shapes" in msg and "choose one" in msg
+    assert "cuda_graphs needs a CUDA device" in msg and "static shapes" in msg
+    assert "optimizer='adam' is not allowed; choose one of: book, fused" in msg
+    # compile inside captured graphs is a valid combination (the graphs replay compiled kernels)
+    TrainConfig(weights="random", cuda_graphs=True, compile=True).validate()
+
+
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(trainable_layers=layers, max_steps=20, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, f"{layers}-book")
+    fused, row = _losses(base.replace(optimizer="fused"), tmp_path, f"{layers}-fused")
+    assert row["cfg_optimizer"] == "fused"
+    assert 0 < len(fused) == len(book)
+    assert _rel(fused, book) < 1e-5
 
 
 # ---- GPU (marked; run on the device) ---------------------------------------------------------
@@ -75,6 +91,53 @@ def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
     graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")
     assert _rel(graphed, eager) < 1e-5
     assert row["status"] == "done" and row["step_ms_median"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel"])
+def test_graph_replayed_evaluation_matches_eager(tiny_cfg, tmp_path, layers):
+    """Periodic eval losses and final accuracies: replayed eval graphs give the eager numbers."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=12, eval_freq=4, eval_iter=3,
+                            skip_final_eval=False, lora_rank=4, lora_alpha=8.0, precision="bf16",
+                            attention="sdpa", ops="fused")
+    _, eager = _losses(base, tmp_path, f"{layers}-eager")
+    _, graphed = _losses(base.replace(cuda_graphs=True, optimizer="fused"), tmp_path, f"{layers}-graphs")
+    ev = json.loads((tmp_path / f"{layers}-eager" / "run.json").read_text())
+    gr = json.loads((tmp_path / f"{layers}-graphs" / "run.json").read_text())
+    assert len(gr["val_losses"]) == len(ev["val_losses"]) == 3
+    assert _rel(gr["val_losses"], ev["val_losses"]) < 3e-2  # bf16: capturable fused AdamW rounds differently
+    for k in ("train_acc", "val_acc", "test_acc"):
+        assert abs(graphed[k] - eager[k]) <= 5.0, k
+
+
+@pytest.mark.gpu
+def test_graphed_eval_replays_the_eager_forward(tiny_cfg):
+    """Same weights, same inputs: the replayed eval forward equals the eager one exactly, for each
+    captured shape, and follows in-place weight updates."""
+    from lora_bench.graphs import GraphedEval
+
+    torch.manual_seed(0)
+    model = build_random_model(gpt_config("tiny", attention="sdpa", ops="fused"), seed=1).cuda()
+    ev = GraphedEval(model).eval()
+    with torch.no_grad():
+        for shape in ((8, 20), (3, 20), (8, 20)):
+            x = torch.randint(0, 50257, shape, device="cuda")
+            assert torch.equal(ev(x), model(x))
+        next(model.parameters()).add_(0.5)  # an in-place update, as the optimizer does
+        x = torch.randint(0, 50257, (8, 20), device="cuda")
+        assert torch.equal(ev(x), model(x))
+    assert len(ev.graphs) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3)
+    eager, _ = _losses(base, tmp_path, f"{layers}-eager")
+    got, row = _losses(base.replace(compile=True, cuda_graphs=True, optimizer="fused"), tmp_path, f"{layers}-cg")
+    assert row["status"] == "done"
+    assert _rel(got, eager) < 1e-4
 
 
 @pytest.mark.gpu
