@@ -22,6 +22,11 @@ MODES = {
     "eager-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused"),
     "graphs-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True),
     "compile-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", compile=True),
+    # the fastest settings: + the fused AdamW update; + torch.compile inside the captured graphs
+    "graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                   optimizer="fused"),
+    "compile-graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                           optimizer="fused", compile=True),
 }
 
 
@@ -34,6 +39,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="none", help="none or torch (kernel tables per run)")
+    ap.add_argument("--skip", nargs="*", default=[], help="MODE:LAYERS pairs not to run (e.g. slow compiles)")
     args = ap.parse_args()
     console = Console(width=150)
     out = Path(args.out)
@@ -44,16 +51,19 @@ def main() -> None:
         for mode in args.modes:
             cells = {}
             for layers in args.layers:
+                if f"{mode}:{layers}" in args.skip:
+                    continue
                 cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
                                   lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
                                   device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
-                                  warmup_steps=15, **MODES[mode])
+                                  warmup_steps=15, profile=args.profile, **MODES[mode])
                 rid = f"{size}-{mode}-{layers}"
                 try:
                     row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
                     cells[layers] = row.get("step_ms_median")
-                    console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  host fwd "
-                                  f"{row.get('host_forward_ms_median'):.2f} dev fwd {row.get('forward_ms_median'):.2f}")
+                    console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
+                        f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
+                        for p in ("data", "forward", "backward", "optimizer")) + "  (device/host ms)")
                 except Exception as e:  # an exploration goes on past one failing mode; the row records it
                     console.print(f"{rid}: FAILED {type(e).__name__}: {str(e)[:300]}")
                     cells[layers] = None

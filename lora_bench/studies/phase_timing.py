@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-size", default="124M")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-profiles", action="store_true",
+                    help="only the interleaved events/off repeats (no sync, torch or line profile runs)")
     args = ap.parse_args()
     out = Path(args.out)
     console = Console(width=160)
@@ -46,9 +48,10 @@ def main() -> None:
                 row = go(f"{name}-{mode}-r{r}", timing=mode, **kw)
                 t[mode].append(row["training_time_s"] / row["steps"] * 1e3)
         overhead[name] = t
-        go(f"{name}-sync", timing="sync", **kw)
-        go(f"{name}-torchprof", timing="events", profile="torch", **kw)
-        go(f"{name}-lineprof", timing="events", profile="line", **kw)
+        if not args.no_profiles:
+            go(f"{name}-sync", timing="sync", **kw)
+            go(f"{name}-torchprof", timing="events", profile="torch", **kw)
+            go(f"{name}-lineprof", timing="events", profile="line", **kw)
 
     runs = read_runs(out / "runs.csv").set_index("run_id")
     console.rule("summary")
@@ -56,15 +59,18 @@ def main() -> None:
         off, ev = statistics.median(t["off"]), statistics.median(t["events"])
         console.print(f"{name}: loop ms/step off {off:.2f} {t['off']}  events {ev:.2f} {t['events']}  "
                       f"overhead {100 * (ev / off - 1):+.2f}%")
-        r = runs.loc[f"{name}-events-r0"]
         phases = ["data", "forward", "backward", "optimizer"]
-        s = sum(r[f"{p}_ms_median"] for p in phases)
-        console.print(f"  step median {r['step_ms_median']:.2f} ms; sum of phase medians {s:.2f} "
-                      f"({100 * (s / r['step_ms_median'] - 1):+.2f}%); " + "; ".join(
-                          f"{p} dev {r[f'{p}_ms_median']:.2f} host {r[f'host_{p}_ms_median']:.2f} {r[f'bound_{p}']}"
-                          for p in phases))
-        rs = runs.loc[f"{name}-sync"]
-        console.print(f"  sync mode step median {rs['step_ms_median']:.2f} ms (perturbing)")
+        for rep in range(args.repeats):
+            r = runs.loc[f"{name}-events-r{rep}"]
+            s = sum(r[f"{p}_ms_median"] for p in phases)
+            console.print(f"  r{rep}: step median {r['step_ms_median']:.2f} ms (p10 {r['step_ms_p10']:.2f}, p90 "
+                          f"{r['step_ms_p90']:.2f}); sum of phase medians {s:.2f} "
+                          f"({100 * (s / r['step_ms_median'] - 1):+.2f}%); " + "; ".join(
+                              f"{p} dev {r[f'{p}_ms_median']:.2f} host {r[f'host_{p}_ms_median']:.2f} "
+                              f"{r[f'bound_{p}']}" for p in phases))
+        if f"{name}-sync" in runs.index:
+            rs = runs.loc[f"{name}-sync"]
+            console.print(f"  sync mode step median {rs['step_ms_median']:.2f} ms (perturbing)")
         kp = out / f"{name}-torchprof" / "kernels_by_phase.csv"
         if kp.exists():
             console.print("  kernels: " + kp.read_text().replace("\n", " | "))
