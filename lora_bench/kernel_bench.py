@@ -2,7 +2,8 @@
 
 Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
 gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
-measurements ``lora-kernel:MODE`` forces a plan (see ``lora_bench.lora.kernel``).
+measurements ``lora-kernel:MODE`` forces a plan (see ``lora_bench.lora.kernel``), e.g.
+``lora-kernel:cpp`` (the C++ op) or ``lora-kernel:fused``.
 
 How it times (docs performance.md / METHOD.md):
 * CUDA events around each repeat, with no synchronisation between repeats: back to back, as in
@@ -202,7 +203,7 @@ def _backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
     if mode:  # a forced plan for this impl only (_bench_one restores the previous one)
         k.set_kernel_mode(mode)
     probe = torch.empty(0, device=device, dtype=dtype)
-    return f"{k.lora_kernel_backend(device)}/" + ":".join(dict.fromkeys(k._plan(probe, 16)))
+    return f"{k.lora_kernel_backend(device)}/" + ":".join(dict.fromkeys(k._layer_plan(probe, 16)))
 
 
 def _bench_one(impl: str, shape: Shape, dtype_name: str, *, device: torch.device, repeats: int, warmup: int,

@@ -43,3 +43,16 @@ def test_shapes_and_groups():
     with pytest.raises(ValueError):
         run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["nope"], dtypes=["fp32"], device="cpu",
                          repeats=1, warmup=0, out_csv=None, cpu=False, progress=False)
+
+
+def test_forced_cpp_impl_runs_the_cpp_op():
+    from lora_bench.kernels import lora_cpp
+    from lora_bench.lora import kernel as k
+
+    if not lora_cpp.cpp_available():
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}")
+    before = k._mode_override
+    rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["lora-kernel:cpp", "lora-kernel"], dtypes=["fp32"],
+                            device="cpu", repeats=3, warmup=1, out_csv=None, cpu=False, progress=False)
+    assert [r["backend"] for r in rows] == ["cpp/cpp", "torch/torch"]  # CPU default: the Python Function
+    assert k._mode_override == before  # the forced mode was for that impl only

@@ -2,7 +2,8 @@
 untouched; trainable head gets its gradient; same outputs and grads as LinearWithLoRA in a model.
 
 CPU tests exercise the torch path (and, where Triton is installed, the kernels under Triton's
-interpreter). GPU tests (``-m gpu``) run the Triton kernels with every output pre-filled with NaN.
+interpreter). GPU tests (``-m gpu``) run the default plan (the C++ op, tests/test_lora_cpp.py)
+and the Triton plans, Triton outputs pre-filled with NaN.
 """
 
 from __future__ import annotations
@@ -222,6 +223,7 @@ def test_model_equivalence_with_lora_cpu_bf16():
 
 def test_missing_triton_warns_once(monkeypatch):
     monkeypatch.setattr(K, "_triton_state", {})
+    monkeypatch.setattr(K, "_cpp_state", {"fn": None})  # the C++ op unavailable too (CUDA's default)
     monkeypatch.setitem(sys.modules, "lora_bench.kernels.lora_triton", None)  # import now fails
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -267,13 +269,20 @@ def tf32():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_backend_is_triton():
-    assert lora_kernel_backend("cuda") == "triton"
+def test_gpu_backend_is_cpp_or_forced_triton():
+    from lora_bench.kernels import lora_cpp
+
+    assert lora_kernel_backend("cuda") == ("cpp" if lora_cpp.cpp_available() else "triton")
+    K.set_kernel_mode("fused")
+    try:
+        assert lora_kernel_backend("cuda") == "triton"
+    finally:
+        K.set_kernel_mode(None)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode", [None, "cublas"])
+@pytest.mark.parametrize("mode", [None, "fused", "cublas"])  # None: the C++ op in eager CUDA
 @pytest.mark.parametrize("dt", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_matches_float64(case, dt, mode, poisoned, request):
@@ -319,7 +328,16 @@ def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_autocast_bf16(poisoned):
+@pytest.mark.parametrize("mode", [None, "fused"])
+def test_gpu_autocast_bf16(poisoned, mode):
+    K.set_kernel_mode(mode)
+    try:
+        _gpu_autocast_bf16()
+    finally:
+        K.set_kernel_mode(None)
+
+
+def _gpu_autocast_bf16():
     ker, ref = (m.cuda() for m in _layer_pair(256, 192, 16, 2.0))
     x = torch.randn(4, 33, 256, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -335,6 +353,11 @@ def test_gpu_autocast_bf16(poisoned):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("mode", [None, "fused"])
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
-def test_gpu_model_equivalence_with_lora(dt, poisoned):
-    _compare_models("cuda", DTYPE[dt], TOL[dt])
+def test_gpu_model_equivalence_with_lora(dt, mode, poisoned):
+    K.set_kernel_mode(mode)
+    try:
+        _compare_models("cuda", DTYPE[dt], TOL[dt])
+    finally:
+        K.set_kernel_mode(None)

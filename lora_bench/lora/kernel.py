@@ -1,22 +1,33 @@
 """``--trainable-layers lora-kernel``: the LoRA layer with a hand-written backward.
 
 Same parameters, init and alpha semantics as ``lora`` (y = x·Wᵀ + b + alpha·(x·A)·B, alpha not
-divided by the rank); only forward/backward differ. One autograd Function does the minimal work
+divided by the rank); only forward/backward differ. One autograd op does the minimal work
 (docs performance.md, "LoRA layer, minimal work"):
 
     forward   h = x·A;  y = x·Wᵀ + b + s·h·B                 saves x and h (N×r), nothing N×n
     backward  u = g·Bᵀ; grad_x = g·W + s·u·Aᵀ; grad_A = s·xᵀ·u; grad_B = s·hᵀ·g
               grad_W = gᵀ·x and grad_b = Σg only if W/b require grad (a trainable head)
 
-Where it runs (``_plan``; ``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` overrides, for measurements):
+Where it runs (``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` or ``set_kernel_mode`` overrides, for measurements):
+  cpp     the C++ autograd op (lora_bench/kernels/lora_cpp.py): ATen calls, cuBLAS for every GEMM;
+          one pybind call per forward, no Python in backward. A whole-layer mode ("cpp", never
+          "cpp:x"); forced, it also runs on CPU (tests).
   fused   Triton: one launch forward (big GEMM with the rank-r path folded in), two backward
   cublas  cuBLAS for the GEMMs (torch ops), one Triton launch for grad_A and grad_B together
   torch   torch ops only: the CPU path, and the fallback on CUDA without Triton
-Default on CUDA: fused for bf16/fp16 (and fp32 when torch allows tf32); cublas for exact fp32.
-Chosen by measured speed with launch overhead included (H200, lora_bench/kernels/NOTES.md): at GPT-2
-sizes an eager layer is host-bound, and fused has the fewest launches (bf16 fwd+bwd 666-770 us
-vs 896-1038 for cublas, same call); replayed from a CUDA graph (device only) cublas is 4-15 % faster at the
-4×-MLP shapes, so graph users may set LORA_BENCH_KERNEL_MODE=cublas.
+The last three run in the Python autograd Function ``LoRAKernelFunction`` (plan chosen by ``_plan``).
+
+Default on CUDA: cpp, when the op builds, in eager mode, i.e. unless the current stream is
+capturing a CUDA graph or torch.compile is tracing (``_cpp_for``, checked on every call, cheaply).
+Rationale: at GPT-2 sizes an eager layer is host-bound (lora_bench/kernels/NOTES.md): the frozen
+layer is one C++ op each way, while the Python Function costs tens of microseconds of
+apply/ctx work each way on top of its launches, so the fewest Python calls win. Under graph
+capture only device time matters, and under torch.compile the Python Function is what the
+compiler can trace: there the previous plans apply as before, fused for bf16/fp16 (and fp32 when
+torch allows tf32), cublas for exact fp32 (H200: eager bf16 fwd+bwd fused 666-770 us vs 896-1038
+for cublas; replayed from a CUDA graph cublas is 4-15 % faster at the 4×-MLP shapes, so graph
+users may set LORA_BENCH_KERNEL_MODE=cublas). Without the C++ op (no compiler or ninja: one
+warning) the CUDA default is those plans in eager mode too. CPU default: torch (cpp when forced).
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ import torch
 
 from .layer import LoRALinearBase
 
-_MODES = ("fused", "cublas", "torch")
+_MODES = ("fused", "cublas", "torch", "cpp")
 _TORCH = ("torch", "torch")
+_CPP = ("cpp", "cpp")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _triton_state: dict[str, object] = {}  # "module" -> lora_triton, or "error" -> reason
 
@@ -41,6 +53,11 @@ def _parse_mode(text: str | None) -> tuple[str, str] | None:
     fwd, bwd = parts[0], parts[-1]
     if fwd not in _MODES or bwd not in _MODES or len(parts) > 2:
         raise ValueError(f"LORA_BENCH_KERNEL_MODE={text!r}: expected MODE or FWD:BWD with modes {_MODES}")
+    if "cpp" in (fwd, bwd):
+        if fwd != bwd:
+            raise ValueError(f"LORA_BENCH_KERNEL_MODE={text!r}: 'cpp' is a whole-layer mode (forward and "
+                             "backward are one C++ op); it cannot be mixed with another mode")
+        return _CPP
     return fwd, bwd
 
 
@@ -48,7 +65,8 @@ _mode_override = _parse_mode(os.environ.get("LORA_BENCH_KERNEL_MODE"))
 
 
 def set_kernel_mode(mode: str | None) -> None:
-    """Force a plan ("fused", "cublas", "torch" or "fwd:bwd"); None restores the default."""
+    """Force a plan ("cpp", "fused", "cublas", "torch" or "fwd:bwd" of the last three); None
+    restores the default."""
     global _mode_override
     _mode_override = _parse_mode(mode)
 
@@ -74,23 +92,58 @@ def _triton():
         return None
 
 
+_cpp_state: dict[str, object] = {}  # "fn" -> the C++ op's lora_linear, or None if it cannot be built
+
+
+def _cpp():
+    """The C++ op (``lora_linear(x, weight, bias, A, B, scale)``), or None: lora_cpp warns once."""
+    if "fn" not in _cpp_state:
+        from lora_bench.kernels import lora_cpp
+
+        mod = lora_cpp.module()
+        _cpp_state["fn"] = mod.lora_linear if mod is not None else None
+    return _cpp_state["fn"]
+
+
+def _cpp_for(x: torch.Tensor):
+    """The C++ op when this call should run it (see the module docstring), else None.
+    Runs on every layer call: the common cases return after two or three cheap checks."""
+    if _mode_override is None:
+        if not x.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return None
+    elif _mode_override != _CPP:
+        return None
+    fn = _cpp_state.get("fn", False)  # False: not resolved yet
+    return fn if fn is not False else _cpp()
+
+
 def lora_kernel_backend(device: torch.device | str) -> str:
-    """'triton' when lora-kernel layers on ``device`` run the project's Triton kernels, else 'torch'."""
+    """What lora-kernel layers on ``device`` run in eager mode: 'cpp' (the C++ op), 'triton' (the
+    project's Triton kernels) or 'torch'. Recorded as the ``backend`` column of results."""
     device = torch.device(device)
-    if device.type != "cuda" or _mode_override == ("torch", "torch"):
+    if _mode_override == _CPP or (_mode_override is None and device.type == "cuda"):
+        if _cpp() is not None:
+            return "cpp"
+    if device.type != "cuda" or _mode_override == _TORCH:
         return "torch"
     return "triton" if _triton() is not None else "torch"
 
 
+def _layer_plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
+    """(forward mode, backward mode) a layer call with this input runs: ("cpp", "cpp") or ``_plan``."""
+    return _CPP if _cpp_for(x) is not None else _plan(x, rank)
+
+
 def _plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
-    """(forward mode, backward mode) for this input; see the module docstring."""
-    if not x.is_cuda and not (_mode_override and _INTERPRET):
+    """(forward mode, backward mode) of the Python Function for this input; see the module docstring."""
+    forced = _mode_override if _mode_override != _CPP else None  # cpp forced but unavailable: the default
+    if not x.is_cuda and not (forced and _INTERPRET):
         return _TORCH  # (a forced mode under Triton's CPU interpreter is for tests)
     tk = _triton_state.get("module") or _triton()
     if tk is None or rank > tk.MAX_RANK:
         return _TORCH
-    if _mode_override is not None:
-        return _mode_override
+    if forced is not None:
+        return forced
     if x.dtype is torch.float32 and torch.get_float32_matmul_precision() == "highest":
         # exact fp32 GEMMs: cuBLAS's fp32 path; Triton's ieee dots would be far slower
         return "cublas", "cublas"
@@ -211,16 +264,23 @@ class LoRAKernelFunction(torch.autograd.Function):
 
 
 def lora_linear(x, weight, bias, A, B, scale):
-    """Functional form of the lora-kernel layer."""
+    """Functional form of the lora-kernel layer (same dispatch as the layer)."""
+    op = _cpp_for(x)
+    if op is not None:
+        return op(x, weight, bias, A, B, float(scale))
     return LoRAKernelFunction.apply(x, weight, bias, A, B, scale)
 
 
 class LinearWithLoRAKernel(LoRALinearBase):
-    """``lora`` with the minimal-work autograd Function (Triton kernels on CUDA)."""
+    """``lora`` with the minimal-work autograd op: the C++ op in eager CUDA, else the Python
+    Function (Triton kernels on CUDA, torch ops on CPU)."""
 
     variant = "lora-kernel"
 
     def forward(self, x):
+        op = _cpp_for(x)
+        if op is not None:
+            return op(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
         return LoRAKernelFunction.apply(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B,
                                         self.lora.alpha)
 

@@ -1,0 +1,344 @@
+"""lora-kernel's C++ autograd op (plan "cpp"): forward and every gradient against float64 on fresh
+random inputs, autocast, the frozen base, routing through LinearWithLoRAKernel, errors.
+
+CPU tests force the op with ``set_kernel_mode("cpp")`` or call it directly; the whole module is
+skipped when it cannot be built here (no C++ compiler or ninja). GPU tests (``-m gpu``) check
+CUDA numbers and that eager CUDA layers run it by default, but not under CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lora_bench.kernels import lora_cpp
+from lora_bench.lora import LinearWithLoRA, inject_lora
+from lora_bench.lora import kernel as K
+from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, set_kernel_mode
+from lora_bench.model import build_random_model, gpt_config
+
+PY_GRAD_FN = "LoRAKernelFunctionBackward"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp_op():
+    """Build (or load from the extension cache) once for the module; skip it if that fails."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mod = lora_cpp.module()
+    if mod is None:
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}", allow_module_level=True)
+    return mod
+
+
+@pytest.fixture
+def force_cpp():
+    prev = K._mode_override
+    set_kernel_mode("cpp")
+    yield
+    K._mode_override = prev
+
+
+@pytest.fixture
+def default_mode():
+    prev = K._mode_override
+    set_kernel_mode(None)
+    yield
+    K._mode_override = prev
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖; an exactly-zero reference must be matched exactly (NaN never passes)."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out.isnan().any():
+        return float("inf")
+    if ref.norm() == 0:
+        return 0.0 if out.norm() == 0 else float("inf")
+    return float((out - ref).norm() / ref.norm())
+
+
+def _fresh(*shape, device, dtype, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)  # fresh draw every call: no fixed seed
+
+
+def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=16, alpha=2.0, bias=True,
+              noncontig=False, head=False, x_grad=True, autocast=None) -> None:
+    """One forward+backward of the C++ op against float64. ``autocast``: a dtype to run the op
+    under autocast with (inputs and parameters in ``dtype``, normally fp32)."""
+    x = _fresh(*batch, k, device=device, dtype=dtype)
+    if noncontig:  # same values, transposed storage
+        x = _fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
+        assert not x.is_contiguous()
+    w = _fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
+    b = _fresh(n, device=device, dtype=dtype) if bias else None
+    a = _fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    bm = _fresh(r, n, device=device, dtype=dtype)
+    w_before = w.clone()
+    leaves = ([x] if x_grad else []) + [a, bm] + ([w] + ([b] if bias else []) if head else [])
+    for t in leaves:
+        t.requires_grad_(True)
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = lora_cpp.lora_linear_cpp(x, w, b, a, bm, alpha)
+    out_dtype = autocast or dtype
+    assert y.grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    assert y.dtype == out_dtype and y.shape == (*batch, n) and not y._is_view()
+    g = _fresh(*batch, n, device=device, dtype=out_dtype)
+    grads = torch.autograd.grad(y, leaves, g)
+
+    ref = {id(t): t.detach().double().cpu().requires_grad_(t.requires_grad) for t in (x, w, a, bm)}
+    xr, wr, ar, bmr = (ref[id(t)] for t in (x, w, a, bm))
+    br = (b.detach().double().cpu().requires_grad_(head)) if bias else None
+    yr = xr @ wr.t() + alpha * (xr @ ar) @ bmr + (br if bias else 0)
+    ref_leaves = [ref[id(t)] if t is not b else br for t in leaves]
+    ref_grads = torch.autograd.grad(yr, ref_leaves, g.double().cpu())
+
+    tol = TOL[out_dtype]
+    assert rel_err(y, yr) <= tol, ("y", rel_err(y, yr))
+    for i, (got, want, leaf) in enumerate(zip(grads, ref_grads, leaves)):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype, i  # grads in the params' own dtype
+        assert rel_err(got, want) <= 2 * tol, (i, rel_err(got, want))
+    assert torch.equal(w, w_before), "frozen base was modified"
+
+
+CASES = [  # 2-D/3-D/4-D, non-contiguous x, with/without bias, ranks 1/16/64, alpha 0, trainable head,
+    dict(batch=(37,), k=70, n=53, r=1, alpha=0.5),  # input without gradient (the first layer)
+    dict(batch=(3, 41), k=96, n=130, r=16, alpha=0.0, noncontig=True),
+    dict(batch=(2, 5, 7), k=45, n=33, r=16, alpha=2.0, bias=False),
+    dict(batch=(150,), k=128, n=192, r=64, alpha=8.0, head=True),
+    dict(batch=(4, 9), k=24, n=2, r=16, alpha=16.0, head=True, bias=False),
+    dict(batch=(3, 11), k=40, n=24, r=4, alpha=1.5, x_grad=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_matches_float64(case, dtype):
+    check_cpp(dtype=dtype, **case)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+def test_cpu_autocast_bf16(case):
+    """x and parameters fp32, autocast bf16: y is bf16 and close to the fp32 math, grads are fp32."""
+    check_cpp(dtype=torch.float32, autocast=torch.bfloat16, **case)
+
+
+def test_cpu_autocast_backward_with_autocast_still_on():
+    """CPU backward runs on the caller's thread: autocast left on must not change its dtypes."""
+    x = torch.randn(6, 16, requires_grad=True)
+    w, a, bm = torch.randn(12, 16), torch.randn(16, 4, requires_grad=True), torch.randn(4, 12, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora_cpp.lora_linear_cpp(x, w, None, a, bm, 2.0)
+        gx, ga, gb = torch.autograd.grad(y.float().sum(), [x, a, bm])
+    assert gx.dtype == ga.dtype == gb.dtype == torch.float32
+    ref = [t.detach().double().requires_grad_(True) for t in (x, a, bm)]
+    yr = ref[0] @ w.double().t() + 2.0 * (ref[0] @ ref[1]) @ ref[2]
+    for got, want in zip((gx, ga, gb), torch.autograd.grad(yr.sum(), ref)):
+        assert rel_err(got, want) <= 2e-2
+
+
+def test_gradcheck_float64():
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)  # trainable: grad_W checked too
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    bm = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: lora_cpp.lora_linear_cpp(*t, 1.7), (x, w, b, a, bm))
+    assert torch.autograd.gradcheck(lambda x, w, a, bm: lora_cpp.lora_linear_cpp(x, w, None, a, bm, 0.3),
+                                    (x, w, a, bm))
+
+
+def test_no_grad_forward_builds_no_graph():
+    x, w, a, bm = torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 2, requires_grad=True), torch.randn(2, 5)
+    with torch.no_grad():
+        y = lora_cpp.lora_linear_cpp(x, w, None, a, bm, 1.0)
+    assert y.grad_fn is None and not y.requires_grad
+    assert rel_err(y, x @ w.t() + (x @ a.detach()) @ bm) <= 1e-5
+
+
+def test_dtype_mismatch_raises_type_error():
+    x = torch.randn(2, 8, dtype=torch.float64)
+    w, a, bm = torch.randn(8, 8), torch.randn(8, 2), torch.randn(2, 8)
+    with pytest.raises(TypeError, match="input is Double but a parameter is Float"):
+        lora_cpp.lora_linear_cpp(x, w, None, a, bm, 1.0)
+    with pytest.raises(TypeError, match="bias"):
+        lora_cpp.lora_linear_cpp(x.float(), w, torch.zeros(8, dtype=torch.float64), a, bm, 1.0)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        lora_cpp.lora_linear_cpp(x.float(), w, None, a[:3], bm, 1.0)
+
+
+def _layer(k=24, n=18, r=4, alpha=2.0, device="cpu"):
+    ker = LinearWithLoRAKernel(nn.Linear(k, n), r, alpha).to(device)
+    ker.linear.requires_grad_(False)
+    nn.init.normal_(ker.lora.B)  # a zero B would hide grad_A
+    return ker
+
+
+def test_override_routes_the_layer_through_the_cpp_op(force_cpp):
+    ker = _layer()
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    y = ker(x)
+    assert y.grad_fn.name() == lora_cpp.GRAD_FN_NAME  # not the Python Function's node
+    assert K.lora_linear(x, ker.linear.weight, None, ker.lora.A, ker.lora.B, 1.0).grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    assert lora_kernel_backend("cpu") == "cpp"
+    assert K._layer_plan(x, 4) == ("cpp", "cpp")
+    ref = LinearWithLoRA(nn.Linear(24, 18), 4, 2.0)
+    ref.load_state_dict(ker.state_dict())
+    ref.linear.requires_grad_(False)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, ker.lora.A, ker.lora.B], g)
+    want = torch.autograd.grad(ref(x), [x, ref.lora.A, ref.lora.B], g)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_cpu_default_stays_on_the_python_function(default_mode):
+    ker = _layer()
+    assert ker(torch.randn(3, 24)).grad_fn.name() == PY_GRAD_FN
+    assert lora_kernel_backend("cpu") == "torch"
+
+
+def test_mode_parsing():
+    assert K._parse_mode("cpp") == K._parse_mode("cpp:cpp") == ("cpp", "cpp")
+    for bad in ("cpp:fused", "torch:cpp"):
+        with pytest.raises(ValueError, match="whole-layer"):
+            K._parse_mode(bad)
+
+
+def test_frozen_weight_gets_no_grad_and_is_unchanged_after_a_step(force_cpp):
+    ker = _layer()
+    before = {k: v.clone() for k, v in ker.state_dict().items()}
+    opt = torch.optim.AdamW(ker.parameters(), lr=0.1)  # every parameter, frozen ones included
+    ker(torch.randn(4, 6, 24, requires_grad=True)).square().sum().backward()
+    assert ker.linear.weight.grad is None and ker.linear.bias.grad is None
+    assert ker.lora.A.grad is not None and ker.lora.B.grad is not None
+    opt.step()
+    after = ker.state_dict()
+    assert torch.equal(after["linear.weight"], before["linear.weight"])
+    assert torch.equal(after["linear.bias"], before["linear.bias"])
+    assert not torch.equal(after["lora.A"], before["lora.A"]) and not torch.equal(after["lora.B"], before["lora.B"])
+
+
+def test_model_equivalence_with_lora(force_cpp):
+    """Tiny GPT, LoRA everywhere, trainable 2-class head: logits and every gradient as ``lora``."""
+    models = []
+    for cls in (LinearWithLoRA, LinearWithLoRAKernel):
+        torch.manual_seed(7)
+        m = build_random_model(gpt_config("tiny", context_length=64))
+        m.requires_grad_(False)
+        m.out_head = nn.Linear(m.cfg.emb_dim, 2)
+        torch.manual_seed(8)
+        inject_lora(m, cls=cls, rank=4, alpha=2.0)
+        models.append(m)
+    with torch.no_grad():
+        for name, p in models[0].named_parameters():
+            if name.endswith("lora.B"):
+                p.normal_(std=0.1)
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, 50257, (3, 20))
+    out = []
+    for m in models:
+        logits = m(idx)[:, -1, :]
+        logits.logsumexp(-1).sum().backward()
+        out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (lr, gr), (lk, gk) = out
+    assert lk.grad_fn is not None and any("out_head.linear.weight" in n for n in gk)
+    assert rel_err(lk, lr) <= 1e-5 and gr.keys() == gk.keys()
+    for name in gr:
+        assert rel_err(gk[name], gr[name]) <= 1e-5, name
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, force_cpp):
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(lora_cpp, "_state", {})
+    monkeypatch.setattr(lora_cpp, "_build", broken)
+    monkeypatch.setattr(K, "_cpp_state", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lora_cpp.module() is None and not lora_cpp.cpp_available()
+        ker = _layer()
+        y = ker(torch.randn(3, 24))  # cpp forced but unavailable: the Python Function
+        assert y.grad_fn.name() == PY_GRAD_FN
+        assert lora_kernel_backend("cpu") == "torch"
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "C++ op could not be built" in msgs[0] and "no compiler here" in msgs[0]
+    with pytest.raises(RuntimeError, match="unavailable"):
+        lora_cpp.lora_linear_cpp(torch.randn(2, 3), torch.randn(3, 3), None, torch.randn(3, 1), torch.randn(1, 3), 1.0)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_matches_float64(case, dtype):
+    check_cpp(device="cuda", dtype=dtype, **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+def test_gpu_autocast_bf16(case):
+    check_cpp(device="cuda", dtype=torch.float32, autocast=torch.bfloat16, **case)
+
+
+def _capture_fwd_bwd(ker, static_x, g):
+    """Warm up as graph users do (side stream, eager), then capture forward+backward; returns
+    (graph, plan seen inside the capture, static y, static grads)."""
+    params = [static_x, ker.lora.A, ker.lora.B]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.autograd.grad(ker(static_x), params, g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = K._layer_plan(static_x, ker.lora.A.shape[1])
+        static_y = ker(static_x)
+        static_grads = torch.autograd.grad(static_y, params, g)
+    return graph, plan, static_y, static_grads
+
+
+def _replay_matches_eager(ker, graph, static_x, static_y, static_grads, g, tol):
+    with torch.no_grad():
+        static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    torch.cuda.synchronize()
+    y = ker(static_x)
+    want = torch.autograd.grad(y, [static_x, ker.lora.A, ker.lora.B], g)
+    assert rel_err(static_y, y) <= tol
+    for a, b in zip(static_grads, want):
+        assert rel_err(a, b) <= tol
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode, monkeypatch):
+    """bf16, so the capture holds the fused Triton kernels, first launched inside the capture
+    (the eager warm-up ran the C++ op): what graphs.py and the kernel bench do."""
+    ker = _layer(256, 192, 16, device="cuda").to(torch.bfloat16)
+    x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4, 33, 192, device="cuda", dtype=torch.bfloat16)
+    assert lora_kernel_backend("cuda") == "cpp"
+    assert K._layer_plan(x, 16) == ("cpp", "cpp")
+    assert ker(x).grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
+    assert plan == ("fused", "fused") and static_y.grad_fn.name() == PY_GRAD_FN
+    _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 2e-2)  # two bf16 paths
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert K._layer_plan(x, 16) != ("cpp", "cpp")  # torch.compile traces the Python Function
+
+
+@pytest.mark.gpu
+def test_gpu_forced_cpp_is_capturable(force_cpp):
+    ker = _layer(128, 96, 8, device="cuda")
+    x = torch.randn(64, 128, device="cuda", requires_grad=True)
+    g = torch.randn(64, 96, device="cuda")
+    graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
+    assert plan == ("cpp", "cpp") and static_y.grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 1e-5)
