@@ -15,6 +15,7 @@ import torch
 
 from .errors import UsageError
 from .evaluate import calc_loss_batch
+from .lora.kernel import graph_plan
 
 WARMUP_ITERS = 3
 
@@ -70,8 +71,8 @@ class GraphedStep:
         snap = self._snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: allocator, cuBLAS workspaces, optimizer state
-            for _ in range(WARMUP_ITERS):
+        with torch.cuda.stream(side), graph_plan():  # warm-up: allocator, workspaces, optimizer state,
+            for _ in range(WARMUP_ITERS):  # the kernels the capture will use (lora-kernel's plan)
                 self.optimizer.zero_grad(set_to_none=True)
                 self._forward().backward()
                 self.optimizer.step()
@@ -133,8 +134,8 @@ class GraphedEval:
                else contextlib.nullcontext)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), amp():
-            for _ in range(2):  # warm-up: workspaces, compiled kernels
+        with torch.cuda.stream(side), amp(), graph_plan():
+            for _ in range(2):  # warm-up: workspaces, compiled kernels, lora-kernel's capture plan
                 self.model(static_in)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()

@@ -119,7 +119,7 @@ class RunContext:
             return ""
         from .lora.kernel import lora_kernel_backend
 
-        return lora_kernel_backend(self.device)
+        return lora_kernel_backend(self.device, graphs=self.cfg.cuda_graphs or self.cfg.compile)
 
 
 def final_accuracies(ctx: RunContext) -> dict[str, float]:

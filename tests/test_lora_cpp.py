@@ -327,6 +327,10 @@ def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode, mo
     assert lora_kernel_backend("cuda") == "cpp"
     assert K._layer_plan(x, 16) == ("cpp", "cpp")
     assert ker(x).grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    assert lora_kernel_backend("cuda", graphs=True) == "triton"
+    with K.graph_plan():  # graph warm-ups run the plan the capture will use
+        assert K._layer_plan(x, 16) == ("fused", "fused") and ker(x).grad_fn.name() == PY_GRAD_FN
+    assert K._layer_plan(x, 16) == ("cpp", "cpp")
     graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
     assert plan == ("fused", "fused") and static_y.grad_fn.name() == PY_GRAD_FN
     _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 2e-2)  # two bf16 paths

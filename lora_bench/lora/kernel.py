@@ -105,11 +105,31 @@ def _cpp():
     return _cpp_state["fn"]
 
 
+_graph_plan_depth = 0  # > 0 inside graph_plan(): the plan a capture will use, also in its warm-up
+
+
+class graph_plan:
+    """Context manager: inside it, calls choose the plan they get under CUDA-graph capture (the
+    device-optimal Triton path, not the C++ op). Graph warm-ups run in it, so the kernels a graph
+    captures were compiled and launched once before the capture."""
+
+    def __enter__(self):
+        global _graph_plan_depth
+        _graph_plan_depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _graph_plan_depth
+        _graph_plan_depth -= 1
+        return False
+
+
 def _cpp_for(x: torch.Tensor):
     """The C++ op when this call should run it (see the module docstring), else None.
     Runs on every layer call: the common cases return after two or three cheap checks."""
     if _mode_override is None:
-        if not x.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if (not x.is_cuda or _graph_plan_depth or torch.compiler.is_compiling()
+                or torch.cuda.is_current_stream_capturing()):
             return None
     elif _mode_override != _CPP:
         return None
@@ -117,11 +137,12 @@ def _cpp_for(x: torch.Tensor):
     return fn if fn is not False else _cpp()
 
 
-def lora_kernel_backend(device: torch.device | str) -> str:
-    """What lora-kernel layers on ``device`` run in eager mode: 'cpp' (the C++ op), 'triton' (the
-    project's Triton kernels) or 'torch'. Recorded as the ``backend`` column of results."""
+def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False) -> str:
+    """What lora-kernel layers on ``device`` run — in eager mode, or captured in CUDA graphs / traced
+    by torch.compile when ``graphs``: 'cpp' (the C++ op), 'triton' (the project's Triton kernels)
+    or 'torch'. Recorded as the ``backend`` column of results."""
     device = torch.device(device)
-    if _mode_override == _CPP or (_mode_override is None and device.type == "cuda"):
+    if _mode_override == _CPP or (_mode_override is None and device.type == "cuda" and not graphs):
         if _cpp() is not None:
             return "cpp"
     if device.type != "cuda" or _mode_override == _TORCH:

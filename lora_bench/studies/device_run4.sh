@@ -11,11 +11,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
 export LORA_BENCH_SMS_FILE=$DATA
 T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
-t start; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/gpu.txt
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -40 > $OUT/gpu_tests.log
+t start; python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None" 2>&1 | tail -3 > $OUT/ext_build.log
+t ext built; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/gpu.txt
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -40 > $OUT/gpu_tests.log
 t tests done
 MODES="python3 -m lora_bench.studies.modes --data-file $DATA --steps 60"
-timeout 200 $MODES --out $R/modes --sizes 124M --modes graphs-bf16-fused graphs-bf16-fused-fopt \
+timeout 170 $MODES --out $R/modes --sizes 124M --modes graphs-bf16-fused graphs-bf16-fused-fopt \
   compile-graphs-bf16-fused-fopt --skip compile-graphs-bf16-fused-fopt:lora-kernel 2>&1 | grep -v USDT | tail -30 > $OUT/modes124.log
 t modes124 done
 for L in lora-kernel lora all; do
@@ -24,7 +25,7 @@ for L in lora-kernel lora all; do
     --results-dir $R/wall-124m --run-id 124M-$L-graphs-bf16-fused-fopt-5ep 2>&1 | grep -E "accuracy|completed|step " >> $OUT/wall.log
 done
 t wall done
-timeout 150 python3 -m lora_bench kernel-bench --shapes 1558m --dtypes fp32,bf16 --impls frozen,lora,lora-kernel,lora-kernel:cpp,lora-kernel:fused,lora-kernel:cublas \
+timeout 120 python3 -m lora_bench kernel-bench --shapes 1558m --dtypes fp32,bf16 --impls frozen,lora,lora-kernel,lora-kernel:cpp,lora-kernel:fused,lora-kernel:cublas \
   --no-progress --out $R/kernel-bench-1558m.csv 2>&1 | tail -40 > $OUT/kernel_bench.log
 t kbench done
 tar czf $OUT/results.tgz -C $R --exclude trace.json.gz .
