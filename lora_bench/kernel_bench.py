@@ -11,6 +11,10 @@ How it times (docs performance.md / METHOD.md):
   the interval includes the host's launch time; when the GPU is the bottleneck it is device time.
   Either way it is what a training step pays. ``graph_fwdbwd_ms`` replays the same forward+backward
   from a CUDA graph: device cost with launch overhead removed.
+* implementations are interleaved: the repeats of each phase run in rounds of ``ROUND`` repeats,
+  every implementation once per round (the order rotating), so slow drift of a shared host (a
+  virtual machine's eager timings wander by tens of percent over seconds) hits all of them alike.
+  ``x_frozen`` / ``x_lora`` are the medians over rounds of the per-round ratios of block medians.
 * warm-up first (Triton compiles, cuBLAS handles); median, p10, p90 over the repeats.
 * fresh random inputs, never zeros, rotated over several (layer, x, grad) sets whose total is
   several times the L2, so neither weights nor activations are served from cache.
@@ -50,6 +54,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALPHA = 2.0
 L2_FLUSH_BYTES = 256 << 20  # rotate sets until this much data cycles: ~4× the H200's 60 MB L2
 PHASES = ("fwd", "bwd", "fwdbwd")
+ROUND = 20  # repeats per implementation per round
 COLUMNS = [
     "shape", "tokens", "d_in", "d_out", "rank", "impl", "dtype", "device", "backend",
     *[f"{p}_{s}" for p in PHASES for s in ("ms", "p10_ms", "p90_ms")],
@@ -195,56 +200,102 @@ def _time_graph(sets: list[tuple], *, repeats: int, device: torch.device) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in spans)
 
 
-def _backend(impl: str, device: torch.device, dtype: torch.dtype) -> str:
+class _Forced:
+    """Context: lora-kernel:MODE runs with that plan forced; the previous override is restored."""
+
+    def __init__(self, impl: str):
+        self.mode = impl.partition(":")[2] if impl.startswith("lora-kernel") else ""
+
+    def __enter__(self):
+        from lora_bench.lora import kernel as k
+
+        self.prev = k._mode_override  # e.g. from LORA_BENCH_KERNEL_MODE
+        if self.mode:
+            k.set_kernel_mode(self.mode)
+
+    def __exit__(self, *exc):
+        from lora_bench.lora import kernel as k
+
+        k._mode_override = self.prev
+        return False
+
+
+def _backend(impl: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> str:
+    """'cublas' / 'torch' for the baselines; for lora-kernel 'BACKEND/PLAN' in eager mode, plus the
+    plan a CUDA graph captures when it differs."""
     if not impl.startswith("lora-kernel"):
         return "cublas" if device.type == "cuda" else "torch"
     from lora_bench.lora import kernel as k
 
-    mode = impl.partition(":")[2]
-    if mode:  # a forced plan for this impl only (_bench_one restores the previous one)
-        k.set_kernel_mode(mode)
-    probe = torch.empty(0, device=device, dtype=dtype)
-    return f"{k.lora_kernel_backend(device)}/" + ":".join(dict.fromkeys(k._layer_plan(probe, 16)))
+    with _Forced(impl):
+        probe = torch.empty(0, device=device, dtype=dtype)
+        weight = torch.empty(shape.d_out, shape.d_in, device="meta")
+
+        def plan() -> str:
+            return ":".join(dict.fromkeys(k._layer_plan(probe, shape.rank, weight)))
+
+        eager = f"{k.lora_kernel_backend(device)}/{plan()}"
+        if device.type != "cuda":
+            return eager
+        with k.graph_plan():
+            graph = plan()
+        return eager if eager.endswith("/" + graph) else f"{eager}; graph {graph}"
 
 
-def _bench_one(impl: str, shape: Shape, dtype_name: str, *, device: torch.device, repeats: int, warmup: int,
-               cpu: bool) -> dict:
+def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
+                 warmup: int, cpu: bool) -> list[dict]:
+    """All implementations of one (shape, dtype), interleaved round by round (module docstring)."""
     dtype = DTYPES[dtype_name]
-    from lora_bench.lora import kernel as k
-
-    prev_mode = k._mode_override  # e.g. from LORA_BENCH_KERNEL_MODE; restored below
-    backend = _backend(impl, device, dtype)  # also applies a forced lora-kernel mode
-    torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
-    sets = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
-    row: dict = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
-                 "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
-                 "backend": backend, "repeats": repeats, "sets": len(sets)}
+    sets, rows = {}, {}
+    for impl in impls:
+        torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
+        sets[impl] = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
+        rows[impl] = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
+                      "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
+                      "backend": _backend(impl, shape, device, dtype), "repeats": repeats,
+                      "sets": len(sets[impl])}
+    n_rounds = max(1, math.ceil(repeats / ROUND))
+    block = max(1, math.ceil(repeats / n_rounds))
+    ratio_base = [b for b in ("frozen", "lora") if b in impls]
+    round_ratios: dict[str, dict[str, list[float]]] = {i: {b: [] for b in ratio_base} for i in impls}
     for phase in PHASES:
-        ms = _time_phase(sets, phase, repeats=repeats, warmup=warmup, device=device)
-        row[f"{phase}_ms"], row[f"{phase}_p10_ms"], row[f"{phase}_p90_ms"] = _stats(ms)
-    row["graph_fwdbwd_ms"] = _time_graph(sets, repeats=repeats, device=device) if device.type == "cuda" else None
-    del sets
-    if cpu and dtype_name == "fp32":
-        if device.type == "cpu":
-            row["cpu_fwdbwd_ms"] = row["fwdbwd_ms"]
-        else:
-            cpu_dev = torch.device("cpu")
-            cpu_sets = _make_sets(impl, shape, dtype, cpu_dev, 2)
-            n = max(3, repeats // 10)
-            row["cpu_fwdbwd_ms"] = statistics.median(
-                _time_phase(cpu_sets, "fwdbwd", repeats=n, warmup=min(2, warmup), device=cpu_dev))
-    ref = REFERENCE_4090_MS.get(shape.name)
-    row["ref_4090_cpu_ms"], row["ref_4090_gpu_ms"] = ref if ref else (None, None)
-    k._mode_override = prev_mode
-    return row
-
-
-def _add_ratios(rows: list[dict]) -> None:
-    base = {(r["shape"], r["dtype"], r["impl"]): r["fwdbwd_ms"] for r in rows}
-    for r in rows:
-        frozen, lora = base.get((r["shape"], r["dtype"], "frozen")), base.get((r["shape"], r["dtype"], "lora"))
-        r["x_frozen"] = r["fwdbwd_ms"] / frozen if frozen else None
-        r["x_lora"] = r["fwdbwd_ms"] / lora if lora else None
+        samples: dict[str, list[float]] = {i: [] for i in impls}
+        for rnd in range(n_rounds):
+            order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
+            block_median = {}
+            for impl in order:
+                with _Forced(impl):
+                    ms = _time_phase(sets[impl], phase, repeats=block, warmup=warmup if rnd == 0 else 2,
+                                     device=device)
+                samples[impl] += ms
+                block_median[impl] = statistics.median(ms)
+            if phase == "fwdbwd":
+                for impl in impls:
+                    for b in ratio_base:
+                        round_ratios[impl][b].append(block_median[impl] / block_median[b])
+        for impl in impls:
+            r = rows[impl]
+            r[f"{phase}_ms"], r[f"{phase}_p10_ms"], r[f"{phase}_p90_ms"] = _stats(samples[impl])
+    for impl in impls:
+        r = rows[impl]
+        for b in ratio_base:
+            r[f"x_{b}"] = statistics.median(round_ratios[impl][b])
+        if device.type == "cuda":
+            with _Forced(impl):
+                r["graph_fwdbwd_ms"] = _time_graph(sets[impl], repeats=repeats, device=device)
+        if cpu and dtype_name == "fp32":
+            if device.type == "cpu":
+                r["cpu_fwdbwd_ms"] = r["fwdbwd_ms"]
+            else:
+                cpu_dev = torch.device("cpu")
+                with _Forced(impl):
+                    cpu_sets = _make_sets(impl, shape, dtype, cpu_dev, 2)
+                    n = max(3, repeats // 10)
+                    r["cpu_fwdbwd_ms"] = statistics.median(
+                        _time_phase(cpu_sets, "fwdbwd", repeats=n, warmup=min(2, warmup), device=cpu_dev))
+        ref = REFERENCE_4090_MS.get(shape.name)
+        r["ref_4090_cpu_ms"], r["ref_4090_gpu_ms"] = ref if ref else (None, None)
+    return [rows[i] for i in impls]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -279,13 +330,12 @@ def run_kernel_bench(
     rows = []
     for shape in resolve_shapes(shapes):
         for dtype_name in dtypes:
-            for impl in impls:
-                rows.append(_bench_one(impl, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu))
-                if progress:
-                    r = rows[-1]
-                    print(f"kernel-bench {shape.name} {dtype_name} {impl}: fwd+bwd {1e3 * r['fwdbwd_ms']:.1f} us",
+            group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu)
+            rows += group
+            if progress:
+                for r in group:
+                    print(f"kernel-bench {shape.name} {dtype_name} {r['impl']}: fwd+bwd {1e3 * r['fwdbwd_ms']:.1f} us",
                           file=sys.stderr, flush=True)
-    _add_ratios(rows)
     if out_csv is not None:
         write_csv(rows, out_csv)
     return rows

@@ -70,8 +70,8 @@ def test_all_vs_lora_grid():
     got = {(r.cfg.model_size, r.cfg.trainable_layers) for r in sw.runs}
     assert got == {(s, t) for s in ("124M", "355M", "774M", "1558M")
                    for t in ("all", "lora", "lora-merged", "lora-kernel")}
-    modes = {(r.cfg.precision, r.cfg.attention, r.cfg.ops, r.cfg.cuda_graphs) for r in sw.runs}
-    assert ("fp32", "book", "book", False) in modes and ("bf16", "sdpa", "fused", True) in modes
+    modes = {(r.cfg.precision, r.cfg.attention, r.cfg.ops, r.cfg.cuda_graphs, r.cfg.optimizer) for r in sw.runs}
+    assert ("fp32", "book", "book", False, "book") in modes and ("bf16", "sdpa", "fused", True, "fused") in modes
     assert {r.cfg.batch_size for r in sw.runs} == {8, 32}  # the tokens-per-step axis
     assert len(sw.runs) == 16 * len(modes) * 2 * sw.repeats
     for r in sw.runs:

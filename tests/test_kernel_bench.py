@@ -56,3 +56,38 @@ def test_forced_cpp_impl_runs_the_cpp_op():
                             device="cpu", repeats=3, warmup=1, out_csv=None, cpu=False, progress=False)
     assert [r["backend"] for r in rows] == ["cpp/cpp", "torch/torch"]  # CPU default: the Python Function
     assert k._mode_override == before  # the forced mode was for that impl only
+
+
+def test_interleaved_rounds_cancel_host_drift(monkeypatch):
+    """A host that slows down steadily (×3 over the bench) must not bias the ratios: each round
+    times every implementation, so the per-round ratio recovers the true cost ratio."""
+    import lora_bench.kernel_bench as kb
+
+    true_cost = {"frozen": 1.0, "lora": 4.0, "lora-kernel": 2.0}
+    clock = {"calls": 0}
+    impl_of = {}
+    real_make_sets = kb._make_sets
+
+    def make_sets(impl, *a, **kw):
+        sets = real_make_sets(impl, *a, **kw)
+        impl_of[id(sets[0][0])] = impl
+        return sets
+
+    def fake_time_phase(sets, phase, *, repeats, warmup, device):
+        impl = impl_of[id(sets[0][0])]
+        out = []
+        for _ in range(repeats):
+            clock["calls"] += 1
+            drift = 1.0 + clock["calls"] / 600  # 1 → ~3 over the run
+            out.append(true_cost[impl] * drift)
+        return out
+
+    monkeypatch.setattr(kb, "_make_sets", make_sets)
+    monkeypatch.setattr(kb, "_time_phase", fake_time_phase)
+    rows = kb.run_kernel_bench(shapes=["2x8:48->40:r4"], impls=list(true_cost), dtypes=["fp32"], device="cpu",
+                               repeats=200, warmup=0, out_csv=None, cpu=False, progress=False)
+    by = {r["impl"]: r for r in rows}
+    assert by["lora-kernel"]["x_frozen"] == pytest.approx(2.0, rel=0.05)
+    assert by["lora-kernel"]["x_lora"] == pytest.approx(0.5, rel=0.05)
+    assert by["lora"]["x_frozen"] == pytest.approx(4.0, rel=0.05)
+    assert clock["calls"] == 3 * 3 * 200  # 3 phases × 3 implementations × all repeats, no more

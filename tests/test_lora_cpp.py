@@ -331,6 +331,9 @@ def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode, mo
     with K.graph_plan():  # graph warm-ups run the plan the capture will use
         assert K._layer_plan(x, 16) == ("fused", "fused") and ker(x).grad_fn.name() == PY_GRAD_FN
     assert K._layer_plan(x, 16) == ("cpp", "cpp")
+    big = torch.empty(6400, 1600, device="cuda", dtype=torch.bfloat16)  # a 1558M MLP weight: cuBLAS wins
+    with K.graph_plan():
+        assert K._layer_plan(x, 16, big) == ("cpp", "cpp") and K._layer_plan(x, 16, ker.linear.weight) != ("cpp", "cpp")
     graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
     assert plan == ("fused", "fused") and static_y.grad_fn.name() == PY_GRAD_FN
     _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 2e-2)  # two bf16 paths

@@ -339,16 +339,18 @@ def test_gpu_autocast_bf16(poisoned, mode):
 
 def _gpu_autocast_bf16():
     ker, ref = (m.cuda() for m in _layer_pair(256, 192, 16, 2.0))
-    x = torch.randn(4, 33, 256, device="cuda", requires_grad=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        yk, yr = ker(x), ref(x)
-    assert yk.dtype == yr.dtype == torch.bfloat16
-    g = torch.randn_like(yk)
-    gk = torch.autograd.grad(yk, [x, ker.lora.A, ker.lora.B], g)
-    gr = torch.autograd.grad(yr, [x, ref.lora.A, ref.lora.B], g)
-    assert rel_err(yk, yr) <= 1e-2
-    for a, b in zip(gk, gr):
-        assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
+    for x_grad in (True, False):  # False: a first layer (the input needs no gradient; A and B do)
+        x = torch.randn(4, 33, 256, device="cuda", requires_grad=x_grad)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            yk, yr = ker(x), ref(x)
+        assert yk.dtype == yr.dtype == torch.bfloat16
+        g = torch.randn_like(yk)
+        wrt = ([x] if x_grad else [])
+        gk = torch.autograd.grad(yk, [*wrt, ker.lora.A, ker.lora.B], g)
+        gr = torch.autograd.grad(yr, [*wrt, ref.lora.A, ref.lora.B], g)
+        assert rel_err(yk, yr) <= 1e-2
+        for a, b in zip(gk, gr):
+            assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
 
 
 @pytest.mark.gpu

@@ -96,7 +96,8 @@ def _lora_mm_kernel(
             wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
             pt = tl.load(p_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-        hacc = tl.dot(xt, pt, hacc, input_precision=PRECISION)
+        # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
+        hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
         p_ptrs += BLOCK_K * stride_pk
@@ -109,7 +110,7 @@ def _lora_mm_kernel(
             h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
             tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
     q_ptrs = q_ptr + offs_r[:, None] * stride_qr + rn[None, :] * stride_qn  # (BR, BN)
-    qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+    qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0).to(h.dtype)
     acc += scale * tl.dot(h, qt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]

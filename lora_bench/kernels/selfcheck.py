@@ -53,6 +53,10 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
                 "grad_A": (ga, s * X.t() @ u.double()) if s else (ga, None),
                 "grad_B": (gb, s * h.double().t() @ G) if s else (gb, None),
             }
+            if dt != torch.float32:  # fp32 master A/B (autocast): rounded in registers, same result as a cast
+                y32, h32 = torch.full((M, N), nan, dtype=dt), torch.full((M, R), nan, dtype=dt)
+                lt.lora_mm(x, w.t(), a.float(), b.float(), bias, scale=s, out=y32, h_out=h32)
+                checks["y(fp32 A,B)"] = (y32, y.double()) if torch.equal(h32, h) else (h32, h.double())
             for name, (out, ref) in checks.items():
                 if ref is None:  # alpha 0: the gradient is exactly zero
                     ok, e = bool((out == 0).all()), 0.0

@@ -124,12 +124,22 @@ class graph_plan:
         return False
 
 
-def _cpp_for(x: torch.Tensor):
+# Under CUDA-graph capture only device time counts. Replayed (H200, bf16, 960 tokens, kernel-bench
+# graph column): the Triton fused kernel wins at 1600→1600 (42.4 vs 51.8 us fwd+bwd for the C++
+# op's cuBLAS calls) but cuBLAS wins at the 1600↔6400 MLP shapes (102.7 / 99.2 vs 111.8 / 118.2 us),
+# where the Triton GEMM reaches ~60 % of cuBLAS's rate. So captured layers at least this large run
+# the C++ op; smaller ones (every GPT-2 size below 1558M) the fused kernel.
+CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
+
+
+def _cpp_for(x: torch.Tensor, weight: torch.Tensor | None = None):
     """The C++ op when this call should run it (see the module docstring), else None.
     Runs on every layer call: the common cases return after two or three cheap checks."""
     if _mode_override is None:
-        if (not x.is_cuda or _graph_plan_depth or torch.compiler.is_compiling()
-                or torch.cuda.is_current_stream_capturing()):
+        if not x.is_cuda or torch.compiler.is_compiling():
+            return None
+        if (_graph_plan_depth or torch.cuda.is_current_stream_capturing()) and (
+                weight is None or weight.numel() < CPP_GRAPH_MIN_WEIGHT):
             return None
     elif _mode_override != _CPP:
         return None
@@ -150,9 +160,9 @@ def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False) -> 
     return "triton" if _triton() is not None else "torch"
 
 
-def _layer_plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
+def _layer_plan(x: torch.Tensor, rank: int, weight: torch.Tensor | None = None) -> tuple[str, str]:
     """(forward mode, backward mode) a layer call with this input runs: ("cpp", "cpp") or ``_plan``."""
-    return _CPP if _cpp_for(x) is not None else _plan(x, rank)
+    return _CPP if _cpp_for(x, weight) is not None else _plan(x, rank)
 
 
 def _plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
@@ -233,8 +243,12 @@ class LoRAKernelFunction(torch.autograd.Function):
         if torch.is_autocast_enabled(dev) and x.is_floating_point():
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
-                x2, w, a, bm, b = (_cast(t, cdt) for t in (x2, weight, A, B, bias))
+                x2, w, b = _cast(x2, cdt), _cast(weight, cdt), _cast(bias, cdt)
                 fwd_mode, bwd_mode = _plan(x2, A.shape[1])
+                if fwd_mode == bwd_mode == "fused":  # the kernels read fp32 A/B and round in registers:
+                    a, bm = A, B                      # no cast launches (same values as a cast)
+                else:
+                    a, bm = _cast(A, cdt), _cast(B, cdt)
                 y, h = _forward(fwd_mode, x2, w, b, a, bm, s)
         else:
             for p in (weight, A, B, bias):
@@ -271,7 +285,7 @@ class LoRAKernelFunction(torch.autograd.Function):
             x_shape, x_dt = ctx.x_meta
             grad_x = _cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
         elif need_a:
-            u = g @ bm.t()  # the input needs no gradient (first layer): skip the big GEMM
+            u = g @ _cast(bm, g.dtype).t()  # the input needs no gradient (first layer): skip the big GEMM
         if need_a or need_bl:
             grad_a, grad_bl = _grad_ab(mode, x2, u if u is not None else h, h, g, s,
                                        do_a=need_a, do_b=need_bl, dtype=a_dt)
@@ -286,7 +300,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
 def lora_linear(x, weight, bias, A, B, scale):
     """Functional form of the lora-kernel layer (same dispatch as the layer)."""
-    op = _cpp_for(x)
+    op = _cpp_for(x, weight)
     if op is not None:
         return op(x, weight, bias, A, B, float(scale))
     return LoRAKernelFunction.apply(x, weight, bias, A, B, scale)
@@ -299,9 +313,10 @@ class LinearWithLoRAKernel(LoRALinearBase):
     variant = "lora-kernel"
 
     def forward(self, x):
-        op = _cpp_for(x)
+        w = self.linear.weight
+        op = _cpp_for(x, w)
         if op is not None:
-            return op(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
+            return op(x, w, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
         return LoRAKernelFunction.apply(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B,
                                         self.lora.alpha)
 
