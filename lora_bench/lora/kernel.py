@@ -244,11 +244,12 @@ class LoRAKernelFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, w, b = _cast(x2, cdt), _cast(weight, cdt), _cast(bias, cdt)
+                # A and B are cast here too (two small launches). The fused kernels can read fp32 A/B
+                # and round in registers (same values), but on the H200 that made the 124M graph
+                # step 6 % slower (4.52 vs 4.26 ms): the fp32 tiles cost more inside the K loop
+                # than the two launches they save. kernels/NOTES.md, v5.
+                a, bm = _cast(A, cdt), _cast(B, cdt)
                 fwd_mode, bwd_mode = _plan(x2, A.shape[1])
-                if fwd_mode == bwd_mode == "fused":  # the kernels read fp32 A/B and round in registers:
-                    a, bm = A, B                      # no cast launches (same values as a cast)
-                else:
-                    a, bm = _cast(A, cdt), _cast(B, cdt)
                 y, h = _forward(fwd_mode, x2, w, b, a, bm, s)
         else:
             for p in (weight, A, B, bias):
