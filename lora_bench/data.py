@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .errors import DataError, UsageError
+from .results import publish
 from .tokenizer import PAD_TOKEN_ID
 
 SMS_URLS = [
@@ -90,7 +91,7 @@ def prepare_splits(raw_file: Path, out_dir: Path) -> dict[str, Path]:
         os.close(fd)
         try:
             part.to_csv(tmp, index=None)
-            os.replace(tmp, dest)
+            publish(tmp, dest)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -122,6 +122,15 @@ def settings_columns(cfg: TrainConfig) -> dict:
 
 
 # -- atomic writers ------------------------------------------------------------------------------
+def publish(tmp: str | Path, dest: Path) -> None:
+    """Move a finished temporary file into place atomically, with ordinary permissions (mkstemp
+    creates files 0600, which would otherwise stick to results and data files)."""
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, dest)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +140,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

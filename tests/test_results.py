@@ -36,3 +36,18 @@ def test_readme_documents_every_result_column():
                if not family.match(c.name) and f"`{c.name}`" not in readme]
     assert not missing, f"README lacks: {missing}"
     assert "`{host_}{phase}_ms_{median,p10,p90}`" in readme and "`bound_{data,forward,backward,optimizer}`" in readme
+
+
+def test_atomic_writes_leave_ordinary_permissions(tmp_path):
+    """mkstemp makes 0600 files; results and data files must be readable like any other file."""
+    import os
+    import stat
+
+    from lora_bench.results import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+        assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644
+    finally:
+        os.umask(old)
