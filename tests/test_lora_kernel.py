@@ -159,6 +159,76 @@ def test_dtype_mismatch_without_autocast_raises():
         ker(torch.randn(2, 8, dtype=torch.float64))
 
 
+class _GraphRecorder:
+    """A torch.compile backend that keeps the FX graphs it is given and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def count(self, name: str) -> int:
+        return sum(name in str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function")
+
+
+def test_compiled_model_traces_lora_kernel_as_custom_ops_in_one_graph():
+    """torch.compile sees each lora-kernel layer as the lora_bench custom op: one graph for the whole
+    model (fullgraph: no break), same outputs as eager."""
+    torch.manual_seed(3)
+    m = build_random_model(gpt_config("tiny", context_length=32))
+    m.requires_grad_(False)
+    n_layers = inject_lora(m, cls=LinearWithLoRAKernel, rank=4, alpha=2.0)
+    rec = _GraphRecorder()
+    x = torch.randint(0, 50257, (2, 12))
+    out = torch.compile(m, fullgraph=True, backend=rec)(x)
+    assert len(rec.graphs) == 1 and rec.count("lora_linear_fwd") == n_layers > 0
+    assert torch.equal(out, m(x))
+
+
+@pytest.mark.parametrize("trainable_base", [False, True])
+def test_compiled_layer_gradients_match_eager(trainable_base):
+    """Through AOTAutograd (backend aot_eager): the custom ops' autograd formula gives the eager
+    Function's gradients, for the input, A, B and — for a trainable head — W and b."""
+    torch.manual_seed(4)
+    ker, _ = _layer_pair(40, 28, 5, 1.5, trainable_base=trainable_base)
+    x = torch.randn(3, 7, 40, requires_grad=True)
+    g = torch.randn(3, 7, 28)
+    wrt = [x, ker.lora.A, ker.lora.B] + ([ker.linear.weight, ker.linear.bias] if trainable_base else [])
+    y = torch.compile(ker, fullgraph=True, backend="aot_eager")(x)
+    got = torch.autograd.grad(y, wrt, g)
+    want = torch.autograd.grad(ker(x), wrt, g)
+    assert rel_err(y, ker(x)) <= 1e-6
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-6
+
+
+def test_compiled_layer_under_cpu_autocast_keeps_fp32_gradients():
+    torch.manual_seed(5)
+    ker, ref = _layer_pair(32, 24, 4, 2.0)
+    x = torch.randn(2, 6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(ker, fullgraph=True, backend="aot_eager")(x)
+        yr = ref(x)
+    assert y.dtype == torch.bfloat16 and rel_err(y, yr) <= 1e-2
+    g = torch.randn_like(yr)
+    for a, b in zip(torch.autograd.grad(y, [ker.lora.A, ker.lora.B], g),
+                    torch.autograd.grad(yr, [ref.lora.A, ref.lora.B], g)):
+        assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
+
+
+def test_custom_ops_pass_torch_library_opcheck():
+    """Schema, fake (shape) implementation and autograd registration agree with the real op."""
+    x, w, b = torch.randn(9, 16), torch.randn(12, 16), torch.randn(12)
+    a, bm = torch.randn(16, 3, requires_grad=True), torch.randn(3, 12, requires_grad=True)
+    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, b, a, bm, 0.5))
+    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, None, a, bm, 0.5))
+    g, h = torch.randn(9, 12), torch.randn(9, 3)
+    for need_x in (True, False):
+        torch.library.opcheck(torch.ops.lora_bench.lora_linear_bwd.default, (g, x, h, w, a.detach(), bm.detach(), 0.5, need_x))
+
+
 def test_registry_and_state_dict_interchange():
     assert lora_class("lora-kernel") is LinearWithLoRAKernel
     ker, ref = _layer_pair(12, 10, 3, 1.0)

