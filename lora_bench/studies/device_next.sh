@@ -31,7 +31,7 @@ study)
     --modes compile-graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -12 > $OUT/modes.log ;;
 whole)
   for L in lora-kernel lora; do
-    timeout 280 python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers $L --rank 16 --alpha 8 \
+    timeout 280 python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers $L --rank 16 --alpha 16 \
       --num-epochs 2 --data-file $DATA --no-progress --results-dir $R/whole-1558m --run-id 1558M-$L-eager-fp32-2ep 2>&1 \
       | grep -E "^Training|^Validation|^Test|completed|step " >> $OUT/whole.log; save
   done ;;
