@@ -19,6 +19,7 @@ from lora_bench.lora import LinearWithLoRA, inject_lora
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, set_kernel_mode
 from lora_bench.model import build_random_model, gpt_config
+from numerics import fresh, rel_err
 
 PY_GRAD_FN = "LoRAKernelFunctionBackward"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -51,32 +52,18 @@ def default_mode():
     K._mode_override = prev
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖; an exactly-zero reference must be matched exactly (NaN never passes)."""
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    if out.isnan().any():
-        return float("inf")
-    if ref.norm() == 0:
-        return 0.0 if out.norm() == 0 else float("inf")
-    return float((out - ref).norm() / ref.norm())
-
-
-def _fresh(*shape, device, dtype, scale=1.0):
-    return (torch.randn(*shape, device=device) * scale).to(dtype)  # fresh draw every call: no fixed seed
-
-
 def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=16, alpha=2.0, bias=True,
               noncontig=False, head=False, x_grad=True, autocast=None) -> None:
     """One forward+backward of the C++ op against float64. ``autocast``: a dtype to run the op
     under autocast with (inputs and parameters in ``dtype``, normally fp32)."""
-    x = _fresh(*batch, k, device=device, dtype=dtype)
+    x = fresh(*batch, k, device=device, dtype=dtype)
     if noncontig:  # same values, transposed storage
-        x = _fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
+        x = fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
         assert not x.is_contiguous()
-    w = _fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
-    b = _fresh(n, device=device, dtype=dtype) if bias else None
-    a = _fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
-    bm = _fresh(r, n, device=device, dtype=dtype)
+    w = fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
+    b = fresh(n, device=device, dtype=dtype) if bias else None
+    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    bm = fresh(r, n, device=device, dtype=dtype)
     w_before = w.clone()
     leaves = ([x] if x_grad else []) + [a, bm] + ([w] + ([b] if bias else []) if head else [])
     for t in leaves:
@@ -86,7 +73,7 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
     out_dtype = autocast or dtype
     assert y.grad_fn.name() == lora_cpp.GRAD_FN_NAME
     assert y.dtype == out_dtype and y.shape == (*batch, n) and not y._is_view()
-    g = _fresh(*batch, n, device=device, dtype=out_dtype)
+    g = fresh(*batch, n, device=device, dtype=out_dtype)
     grads = torch.autograd.grad(y, leaves, g)
 
     ref = {id(t): t.detach().double().cpu().requires_grad_(t.requires_grad) for t in (x, w, a, bm)}

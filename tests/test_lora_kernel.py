@@ -21,39 +21,26 @@ from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, lora_linear
 from lora_bench.model import build_random_model, gpt_config
+from numerics import fresh, rel_err
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖; an exactly-zero reference must be matched exactly (NaN never passes)."""
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    if out.isnan().any():
-        return float("inf")
-    if ref.norm() == 0:
-        return 0.0 if out.norm() == 0 else float("inf")
-    return float((out - ref).norm() / ref.norm())
-
-
-def _fresh(*shape, device, dtype, scale=1.0):
-    return (torch.randn(*shape, device=device) * scale).to(dtype)  # fresh draw every call: no fixed seed
-
-
 def check_case(*, device, dt: str, batch: tuple[int, ...], k: int, n: int, r: int, alpha: float,
                bias: bool = True, noncontig: bool = False, head: bool = False) -> None:
     """One forward+backward of lora_linear against a float64 reference of the same math."""
     dtype = DTYPE[dt]
-    x = _fresh(*batch, k, device=device, dtype=dtype)
+    x = fresh(*batch, k, device=device, dtype=dtype)
     if noncontig:  # same values, transposed storage
-        x = _fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
+        x = fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
         assert not x.is_contiguous()
-    w = _fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
-    b = _fresh(n, device=device, dtype=dtype) if bias else None
-    a = _fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
-    bm = _fresh(r, n, device=device, dtype=dtype)
-    g = _fresh(*batch, n, device=device, dtype=dtype)
+    w = fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
+    b = fresh(n, device=device, dtype=dtype) if bias else None
+    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    bm = fresh(r, n, device=device, dtype=dtype)
+    g = fresh(*batch, n, device=device, dtype=dtype)
     w_before, b_before = w.clone(), (b.clone() if bias else None)
     leaves = [x, a, bm] + ([w] + ([b] if bias else []) if head else [])
     for t in leaves:
@@ -376,9 +363,9 @@ def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
     dtype, dev, nan = DTYPE[dt], "cuda", float("nan")
     cases = ((1000, 1600, 1700, 16, 2.0), (77, 300, 200, 5, 0.0), (129, 64, 65, 64, 1.0))
     for M, k, n, r, s in cases + cases:  # the repeat launches through the cached fast path
-        x, g = _fresh(M, k, device=dev, dtype=dtype), _fresh(M, n, device=dev, dtype=dtype)
-        w, bias = _fresh(n, k, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(n, device=dev, dtype=dtype)
-        a, b = _fresh(k, r, device=dev, dtype=dtype, scale=k ** -0.5), _fresh(r, n, device=dev, dtype=dtype)
+        x, g = fresh(M, k, device=dev, dtype=dtype), fresh(M, n, device=dev, dtype=dtype)
+        w, bias = fresh(n, k, device=dev, dtype=dtype, scale=k ** -0.5), fresh(n, device=dev, dtype=dtype)
+        a, b = fresh(k, r, device=dev, dtype=dtype, scale=k ** -0.5), fresh(r, n, device=dev, dtype=dtype)
         y, h = torch.full((M, n), nan, device=dev, dtype=dtype), torch.full((M, r), nan, device=dev, dtype=dtype)
         lt.lora_mm(x, w.t(), a, b, bias, scale=s, out=y, h_out=h)
         gx, u = torch.full((M, k), nan, device=dev, dtype=dtype), torch.full((M, r), nan, device=dev, dtype=dtype)
