@@ -55,9 +55,13 @@ def test_steps_table_and_summary(tiny_cfg, tmp_path, mode):
     r = runs.iloc[0]
     assert r["measured_steps"] == 9 and r["timing_clock"] == "host"
     measured = steps[~steps["warmup"]]
-    assert r["step_ms_median"] == pytest.approx(measured["step_ms"].median())
-    # the phases' medians add up to the median step (tolerance: 15 % on a shared 2-core CPU)
-    assert sum(r[f"{p}_ms_median"] for p in PHASES) == pytest.approx(r["step_ms_median"], rel=0.15)
+    # Each step's phases add up to the step exactly (above, 1e-9 ms). The summaries are the
+    # measured steps' statistics of each column; whether the phase medians add up to the median
+    # step is a property of the data (it fails under bursty load), so it is not asserted here.
+    for col in [f"{p}_ms" for p in PHASES] + ["step_ms"] + [f"host_{p}_ms" for p in PHASES]:
+        q10, q90 = measured[col].quantile([0.1, 0.9])
+        assert r[f"{col}_median"] == pytest.approx(measured[col].median()), col
+        assert r[f"{col}_p10"] == pytest.approx(q10) and r[f"{col}_p90"] == pytest.approx(q90), col
     assert r["step_ms_p10"] <= r["step_ms_median"] <= r["step_ms_p90"]
     assert r["eval_s"] > 0 and r["tokens_per_s"] > 0 and r["flops_per_step"] > 0
     assert pd.isna(r["mfu"])  # no GPU peak on a CPU
