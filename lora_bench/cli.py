@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from .config import (ATTENTION, OPS, OPTIMIZERS, PRECISIONS, PROFILES, TIMING, TOKEN_POSITIONS, TRAINABLE_LAYERS, WEIGHTS,
+from .config import (ATTENTION, COMPILE_SCOPES, OPS, OPTIMIZERS, PRECISIONS, PROFILES, TIMING, TOKEN_POSITIONS, TRAINABLE_LAYERS, WEIGHTS,
                      TrainConfig)
 from .errors import LoraBenchError
 
@@ -82,6 +82,8 @@ def train(
     attention: Annotated[str, typer.Option(help=_choices(ATTENTION))] = D.attention,
     ops: Annotated[str, typer.Option(help=_choices(OPS))] = D.ops,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
+    compile_scope: Annotated[str, typer.Option(help=_choices(COMPILE_SCOPES) + " (with --compile: the whole model, "
+                                               "or each transformer block — compiles once for any depth)")] = D.compile_scope,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Capture and replay the step (and evaluation) as CUDA graphs.")] = False,
     optimizer: Annotated[str, typer.Option(help=_choices(OPTIMIZERS) + " (book: AdamW's default update; fused: AdamW(fused=True))")] = D.optimizer,
     timing: Annotated[str, typer.Option(help=_choices(TIMING) + " (sync perturbs the step)")] = D.timing,
@@ -109,7 +111,7 @@ def train(
         learning_rate=learning_rate, weight_decay=weight_decay, disable_causal_mask=disable_causal_mask,
         ignore_index=ignore_index, seed=seed, eval_freq=eval_freq, eval_iter=eval_iter, max_steps=max_steps,
         skip_final_eval=skip_final_eval, device=device, precision=precision, attention=attention, ops=ops,
-        compile=compile, cuda_graphs=cuda_graphs, optimizer=optimizer, timing=timing, warmup_steps=warmup_steps, profile=profile,
+        compile=compile, compile_scope=compile_scope, cuda_graphs=cuda_graphs, optimizer=optimizer, timing=timing, warmup_steps=warmup_steps, profile=profile,
         data_file=str(data_file) if data_file else None,
     )
     _validate_as_flags(cfg)

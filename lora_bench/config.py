@@ -23,6 +23,7 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
 OPTIMIZERS = ("book", "fused")
+COMPILE_SCOPES = ("model", "blocks")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -66,6 +67,8 @@ class TrainConfig:
     attention: str = _f("book", "book (hand-written) or sdpa (scaled_dot_product_attention)")
     ops: str = _f("book", "book (hand-written LayerNorm/GELU) or fused (torch built-ins)")
     compile: bool = _f(False, "torch.compile the model")
+    compile_scope: str = _f("model", "with compile: the whole model, or each transformer block (blocks: one "
+                            "compiled graph serves every block, so the compile time does not grow with depth)")
     cuda_graphs: bool = _f(False, "capture and replay the training step (and evaluation forwards) as CUDA graphs")
     optimizer: str = _f("book", "book (torch.optim.AdamW's default multi-tensor update) or fused "
                         "(AdamW(fused=True): the whole update in a few kernels)")
@@ -127,6 +130,9 @@ class TrainConfig:
         choice("attention", ATTENTION)
         choice("ops", OPS)
         choice("optimizer", OPTIMIZERS)
+        choice("compile_scope", COMPILE_SCOPES)
+        if self.compile_scope != "model" and not self.compile:
+            p.append(f"compile_scope={self.compile_scope!r} needs compile (it says what torch.compile compiles)")
         if not _valid_device(self.device):
             p.append(f"device={self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N")
         if self.context_length not in CONTEXT_LENGTHS:

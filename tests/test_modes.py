@@ -67,8 +67,49 @@ def test_impossible_combinations_are_refused():
     msg = str(e.value)
     assert "cuda_graphs needs a CUDA device" in msg and "static shapes" in msg
     assert "optimizer='adam' is not allowed; choose one of: book, fused" in msg
+    assert "compile_scope='blocks' needs compile" in str(
+        pytest.raises(ConfigError, TrainConfig(weights="random", compile_scope="blocks").validate).value)
     # compile inside captured graphs is a valid combination (the graphs replay compiled kernels)
     TrainConfig(weights="random", cuda_graphs=True, compile=True).validate()
+
+
+@pytest.mark.parametrize("layers", ["all", "lora-kernel"])
+def test_block_scoped_compile_compiles_once_for_any_depth(layers):
+    """compile_scope=blocks: every transformer block compiled in place; a deeper model costs no
+    more compiles (one graph for the first block, whose input needs no gradient, one reused by
+    all the others), and the outputs and gradients are the eager ones."""
+    from lora_bench.classifier import make_trainable
+    from lora_bench.run import compile_model
+
+    counts = {}
+    for n_layers in (3, 6):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch.manual_seed(0)
+        model = build_random_model(gpt_config("tiny", n_layers=n_layers, context_length=32), seed=1)
+        ref = build_random_model(gpt_config("tiny", n_layers=n_layers, context_length=32), seed=1)
+        for m in (model, ref):
+            torch.manual_seed(2)
+            make_trainable(m, TrainConfig(model_size="tiny", weights="random", trainable_layers=layers,
+                                          lora_rank=4, lora_alpha=2.0, device="cpu"))
+        ref.load_state_dict(model.state_dict())
+        assert compile_model(model, "blocks", backend=backend) is model
+        x = torch.randint(0, 50257, (2, 10))
+        out, want = model(x), ref(x)
+        assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
+        out[:, -1].sum().backward()
+        want[:, -1].sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if p.requires_grad:
+                assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), name
+        counts[n_layers] = len(graphs)
+    assert counts[3] == counts[6] <= 2
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("layers", ["all", "lora"])
@@ -130,12 +171,14 @@ def test_graphed_eval_replays_the_eager_forward(tiny_cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel"])
-def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers):
+@pytest.mark.parametrize("layers,scope", [("all", "model"), ("lora", "model"), ("lora-kernel", "model"),
+                                          ("lora-kernel", "blocks")])
+def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, scope):
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
                             lora_alpha=8.0, learning_rate=1e-3)
     eager, _ = _losses(base, tmp_path, f"{layers}-eager")
-    got, row = _losses(base.replace(compile=True, cuda_graphs=True, optimizer="fused"), tmp_path, f"{layers}-cg")
+    got, row = _losses(base.replace(compile=True, compile_scope=scope, cuda_graphs=True, optimizer="fused"),
+                       tmp_path, f"{layers}-{scope}-cg")
     assert row["status"] == "done"
     assert _rel(got, eager) < 1e-4
 

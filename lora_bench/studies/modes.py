@@ -27,6 +27,9 @@ MODES = {
                                    optimizer="fused"),
     "compile-graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
                                            optimizer="fused", compile=True),
+    # each transformer block compiled (one graph reused by all blocks): compile time independent of depth
+    "bcompile-graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                            optimizer="fused", compile=True, compile_scope="blocks"),
 }
 
 
