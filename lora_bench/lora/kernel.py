@@ -115,8 +115,9 @@ _graph_plan_depth = 0  # > 0 inside graph_plan(): the plan a capture will use, a
 
 class graph_plan:
     """Context manager: inside it, calls choose the plan they get under CUDA-graph capture (the
-    device-optimal Triton path, not the C++ op). Graph warm-ups run in it, so the kernels a graph
-    captures were compiled and launched once before the capture."""
+    device-optimal one: the Triton path, or the C++ op for weights of ``CPP_GRAPH_MIN_WEIGHT`` or
+    more). Graph warm-ups run in it, so the kernels a graph captures were compiled and launched
+    once before the capture."""
 
     def __enter__(self):
         global _graph_plan_depth
@@ -154,8 +155,9 @@ def _cpp_for(x: torch.Tensor, weight: torch.Tensor | None = None):
 
 def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False) -> str:
     """What lora-kernel layers on ``device`` run — in eager mode, or captured in CUDA graphs / traced
-    by torch.compile when ``graphs``: 'cpp' (the C++ op), 'triton' (the project's Triton kernels)
-    or 'torch'. Recorded as the ``backend`` column of results."""
+    by torch.compile when ``graphs``: 'cpp' (the C++ op), 'triton' (the project's Triton kernels;
+    captured layers with weights of ``CPP_GRAPH_MIN_WEIGHT`` or more run the C++ op) or 'torch'.
+    Recorded as the ``backend`` column of results."""
     device = torch.device(device)
     if _mode_override == _CPP or (_mode_override is None and device.type == "cuda" and not graphs):
         if _cpp() is not None:
