@@ -1,19 +1,19 @@
-"""Shared fixtures: the real corpus (skip when absent), tiny configs, a CUDA skip marker."""
+"""Shared fixtures: the real corpus (skip when absent), tiny configs, a CUDA skip marker, a local
+HTTP server for the download tests."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import pytest
-import torch
-
-from lora_bench.config import TrainConfig
 
 import collections
 import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_bench.config import TrainConfig
 
 # the corpus beside the checkout; LORA_BENCH_SMS_FILE points elsewhere (e.g. on a GPU machine)
 SHARED_DATA = Path(os.environ.get("LORA_BENCH_SMS_FILE") or
