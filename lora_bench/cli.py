@@ -30,6 +30,21 @@ def _choices(values) -> str:
     return ", ".join(values)
 
 
+def _output_dir(path: Path, flag: str) -> None:
+    """A folder the command will write into: refuse a file in its place, create it now."""
+    from .errors import UsageError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UsageError(f"{flag} {path}: a file is in the way of this folder") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create this folder ({e.strerror})") from None
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 # Shared option aliases (reused by several commands)
 ResultsDir = Annotated[Path, typer.Option("--results-dir", help="Folder for runs.csv and per-run files.")]
 CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE",
@@ -115,6 +130,7 @@ def train(
         data_file=str(data_file) if data_file else None,
     )
     _validate_as_flags(cfg)
+    _output_dir(results_dir, "--results-dir")
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
                       cache_dir=cache_dir)
     if row.get("timing_clock") not in (None, "off"):
@@ -132,11 +148,15 @@ def _validate_as_flags(cfg: TrainConfig) -> None:
     problems = cfg.problems()
     if not problems:
         return
+    import re
+
     out = []
     for p in problems:
         for name in sorted(TrainConfig.field_names(), key=len, reverse=True):
             flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
             p = p.replace(f"{name}=", f"{flag}=").replace(f"needs {name}", f"needs {flag}")
+            if "_" in name:  # snake_case names are unambiguous anywhere in a message
+                p = re.sub(rf"(?<![\w-]){name}(?![\w-])", flag, p)
         out.append(p)
     raise ConfigError(out)
 
@@ -229,10 +249,18 @@ def report(
     metrics: Annotated[Optional[str], typer.Option(help="Comma-separated result columns; the first is ratioed.")] = None,
     format: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
     output: Annotated[Optional[Path], typer.Option(help="Write the report to this file instead of the terminal.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE.png.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE (.png, .pdf or .svg).")] = None,
 ) -> None:
     """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
+    from .errors import UsageError
     from .report import report_command
+
+    if plot is not None:
+        if plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")
+        _output_dir(plot.parent, "--plot")
+    if output is not None:
+        _output_dir(output.parent, "--output")
 
     report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,
                    plot=plot, console=console)
@@ -257,10 +285,11 @@ def kernel_bench(
     from .kernel_bench import render_kernel_table, run_kernel_bench
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
+    _output_dir(out.parent, "--out")
     try:
         rows = run_kernel_bench(shapes=split(shapes), impls=split(impls), dtypes=split(dtypes), device=device,
                                 repeats=repeats, warmup=warmup, out_csv=out, cpu=cpu, progress=not no_progress)
-    except (ValueError, RuntimeError) as e:  # bad shape/impl/dtype names, or no GPU for device=cuda
+    except ValueError as e:  # bad shape/impl/dtype/device names or counts, or no GPU for device=cuda
         raise UsageError(str(e)) from e
     console.print(render_kernel_table(rows))
     console.print(f"written: {out}")

@@ -131,7 +131,7 @@ class TrainConfig:
         choice("ops", OPS)
         choice("optimizer", OPTIMIZERS)
         choice("compile_scope", COMPILE_SCOPES)
-        if self.compile_scope != "model" and not self.compile:
+        if self.compile_scope in COMPILE_SCOPES and self.compile_scope != "model" and not self.compile:
             p.append(f"compile_scope={self.compile_scope!r} needs compile (it says what torch.compile compiles)")
         if not _valid_device(self.device):
             p.append(f"device={self.device!r} is not allowed; choose auto, cpu, cuda or cuda:N")
@@ -176,6 +176,12 @@ class TrainConfig:
             p.append("cuda_graphs needs a CUDA device (device=cpu given)")
         if self.cuda_graphs and self.no_padding:
             p.append("cuda_graphs needs static shapes; no_padding gives every batch its own length")
+        if self.cuda_graphs and int(self.accumulation_steps) > 1:
+            p.append(f"cuda_graphs needs accumulation_steps=1 (got {self.accumulation_steps}): a replayed "
+                     "backward overwrites the gradients instead of accumulating them")
+        if (self.max_steps is not None and self.timing != "off" and 0 < self.max_steps <= int(self.warmup_steps)):
+            p.append(f"max_steps={self.max_steps} with warmup_steps={self.warmup_steps}: no step would be measured "
+                     "(lower warmup_steps, or use timing=off)")
         if self.cuda_graphs and self.profile == "line":
             p.append("profile=line times Python lines; a replayed CUDA graph has none (use profile=torch)")
         return p

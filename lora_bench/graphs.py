@@ -45,8 +45,13 @@ class GraphedStep:
         loss /= 1  # accumulation_steps == 1: kept so the op sequence is the eager step's
         return loss
 
+    def _trainable(self) -> list[torch.Tensor]:
+        # only these change in warm-up (frozen weights get no gradient, so AdamW skips them): at
+        # 1558M with LoRA, cloning every weight would cost gigabytes for nothing
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def _snapshot(self):
-        params = [p.detach().clone() for p in self.model.parameters()]
+        params = [p.detach().clone() for p in self._trainable()]
         state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
                  for p, s in self.optimizer.state.items()}
         return params, state
@@ -54,7 +59,7 @@ class GraphedStep:
     def _restore(self, snap) -> None:
         params, state = snap
         with torch.no_grad():
-            for p, saved in zip(self.model.parameters(), params):
+            for p, saved in zip(self._trainable(), params):
                 p.copy_(saved)
             for p, s in self.optimizer.state.items():
                 saved = state.get(id(p))

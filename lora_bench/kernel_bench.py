@@ -86,10 +86,13 @@ def parse_shape(text: str) -> Shape:
         batch, seq = (int(b), int(t)) if t else (1, int(b))
         if not rank.startswith("r"):
             raise ValueError
-        return Shape(text, batch, seq, d_in, d_out, int(rank[1:]))
+        shape = Shape(text, batch, seq, d_in, d_out, int(rank[1:]))
+        if min(shape.batch, shape.seq, shape.d_in, shape.d_out, shape.rank) < 1:
+            raise ValueError
+        return shape
     except ValueError:
-        raise ValueError(f"shape {text!r}: expected 'BxT:IN->OUT:rR' or 'N:IN->OUT:rR', or a group "
-                         f"{sorted(SHAPE_GROUPS)}") from None
+        raise ValueError(f"shape {text!r}: expected 'BxT:IN->OUT:rR' or 'N:IN->OUT:rR' with positive sizes, "
+                         f"or a group {sorted(SHAPE_GROUPS)}") from None
 
 
 def resolve_shapes(shapes: list[str] | None) -> list[Shape]:
@@ -255,7 +258,7 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
                       "backend": _backend(impl, shape, device, dtype), "repeats": repeats,
                       "sets": len(sets[impl])}
     n_rounds = max(1, math.ceil(repeats / ROUND))
-    block = max(1, math.ceil(repeats / n_rounds))
+    blocks = [repeats // n_rounds + (1 if i < repeats % n_rounds else 0) for i in range(n_rounds)]  # sum = repeats
     ratio_base = [b for b in ("frozen", "lora") if b in impls]
     round_ratios: dict[str, dict[str, list[float]]] = {i: {b: [] for b in ratio_base} for i in impls}
     for phase in PHASES:
@@ -264,8 +267,8 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
             order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
             block_median = {}
             for impl in order:
-                with _Forced(impl):
-                    ms = _time_phase(sets[impl], phase, repeats=block, warmup=warmup if rnd == 0 else 2,
+                with _Forced(impl):  # later rounds: a short re-warm after the other implementations ran
+                    ms = _time_phase(sets[impl], phase, repeats=blocks[rnd], warmup=warmup if rnd == 0 else min(2, warmup),
                                      device=device)
                 samples[impl] += ms
                 block_median[impl] = statistics.median(ms)
@@ -314,13 +317,24 @@ def run_kernel_bench(
     impls: subset of ``IMPLS`` (or 'lora-kernel:MODE'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
     device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
     forward+backward column to the fp32 rows."""
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device {device!r}: expected cuda, cuda:N or cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("kernel-bench: device is CUDA but no GPU is visible; use device='cpu'")
+        raise ValueError("kernel-bench: device is CUDA but no GPU is visible; use --device cpu")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
     impls = impls or list(IMPLS)
+    from lora_bench.lora.kernel import _MODES
+
     for impl in impls:
-        if impl.split(":")[0] not in IMPLS:
-            raise ValueError(f"impl {impl!r} is not one of {IMPLS}")
+        base, _, mode = impl.partition(":")
+        if base not in IMPLS:
+            raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:MODE)")
+        if mode and base != "lora-kernel":
+            raise ValueError(f"impl {impl!r}: only lora-kernel takes a :MODE suffix")
+        if mode and not all(m in _MODES for m in mode.split(":")):
+            raise ValueError(f"impl {impl!r}: lora-kernel's modes are {', '.join(_MODES)} (or FWD:BWD)")
     dtypes = dtypes or ["fp32", "bf16"]
     for d in dtypes:
         if d not in DTYPES:
@@ -332,6 +346,8 @@ def run_kernel_bench(
         for dtype_name in dtypes:
             group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu)
             rows += group
+            if out_csv is not None:  # rewritten after every group: an error later loses nothing measured
+                write_csv(rows, out_csv)
             if progress:
                 for r in group:
                     print(f"kernel-bench {shape.name} {dtype_name} {r['impl']}: fwd+bwd {1e3 * r['fwdbwd_ms']:.1f} us",

@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import re
 import resource
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from .results import STEP_COLUMNS, atomic_write_text, settings_columns, upsert_r
 from .timing import PhaseTimer
 from .tokenizer import gpt2_tokenizer
 from .train import LoopSettings, TrainResult, train_classifier
+
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def default_cache_dir() -> Path:
@@ -114,6 +118,10 @@ class RunContext:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, **opt_kw)
         self.amp = amp_context(cfg, self.device)
+        if cfg.compile:
+            # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
+            # models would pile up to the recompile limit, after which dynamo silently runs eager.
+            torch._dynamo.reset()
         self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
         self.eval_model = self.forward_model
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -156,6 +164,9 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     results_dir = Path(results_dir)
     run_id = run_id or make_run_id(cfg)
+    if not RUN_ID_RE.match(run_id):
+        raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
+                         "digit (it names a folder inside the results folder)")
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}

@@ -38,7 +38,7 @@ def test_several_problems_reported_at_once(run_cli, tmp_path):
 
 def test_no_padding_needs_batch_size_one(run_cli, tmp_path):
     code, out = run_cli("train", *TINY, "--no-padding", "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, "no_padding needs --batch-size=1", "got --batch-size=8")
+    _assert_clean_usage_error(code, out, "--no-padding needs --batch-size=1", "got --batch-size=8")
 
 
 def test_context_length_above_model(run_cli, tmp_path, sms_file):
@@ -122,3 +122,42 @@ def test_model_shape_problems_are_usage_errors(run_cli, tmp_path, args, needle):
     code, out = run_cli("train", *args, "--device", "cpu", "--results-dir", str(tmp_path), "--no-progress")
     _assert_clean_usage_error(code, out, needle)
     assert not (tmp_path / "runs.csv").exists()  # refused before anything ran
+
+
+def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path, sms_file):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out = run_cli("train", *TINY, "--data-file", str(sms_file), "--results-dir", str(blocker))
+    _assert_clean_usage_error(code, out, "--results-dir", "a file is in the way")
+    code, out = run_cli("train", *TINY, "--data-file", str(sms_file), "--results-dir", str(tmp_path / "r"),
+                        "--run-id", "../../escape")
+    _assert_clean_usage_error(code, out, "run id '../../escape'")
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "r" / "runs.csv").exists()
+    code, out = run_cli("report", str(tmp_path), "--plot", str(tmp_path / "plot.txt"))
+    _assert_clean_usage_error(code, out, "--plot", ".png, .pdf, .svg")
+    code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:48->40:r4", "--out", str(blocker / "x.csv"))
+    _assert_clean_usage_error(code, out, "--out", "a file is in the way")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shapes", "2x8:48->40:r0"], "positive sizes"),
+    (["--impls", "lora:cpp"], "only lora-kernel takes a :MODE suffix"),
+    (["--impls", "lora-kernel:foo"], "lora-kernel's modes are fused, cublas, torch, cpp"),
+    (["--repeats", "0"], "need repeats >= 1"),
+    (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
+])
+def test_kernel_bench_bad_inputs(run_cli, tmp_path, args, needle):
+    code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:48->40:r4", *args,
+                        "--out", str(tmp_path / "kb.csv"))
+    _assert_clean_usage_error(code, out, needle)
+    assert not (tmp_path / "kb.csv").exists()
+
+
+def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(monkeypatch):
+    from lora_bench.lora import kernel as K
+
+    monkeypatch.setattr(K, "_ENV_ERROR", "LORA_BENCH_KERNEL_MODE: lora-kernel mode 'foo': expected ...")
+    with pytest.raises(K.KernelModeError, match="LORA_BENCH_KERNEL_MODE"):
+        K.lora_kernel_backend("cpu")
+    with pytest.raises(ValueError):  # set_kernel_mode keeps raising a ValueError (now also a UsageError)
+        K.set_kernel_mode("fused:cpp")

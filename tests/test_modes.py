@@ -246,3 +246,16 @@ def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
         assert row["float32_matmul_precision"] == "highest" and row["tf32_matmul"] == "False"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path, monkeypatch):
+    """Inline sweeps run many models in one process: every compiled run resets dynamo first, or
+    the recompile limit would silently turn later runs eager."""
+    from lora_bench.run import RunContext
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    for scope in ("model", "blocks"):
+        RunContext(tiny_cfg.replace(compile=True, compile_scope=scope), cache_dir=tmp_path, progress=False)
+    RunContext(tiny_cfg, cache_dir=tmp_path, progress=False)
+    assert len(resets) == 2

@@ -170,3 +170,26 @@ def test_timer_overhead_pairs_cancel_drift_and_bound_the_overhead():
     assert covered >= 0.8 * 60
     with pytest.raises(ValueError):
         paired_overhead([1.0], [])
+    with pytest.raises(ValueError):  # an odd count leaves a half quad, in which drift does not cancel
+        paired_overhead([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+def test_timer_overhead_block_runs_the_steps_it_divides_by(tiny_cfg, monkeypatch, tmp_path):
+    """A block longer than an epoch runs as many epochs as it needs, and ms/step divides by the
+    steps that really ran."""
+    from lora_bench.run import RunContext
+    from lora_bench.studies import timer_overhead
+
+    ctx = RunContext(tiny_cfg.replace(batch_size=64), cache_dir=tmp_path / "cache", progress=False)
+    n = len(ctx.loaders.train)
+    ran = {}
+    real = timer_overhead.train_classifier
+
+    def spy(*a, **kw):
+        res = real(*a, **kw)
+        ran["steps"] = res.steps
+        return res
+
+    monkeypatch.setattr(timer_overhead, "train_classifier", spy)
+    ms = timer_overhead.measure(ctx, mode="off", steps=n + 3)
+    assert ran["steps"] == n + 3 and ms > 0

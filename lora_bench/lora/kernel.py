@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from ..errors import UsageError
 from .layer import LoRALinearBase
 
 _MODES = ("fused", "cublas", "torch", "cpp")
@@ -57,16 +58,23 @@ def _parse_mode(text: str | None) -> tuple[str, str] | None:
     parts = text.split(":")
     fwd, bwd = parts[0], parts[-1]
     if fwd not in _MODES or bwd not in _MODES or len(parts) > 2:
-        raise ValueError(f"LORA_BENCH_KERNEL_MODE={text!r}: expected MODE or FWD:BWD with modes {_MODES}")
+        raise KernelModeError(f"lora-kernel mode {text!r}: expected MODE or FWD:BWD with modes {', '.join(_MODES)}")
     if "cpp" in (fwd, bwd):
         if fwd != bwd:
-            raise ValueError(f"LORA_BENCH_KERNEL_MODE={text!r}: 'cpp' is a whole-layer mode (forward and "
-                             "backward are one C++ op); it cannot be mixed with another mode")
+            raise KernelModeError(f"lora-kernel mode {text!r}: 'cpp' is a whole-layer mode (forward and "
+                                  "backward are one C++ op); it cannot be mixed with another mode")
         return _CPP
     return fwd, bwd
 
 
-_mode_override = _parse_mode(os.environ.get("LORA_BENCH_KERNEL_MODE"))
+class KernelModeError(UsageError, ValueError):
+    """A bad forced plan (``set_kernel_mode`` or the LORA_BENCH_KERNEL_MODE variable)."""
+
+
+try:  # a bad variable must not break importing the package: reported when lora-kernel is used
+    _mode_override, _ENV_ERROR = _parse_mode(os.environ.get("LORA_BENCH_KERNEL_MODE")), None
+except KernelModeError as _exc:
+    _mode_override, _ENV_ERROR = None, f"LORA_BENCH_KERNEL_MODE: {_exc}"
 
 
 def set_kernel_mode(mode: str | None) -> None:
@@ -131,10 +139,12 @@ class graph_plan:
 
 
 # Under CUDA-graph capture only device time counts. Replayed (H200, bf16, 960 tokens, kernel-bench
-# graph column): the Triton fused kernel wins at 1600→1600 (42.4 vs 51.8 us fwd+bwd for the C++
+# graph column, device call 4: results/kernel-bench-h200/kernel_bench_1558m_call4.csv, rows
+# lora-kernel and lora-kernel:cpp): the Triton fused kernel wins at 1600→1600 (42.4 vs 51.8 us fwd+bwd for the C++
 # op's cuBLAS calls) but cuBLAS wins at the 1600↔6400 MLP shapes (102.7 / 99.2 vs 111.8 / 118.2 us),
 # where the Triton GEMM reaches ~60 % of cuBLAS's rate. So captured layers at least this large run
-# the C++ op; smaller ones (every GPT-2 size below 1558M) the fused kernel.
+# the C++ op; smaller ones (every GPT-2 size below 1558M) the fused kernel. Under torch.compile the
+# custom ops below always run the Python Function's plans (fused / cublas), whatever the size.
 CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
 
 
@@ -158,6 +168,8 @@ def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False) -> 
     by torch.compile when ``graphs``: 'cpp' (the C++ op), 'triton' (the project's Triton kernels;
     captured layers with weights of ``CPP_GRAPH_MIN_WEIGHT`` or more run the C++ op) or 'torch'.
     Recorded as the ``backend`` column of results."""
+    if _ENV_ERROR:
+        raise KernelModeError(_ENV_ERROR)
     device = torch.device(device)
     if _mode_override == _CPP or (_mode_override is None and device.type == "cuda" and not graphs):
         if _cpp() is not None:

@@ -25,14 +25,17 @@ from ..train import train_classifier
 
 
 def measure(ctx: RunContext, *, mode: str, steps: int) -> float:
-    """ms per step of one block (the block's epoch-end accuracy on 10 batches included)."""
+    """ms per step of one block of ``steps`` training steps (as many epochs as that takes; each
+    epoch's end-of-epoch accuracy on one train and one validation batch included). The loop ends
+    with a device synchronisation, and one comes before it."""
     timer = PhaseTimer(mode, ctx.device, warmup_steps=0)
-    settings = dataclasses.replace(ctx.loop_settings(), num_epochs=1, eval_freq=0, max_steps=steps, eval_iter=1)
+    epochs = -(-steps // len(ctx.loaders.train))
+    settings = dataclasses.replace(ctx.loop_settings(), num_epochs=epochs, eval_freq=0, max_steps=steps, eval_iter=1)
     torch.cuda.synchronize() if ctx.device.type == "cuda" else None
     t0 = time.perf_counter()
-    train_classifier(ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                     settings=settings, timer=timer, amp=ctx.amp, say=lambda m: None)
-    return (time.perf_counter() - t0) * 1e3 / steps
+    res = train_classifier(ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                           settings=settings, timer=timer, amp=ctx.amp, say=lambda m: None)
+    return (time.perf_counter() - t0) * 1e3 / res.steps
 
 
 def block_order(blocks: int) -> list[tuple[str, str]]:
@@ -45,8 +48,8 @@ def paired_overhead(off: list[float], events: list[float], *, n_boot: int = 4000
     """(median, lo, hi) in percent of events/off − 1 over ABBA quads (two consecutive pairs, in
     which a linear drift cancels: (e1 + e2) / (o1 + o2)); lo/hi: bootstrap 95 % interval of that
     median (resampling quads; seeded, so a report is reproducible)."""
-    if len(off) != len(events) or not off:
-        raise ValueError("need the same, non-zero number of off and events blocks")
+    if len(off) != len(events) or not off or len(off) % 2:
+        raise ValueError("need the same, even, non-zero number of off and events blocks (whole ABBA quads)")
     ratios = [100 * (sum(events[i:i + 2]) / sum(off[i:i + 2]) - 1) for i in range(0, len(off), 2)]
     rng = random.Random(seed)
     boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n_boot))
@@ -62,6 +65,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--blocks", type=int, default=8)
     args = ap.parse_args()
+    if args.blocks < 2 or args.blocks % 2:
+        ap.error(f"--blocks {args.blocks}: need an even number (ABBA quads), at least 2")
     cfg = TrainConfig(model_size=args.model_size, weights="random", trainable_layers=args.trainable_layers,
                       lora_rank=16, lora_alpha=16.0, data_file=args.data_file, device=args.device)
     ctx = RunContext(cfg, cache_dir=default_cache_dir(), progress=False)
