@@ -20,7 +20,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Benchmark and ablation harness for LoRA fine-tuning of GPT-2 (SMS spam classification).")
 data_app = typer.Typer(no_args_is_help=True, help="Data set commands.")
 app.add_typer(data_app, name="data")
-console = Console()
+# piped output (logs, CI) would be cut at rich's default 80 columns: tables get room there
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 D = TrainConfig()  # defaults: one source
@@ -43,6 +44,23 @@ def _output_dir(path: Path, flag: str) -> None:
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def _check_machine_inputs(cfg: TrainConfig) -> None:
+    """What only this machine can tell (a data file, a GPU), checked before a run starts, so a user
+    mistake leaves no failed row behind."""
+    from .errors import UsageError
+    from .run import resolve_device
+
+    if cfg.data_file:
+        path = Path(cfg.data_file)
+        if path.is_dir():
+            raise UsageError(f"--data-file {path} is a folder; give the raw SMSSpamCollection TSV file")
+        if not path.is_file():
+            raise UsageError(f"--data-file {path}: no such file")
+    resolve_device(cfg.device)  # --device cuda on a machine without CUDA: one message
+    if cfg.cuda_graphs and not resolve_device(cfg.device).type == "cuda":
+        raise UsageError("--cuda-graphs needs a CUDA device, and none is available here")
 
 
 # Shared option aliases (reused by several commands)
@@ -130,6 +148,7 @@ def train(
         data_file=str(data_file) if data_file else None,
     )
     _validate_as_flags(cfg)
+    _check_machine_inputs(cfg)
     _output_dir(results_dir, "--results-dir")
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
                       cache_dir=cache_dir)
@@ -232,8 +251,14 @@ def sweep(
 
     Example: [bold]lora-bench sweep configs/smoke.yaml[/bold]
     """
+    from .errors import UsageError
     from .sweep import sweep_command
 
+    if data_file is not None and not data_file.is_file():
+        raise UsageError(f"--data-file {data_file}: " + ("a folder, not the raw SMS TSV file" if data_file.is_dir()
+                                                         else "no such file"))
+    if results_dir is not None and results_dir.exists() and not results_dir.is_dir():
+        raise UsageError(f"--results-dir {results_dir}: a file is in the way of this folder")
     overrides = {"device": device, "data_file": str(data_file.resolve()) if data_file else None}
     raise typer.Exit(sweep_command(file, overrides=overrides, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,

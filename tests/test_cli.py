@@ -60,7 +60,7 @@ def test_run_time_failure_is_recorded(run_cli, tmp_path):
 
 def test_missing_data_file(run_cli, tmp_path):
     code, out = run_cli("train", *TINY, "--data-file", str(tmp_path / "nope.tsv"), "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, "data file not found", "nope.tsv", "--data-file")
+    _assert_clean_usage_error(code, out, "no such file", "nope.tsv", "--data-file")
 
 
 def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
@@ -161,3 +161,15 @@ def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(monkeypat
         K.lora_kernel_backend("cpu")
     with pytest.raises(ValueError):  # set_kernel_mode keeps raising a ValueError (now also a UsageError)
         K.set_kernel_mode("fused:cpp")
+
+
+def test_machine_inputs_checked_before_a_run_or_sweep_starts(run_cli, tmp_path):
+    """A missing data file, a folder given as one, a GPU the machine lacks: one message, no failed row."""
+    res = tmp_path / "r"
+    for args, needle in ((["--data-file", str(tmp_path / "none.tsv")], "no such file"),
+                         (["--data-file", str(tmp_path)], "is a folder")):
+        code, out = run_cli("train", *TINY, *args, "--results-dir", str(res))
+        _assert_clean_usage_error(code, out, needle)
+    assert not (res / "runs.csv").exists()
+    code, out = run_cli("sweep", "configs/smoke.yaml", "--data-file", str(tmp_path / "none.tsv"), "--dry-run")
+    _assert_clean_usage_error(code, out, "--data-file", "no such file")
