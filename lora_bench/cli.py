@@ -58,6 +58,9 @@ def _check_machine_inputs(cfg: TrainConfig) -> None:
             raise UsageError(f"--data-file {path} is a folder; give the raw SMSSpamCollection TSV file")
         if not path.is_file():
             raise UsageError(f"--data-file {path}: no such file")
+    if cfg.weights_dir and not Path(cfg.weights_dir).is_dir():
+        raise UsageError(f"--weights-dir {cfg.weights_dir}: no such folder (it should hold the OpenAI GPT-2 "
+                         "checkpoint files: checkpoint, hparams.json, model.ckpt.*)")
     resolve_device(cfg.device)  # --device cuda on a machine without CUDA: one message
     if cfg.cuda_graphs and not resolve_device(cfg.device).type == "cuda":
         raise UsageError("--cuda-graphs needs a CUDA device, and none is available here")

@@ -74,8 +74,8 @@ def ensure_checkpoint(
 
 
 def _missing_hint(ckpt_dir: Path) -> str:
-    return (f"delete {ckpt_dir} to have it downloaded again, or pass --weights-dir "
-            "<folder with the OpenAI GPT-2 files>")
+    return (f"if {ckpt_dir} is lora-bench's download cache, delete it to have the files downloaded again; "
+            "otherwise pass --weights-dir <folder with the OpenAI GPT-2 files>")
 
 
 def _insert(params: dict, name: str, value) -> None:
