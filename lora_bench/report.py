@@ -160,7 +160,14 @@ def resolve_column(df: pd.DataFrame, name: str, *, metric: bool = False) -> str:
             return cand
     pool = sorted({c.removeprefix(SETTING_PREFIX) for c in df.columns})
     close = difflib.get_close_matches(name, pool, n=3)
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    if close:
+        hint = f"; did you mean {', '.join(map(repr, close))}?"
+    elif metric:
+        numeric = [c for c in df.columns if not c.startswith(SETTING_PREFIX) and pd.api.types.is_numeric_dtype(df[c])]
+        hint = f"; numeric result columns include {', '.join(numeric[:12])}, …"
+    else:
+        hint = ("; settings: " + ", ".join(sorted(c.removeprefix(SETTING_PREFIX) for c in df.columns
+                                                  if c.startswith(SETTING_PREFIX))))
     what = "metric" if metric else "setting or column"
     raise UsageError(f"unknown {what} {name!r}{hint}")
 
