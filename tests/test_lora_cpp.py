@@ -15,11 +15,10 @@ import torch
 import torch.nn as nn
 
 from lora_bench.kernels import lora_cpp
-from lora_bench.lora import LinearWithLoRA, inject_lora
+from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, set_kernel_mode
-from lora_bench.model import build_random_model, gpt_config
-from numerics import fresh, rel_err
+from numerics import fresh, layer_operands, model_pair, rel_err, run_model
 
 PY_GRAD_FN = "LoRAKernelFunctionBackward"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -56,14 +55,8 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
               noncontig=False, head=False, x_grad=True, autocast=None) -> None:
     """One forward+backward of the C++ op against float64. ``autocast``: a dtype to run the op
     under autocast with (inputs and parameters in ``dtype``, normally fp32)."""
-    x = fresh(*batch, k, device=device, dtype=dtype)
-    if noncontig:  # same values, transposed storage
-        x = fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
-        assert not x.is_contiguous()
-    w = fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
-    b = fresh(n, device=device, dtype=dtype) if bias else None
-    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
-    bm = fresh(r, n, device=device, dtype=dtype)
+    x, w, b, a, bm = layer_operands(batch=batch, k=k, n=n, r=r, device=device, dtype=dtype, bias=bias,
+                                    noncontig=noncontig)
     w_before = w.clone()
     leaves = ([x] if x_grad else []) + [a, bm] + ([w] + ([b] if bias else []) if head else [])
     for t in leaves:
@@ -211,27 +204,8 @@ def test_frozen_weight_gets_no_grad_and_is_unchanged_after_a_step(force_cpp):
 
 def test_model_equivalence_with_lora(force_cpp):
     """Tiny GPT, LoRA everywhere, trainable 2-class head: logits and every gradient as ``lora``."""
-    models = []
-    for cls in (LinearWithLoRA, LinearWithLoRAKernel):
-        torch.manual_seed(7)
-        m = build_random_model(gpt_config("tiny", context_length=64))
-        m.requires_grad_(False)
-        m.out_head = nn.Linear(m.cfg.emb_dim, 2)
-        torch.manual_seed(8)
-        inject_lora(m, cls=cls, rank=4, alpha=2.0)
-        models.append(m)
-    with torch.no_grad():
-        for name, p in models[0].named_parameters():
-            if name.endswith("lora.B"):
-                p.normal_(std=0.1)
-    models[1].load_state_dict(models[0].state_dict())
     idx = torch.randint(0, 50257, (3, 20))
-    out = []
-    for m in models:
-        logits = m(idx)[:, -1, :]
-        logits.logsumexp(-1).sum().backward()
-        out.append((logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
-    (lr, gr), (lk, gk) = out
+    (lr, gr), (lk, gk) = (run_model(m, idx) for m in model_pair("cpu", torch.float32))
     assert lk.grad_fn is not None and any("out_head.linear.weight" in n for n in gk)
     assert rel_err(lk, lr) <= 1e-5 and gr.keys() == gk.keys()
     for name in gr:

@@ -21,7 +21,7 @@ from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, lora_linear
 from lora_bench.model import build_random_model, gpt_config
-from numerics import fresh, rel_err
+from numerics import fresh, layer_operands, model_pair, rel_err, run_model
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,14 +32,8 @@ def check_case(*, device, dt: str, batch: tuple[int, ...], k: int, n: int, r: in
                bias: bool = True, noncontig: bool = False, head: bool = False) -> None:
     """One forward+backward of lora_linear against a float64 reference of the same math."""
     dtype = DTYPE[dt]
-    x = fresh(*batch, k, device=device, dtype=dtype)
-    if noncontig:  # same values, transposed storage
-        x = fresh(k, *batch, device=device, dtype=dtype).movedim(0, -1)
-        assert not x.is_contiguous()
-    w = fresh(n, k, device=device, dtype=dtype, scale=k ** -0.5)
-    b = fresh(n, device=device, dtype=dtype) if bias else None
-    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
-    bm = fresh(r, n, device=device, dtype=dtype)
+    x, w, b, a, bm = layer_operands(batch=batch, k=k, n=n, r=r, device=device, dtype=dtype, bias=bias,
+                                    noncontig=noncontig)
     g = fresh(*batch, n, device=device, dtype=dtype)
     w_before, b_before = w.clone(), (b.clone() if bias else None)
     leaves = [x, a, bm] + ([w] + ([b] if bias else []) if head else [])
@@ -222,46 +216,20 @@ def test_registry_and_state_dict_interchange():
     assert set(ker.state_dict()) == set(ref.state_dict()) == {"linear.weight", "linear.bias", "lora.A", "lora.B"}
 
 
-def _model_pair(device: str, dtype: torch.dtype, classes=(LinearWithLoRA, LinearWithLoRAKernel)):
-    """Tiny GPT with a trainable 2-class head, LoRA everywhere, one model per class, same weights."""
-    models = []
-    for cls in classes:
-        torch.manual_seed(7)
-        m = build_random_model(gpt_config("tiny", context_length=64))
-        m.requires_grad_(False)
-        m.out_head = nn.Linear(m.cfg.emb_dim, 2)
-        torch.manual_seed(8)
-        inject_lora(m, cls=cls, rank=4, alpha=2.0)
-        models.append(m)
-    gen = torch.Generator().manual_seed(9)
-    for name, p in models[0].named_parameters():
-        if name.endswith("lora.B"):  # moderate, so the model is not chaotic in bf16
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    return [m.to(device, dtype) for m in models]
-
-
-def _run_model(m, idx):
-    logits = m(idx)[:, -1, :]
-    logits.float().logsumexp(-1).sum().backward()
-    return logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
-
-
 def _compare_models(device: str, dtype: torch.dtype, tol: float):
     """fp32: lora-kernel must match lora to ``tol``. bf16: both are compared with an fp32 lora
     model, and lora-kernel may be at most 2x (+tol) further from it than lora is: two bf16
     computations that round in different places are not expected to agree bit for bit."""
     idx = torch.randint(0, 50257, (3, 20), device=device)
-    ref, ker = _model_pair(device, dtype)
-    (lr, gr), (lk, gk) = _run_model(ref, idx), _run_model(ker, idx)
+    ref, ker = model_pair(device, dtype)
+    (lr, gr), (lk, gk) = run_model(ref, idx), run_model(ker, idx)
     assert gr.keys() == gk.keys() and any("out_head.linear.weight" in n for n in gk)
     if dtype == torch.float32:
         assert rel_err(lk, lr) <= tol
         for name in gr:
             assert rel_err(gk[name], gr[name]) <= tol, name
     else:
-        (l32, g32), = [_run_model(m, idx) for m in _model_pair(device, torch.float32, (LinearWithLoRA,))]
+        (l32, g32), = [run_model(m, idx) for m in model_pair(device, torch.float32, (LinearWithLoRA,))]
         assert rel_err(lk, l32) <= 2 * rel_err(lr, l32) + tol
         for name in gr:
             assert rel_err(gk[name], g32[name]) <= 2 * rel_err(gr[name], g32[name]) + tol, name
