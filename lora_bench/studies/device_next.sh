@@ -8,7 +8,7 @@
 #   whole   issue 5: whole 1558M runs in the reference settings (eager fp32), lora vs lora-kernel,
 #           2 epochs with the final accuracies
 #   timing  issue 3: events-vs-off overhead as ABBA blocks in one process (16 of each), and the
-#           pinned sum-of-medians runs again
+#           pinned sum-of-medians runs again, now with one OpenMP thread (a suspect for the regimes)
 #   bench   issue 5: which eager plan wins in bf16 once host drift is interleaved away (the C++ op
 #           is the default from a prediction that failed; the Python Function with the fused
 #           Triton kernels was faster in one sequential bench), at the 124M and 1558M shapes
@@ -39,11 +39,15 @@ whole)
       | grep -E "^Training|^Validation|^Test|completed|step " >> $OUT/whole.log; save
   done ;;
 timing)
+  # One thread for torch's CPU pool: the collate's CPU ops wake OpenMP workers that spin after each
+  # parallel region, a suspect for the regimes of the eager host (the autograd engine's thread
+  # launches the backward and competes with them); pinned as before, so only that changes.
+  export OMP_NUM_THREADS=1
   for L in all lora; do
     taskset -c 2-5 timeout 130 python3 -m lora_bench.studies.timer_overhead --data-file $DATA --trainable-layers $L \
       --steps 40 --blocks 16 2>&1 | tail -3 | tee -a $OUT/overhead.log
   done
-  taskset -c 2-5 timeout 300 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned \
+  taskset -c 2-5 timeout 300 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned-omp1 \
     --steps 300 --repeats 2 --no-profiles 2>&1 | grep -v USDT | tail -12 > $OUT/phase_timing_pinned.log ;;
 bench)
   timeout 400 python3 -m lora_bench kernel-bench --shapes 124m,1558m --dtypes bf16,fp32 \
