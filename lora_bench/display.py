@@ -53,7 +53,8 @@ def phase_table(row: dict) -> Table:
     extras = []
     for key, label, d in (("tokens_per_s", "tokens/s", 0), ("achieved_tflops", "TFLOP/s", 2), ("mfu", "MFU", 3),
                           ("eval_s", "eval s", 2), ("training_time_s", "train s", 2),
-                          ("peak_mem_allocated_mib", "peak MiB", 0), ("measured_steps", "steps measured", 0)):
+                          ("peak_mem_allocated_mib", "peak MiB", 0), ("measured_steps", "steps measured", 0),
+                          ("phase_sum_pct", "Σ phase medians vs step %", 1)):
         if _num(row.get(key)) is not None:
             extras.append(f"{label} {_fmt(row.get(key), d)}")
     if extras:

@@ -76,5 +76,7 @@ def summarise_steps(step_rows: list[dict], *, clock: str) -> dict:
         if clock.startswith("cuda"):
             host, dev = out[f"host_{ph}_ms_median"], out[f"{ph}_ms_median"]
             out[f"bound_{ph}"] = "host" if host >= HOST_BOUND_RATIO * dev else "device"
+    if out["step_ms_median"] > 0:  # each step's phases add up exactly; their medians need not
+        out["phase_sum_pct"] = 100 * (sum(out[f"{ph}_ms_median"] for ph in PHASES) / out["step_ms_median"] - 1)
     out["tokens_per_step"] = statistics.median(r["tokens"] for r in rows)
     return out

@@ -64,6 +64,8 @@ RUN_COLUMNS: list[Column] = [
     Column("warmup_steps", "Int64", "steps", "steps excluded from the summaries"),
     Column("measured_steps", "Int64", "steps", "steps in the summaries"),
     *_phase_cols(),
+    Column("phase_sum_pct", "float64", "%", "sum of the phase medians vs the median step, in % of the median step "
+           "(each step's phases add up exactly; the medians drift apart when the host changes regime within a run)"),
     Column("eval_s", "float64", "s", "time spent in periodic and per-epoch evaluation (device time on CUDA)", "lower"),
     Column("tokens_per_step", "float64", "tokens", "median tokens per step"),
     Column("tokens_per_s", "float64", "tokens/s", "tokens per second of median step time", "higher"),

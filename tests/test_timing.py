@@ -63,6 +63,8 @@ def test_steps_table_and_summary(tiny_cfg, tmp_path, mode):
         assert r[f"{col}_median"] == pytest.approx(measured[col].median()), col
         assert r[f"{col}_p10"] == pytest.approx(q10) and r[f"{col}_p90"] == pytest.approx(q90), col
     assert r["step_ms_p10"] <= r["step_ms_median"] <= r["step_ms_p90"]
+    phase_medians = sum(measured[f"{p}_ms"].median() for p in PHASES)
+    assert r["phase_sum_pct"] == pytest.approx(100 * (phase_medians / measured["step_ms"].median() - 1))
     assert r["eval_s"] > 0 and r["tokens_per_s"] > 0 and r["flops_per_step"] > 0
     assert pd.isna(r["mfu"])  # no GPU peak on a CPU
     assert row["status"] == "done"
