@@ -137,11 +137,31 @@ class RunContext:
                             max_steps=c.max_steps)
 
     def backend(self) -> str:
+        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'triton', or
+        'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
+        block-scoped compile)."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-        from .lora.kernel import lora_kernel_backend
+        from .lora.kernel import CPP_GRAPH_MIN_WEIGHT, LinearWithLoRAKernel, lora_kernel_backend
 
-        return lora_kernel_backend(self.device, graphs=self.cfg.cuda_graphs or self.cfg.compile)
+        cfg = self.cfg
+        eager = lora_kernel_backend(self.device)
+        traced = lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
+        compiled = set()
+        if cfg.compile:
+            blocks = self.model.trf_blocks if cfg.compile_scope == "blocks" else self.model
+            compiled = {id(m) for m in blocks.modules()}
+        paths = set()
+        for m in self.model.modules():
+            if not isinstance(m, LinearWithLoRAKernel):
+                continue
+            if id(m) in compiled:
+                paths.add(traced)
+            elif cfg.cuda_graphs and eager == "cpp" and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
+                paths.add(traced)
+            else:
+                paths.add(eager)
+        return "+".join(sorted(paths))
 
 
 def final_accuracies(ctx: RunContext) -> dict[str, float]:

@@ -259,3 +259,25 @@ def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path,
         RunContext(tiny_cfg.replace(compile=True, compile_scope=scope), cache_dir=tmp_path, progress=False)
     RunContext(tiny_cfg, cache_dir=tmp_path, progress=False)
     assert len(resets) == 2
+
+
+def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, monkeypatch):
+    """Eager CUDA layers run the C++ op, captured or compiled ones the Triton plans; a run whose
+    layers differ says both. Checked on the CPU by standing in for what CUDA would report."""
+    from lora_bench.lora import kernel as K
+    from lora_bench.run import RunContext
+
+    monkeypatch.setattr(K, "lora_kernel_backend", lambda device, graphs=False: "triton" if graphs else "cpp")
+    cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0)
+    ctx = RunContext(cfg, cache_dir=tmp_path, progress=False)
+    assert ctx.backend() == "cpp"
+    ctx.cfg = cfg.replace(compile=True)
+    assert ctx.backend() == "triton"
+    ctx.cfg = cfg.replace(compile=True, compile_scope="blocks")  # the head stays eager
+    assert ctx.backend() == "cpp+triton"
+    ctx.cfg = cfg.replace(cuda_graphs=True, device="auto")
+    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 1)  # every layer "large": captured layers keep the C++ op
+    assert ctx.backend() == "cpp"
+    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 10 ** 12)
+    assert ctx.backend() == "triton"
+    assert RunContext(tiny_cfg, cache_dir=tmp_path, progress=False).backend() == ""
