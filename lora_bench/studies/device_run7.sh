@@ -4,12 +4,7 @@
 # their folders were removed from results/all-vs-lora) and the 124M 5-epoch lora-kernel run, and run
 # the GPU tests that call 6's time limit cut off. Same preparation as device_run4.sh.
 set -uo pipefail
-export LORA_BENCH_GIT_COMMIT=$(cat .devdata/COMMIT 2>/dev/null || echo unknown)
-export PYTHONUNBUFFERED=1 LORA_BENCH_EXT_DIR=/tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-DATA=$PWD/.devdata/SMSSpamCollection.tsv; R=/tmp/res; mkdir -p $R
-export LORA_BENCH_SMS_FILE=$DATA
-T0=$SECONDS; t() { echo "[$((SECONDS - T0)) s] $*" | tee -a $OUT/timeline.log; }
+source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R ; }
 t start
 timeout 95 python3 -m lora_bench sweep configs/all-vs-lora-h200.yaml --isolation inline --results-dir results/all-vs-lora \
