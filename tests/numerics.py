@@ -26,6 +26,13 @@ def fresh(*shape, device, dtype, scale=1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=device) * scale).to(dtype)
 
 
+def float64_operands():
+    """x (2, 5, 7), W (6, 7), b (6), A (7, 3), B (3, 6) in float64, all requiring grad (W and b
+    too: a trainable head's gradients are checked as well): inputs for gradcheck."""
+    shapes = ((2, 5, 7), (6, 7), (6,), (7, 3), (3, 6))
+    return tuple(torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes)
+
+
 def layer_operands(*, batch: tuple[int, ...], k: int, n: int, r: int, device, dtype, bias: bool = True,
                    noncontig: bool = False):
     """Fresh x (..., k), W (n, k), b (n) or None, A (k, r), B (r, n) for a LoRA layer, scaled so

@@ -18,7 +18,7 @@ from lora_bench.kernels import lora_cpp
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, set_kernel_mode
-from numerics import fresh, layer_operands, model_pair, rel_err, run_model
+from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 PY_GRAD_FN = "LoRAKernelFunctionBackward"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -121,11 +121,7 @@ def test_cpu_autocast_backward_with_autocast_still_on():
 
 
 def test_gradcheck_float64():
-    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)  # trainable: grad_W checked too
-    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    a = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    bm = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    x, w, b, a, bm = float64_operands()
     assert torch.autograd.gradcheck(lambda *t: lora_cpp.lora_linear_cpp(*t, 1.7), (x, w, b, a, bm))
     assert torch.autograd.gradcheck(lambda x, w, a, bm: lora_cpp.lora_linear_cpp(x, w, None, a, bm, 0.3),
                                     (x, w, a, bm))

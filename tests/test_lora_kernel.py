@@ -21,7 +21,7 @@ from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora import kernel as K
 from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, lora_linear
 from lora_bench.model import build_random_model, gpt_config
-from numerics import fresh, layer_operands, model_pair, rel_err, run_model
+from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,11 +82,7 @@ def test_cpu_backend_is_torch():
 
 
 def test_gradcheck_float64():
-    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)  # trainable: grad_W checked too
-    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    a = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    bm = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    x, w, b, a, bm = float64_operands()
     assert torch.autograd.gradcheck(lambda *t: lora_linear(*t, 1.7), (x, w, b, a, bm))
 
 
