@@ -20,6 +20,17 @@ from .lora.kernel import graph_plan
 WARMUP_ITERS = 3
 
 
+def warm_up(fn, iters: int) -> None:
+    """Run ``fn`` ``iters`` times on a side stream, as capture requires, in the plan a capture uses
+    (``graph_plan``: lora-kernel's kernels are compiled and launched once before they are captured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), graph_plan():
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 class GraphedStep:
     def __init__(self, ctx, *, timer):
         cfg = ctx.cfg
@@ -74,14 +85,13 @@ class GraphedStep:
         self.static_in = inputs.clone()
         self.static_tgt = targets.clone()
         snap = self._snapshot()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), graph_plan():  # warm-up: allocator, workspaces, optimizer state,
-            for _ in range(WARMUP_ITERS):  # the kernels the capture will use (lora-kernel's plan)
-                self.optimizer.zero_grad(set_to_none=True)
-                self._forward().backward()
-                self.optimizer.step()
-        torch.cuda.current_stream().wait_stream(side)
+
+        def step():  # allocator, workspaces, optimizer state
+            self.optimizer.zero_grad(set_to_none=True)
+            self._forward().backward()
+            self.optimizer.step()
+
+        warm_up(step, WARMUP_ITERS)
         self._restore(snap)
         self.optimizer.zero_grad(set_to_none=True)
         g_fwd, g_bwd, g_opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -137,12 +147,11 @@ class GraphedEval:
         # when the context exits while the graph still reads them)
         amp = ((lambda: torch.autocast("cuda", dtype=amp_dtype, cache_enabled=False)) if amp_dtype is not None
                else contextlib.nullcontext)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), amp(), graph_plan():
-            for _ in range(2):  # warm-up: workspaces, compiled kernels, lora-kernel's capture plan
+        def forward():  # workspaces, compiled kernels
+            with amp():
                 self.model(static_in)
-        torch.cuda.current_stream().wait_stream(side)
+
+        warm_up(forward, 2)
         graph = torch.cuda.CUDAGraph()
         with amp(), torch.cuda.graph(graph):
             static_out = self.model(static_in)

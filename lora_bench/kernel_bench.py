@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from lora_bench import results
 from lora_bench.lora import lora_class
-from lora_bench.lora.kernel import graph_plan
+from lora_bench.graphs import warm_up
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -177,12 +177,7 @@ def _time_graph(sets: list[tuple], *, repeats: int, device: torch.device) -> flo
     graphs = []
     try:
         for layer, x, g, inputs in sets:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), graph_plan():
-                for _ in range(3):  # warm-up on a side stream, as capture requires, in the capture's plan
-                    torch.autograd.grad(layer(x), inputs, g)
-            torch.cuda.current_stream(device).wait_stream(side)
+            warm_up(lambda: torch.autograd.grad(layer(x), inputs, g), 3)  # (device: set by run_kernel_bench)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 torch.autograd.grad(layer(x), inputs, g)
