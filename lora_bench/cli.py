@@ -46,6 +46,15 @@ def _output_dir(path: Path, flag: str) -> None:
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
+def _check_data_file(path: Path) -> None:
+    from .errors import UsageError
+
+    if path.is_dir():
+        raise UsageError(f"--data-file {path} is a folder; give the raw SMSSpamCollection TSV file")
+    if not path.is_file():
+        raise UsageError(f"--data-file {path}: no such file")
+
+
 def _check_machine_inputs(cfg: TrainConfig) -> None:
     """What only this machine can tell (a data file, a GPU), checked before a run starts, so a user
     mistake leaves no failed row behind."""
@@ -53,16 +62,12 @@ def _check_machine_inputs(cfg: TrainConfig) -> None:
     from .run import resolve_device
 
     if cfg.data_file:
-        path = Path(cfg.data_file)
-        if path.is_dir():
-            raise UsageError(f"--data-file {path} is a folder; give the raw SMSSpamCollection TSV file")
-        if not path.is_file():
-            raise UsageError(f"--data-file {path}: no such file")
+        _check_data_file(Path(cfg.data_file))
     if cfg.weights_dir and not Path(cfg.weights_dir).is_dir():
         raise UsageError(f"--weights-dir {cfg.weights_dir}: no such folder (it should hold the OpenAI GPT-2 "
                          "checkpoint files: checkpoint, hparams.json, model.ckpt.*)")
-    resolve_device(cfg.device)  # --device cuda on a machine without CUDA: one message
-    if cfg.cuda_graphs and not resolve_device(cfg.device).type == "cuda":
+    device = resolve_device(cfg.device)  # --device cuda on a machine without CUDA: one message
+    if cfg.cuda_graphs and device.type != "cuda":
         raise UsageError("--cuda-graphs needs a CUDA device, and none is available here")
 
 
@@ -257,9 +262,8 @@ def sweep(
     from .errors import UsageError
     from .sweep import sweep_command
 
-    if data_file is not None and not data_file.is_file():
-        raise UsageError(f"--data-file {data_file}: " + ("a folder, not the raw SMS TSV file" if data_file.is_dir()
-                                                         else "no such file"))
+    if data_file is not None:
+        _check_data_file(data_file)
     if results_dir is not None and results_dir.exists() and not results_dir.is_dir():
         raise UsageError(f"--results-dir {results_dir}: a file is in the way of this folder")
     overrides = {"device": device, "data_file": str(data_file.resolve()) if data_file else None}

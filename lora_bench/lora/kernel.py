@@ -407,14 +407,7 @@ class LinearWithLoRAKernel(LoRALinearBase):
     variant = "lora-kernel"
 
     def forward(self, x):
-        w = self.linear.weight
-        if torch.compiler.is_compiling():
-            return _compiled_forward(x, w, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
-        op = _cpp_for(x, w)
-        if op is not None:
-            return op(x, w, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
-        return LoRAKernelFunction.apply(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B,
-                                        self.lora.alpha)
+        return lora_linear(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
 
 
 __all__ = ["LinearWithLoRAKernel", "LoRAKernelFunction", "lora_linear", "lora_kernel_backend", "set_kernel_mode"]
