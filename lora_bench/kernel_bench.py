@@ -38,6 +38,7 @@ import torch.nn as nn
 from lora_bench import results
 from lora_bench.lora import lora_class
 from lora_bench.graphs import warm_up
+from lora_bench.metrics import median_p10_p90
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -136,11 +137,6 @@ def _n_sets(shape: Shape, dtype: torch.dtype, device: torch.device) -> int:
     elt = torch.tensor([], dtype=dtype).element_size()
     per_set = elt * (shape.d_in * shape.d_out + shape.tokens * (shape.d_in + shape.d_out))
     return max(2, min(8, math.ceil(L2_FLUSH_BYTES / per_set)))
-
-
-def _stats(ms: list[float]) -> tuple[float, float, float]:
-    qs = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-    return statistics.median(ms), qs[0], qs[-1]
 
 
 def _time_phase(sets: list[tuple], phase: str, *, repeats: int, warmup: int, device: torch.device) -> list[float]:
@@ -273,7 +269,7 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
                         round_ratios[impl][b].append(block_median[impl] / block_median[b])
         for impl in impls:
             r = rows[impl]
-            r[f"{phase}_ms"], r[f"{phase}_p10_ms"], r[f"{phase}_p90_ms"] = _stats(samples[impl])
+            r[f"{phase}_ms"], r[f"{phase}_p10_ms"], r[f"{phase}_p90_ms"] = median_p10_p90(samples[impl])
     for impl in impls:
         r = rows[impl]
         for b in ratio_base:

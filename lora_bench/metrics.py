@@ -48,6 +48,11 @@ def flops_per_step(mcfg: GPTConfig, *, trainable_layers: str, tokens: float, ran
     return fwd + 2 * (2 * per_block * blocks * tokens + 2 * head * tokens)
 
 
+def median_p10_p90(values: list[float]) -> tuple[float, float, float]:
+    """The summary every timing table uses: median, 10th and 90th percentile (inclusive method)."""
+    return statistics.median(values), _pct(values, 10), _pct(values, 90)
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -69,9 +74,8 @@ def summarise_steps(step_rows: list[dict], *, clock: str) -> dict:
     for ph in (*PHASES, "step"):
         for prefix in ("", "host_"):
             vals = [r[f"{prefix}{ph}_ms"] for r in rows]
-            out[f"{prefix}{ph}_ms_median"] = statistics.median(vals)
-            out[f"{prefix}{ph}_ms_p10"] = _pct(vals, 10)
-            out[f"{prefix}{ph}_ms_p90"] = _pct(vals, 90)
+            stats = median_p10_p90(vals)
+            out[f"{prefix}{ph}_ms_median"], out[f"{prefix}{ph}_ms_p10"], out[f"{prefix}{ph}_ms_p90"] = stats
     for ph in PHASES:
         if clock.startswith("cuda"):
             host, dev = out[f"host_{ph}_ms_median"], out[f"{ph}_ms_median"]
