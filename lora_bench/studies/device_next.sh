@@ -9,6 +9,8 @@
 #           2 epochs with the final accuracies
 #   timing  issue 3: events-vs-off overhead as ABBA blocks in one process (16 of each), and the
 #           pinned sum-of-medians runs again, now with one OpenMP thread (a suspect for the regimes)
+#   explore issues 5/6: the GPU tests (capped), then block-compiled graphs for all/lora/lora-kernel at 124M and
+#           1558M, then a torch.profiler kernel table of lora-kernel at 1558M in graph mode (where the step goes)
 #   bench   issue 5: which eager plan wins in bf16 once host drift is interleaved away (the C++ op
 #           is the default from a prediction that failed; the Python Function with the fused
 #           Triton kernels was faster in one sequential bench), at the 124M and 1558M shapes
@@ -20,6 +22,13 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+explore)
+  timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > $OUT/gpu_tests.log; t tests
+  timeout 220 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-bcompile --sizes 124M 1558M --steps 60 \
+    --modes bcompile-graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -14 > $OUT/modes.log; t modes
+  timeout 100 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/prof-graphs --sizes 1558M --steps 40 \
+    --layers lora-kernel --modes graphs-bf16-fused-fopt --profile torch 2>&1 | grep -v USDT | tail -6 > $OUT/prof.log
+  find $R -name "trace.json.gz" -delete ;;
 tests)
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > $OUT/gpu_tests.log ;;
 study)
