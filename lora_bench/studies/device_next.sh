@@ -51,8 +51,8 @@ timing)
     taskset -c 2-5 timeout 130 python3 -m lora_bench.studies.timer_overhead --data-file $DATA --trainable-layers $L \
       --steps 40 --blocks 16 2>&1 | tail -3 | tee -a $OUT/overhead.log
   done
-  taskset -c 2-5 timeout 300 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned-omp1 \
-    --steps 300 --repeats 2 --no-profiles 2>&1 | grep -v USDT | tail -12 > $OUT/phase_timing_pinned.log ;;
+  taskset -c 2-5 timeout 260 python3 -m lora_bench.studies.phase_timing --data-file $DATA --out $R/phase-timing-pinned-omp1 \
+    --steps 240 --repeats 2 --no-profiles 2>&1 | grep -v USDT | tail -14 > $OUT/phase_timing_pinned.log ;;
 bench)
   timeout 400 python3 -m lora_bench kernel-bench --shapes 124m,1558m --dtypes bf16,fp32 \
     --impls frozen,lora,lora-kernel:cpp,lora-kernel:fused,lora-kernel:cublas --no-progress \
