@@ -3,8 +3,7 @@
 # each fit one 10-minute call: `bash lora_bench/studies/device_next.sh PART` with PART one of
 #   tests   every GPU-marked test (the torch.compile path of lora-kernel has only run on the CPU)
 #   study   issue 6: the study's batch-32 rows (resume of configs/all-vs-lora-h200.yaml into
-#           results/all-vs-lora), then torch.compile (block scope: compiles once for any depth)
-#           inside CUDA graphs for all / lora / lora-kernel at 124M and 1558M
+#           results/all-vs-lora); first the timer's direct per-step cost (issue 3)
 #   whole   issue 5: whole 1558M runs in the reference settings (eager fp32), lora vs lora-kernel,
 #           2 epochs with the final accuracies
 #   timing  issue 3: events-vs-off overhead as ABBA blocks in one process (16 of each), and the
@@ -32,10 +31,9 @@ explore)
 tests)
   timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > $OUT/gpu_tests.log ;;
 study)
-  timeout 330 python3 -m lora_bench sweep configs/all-vs-lora-h200.yaml --isolation inline --results-dir results/all-vs-lora \
-    --data-file $DATA --no-progress 2>&1 | grep -v USDT | tail -30 > $OUT/sweep.log; t sweep; save
-  timeout 240 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes --sizes 124M 1558M --steps 60 \
-    --modes bcompile-graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -12 > $OUT/modes.log ;;
+  python3 -m lora_bench.studies.timer_overhead --data-file $DATA --cost-only 2>&1 | tail -1 | tee -a $OUT/overhead.log
+  timeout 430 python3 -m lora_bench sweep configs/all-vs-lora-h200.yaml --isolation inline --results-dir results/all-vs-lora \
+    --data-file $DATA --no-progress 2>&1 | grep -v USDT | tail -30 > $OUT/sweep.log; t sweep; save ;;
 whole)
   for L in lora-kernel lora; do
     timeout 280 python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers $L --rank 16 --alpha 16 \
