@@ -8,6 +8,7 @@ and the Triton plans, Triton outputs pre-filled with NaN.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -268,6 +269,105 @@ def test_kernels_under_triton_interpreter():
     assert "interpreter check: all ok" in proc.stdout
 
 
+# lora_grad_ab with a forced row split, under the interpreter (CPU tiles: BLOCK_M 32, BLOCK_D 16):
+# (M, K, N, R, split_m, do_a, do_b, input dtype, grad dtype, split launched). Odd sizes everywhere;
+# M=100 is 4 row blocks, so 3 splits get 1+1+2 and the last block is 4 rows; 9 splits of 45 rows
+# clamp to its 2 blocks; fp16 grads cannot take atomics and keep one split. bf16 is left to the GPU
+# test below (the interpreter gets bf16 dots wrong), fp16 stands in for 16-bit inputs.
+AB_SPLIT_CASES = [
+    (100, 70, 53, 16, 1, True, True, "fp32", "fp32", 1),
+    (100, 70, 53, 16, 2, True, True, "fp32", "fp32", 2),
+    (100, 70, 53, 16, 3, True, True, "fp16", "fp32", 3),
+    (150, 45, 33, 1, 3, True, True, "fp32", "fp32", 3),
+    (130, 33, 70, 64, 4, True, True, "fp16", "fp32", 4),
+    (77, 50, 29, 64, 3, True, True, "fp32", "fp32", 3),
+    (97, 40, 36, 16, 2, True, False, "fp32", "fp32", 2),
+    (97, 40, 36, 1, 3, False, True, "fp16", "fp32", 3),
+    (45, 70, 53, 16, 9, True, True, "fp32", "fp32", 2),
+    (100, 70, 53, 16, 3, True, True, "fp16", "fp16", 1),
+]
+
+
+def _ab_interp_main() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: every AB_SPLIT_CASES case twice, outputs
+    allocated by the wrapper (POISON_OUTPUTS on) and passed in NaN-filled; one JSON line per run
+    with the launched split and both errors against float64."""
+    from lora_bench.kernels import lora_triton as lt
+
+    lt.POISON_OUTPUTS = True
+    grids = []
+    real_launch = lt.launch
+    lt.launch = lambda fn, grid, *a, **kw: (grids.append(grid), real_launch(fn, grid, *a, **kw))
+    for i, (M, k, n, r, split, do_a, do_b, dt, gdt, _) in enumerate(AB_SPLIT_CASES):
+        dtype, gdtype, s = DTYPE[dt], DTYPE[gdt], 0.7
+        x, u, h, g = (fresh(M, d, device="cpu", dtype=dtype) for d in (k, r, r, n))
+        X, U, H, G = (t.double() for t in (x, u, h, g))
+        for given in (False, True):
+            outs = {}
+            if given:
+                outs = dict(ga_out=torch.full((k, r), float("nan"), dtype=gdtype),
+                            gb_out=torch.full((r, n), float("nan"), dtype=gdtype))
+            grids.clear()
+            ga, gb = lt.lora_grad_ab(x, u, h, g, scale=s, grad_dtype=gdtype, do_a=do_a, do_b=do_b,
+                                     config=lt.ABConfig(32, 16, 4, 1, split), **outs)
+            # a gradient not asked for: None, or the given buffer untouched (still NaN)
+            skipped = [t is None or bool(t.isnan().all()) for t, on in ((ga, do_a), (gb, do_b)) if not on]
+            print(json.dumps(dict(
+                case=i, given=given, split=grids[0][1], skipped_ok=all(skipped),
+                dtypes=[str(t.dtype) for t, on in ((ga, do_a), (gb, do_b)) if on],
+                err_a=rel_err(ga, s * X.t() @ U) if do_a else None,
+                err_b=rel_err(gb, s * H.t() @ G) if do_b else None)), flush=True)
+
+
+@pytest.fixture(scope="module")
+def ab_interp_runs():
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(tests)!r}, {tests!r}]; "
+            "import test_lora_kernel as t; t._ab_interp_main()")  # this checkout's lora_bench, this file
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    if "only 0-dimensional arrays can be converted" in proc.stderr:
+        pytest.skip("this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 2 * len(AB_SPLIT_CASES), proc.stdout[-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("i", range(len(AB_SPLIT_CASES)))
+def test_grad_ab_row_split_under_triton_interpreter(ab_interp_runs, i):
+    """Forced splits (atomics into zeroed fp32) and their fallbacks match float64; outputs given
+    NaN-filled are zeroed first; a gradient not asked for is not written."""
+    M, k, n, r, split, do_a, do_b, dt, gdt, launched = AB_SPLIT_CASES[i]
+    for run in (x for x in ab_interp_runs if x["case"] == i):
+        assert run["split"] == launched, run
+        assert run["dtypes"] == [str(DTYPE[gdt])] * (do_a + do_b), run
+        assert run["skipped_ok"], run
+        for err in (run["err_a"], run["err_b"]):
+            assert err is None or err <= TOL[dt], run
+
+
+def test_grad_ab_split_heuristic(monkeypatch):
+    """2-4 programs per SM at the GPT-2 1558M shapes (M=960) on a 132-SM GPU; never more splits
+    than row blocks; no GPU needed (the SM count is patched in)."""
+    triton = pytest.importorskip("triton")
+    from lora_bench.kernels import lora_triton as lt
+
+    monkeypatch.setattr(lt, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for k, n in ((1600, 1600), (1600, 6400), (6400, 1600)):
+        for do_a, do_b in ((True, True), (True, False), (False, True)):
+            c = lt.pick_ab_config(960, k, n, cuda, do_a=do_a, do_b=do_b)
+            strips = do_a * triton.cdiv(k, c.block_d) + do_b * triton.cdiv(n, c.block_d)
+            assert 1 <= c.split_m <= triton.cdiv(960, c.block_m), (k, n, c)
+            assert 2 * 132 <= strips * c.split_m <= 4 * 132, (k, n, do_a, do_b, c)
+    assert lt.pick_ab_config(960, 1600, 1600, cuda) == lt.ABConfig(64, 32, 4, 3, 4)
+    assert lt.ab_split(100, 64, 1, 132) == 2  # capped at the row blocks
+    assert lt.ab_split(0, 64, 10, 132) == 1 and lt.ab_split(960, 64, 1000, 132) == 1
+    assert lt.pick_ab_config(960, 1600, 1600, torch.device("cpu")).split_m == 1  # the interpreter: forced only
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 
@@ -345,6 +445,26 @@ def test_gpu_kernels_direct_with_poisoned_buffers(dt, request):
     from lora_bench.kernels import launch
 
     assert not launch.FAST or len(launch._COMPILED) >= 2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1600, 6400])
+def test_gpu_grad_ab_auto_split_at_1558m(dt, n):
+    """The default (auto-split, atomic) path at the GPT-2 1558M shapes: fp32 grads against
+    float64, twice (the second through the cached config and fast launch)."""
+    from lora_bench.kernels import lora_triton as lt
+
+    M, k, r, s, dev = 960, 1600, 16, 2.0, "cuda"
+    dtype = DTYPE[dt]
+    x, u, h, g = (fresh(M, d, device=dev, dtype=dtype) for d in (k, r, r, n))
+    X, U, H, G = (t.double() for t in (x, u, h, g))
+    for _ in range(2):
+        ga, gb = lt.lora_grad_ab(x, u, h, g, scale=s, grad_dtype=torch.float32)
+        assert ga.dtype == gb.dtype == torch.float32
+        assert rel_err(ga, s * X.t() @ U) <= TOL[dt] and rel_err(gb, s * H.t() @ G) <= TOL[dt]
+    assert lt._AB_PICKED[(M, k, n, True, True)].split_m > 1
 
 
 @pytest.mark.gpu

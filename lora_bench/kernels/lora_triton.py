@@ -9,7 +9,9 @@ Two kernels cover forward and backward (shapes: x N×k, W n×k, A k×r, B r×n):
   tile recomputes its rows' H (extra MMA work r/BLOCK_N, ~12 % at r=16): cheaper than a second
   launch plus a round trip of H through memory; only column tile 0 stores it.
 * ``lora_grad_ab``: grad_A = s·xᵀ·u (k×r) and grad_B = s·hᵀ·g (r×n), one launch, the program id
-  choosing which; both reduce over the N rows, so each program streams one column strip.
+  choosing which; both reduce over the N rows, so each program streams one column strip. With
+  ~1k rows there are too few strips to fill the GPU, so the rows are split too (grid axis 1): each
+  program reduces its share and atomically adds it into a zero-filled fp32 output.
 
 This module imports Triton; import it lazily (``lora_bench.lora.kernel`` does).
 """
@@ -44,6 +46,7 @@ class ABConfig(NamedTuple):
     block_d: int  # columns of x (or g) each program owns
     num_warps: int
     num_stages: int
+    split_m: int = 0  # programs per strip, each reducing a share of the rows; 0: chosen on the host
 
 
 @triton.jit
@@ -125,8 +128,15 @@ def _lora_grad_ab_kernel(
     stride_xm, stride_xk, stride_um, stride_ur, stride_hm, stride_hr, stride_gm, stride_gn,
     stride_gak, stride_gar, stride_gbr, stride_gbn, scale,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # this program's rows [m_lo, m_hi): whole blocks, shared out as evenly as they go (counts
+    # differ by at most one, none empty), so only the last block of all needs the row mask
+    blocks = tl.cdiv(M, BLOCK_M)
+    sid, splits = tl.program_id(1), tl.num_programs(1)
+    m_lo = (sid * blocks // splits) * BLOCK_M
+    m_hi = min(((sid + 1) * blocks // splits) * BLOCK_M, M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -135,7 +145,7 @@ def _lora_grad_ab_kernel(
         offs_d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < K
         acc_a = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
-        for m0 in range(0, M, BLOCK_M):
+        for m0 in range(m_lo, m_hi, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < M  # padded rows must be zero: they are summed
             xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_d[None, :] * stride_xk,
@@ -144,13 +154,17 @@ def _lora_grad_ab_kernel(
                          mask=row_ok[:, None] & r_mask[None, :], other=0.0)  # (BM, BR)
             acc_a = tl.dot(tl.trans(xt), ut, acc_a, input_precision=PRECISION)
         ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + offs_r[None, :] * stride_gar
-        tl.store(ga_ptrs, (acc_a * scale).to(ga_ptr.dtype.element_ty), mask=d_mask[:, None] & r_mask[None, :])
+        ga_mask = d_mask[:, None] & r_mask[None, :]
+        if ATOMIC:  # partial sum over this split's rows; relaxed: only the final sum is read
+            tl.atomic_add(ga_ptrs, acc_a * scale, mask=ga_mask, sem="relaxed")
+        else:
+            tl.store(ga_ptrs, (acc_a * scale).to(ga_ptr.dtype.element_ty), mask=ga_mask)
     else:
         # grad_B[:, d] = s · Σ_m h[m, :]ᵀ · g[m, d]   -> (BR, BD)
         offs_d = (pid - NUM_A) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < N
         acc_b = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-        for m0 in range(0, M, BLOCK_M):
+        for m0 in range(m_lo, m_hi, BLOCK_M):
             rows = m0 + offs_m
             row_ok = rows < M
             ht = tl.load(h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr,
@@ -159,7 +173,11 @@ def _lora_grad_ab_kernel(
                          mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
             acc_b = tl.dot(tl.trans(ht), gt, acc_b, input_precision=PRECISION)
         gb_ptrs = gb_ptr + offs_r[:, None] * stride_gbr + offs_d[None, :] * stride_gbn
-        tl.store(gb_ptrs, (acc_b * scale).to(gb_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+        gb_mask = r_mask[:, None] & d_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(gb_ptrs, acc_b * scale, mask=gb_mask, sem="relaxed")
+        else:
+            tl.store(gb_ptrs, (acc_b * scale).to(gb_ptr.dtype.element_ty), mask=gb_mask)
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -224,14 +242,25 @@ def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
 
 
 _AB_PICKED: dict[tuple, ABConfig] = {}
+_AB_PROGRAMS_PER_SM = 3  # split target: 2-4 programs per SM hide each one's short serial loop
 
 
-def pick_ab_config(M: int, K: int, N: int, device: torch.device) -> ABConfig:
-    if device.type != "cuda":
-        return ABConfig(32, 16, 4, 1)
+def ab_split(M: int, block_m: int, strips: int, sms: int) -> int:
+    """Row splits per strip for ``lora_grad_ab``: strips × splits ≈ 3 programs per SM, and at
+    most one split per BLOCK_M rows (the kernel never launches a split without rows)."""
+    return max(1, min(triton.cdiv(M, block_m), triton.cdiv(_AB_PROGRAMS_PER_SM * sms, max(strips, 1))))
+
+
+def pick_ab_config(M: int, K: int, N: int, device: torch.device, *, do_a: bool = True,
+                   do_b: bool = True) -> ABConfig:
+    if device.type != "cuda":  # the interpreter: one split unless a test forces more
+        return ABConfig(32, 16, 4, 1, 1)
+    sms = _sm_count(device)
     # 64-wide strips unless that leaves most SMs idle; then 32 (twice the programs)
-    wide = triton.cdiv(K, 64) + triton.cdiv(N, 64) >= _sm_count(device)
-    return ABConfig(64, 64 if wide else 32, 4, 3)
+    wide = triton.cdiv(K, 64) + triton.cdiv(N, 64) >= sms
+    bd = 64 if wide else 32
+    strips = (triton.cdiv(K, bd) if do_a else 0) + (triton.cdiv(N, bd) if do_b else 0)
+    return ABConfig(64, bd, 4, 3, ab_split(M, 64, strips, sms))
 
 
 def _alloc(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -321,26 +350,53 @@ def lora_grad_ab(
     """grad_A (K×R) = scale·xᵀ·u and grad_B (R×N) = scale·hᵀ·g in one launch.
 
     x: M×K, u: M×R, h: M×R, g: M×N. Gradients are stored in ``grad_dtype`` (the parameters'
-    dtype: fp32 master weights under autocast get fp32 gradients without a cast pass)."""
+    dtype: fp32 master weights under autocast get fp32 gradients without a cast pass).
+
+    fp32 gradients split the rows (``ABConfig.split_m``, auto when 0) and sum the partials with
+    atomics, so the last bits vary from run to run; other dtypes, and torch's deterministic mode,
+    keep one split: the direct store, bit-for-bit repeatable."""
     M, K = x.shape
     N, R = g.shape[1], u.shape[1]
-    if do_a and ga_out is None:
-        ga_out = _alloc((K, R), x, grad_dtype)
-    if do_b and gb_out is None:
-        gb_out = _alloc((R, N), x, grad_dtype)
-    c = config or _AB_PICKED.get((M, K, N)) or _AB_PICKED.setdefault((M, K, N), pick_ab_config(M, K, N, x.device))
+    if config is None:
+        key = (M, K, N, do_a, do_b)
+        c = _AB_PICKED.get(key) or _AB_PICKED.setdefault(key, pick_ab_config(M, K, N, x.device, do_a=do_a,
+                                                                               do_b=do_b))
+    else:
+        c = config
     num_a = triton.cdiv(K, c.block_d) if do_a else 0
     num_b = triton.cdiv(N, c.block_d) if do_b else 0
+    split = c.split_m or (ab_split(M, c.block_m, num_a + num_b, _sm_count(x.device)) if x.is_cuda else 1)
+    split = max(1, min(split, triton.cdiv(M, c.block_m)))
+    # Atomics need an fp32 output. Other grad dtypes (bf16 parameters) keep one split rather than
+    # summing into an fp32 buffer and casting: that is two more launches (zero-fill and cast) on a
+    # layer that is host-bound in eager mode, for a kernel of a few microseconds.
+    dt = grad_dtype or x.dtype
+    out_dts = [t.dtype if t is not None else dt for t, on in ((ga_out, do_a), (gb_out, do_b)) if on]
+    if split > 1 and (any(d != torch.float32 for d in out_dts) or torch.are_deterministic_algorithms_enabled()):
+        split = 1
+    if split > 1:
+        # Every split adds into the output, so it starts at zero: these outputs cannot be
+        # NaN-poisoned (POISON_OUTPUTS), and an element no program adds to reads as 0, not NaN.
+        if do_a:
+            ga_out = torch.zeros((K, R), dtype=torch.float32, device=x.device) if ga_out is None else ga_out.zero_()
+        if do_b:
+            gb_out = torch.zeros((R, N), dtype=torch.float32, device=x.device) if gb_out is None else gb_out.zero_()
+    else:
+        if do_a and ga_out is None:
+            ga_out = _alloc((K, R), x, grad_dtype)
+        if do_b and gb_out is None:
+            gb_out = _alloc((R, N), x, grad_dtype)
     if num_a + num_b == 0:
         return ga_out, gb_out
     ga = ga_out if do_a else gb_out  # placeholders for the branch that never runs
     gb = gb_out if do_b else ga_out
     xs, us, hs, gs, gas, gbs = x.stride(), u.stride(), h.stride(), g.stride(), ga.stride(), gb.stride()
     launch(
-        _lora_grad_ab_kernel, (num_a + num_b, 1, 1), (x, u, h, g, ga, gb),
-        (M, K, N, R, num_a, xs[0], xs[1], us[0], us[1], hs[0], hs[1], gs[0], gs[1], gas[0], gas[1], gbs[0], gbs[1]),
+        _lora_grad_ab_kernel, (num_a + num_b, split, 1), (x, u, h, g, ga, gb),
+        (M, K, N, R, num_a, xs[0], xs[1], us[0], us[1], hs[0], hs[1], gs[0], gs[1], gas[0], gas[1],
+         gbs[0], gbs[1]),
         (float(scale),),
-        (_precision(x.dtype), c.block_m, c.block_d, block_r(R)),
+        (_precision(x.dtype), c.block_m, c.block_d, block_r(R), split > 1),
         tag="ab", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return ga_out, gb_out

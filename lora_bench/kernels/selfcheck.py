@@ -142,8 +142,12 @@ def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[s
             lt.TUNED[(*key, dtype)] = c
         res["ab torch 2 mm"] = _dev_us(lambda: (x.t() @ u, h.t() @ g))
         for bd in (32, 64):
-            c = lt.ABConfig(64, bd, 4, 3)
+            c = lt.ABConfig(64, bd, 4, 3)  # bf16 grads: always one row split (no atomics)
             res[f"ab triton {tuple(c)}"] = _dev_us(lambda c=c: lt.lora_grad_ab(x, u, h, g, scale=2.0, config=c))
+            for split in (1, 0):  # fp32 grads (autocast's master weights): one split, the auto split
+                c = lt.ABConfig(64, bd, 4, 3, split)
+                res[f"ab triton {tuple(c)} fp32"] = _dev_us(
+                    lambda c=c: lt.lora_grad_ab(x, u, h, g, scale=2.0, grad_dtype=torch.float32, config=c))
         for name, us in res.items():
             lines.append(f"sweep {tag:24} {name:34} {us:8.1f} us")
         lines.append(f"tuned {tag:24} " + "  ".join(f"{kk}: {tuple(c)}" for kk, (c, _) in best.items()))
