@@ -8,6 +8,8 @@
 #           2 epochs with the final accuracies
 #   timing  issue 3: events-vs-off overhead as ABBA blocks in one process (16 of each), and the
 #           pinned sum-of-medians runs again, now with one OpenMP thread (a suspect for the regimes)
+#   final   the last call of session 3: the split grad_ab kernel on the GPU, the whole 1558M runs, the
+#           rest of the batch-32 rows
 #   explore issues 5/6: the GPU tests (capped), then block-compiled graphs for all/lora/lora-kernel at 124M and
 #           1558M, then a torch.profiler kernel table of lora-kernel at 1558M in graph mode (where the step goes)
 #   bench   issue 5: which eager plan wins in bf16 once host drift is interleaved away (the C++ op
@@ -21,6 +23,17 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+final)
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_kernel.py -k "grad_ab" 2>&1 | tail -5 > $OUT/gpu_tests_ab.log; t tests
+  timeout 45 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-split-ab --sizes 1558M --steps 40 \
+    --layers lora-kernel --modes graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -6 > $OUT/modes.log; t modes; save
+  for L in lora-kernel lora; do
+    timeout 125 python3 -m lora_bench train --model-size 1558M --weights random --trainable-layers $L --rank 16 --alpha 16 \
+      --num-epochs 2 --data-file $DATA --no-progress --results-dir $R/whole-1558m --run-id 1558M-$L-eager-fp32-2ep 2>&1 \
+      | grep -E "^Training|^Validation|^Test|completed|step " >> $OUT/whole.log; t whole $L; save
+  done
+  timeout 80 python3 -m lora_bench sweep configs/all-vs-lora-h200.yaml --isolation inline --results-dir results/all-vs-lora \
+    --data-file $DATA --no-progress 2>&1 | grep -v USDT | tail -8 > $OUT/sweep.log; t sweep ;;
 explore)
   timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > $OUT/gpu_tests.log; t tests
   timeout 220 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-bcompile --sizes 124M 1558M --steps 60 \
