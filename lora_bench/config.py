@@ -182,8 +182,10 @@ class TrainConfig:
         if (self.max_steps is not None and self.timing != "off" and 0 < self.max_steps <= int(self.warmup_steps)):
             p.append(f"max_steps={self.max_steps} with warmup_steps={self.warmup_steps}: no step would be measured "
                      "(lower warmup_steps, or use timing=off)")
-        if self.cuda_graphs and self.profile == "line":
-            p.append("profile=line times Python lines; a replayed CUDA graph has none (use profile=torch)")
+        if self.cuda_graphs and self.profile != "none":
+            p.append(f"profile={self.profile} cannot see inside a replayed CUDA graph (line_profiler finds no Python "
+                     "lines, torch.profiler no kernels: measured on an H200, a graph step showed only its copies); "
+                     "profile the same settings without cuda_graphs")
         return p
 
     def validate(self, *, source: str | None = None) -> "TrainConfig":

@@ -71,6 +71,10 @@ def test_impossible_combinations_are_refused():
         pytest.raises(ConfigError, TrainConfig(weights="random", compile_scope="blocks").validate).value)
     # compile inside captured graphs is a valid combination (the graphs replay compiled kernels)
     TrainConfig(weights="random", cuda_graphs=True, compile=True).validate()
+    # neither profiler sees inside a replayed graph: refused instead of a kernel table of copies
+    for prof in ("torch", "line"):
+        msg = str(pytest.raises(ConfigError, TrainConfig(weights="random", cuda_graphs=True, profile=prof).validate).value)
+        assert f"profile={prof} cannot see inside a replayed CUDA graph" in msg and "without cuda_graphs" in msg
 
 
 @pytest.mark.parametrize("layers", ["all", "lora-kernel"])

@@ -63,6 +63,23 @@ def test_grid_repeats_and_deterministic_ids(tmp_path):
                                          "sweep_sha256": sw.sha256, "sweep_label": None, "repeat": 1}
 
 
+def test_run_ids_survive_a_new_setting_with_a_default(tmp_path, monkeypatch):
+    """A setting added in a later version (at a default that keeps the old behaviour) must not
+    change the ids of existing runs, or a sweep's resume would run everything again."""
+    from lora_bench.config import TrainConfig
+
+    path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    before = [r.run_id for r in load_sweep(path).runs]
+    real = TrainConfig.to_dict
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {**real(self), "a_new_option": "default"})
+    assert [r.run_id for r in load_sweep(path).runs] == before
+    # while a setting that differs from its default does change the id
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {**real(self), "a_new_option": self.trainable_layers})
+    assert TrainConfig().trainable_layers not in ("all", "lora")
+    after = [r.run_id for r in load_sweep(path).runs]
+    assert after[0] != before[0] and after[1] != before[1] and len(set(after)) == 2
+
+
 def test_explicit_runs_times_grid_and_relative_data_file(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "sms.tsv").write_text(SAMPLE.read_text())
