@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared for the next device session (not yet run): what the open issues still need, in parts that
-# each fit one 10-minute call: `bash lora_bench/studies/device_next.sh PART` with PART one of
+# Device parts for the open issues, each fitting one 10-minute call. Session 3 ran explore, timing,
+# study and final (results/README.md); whole and tests are covered by them; bench has not run yet: `bash lora_bench/studies/device_next.sh PART` with PART one of
 #   tests   every GPU-marked test (the torch.compile path of lora-kernel has only run on the CPU)
 #   study   issue 6: the study's batch-32 rows (resume of configs/all-vs-lora-h200.yaml into
 #           results/all-vs-lora); first the timer's direct per-step cost (issue 3)
