@@ -147,7 +147,7 @@ class RunContext:
         block-scoped compile)."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-        from .lora.kernel import CPP_GRAPH_MIN_WEIGHT, LinearWithLoRAKernel, lora_kernel_backend
+        from .lora.kernel import CPP_GRAPH_MIN_WEIGHT, LinearWithLoRAKernel, kernel_mode_forced, lora_kernel_backend
 
         cfg = self.cfg
         eager = lora_kernel_backend(self.device)
@@ -160,8 +160,9 @@ class RunContext:
         for m in self.model.modules():
             if not isinstance(m, LinearWithLoRAKernel):
                 continue
-            if id(m) in compiled:
-                paths.add(traced)
+            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights (_compiled_plan)
+                big = m.linear.weight.numel() >= CPP_GRAPH_MIN_WEIGHT
+                paths.add("cublas" if traced == "triton" and big and kernel_mode_forced() is None else traced)
             elif cfg.cuda_graphs and eager == "cpp" and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
                 paths.add(traced)
             else:

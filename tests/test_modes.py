@@ -284,4 +284,31 @@ def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, mon
     assert ctx.backend() == "cpp"
     monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 10 ** 12)
     assert ctx.backend() == "triton"
+    # compiled: the custom ops give the largest weights cuBLAS GEMMs (the 'cublas' plan), unless forced
+    sizes = sorted({m.linear.weight.numel() for m in ctx.model.modules() if isinstance(m, K.LinearWithLoRAKernel)})
+    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", sizes[-1])
+    ctx.cfg = cfg.replace(compile=True)
+    assert ctx.backend() == "cublas+triton"
+    K.set_kernel_mode("fused")
+    try:
+        assert ctx.backend() == "triton"
+    finally:
+        K.set_kernel_mode(None)
     assert RunContext(tiny_cfg, cache_dir=tmp_path, progress=False).backend() == ""
+
+
+def test_compiled_plan_gives_the_largest_weights_cublas(monkeypatch):
+    """The custom ops' plan: what the Python Function would run, except that weights of at least
+    CPP_GRAPH_MIN_WEIGHT elements take the cuBLAS plan (as captured layers take the C++ op), and a
+    forced plan is kept as forced."""
+    from lora_bench.lora import kernel as K
+
+    x = torch.zeros(4, 8)
+    small, big = torch.zeros(8, 8), torch.zeros(16, 8)
+    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", big.numel())
+    assert K._compiled_plan(x, 4, big) == ("torch", "torch")  # the CPU: torch ops whatever the size
+    monkeypatch.setattr(K, "_plan", lambda x, rank: ("fused", "fused"))  # what CUDA bf16 would get
+    assert K._compiled_plan(x, 4, small) == ("fused", "fused")
+    assert K._compiled_plan(x, 4, big) == ("cublas", "cublas")
+    monkeypatch.setattr(K, "_mode_override", ("fused", "fused"))
+    assert K._compiled_plan(x, 4, big) == ("fused", "fused")

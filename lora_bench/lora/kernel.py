@@ -77,6 +77,11 @@ except KernelModeError as _exc:
     _mode_override, _ENV_ERROR = None, f"LORA_BENCH_KERNEL_MODE: {_exc}"
 
 
+def kernel_mode_forced() -> tuple[str, str] | None:
+    """The forced (forward, backward) plan, or None when the default applies."""
+    return _mode_override
+
+
 def set_kernel_mode(mode: str | None) -> None:
     """Force a plan ("cpp", "fused", "cublas", "torch" or "fwd:bwd" of the last three); None
     restores the default."""
@@ -144,7 +149,7 @@ class graph_plan:
 # op's cuBLAS calls) but cuBLAS wins at the 1600↔6400 MLP shapes (102.7 / 99.2 vs 111.8 / 118.2 us),
 # where the Triton GEMM reaches ~60 % of cuBLAS's rate. So captured layers at least this large run
 # the C++ op; smaller ones (every GPT-2 size below 1558M) the fused kernel. Under torch.compile the
-# custom ops below always run the Python Function's plans (fused / cublas), whatever the size.
+# custom ops below follow the same rule with the cublas plan (the same cuBLAS GEMMs, ``_compiled_plan``).
 CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
 
 
@@ -326,11 +331,21 @@ class LoRAKernelFunction(torch.autograd.Function):
 # helpers as the autograd Function.
 
 
+def _compiled_plan(x: torch.Tensor, rank: int, w: torch.Tensor) -> tuple[str, str]:
+    """The plan of the custom ops (torch.compile): ``_plan``, except that weights of
+    ``CPP_GRAPH_MIN_WEIGHT`` or more take cuBLAS for their GEMMs, as captured layers do uncompiled
+    (there through the C++ op): a compiled model runs on the device without the host in the way."""
+    plan = _plan(x, rank)
+    if plan == ("fused", "fused") and _mode_override is None and w.numel() >= CPP_GRAPH_MIN_WEIGHT:
+        return "cublas", "cublas"
+    return plan
+
+
 @torch.library.custom_op("lora_bench::lora_linear_fwd", mutates_args=())
 def _op_fwd(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], a: torch.Tensor, bm: torch.Tensor,
             s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) for 2-D x of one dtype with the parameters (casts happen before, in traced code)."""
-    fwd_mode, _ = _plan(x, a.shape[1])
+    fwd_mode, _ = _compiled_plan(x, a.shape[1], w)
     return _forward(fwd_mode, x, w, b, a, bm, s)
 
 
@@ -343,7 +358,7 @@ def _(x, w, b, a, bm, s):
 def _op_bwd(g: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, a: torch.Tensor,
             bm: torch.Tensor, s: float, need_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x or an empty tensor, grad_A, grad_B) in the compute dtype."""
-    _, mode = _plan(x, a.shape[1])
+    _, mode = _compiled_plan(x, a.shape[1], w)
     if need_x:
         gx, u = _grad_x_u(mode, g, w, a, bm, s)
     else:  # the input needs no gradient (first layer): skip the big GEMM
@@ -410,4 +425,5 @@ class LinearWithLoRAKernel(LoRALinearBase):
         return lora_linear(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
 
 
-__all__ = ["LinearWithLoRAKernel", "LoRAKernelFunction", "lora_linear", "lora_kernel_backend", "set_kernel_mode"]
+__all__ = ["LinearWithLoRAKernel", "LoRAKernelFunction", "kernel_mode_forced", "lora_linear", "lora_kernel_backend",
+           "set_kernel_mode"]

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import TrainConfig
+from ..lora.kernel import KernelModeError, set_kernel_mode
 from ..run import execute_run
 
 MODES = {
@@ -44,7 +45,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="none", help="none or torch (kernel tables per run)")
     ap.add_argument("--skip", nargs="*", default=[], help="MODE:LAYERS pairs not to run (e.g. slow compiles)")
+    ap.add_argument("--kernel-plans", nargs="+", default=["default"],
+                    help="lora-kernel plans to run in turn (default, or a forced plan such as fused); "
+                         "e.g. default fused default: an A-B-A comparison in one process")
     args = ap.parse_args()
+    for plan in args.kernel_plans:
+        try:
+            set_kernel_mode(None if plan == "default" else plan)
+        except KernelModeError as e:
+            ap.error(f"--kernel-plans {plan}: {e}")
+    set_kernel_mode(None)
     console = Console(width=150)
     out = Path(args.out)
     table = Table(title="median step ms (device events)")
@@ -53,17 +63,19 @@ def main() -> None:
     for size in args.sizes:
         for mode in args.modes:
             cells = {}
-            for layers in args.layers:
+            for layers, plan, i in [(l, p, i) for l in args.layers
+                                    for i, p in enumerate(args.kernel_plans if l == "lora-kernel" else ["default"])]:
                 if f"{mode}:{layers}" in args.skip:
                     continue
+                set_kernel_mode(None if plan == "default" else plan)
                 cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
                                   lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
                                   device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
                                   warmup_steps=15, profile=args.profile, **MODES[mode])
-                rid = f"{size}-{mode}-{layers}"
+                rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(args.kernel_plans) > 1 and layers == "lora-kernel" else "")
                 try:
                     row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
-                    cells[layers] = row.get("step_ms_median")
+                    cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
                     console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
                         f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
                         for p in ("data", "forward", "backward", "optimizer")) + "  (device/host ms)")
@@ -73,6 +85,7 @@ def main() -> None:
             ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
             table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
                           f"{ratio:.2f}" if ratio else "-")
+    set_kernel_mode(None)
     console.print(table)
 
 
