@@ -224,6 +224,25 @@ def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, sc
 
 
 @pytest.mark.gpu
+def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path, monkeypatch):
+    """bf16, block-compiled inside CUDA graphs: with the threshold lowered so the MLP layers count
+    as large, the custom ops run the cuBLAS plan there (backend says so) and train like the run
+    that keeps the fused kernels everywhere."""
+    from lora_bench.lora import kernel as K
+    from lora_bench.model import gpt_config as cfg_of
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
+                            compile=True, compile_scope="blocks", cuda_graphs=True, optimizer="fused")
+    fused, row_f = _losses(base, tmp_path, "fused")
+    emb = cfg_of(base.model_size).emb_dim
+    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 4 * emb * emb)  # the MLP's two projections
+    got, row_c = _losses(base, tmp_path, "cublas")
+    assert row_f["backend"] == "triton" and row_c["backend"] == "cublas+triton"
+    assert _rel(got, fused) < 3e-2
+
+
+@pytest.mark.gpu
 def test_compile_matches_eager(tiny_cfg, tmp_path):
     base = tiny_cfg.replace(device="cuda", trainable_layers="lora", max_steps=15, lora_rank=4, lora_alpha=8.0)
     eager, _ = _losses(base, tmp_path, "eager")

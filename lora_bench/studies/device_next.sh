@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device parts for the open issues, each fitting one 10-minute call. Session 3 ran explore, timing,
-# study and final (results/README.md); whole and tests are covered by them; bench has not run yet: `bash lora_bench/studies/device_next.sh PART` with PART one of
+# study and final (results/README.md); whole and tests are covered by them; rule and bench have not
+# run yet:
+#   rule    issues 5/6: the compiled custom ops' cuBLAS plan for 1558M's MLP, A-B-A against fused, then
+#           the block-compiled rows at 124M and 1558M on the current code `bash lora_bench/studies/device_next.sh PART` with PART one of
 #   tests   every GPU-marked test (the torch.compile path of lora-kernel has only run on the CPU)
 #   study   issue 6: the study's batch-32 rows (resume of configs/all-vs-lora-h200.yaml into
 #           results/all-vs-lora); first the timer's direct per-step cost (issue 3)
@@ -23,6 +26,15 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+rule)
+  # the compiled custom ops' shape rule (cuBLAS plan for 1558M's MLP), A-B-A against the fused plan
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_modes.py -k "cublas_plan" 2>&1 | tail -3 > $OUT/gpu_tests_rule.log
+  timeout 200 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-rule --sizes 1558M --steps 45 \
+    --layers lora-kernel --modes bcompile-graphs-bf16-fused-fopt --kernel-plans default fused default 2>&1 \
+    | grep --line-buffered -v USDT > $OUT/rule.log; t rule
+  timeout 200 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-rule --sizes 124M 1558M --steps 60 \
+    --layers all lora lora-kernel --modes bcompile-graphs-bf16-fused-fopt 2>&1 | grep -v USDT | tail -12 > $OUT/modes.log
+  tar czf $OUT/results.tgz $R/modes-rule ;;
 final)
   timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_kernel.py -k "grad_ab" 2>&1 | tail -5 > $OUT/gpu_tests_ab.log; t tests
   timeout 45 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-split-ab --sizes 1558M --steps 40 \
