@@ -304,17 +304,20 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
     """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped."""
     from rich.table import Table
 
-    from .worker import run_statuses
+    from .worker import resume_statuses
 
-    status = run_statuses(results_dir)
+    status = resume_statuses(results_dir, runs, sweep.name)
     table = Table(title=f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})",
                   title_justify="left")
     for col in ("#", "run id", "repeat", "settings", "action"):
         table.add_column(col, no_wrap=col in ("run id", "action"))
     todo = 0
     for r in runs:
-        st = status.get(r.run_id)
-        action = "skip (done)" if st == "done" else (f"rerun ({st})" if st else "run")
+        st, row_id = status.get(r.run_id, (None, None))
+        if st == "done":
+            action = "skip (done)" if row_id == r.run_id else f"skip (done as {row_id})"
+        else:
+            action = f"rerun ({st})" if st else "run"
         todo += st != "done"
         table.add_row(str(r.index), r.run_id, str(r.repeat), r.describe(), action)
     console.print(table)

@@ -264,8 +264,8 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     if fresh:
         forget_runs(results_dir, [r.run_id for r in runs])
     repair_runs_csv(results_dir)
-    status = run_statuses(results_dir)
-    todo = [r for r in runs if status.get(r.run_id) != "done"]
+    status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
+    todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
     result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[current]}"))
@@ -332,6 +332,58 @@ def run_statuses(results_dir: Path) -> dict[str, str]:
     from .report import result_rows
 
     return {r["run_id"]: r.get("status", "") for r in result_rows(Path(results_dir))}
+
+
+def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) -> dict[str, tuple[str, str]]:
+    """Planned run id -> (status, id of the row that has it). A run without a row of its own id
+    counts as done when a finished row of the same sweep and repeat holds the same settings:
+    a row written under an older run-id scheme, or before a setting (now at its default) existed.
+    Paths and the device are not compared (they may differ per machine, as in the ids)."""
+    from .report import result_rows
+    from .sweep import ID_AS_DECLARED
+
+    rows = result_rows(Path(results_dir))
+    by_id = {r["run_id"]: r for r in rows}
+    out: dict[str, tuple[str, str]] = {}
+    finished = [r for r in rows if r.get("status") == "done" and r.get("sweep_name") == sweep_name]
+    claimed: set[str] = set()
+    defaults = TrainConfig()
+    for run in runs:
+        own = by_id.get(run.run_id)
+        if own is not None and own.get("status") == "done":
+            out[run.run_id] = ("done", run.run_id)
+            continue
+        match = next((r for r in finished if r["run_id"] not in claimed and r.get("repeat") == str(run.repeat)
+                      and _same_settings(run.cfg, r, defaults, skip=ID_AS_DECLARED)), None)
+        if match is not None:
+            claimed.add(match["run_id"])
+            out[run.run_id] = ("done", match["run_id"])
+        elif own is not None:
+            out[run.run_id] = (own.get("status", ""), run.run_id)
+    return out
+
+
+def _same_settings(cfg: TrainConfig, row: dict, defaults: TrainConfig, *, skip: tuple[str, ...]) -> bool:
+    """Does a results row (text values, ``cfg_<name>`` columns) hold these settings? A column the
+    row lacks, or leaves empty (runs.csv fills the columns of older rows with nothing), holds the
+    setting's default."""
+    from .report import _text
+
+    for name in TrainConfig.field_names():
+        if name in skip:
+            continue
+        want = _text(getattr(cfg, name))
+        got = row.get(f"cfg_{name}") or _text(getattr(defaults, name))
+        if want != got and not _same_number(want, got):
+            return False
+    return True
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
 
 
 def forget_runs(results_dir: Path, run_ids: list[str]) -> int:

@@ -80,6 +80,42 @@ def test_run_ids_survive_a_new_setting_with_a_default(tmp_path, monkeypatch):
     assert after[0] != before[0] and after[1] != before[1] and len(set(after)) == 2
 
 
+def test_resume_finds_finished_runs_by_their_settings(tmp_path):
+    """Rows written under another id scheme (or before a setting existed) still count as done when
+    the same sweep and repeat holds the same settings; anything else is still to run."""
+    from lora_bench.results import settings_columns, upsert_run
+    from lora_bench.worker import resume_statuses
+
+    path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora, last_block]\n"
+                 "repeats: 2\n")
+    sw = load_sweep(path)
+    res = tmp_path / "res"
+    res.mkdir()
+
+    def legacy(run, run_id, **change):
+        row = {"run_id": run_id, "status": "done", "sweep_name": "g", "repeat": str(run.repeat),
+               **{k: ("" if v is None else str(v)) for k, v in settings_columns(run.cfg).items()}}
+        row["cfg_data_file"] = "/another/machine/sms.tsv"  # paths and devices are not compared
+        row["cfg_device"] = "cuda"
+        row.pop("cfg_compile_scope")  # a setting the old version did not have (at its default now)
+        row.update(change)
+        upsert_run(res / "runs.csv", row)
+
+    r = {(x.cfg.trainable_layers, x.repeat): x for x in sw.runs}
+    legacy(r["all", 0], "old-all-0")
+    legacy(r["lora", 0], "old-lora-0", cfg_lora_rank="4")  # other settings: not this run
+    legacy(r["lora", 1], "old-lora-1", status="failed")  # not finished
+    legacy(r["all", 1], "old-all-other", sweep_name="other")  # another sweep
+    legacy(r["last_block", 1], "old-lb-5", repeat="5")  # a repeat this plan does not have
+    legacy(r["last_block", 0], "old-lb-0b", cfg_batch_size="8.0")  # numbers compare as numbers
+    st = resume_statuses(res, list(sw.runs), "g")
+    done = {k: st[x.run_id][1] for k, x in r.items() if st.get(x.run_id, ("",))[0] == "done"}
+    assert done == {("all", 0): "old-all-0", ("last_block", 0): "old-lb-0b"}
+    # the run's own row wins over a settings match
+    upsert_run(res / "runs.csv", {"run_id": r["all", 0].run_id, "status": "done", "sweep_name": "g", "repeat": "0"})
+    assert resume_statuses(res, list(sw.runs), "g")[r["all", 0].run_id] == ("done", r["all", 0].run_id)
+
+
 def test_explicit_runs_times_grid_and_relative_data_file(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "sms.tsv").write_text(SAMPLE.read_text())
