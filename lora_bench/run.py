@@ -144,10 +144,11 @@ class RunContext:
     def backend(self) -> str:
         """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'triton', or
         'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
-        block-scoped compile)."""
+        block-scoped compile), 'cublas' for 1558M's MLP compiled."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-        from .lora.kernel import CPP_GRAPH_MIN_WEIGHT, LinearWithLoRAKernel, kernel_mode_forced, lora_kernel_backend
+        from .lora.kernel import (CPP_GRAPH_MIN_WEIGHT, LinearWithLoRAKernel, compiled_takes_cublas,
+                                  lora_kernel_backend)
 
         cfg = self.cfg
         eager = lora_kernel_backend(self.device)
@@ -160,9 +161,8 @@ class RunContext:
         for m in self.model.modules():
             if not isinstance(m, LinearWithLoRAKernel):
                 continue
-            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights (_compiled_plan)
-                big = m.linear.weight.numel() >= CPP_GRAPH_MIN_WEIGHT
-                paths.add("cublas" if traced == "triton" and big and kernel_mode_forced() is None else traced)
+            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
+                paths.add("cublas" if traced == "triton" and compiled_takes_cublas(m.linear.weight) else traced)
             elif cfg.cuda_graphs and eager == "cpp" and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
                 paths.add(traced)
             else:

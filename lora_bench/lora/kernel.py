@@ -77,11 +77,6 @@ except KernelModeError as _exc:
     _mode_override, _ENV_ERROR = None, f"LORA_BENCH_KERNEL_MODE: {_exc}"
 
 
-def kernel_mode_forced() -> tuple[str, str] | None:
-    """The forced (forward, backward) plan, or None when the default applies."""
-    return _mode_override
-
-
 def set_kernel_mode(mode: str | None) -> None:
     """Force a plan ("cpp", "fused", "cublas", "torch" or "fwd:bwd" of the last three); None
     restores the default."""
@@ -331,14 +326,18 @@ class LoRAKernelFunction(torch.autograd.Function):
 # helpers as the autograd Function.
 
 
+def compiled_takes_cublas(weight: torch.Tensor) -> bool:
+    """Whether the custom ops (torch.compile) give a layer with this weight the cuBLAS plan where
+    the fused one would run: weights of ``CPP_GRAPH_MIN_WEIGHT`` or more, as captured layers take
+    the C++ op uncompiled (a compiled model runs on the device without the host in the way);
+    never when a plan is forced."""
+    return _mode_override is None and weight.numel() >= CPP_GRAPH_MIN_WEIGHT
+
+
 def _compiled_plan(x: torch.Tensor, rank: int, w: torch.Tensor) -> tuple[str, str]:
-    """The plan of the custom ops (torch.compile): ``_plan``, except that weights of
-    ``CPP_GRAPH_MIN_WEIGHT`` or more take cuBLAS for their GEMMs, as captured layers do uncompiled
-    (there through the C++ op): a compiled model runs on the device without the host in the way."""
+    """The plan of the custom ops: ``_plan``, with ``compiled_takes_cublas``."""
     plan = _plan(x, rank)
-    if plan == ("fused", "fused") and _mode_override is None and w.numel() >= CPP_GRAPH_MIN_WEIGHT:
-        return "cublas", "cublas"
-    return plan
+    return ("cublas", "cublas") if plan == ("fused", "fused") and compiled_takes_cublas(w) else plan
 
 
 @torch.library.custom_op("lora_bench::lora_linear_fwd", mutates_args=())
@@ -425,5 +424,5 @@ class LinearWithLoRAKernel(LoRALinearBase):
         return lora_linear(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
 
 
-__all__ = ["LinearWithLoRAKernel", "LoRAKernelFunction", "kernel_mode_forced", "lora_linear", "lora_kernel_backend",
-           "set_kernel_mode"]
+__all__ = ["LinearWithLoRAKernel", "LoRAKernelFunction", "compiled_takes_cublas", "lora_linear",
+           "lora_kernel_backend", "set_kernel_mode"]

@@ -63,25 +63,26 @@ def main() -> None:
     for size in args.sizes:
         for mode in args.modes:
             cells = {}
-            for layers, plan, i in [(l, p, i) for l in args.layers
-                                    for i, p in enumerate(args.kernel_plans if l == "lora-kernel" else ["default"])]:
+            for layers in args.layers:
                 if f"{mode}:{layers}" in args.skip:
                     continue
-                set_kernel_mode(None if plan == "default" else plan)
-                cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
-                                  lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
-                                  device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
-                                  warmup_steps=15, profile=args.profile, **MODES[mode])
-                rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(args.kernel_plans) > 1 and layers == "lora-kernel" else "")
-                try:
-                    row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
-                    cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
-                    console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
-                        f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
-                        for p in ("data", "forward", "backward", "optimizer")) + "  (device/host ms)")
-                except Exception as e:  # an exploration goes on past one failing mode; the row records it
-                    console.print(f"{rid}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                    cells[layers] = None
+                plans = args.kernel_plans if layers == "lora-kernel" else ["default"]
+                for i, plan in enumerate(plans):
+                    set_kernel_mode(None if plan == "default" else plan)
+                    cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
+                                      lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
+                                      device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
+                                      warmup_steps=15, profile=args.profile, **MODES[mode])
+                    rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(plans) > 1 else "")
+                    try:
+                        row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
+                        cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
+                        console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
+                            f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
+                            for p in ("data", "forward", "backward", "optimizer")) + "  (device/host ms)")
+                    except Exception as e:  # an exploration goes on past one failing mode; the row records it
+                        console.print(f"{rid}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        cells[layers] = None
             ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
             table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
                           f"{ratio:.2f}" if ratio else "-")
