@@ -228,7 +228,7 @@ def _backend(impl: str, shape: Shape, device: torch.device, dtype: torch.dtype) 
         def plan() -> str:
             return ":".join(dict.fromkeys(k._layer_plan(probe, shape.rank, weight)))
 
-        eager = f"{k.lora_kernel_backend(device)}/{plan()}"
+        eager = f"{k.lora_kernel_backend(device, dtype=dtype)}/{plan()}"
         if device.type != "cuda":
             return eager
         with k.graph_plan():

@@ -142,7 +142,7 @@ class RunContext:
                             max_steps=c.max_steps)
 
     def backend(self) -> str:
-        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'triton', or
+        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'cpp-direct', 'triton', or
         'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
         block-scoped compile), 'cublas' for 1558M's MLP compiled."""
         if self.cfg.trainable_layers != "lora-kernel":
@@ -151,7 +151,7 @@ class RunContext:
                                   lora_kernel_backend)
 
         cfg = self.cfg
-        eager = lora_kernel_backend(self.device)
+        eager = lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
         traced = lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
         compiled = set()
         if cfg.compile:
@@ -163,8 +163,10 @@ class RunContext:
                 continue
             if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
                 paths.add("cublas" if traced == "triton" and compiled_takes_cublas(m.linear.weight) else traced)
-            elif cfg.cuda_graphs and eager == "cpp" and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
+            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
                 paths.add(traced)
+            elif cfg.cuda_graphs and eager == "cpp-direct":  # captured: the C++ op's cuBLAS GEMMs
+                paths.add("cpp")
             else:
                 paths.add(eager)
         return "+".join(sorted(paths))

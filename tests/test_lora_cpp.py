@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lora_bench.kernels import direct as direct_mod
 from lora_bench.kernels import lora_cpp
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora import kernel as K
@@ -52,9 +53,11 @@ def default_mode():
 
 
 def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=16, alpha=2.0, bias=True,
-              noncontig=False, head=False, x_grad=True, autocast=None) -> None:
+              noncontig=False, head=False, x_grad=True, autocast=None, direct=False) -> None:
     """One forward+backward of the C++ op against float64. ``autocast``: a dtype to run the op
-    under autocast with (inputs and parameters in ``dtype``, normally fp32)."""
+    under autocast with (inputs and parameters in ``dtype``, normally fp32). ``direct``: through
+    the layer's dispatch with the "direct" plan forced (the C++ op launching the Triton kernels;
+    CUDA), on an allocator pool poisoned with NaN, and assert that the plan was registered."""
     x, w, b, a, bm = layer_operands(batch=batch, k=k, n=n, r=r, device=device, dtype=dtype, bias=bias,
                                     noncontig=noncontig)
     w_before = w.clone()
@@ -62,11 +65,24 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
     for t in leaves:
         t.requires_grad_(True)
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        y = lora_cpp.lora_linear_cpp(x, w, b, a, bm, alpha)
+        if direct:
+            poison_cuda_pool()
+            prev = K._mode_override
+            set_kernel_mode("direct")
+            try:
+                y = K.lora_linear(x, w, b, a, bm, alpha)
+            finally:
+                K._mode_override = prev
+            key = (x.numel() // k, n, k, r, autocast or dtype, a.dtype, bias, x.device)
+            assert direct_mod._plans.get(key, -1) >= 0, "the direct plan did not register"
+        else:
+            y = lora_cpp.lora_linear_cpp(x, w, b, a, bm, alpha)
     out_dtype = autocast or dtype
     assert y.grad_fn.name() == lora_cpp.GRAD_FN_NAME
     assert y.dtype == out_dtype and y.shape == (*batch, n) and not y._is_view()
     g = fresh(*batch, n, device=device, dtype=out_dtype)
+    if direct:
+        poison_cuda_pool()  # the backward's outputs come from the pool too
     grads = torch.autograd.grad(y, leaves, g)
 
     ref = {id(t): t.detach().double().cpu().requires_grad_(t.requires_grad) for t in (x, w, a, bm)}
@@ -82,6 +98,14 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
         assert got.shape == leaf.shape and got.dtype == leaf.dtype, i  # grads in the params' own dtype
         assert rel_err(got, want) <= 2 * tol, (i, rel_err(got, want))
     assert torch.equal(w, w_before), "frozen base was modified"
+
+
+def poison_cuda_pool(mib: int = 64) -> None:
+    """Fill free blocks of the CUDA caching allocator with NaN: outputs the C++ op allocates with
+    at::empty then hold NaN wherever a kernel fails to write."""
+    blocks = [torch.full((mib << 18,), float("nan"), device="cuda")]  # mib MiB of fp32
+    blocks += [torch.full((1 << s,), float("nan"), device="cuda") for s in range(8, 20)]
+    del blocks
 
 
 CASES = [  # 2-D/3-D/4-D, non-contiguous x, with/without bias, ranks 1/16/64, alpha 0, trainable head,
@@ -306,3 +330,61 @@ def test_gpu_forced_cpp_is_capturable(force_cpp):
     graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
     assert plan == ("cpp", "cpp") and static_y.grad_fn.name() == lora_cpp.GRAD_FN_NAME
     _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 1e-5)
+
+
+# ------------------------------------------------- the "direct" plan: Triton kernels launched by the C++ op
+
+DIRECT_CASES = [  # odd sizes (no tile multiples), 2-D/3-D, no bias, ranks 1/16/64, alpha 0, first layer
+    dict(batch=(37,), k=70, n=53, r=1, alpha=0.5),
+    dict(batch=(3, 41), k=96, n=130, r=16, alpha=0.0, noncontig=True),
+    dict(batch=(2, 5, 7), k=45, n=33, r=16, alpha=2.0, bias=False),
+    dict(batch=(150,), k=128, n=192, r=64, alpha=8.0),
+    dict(batch=(3, 11), k=40, n=24, r=4, alpha=1.5, x_grad=False),
+    dict(batch=(8, 120), k=1600, n=6400, r=16, alpha=16.0),  # a GPT-2 1558M MLP layer at 960 tokens
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DIRECT_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_direct_matches_float64(case, dtype):
+    check_cpp(device="cuda", dtype=dtype, direct=True, **case)
+    check_cpp(device="cuda", dtype=dtype, direct=True, **case)  # again: the registered plan, fresh inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [DIRECT_CASES[1], DIRECT_CASES[3]])
+def test_gpu_direct_autocast_reads_fp32_adapters(case):
+    """fp32 x and parameters under bf16 autocast: the kernels read fp32 A and B as they are; grads fp32."""
+    check_cpp(device="cuda", dtype=torch.float32, autocast=torch.bfloat16, direct=True, **case)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_on_a_side_stream_and_in_the_default_route(default_mode):
+    """The default eager route of a bf16 layer is the direct plan (fp32: the ATen plan); launched on
+    a side stream it matches the ATen plan's numbers, and the backward runs on that stream too."""
+    ker = _layer(256, 192, 16, device="cuda").to(torch.bfloat16)
+    x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4, 33, 192, device="cuda", dtype=torch.bfloat16)
+    assert K._layer_plan(x, 16) == ("direct", "direct")
+    assert K._layer_plan(x.float(), 16) == ("cpp", "cpp")
+    assert lora_kernel_backend("cuda", dtype=torch.bfloat16) == "cpp-direct"
+    assert lora_kernel_backend("cuda", dtype=torch.float32) == "cpp"
+    params = [x, ker.lora.A, ker.lora.B]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000)  # keep the side stream busy: a launch on the wrong stream would race
+        y = ker(x)
+        got = torch.autograd.grad(y, params, g)
+    torch.cuda.current_stream().wait_stream(side)
+    set_kernel_mode("cpp")
+    want_y = ker(x)
+    want = torch.autograd.grad(want_y, params, g)
+    assert rel_err(y, want_y) <= 1e-2
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 2e-2
+    set_kernel_mode(None)
+    big = torch.empty(6400, 1600, device="cuda", dtype=torch.bfloat16)
+    with K.graph_plan():  # captured large layers: the C++ op's cuBLAS GEMMs, not the direct plan
+        assert K._layer_plan(x, 16, big) == ("cpp", "cpp")

@@ -290,7 +290,10 @@ def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, mon
     from lora_bench.lora import kernel as K
     from lora_bench.run import RunContext
 
-    monkeypatch.setattr(K, "lora_kernel_backend", lambda device, graphs=False: "triton" if graphs else "cpp")
+    def fake_backend(device, graphs=False, dtype=None):
+        return "triton" if graphs else ("cpp-direct" if dtype == torch.bfloat16 else "cpp")
+
+    monkeypatch.setattr(K, "lora_kernel_backend", fake_backend)
     cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0)
     ctx = RunContext(cfg, cache_dir=tmp_path, progress=False)
     assert ctx.backend() == "cpp"
@@ -313,6 +316,11 @@ def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, mon
         assert ctx.backend() == "triton"
     finally:
         K.set_kernel_mode(None)
+    # bf16 eager layers launch the Triton kernels from the C++ op; captured large ones keep its cuBLAS GEMMs
+    ctx.cfg = cfg.replace(precision="bf16")
+    assert ctx.backend() == "cpp-direct"
+    ctx.cfg = cfg.replace(precision="bf16", cuda_graphs=True, device="auto")
+    assert ctx.backend() == "cpp+triton"  # the largest weights (CPP_GRAPH_MIN_WEIGHT) keep the C++ op
     assert RunContext(tiny_cfg, cache_dir=tmp_path, progress=False).backend() == ""
 
 

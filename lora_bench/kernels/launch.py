@@ -35,6 +35,10 @@ FAST = ((3, 6) <= _VERSION <= (3, 9) and os.environ.get("LORA_BENCH_TRITON_FAST_
 # its C ``launch``; on 3.6 that C function is called directly. Other versions go through __call__.
 _DIRECT_C = _VERSION == (3, 6)
 _COMPILED: dict[tuple, tuple] = {}
+_KERNELS: dict[tuple, object] = {}  # key -> its CompiledKernel (lora_bench.kernels.direct reads them)
+# When a list: every launch appends (tag, grid, CompiledKernel or None). lora_bench.kernels.direct
+# sets it while it runs a layer's kernels once, to hand them to the C++ op.
+RECORD: list | None = None
 _I32 = 1 << 31
 _DTYPE = operator.attrgetter("dtype")
 _PTR = torch.Tensor.data_ptr
@@ -80,6 +84,8 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tu
         key = (tag, dev, num_warps, num_stages, consts, ints, tuple(map(_DTYPE, tensors)))
         entry = _COMPILED.get(key)
         if entry is not None:
+            if RECORD is not None:
+                RECORD.append((tag, grid, _KERNELS.get(key)))
             direct, run, function, packed, coop, pdl = entry
             stream = torch._C._cuda_getCurrentRawStream(dev)
             if not direct:
@@ -92,7 +98,10 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tu
             except (TypeError, SystemError) as exc:  # argument parsing fails before anything launches
                 _disable_direct(exc)
     kernel = fn[grid](*tensors, *ints, *tail, *consts, num_warps=num_warps, num_stages=num_stages)
+    if RECORD is not None:
+        RECORD.append((tag, grid, kernel))
     if fast:
         entry = _entry(kernel)
         if entry is not None:
             _COMPILED[key] = entry
+            _KERNELS[key] = kernel

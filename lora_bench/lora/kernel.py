@@ -45,9 +45,11 @@ import torch
 from ..errors import UsageError
 from .layer import LoRALinearBase
 
-_MODES = ("fused", "cublas", "torch", "cpp")
+_MODES = ("fused", "cublas", "torch", "cpp", "direct")
 _TORCH = ("torch", "torch")
 _CPP = ("cpp", "cpp")
+_DIRECT = ("direct", "direct")
+_WHOLE = {"cpp": _CPP, "direct": _DIRECT}  # whole-layer modes: the C++ op
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _triton_state: dict[str, object] = {}  # "module" -> lora_triton, or "error" -> reason
 
@@ -59,11 +61,12 @@ def _parse_mode(text: str | None) -> tuple[str, str] | None:
     fwd, bwd = parts[0], parts[-1]
     if fwd not in _MODES or bwd not in _MODES or len(parts) > 2:
         raise KernelModeError(f"lora-kernel mode {text!r}: expected MODE or FWD:BWD with modes {', '.join(_MODES)}")
-    if "cpp" in (fwd, bwd):
-        if fwd != bwd:
-            raise KernelModeError(f"lora-kernel mode {text!r}: 'cpp' is a whole-layer mode (forward and "
-                                  "backward are one C++ op); it cannot be mixed with another mode")
-        return _CPP
+    for whole in _WHOLE:
+        if whole in (fwd, bwd):
+            if fwd != bwd:
+                raise KernelModeError(f"lora-kernel mode {text!r}: '{whole}' is a whole-layer mode (forward "
+                                      "and backward are one C++ op); it cannot be mixed with another mode")
+            return _WHOLE[whole]
     return fwd, bwd
 
 
@@ -148,45 +151,94 @@ class graph_plan:
 CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
 
 
-def _cpp_for(x: torch.Tensor, weight: torch.Tensor | None = None):
-    """The C++ op when this call should run it (see the module docstring), else None.
-    Runs on every layer call: the common cases return after two or three cheap checks."""
+def _route(x: torch.Tensor, weight: torch.Tensor | None = None):
+    """(the C++ op or None, whether it may launch the Triton kernels directly) for this call (see
+    the module docstring). Runs on every layer call: the common cases return after a few cheap checks."""
+    direct = x.is_cuda
     if _mode_override is None:
-        if not x.is_cuda or torch.compiler.is_compiling():
-            return None
-        if (_graph_plan_depth or torch.cuda.is_current_stream_capturing()) and (
-                weight is None or weight.numel() < CPP_GRAPH_MIN_WEIGHT):
-            return None
-    elif _mode_override != _CPP:
-        return None
+        if not direct or torch.compiler.is_compiling():
+            return None, False
+        if _graph_plan_depth or torch.cuda.is_current_stream_capturing():
+            if weight is None or weight.numel() < CPP_GRAPH_MIN_WEIGHT:
+                return None, False
+            direct = False  # captured: the cuBLAS GEMMs (device time), not the fused kernel
+    elif _mode_override == _CPP:
+        direct = False
+    elif _mode_override != _DIRECT:
+        return None, False
     fn = _cpp_state.get("fn", False)  # False: not resolved yet
-    return fn if fn is not False else _cpp()
+    if fn is False:
+        fn = _cpp()
+    return fn, direct and fn is not None
 
 
-def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False) -> str:
+def _cpp_for(x: torch.Tensor, weight: torch.Tensor | None = None):
+    """The C++ op when this call should run it, else None."""
+    return _route(x, weight)[0]
+
+
+def _direct_plan(x, weight, bias, A, B) -> int:
+    """The C++ op's direct-launch plan id for this call, or -1 (its ATen GEMMs): 16-bit compute
+    dtypes on CUDA with Triton (lora_bench/kernels/direct.py)."""
+    mod = _direct_state.get("module", False)
+    if mod is False:
+        mod = _direct_state["module"] = _direct_module()
+    if mod is None:
+        return -1
+    return mod.plan_for(_cpp_state["cpp_module"], x, weight, bias, A, B)
+
+
+_direct_state: dict[str, object] = {}
+
+
+def _direct_module():
+    """lora_bench.kernels.direct when Triton can be used (it warns once otherwise), else None."""
+    if _triton() is None or _cpp() is None:
+        return None
+    from lora_bench.kernels import direct, lora_cpp
+
+    _cpp_state["cpp_module"] = lora_cpp.module()
+    return direct
+
+
+def _direct_dtype(dtype: torch.dtype | None) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False,
+                        dtype: torch.dtype | None = None) -> str:
     """What lora-kernel layers on ``device`` run — in eager mode, or captured in CUDA graphs / traced
-    by torch.compile when ``graphs``: 'cpp' (the C++ op), 'triton' (the project's Triton kernels;
-    captured layers with weights of ``CPP_GRAPH_MIN_WEIGHT`` or more run the C++ op) or 'torch'.
-    Recorded as the ``backend`` column of results."""
+    by torch.compile when ``graphs``: 'cpp' (the C++ op with ATen GEMMs), 'cpp-direct' (the C++ op
+    launching the Triton kernels itself: eager CUDA with a 16-bit compute ``dtype``), 'triton'
+    (the project's Triton kernels; captured layers with weights of ``CPP_GRAPH_MIN_WEIGHT`` or more
+    run the C++ op) or 'torch'. Recorded as the ``backend`` column of results."""
     if _ENV_ERROR:
         raise KernelModeError(_ENV_ERROR)
     device = torch.device(device)
-    if _mode_override == _CPP or (_mode_override is None and device.type == "cuda" and not graphs):
+    whole = _mode_override in (_CPP, _DIRECT)
+    if whole or (_mode_override is None and device.type == "cuda" and not graphs):
         if _cpp() is not None:
-            return "cpp"
+            direct = (_mode_override != _CPP and device.type == "cuda" and _direct_dtype(dtype)
+                      and _triton() is not None)
+            return "cpp-direct" if direct else "cpp"
     if device.type != "cuda" or _mode_override == _TORCH:
         return "torch"
     return "triton" if _triton() is not None else "torch"
 
 
 def _layer_plan(x: torch.Tensor, rank: int, weight: torch.Tensor | None = None) -> tuple[str, str]:
-    """(forward mode, backward mode) a layer call with this input runs: ("cpp", "cpp") or ``_plan``."""
-    return _CPP if _cpp_for(x, weight) is not None else _plan(x, rank)
+    """(forward mode, backward mode) a layer call with this input runs: ("direct", "direct") or
+    ("cpp", "cpp") (the C++ op, launching the Triton kernels itself or running ATen GEMMs), or ``_plan``."""
+    fn, direct = _route(x, weight)
+    if fn is None:
+        return _plan(x, rank)
+    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return _DIRECT if direct and _direct_dtype(dt) and _triton() is not None else _CPP
 
 
 def _plan(x: torch.Tensor, rank: int) -> tuple[str, str]:
     """(forward mode, backward mode) of the Python Function for this input; see the module docstring."""
-    forced = _mode_override if _mode_override != _CPP else None  # cpp forced but unavailable: the default
+    forced = _mode_override if _mode_override not in (_CPP, _DIRECT) else None  # C++ op forced but unavailable
     if not x.is_cuda and not (forced and _INTERPRET):
         return _TORCH  # (a forced mode under Triton's CPU interpreter is for tests)
     tk = _triton_state.get("module") or _triton()
@@ -408,8 +460,11 @@ def lora_linear(x, weight, bias, A, B, scale):
     """Functional form of the lora-kernel layer (same dispatch as the layer)."""
     if torch.compiler.is_compiling():
         return _compiled_forward(x, weight, bias, A, B, scale)
-    op = _cpp_for(x, weight)
+    op, direct = _route(x, weight)
     if op is not None:
+        plan = _direct_plan(x, weight, bias, A, B) if direct else -1
+        if plan >= 0:
+            return op(x, weight, bias, A, B, float(scale), plan, torch._C._cuda_getCurrentRawStream(x.get_device()))
         return op(x, weight, bias, A, B, float(scale))
     return LoRAKernelFunction.apply(x, weight, bias, A, B, scale)
 

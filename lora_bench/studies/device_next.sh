@@ -15,6 +15,8 @@
 #           rest of the batch-32 rows
 #   explore issues 5/6: the GPU tests (capped), then block-compiled graphs for all/lora/lora-kernel at 124M and
 #           1558M, then a torch.profiler kernel table of lora-kernel at 1558M in graph mode (where the step goes)
+#   direct  issue 5: the GPU tests of the C++ op (its direct plan included), then the kernel bench in bf16
+#           at the 1558M and 124M shapes (frozen, lora, lora-kernel = direct, lora-kernel:cpp) and fp32 at 1558M
 #   bench   issue 5: which eager plan wins in bf16 once host drift is interleaved away (the C++ op
 #           is the default from a prediction that failed; the Python Function with the fused
 #           Triton kernels was faster in one sequential bench), at the 124M and 1558M shapes
@@ -26,6 +28,18 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+direct)
+  # issue 5: the C++ op launching the Triton kernels itself (plan "direct", the eager bf16 default)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_cpp.py tests/test_direct.py 2>&1 \
+    | tail -25 > $OUT/gpu_tests_direct.log; t tests
+  mkdir -p $R/kernel-bench-direct
+  timeout 260 python3 -m lora_bench kernel-bench --shapes 1558m,124m --dtypes bf16 \
+    --impls frozen,lora,lora-kernel,lora-kernel:cpp --no-progress \
+    --out $R/kernel-bench-direct/kernel_bench_bf16.csv 2>&1 | grep -v USDT | tail -30 > $OUT/kernel_bench_bf16.log; t bench bf16
+  tar czf $OUT/results.tgz $R/kernel-bench-direct
+  timeout 100 python3 -m lora_bench kernel-bench --shapes 1558m --dtypes fp32 --impls frozen,lora,lora-kernel \
+    --no-progress --out $R/kernel-bench-direct/kernel_bench_fp32.csv 2>&1 | grep -v USDT | tail -12 > $OUT/kernel_bench_fp32.log
+  tar czf $OUT/results.tgz $R/kernel-bench-direct ;;
 rule)
   # the compiled custom ops' shape rule (cuBLAS plan for 1558M's MLP), A-B-A against the fused plan
   timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_modes.py -k "cublas_plan" 2>&1 | tail -3 > $OUT/gpu_tests_rule.log

@@ -1,0 +1,119 @@
+"""lora-kernel's "direct" plan on the host side (lora_bench/kernels/direct.py): which arguments a
+compiled Triton kernel keeps and their sizes, read from its signature and checked against its PTX.
+
+The real kernels are compiled for sm_90 with the installed Triton (its ptxas runs on any machine),
+so the argument mapping the C++ op relies on is checked without a GPU; the launches themselves are
+GPU tests in test_lora_cpp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_bench.kernels import direct
+from lora_bench.lora import kernel as K
+
+PTX = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1,
+	.param .f32 k_param_2,
+	.param .u64 .ptr .global .align 1 k_param_3
+)
+{ ret; }
+"""
+
+
+def test_ptx_param_sizes():
+    assert direct.ptx_param_sizes(PTX) == [8, 4, 4, 8]
+    assert direct.ptx_param_sizes(PTX, "k") == [8, 4, 4, 8]
+    with pytest.raises(direct.Unsupported, match="no .entry"):
+        direct.ptx_param_sizes(PTX, "other")
+    with pytest.raises(direct.Unsupported, match="PTX parameter"):
+        direct.ptx_param_sizes(".entry k(\n .param .align 8 .b8 k_param_0[128]\n)")
+
+
+def test_param_sources_maps_kept_arguments_and_scratch():
+    sig = {"x_ptr": "*bf16", "n": "i32", "s": "fp32", "BLOCK": "constexpr"}
+    assert direct.param_sources(sig, "pif", [8, 4, 4, 8, 8]) == [0, 1, 2, -1, -1]
+    assert direct.param_sources(sig, "pif", [8, 4, 4]) == [0, 1, 2]
+    # an integer compiled in as a constant (an older Triton's 'equal to 1'): skipped
+    assert direct.param_sources({"x_ptr": "*fp16", "n": "constexpr", "s": "fp32"}, "pif", [8, 4, 8]) == [0, 2, -1]
+    with pytest.raises(direct.Unsupported, match="expected 'i'"):
+        direct.param_sources({"x_ptr": "*bf16", "n": "i64", "s": "fp32"}, "pif", [8, 8, 4])
+    with pytest.raises(direct.Unsupported, match="PTX declares"):
+        direct.param_sources(sig, "pif", [8, 4, 4, 8, 8, 8])
+    with pytest.raises(direct.Unsupported, match="bytes"):
+        direct.param_sources(sig, "pif", [8, 8, 4])
+    with pytest.raises(direct.Unsupported, match="after the canonical"):
+        direct.param_sources({**sig, "extra": "i32"}, "pif", [8, 4, 4, 4])
+
+
+def _compile_sm90(fn, types: dict, consts: dict):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    sig = {n: types.get(n, "constexpr") for n in names}
+    constexprs = {(names.index(k),): v for k, v in consts.items()}
+    try:
+        return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # e.g. a Triton without a bundled ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+
+
+@pytest.mark.parametrize("which", ["mm", "ab"])
+def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
+    """The canonical argument lists (MM_ARGS / AB_ARGS) match the kernels' signatures, and the
+    compiled kernel takes each of them, in order, plus Triton's trailing scratch pointers."""
+    pytest.importorskip("triton")
+    from lora_bench.kernels import lora_triton as tk
+
+    if which == "mm":
+        fn, canonical = tk._lora_mm_kernel, direct.MM_ARGS
+        consts = dict(HAS_BIAS=True, WRITE_H=True, EVEN_K=True, EVEN_R=True, PRECISION="tf32", BLOCK_M=64,
+                      BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8)
+    else:
+        fn, canonical = tk._lora_grad_ab_kernel, direct.AB_ARGS
+        consts = dict(PRECISION="tf32", BLOCK_M=64, BLOCK_D=32, BLOCK_R=16, ATOMIC=False)
+    runtime = [n for n in fn.arg_names if n not in consts]
+    assert len(runtime) == len(canonical) and runtime == list(fn.arg_names[:len(canonical)])
+    kinds = {"p": "*bf16", "i": "i32", "f": "fp32"}
+    types = {n: kinds[c] for n, c in zip(runtime, canonical)}
+    assert [n.endswith("_ptr") for n in runtime] == [c == "p" for c in canonical]
+    kernel = _compile_sm90(fn, types, consts)
+    sizes = direct.ptx_param_sizes(kernel.asm["ptx"], kernel.metadata.name)
+    srcs = direct.param_sources(kernel.src.signature, canonical, sizes)
+    assert srcs[:len(canonical)] == list(range(len(canonical)))
+    assert all(s == -1 for s in srcs[len(canonical):])
+    kernel.function = 12345  # a loaded kernel's CUfunction: only a GPU sets it
+    spec = direct.launch_spec(kernel, (7, 2, 1), canonical)
+    assert spec[:6] == [12345, 7, 2, 1, 32 * kernel.metadata.num_warps, kernel.metadata.shared]
+    assert spec[6] == len(srcs) and spec[7:] == srcs
+
+
+def test_direct_mode_parsing_and_cpu_route():
+    assert K._parse_mode("direct") == K._parse_mode("direct:direct") == ("direct", "direct")
+    with pytest.raises(ValueError, match="whole-layer"):
+        K._parse_mode("direct:fused")
+    prev = K._mode_override
+    try:
+        K.set_kernel_mode("direct")
+        fn, is_direct = K._route(torch.empty(2, 3))
+        assert not is_direct  # a CPU tensor: the C++ op's ATen plan (fn is None only without a compiler)
+        if fn is not None:
+            assert K._layer_plan(torch.empty(2, 3), 4) == ("cpp", "cpp")
+            assert K.lora_kernel_backend("cpu", dtype=torch.bfloat16) == "cpp"
+    finally:
+        K._mode_override = prev
+
+
+def test_plan_for_declines_fp32_and_mixed_adapter_dtypes():
+    """Exact fp32 keeps the ATen plan; so do A and B of different dtypes (no kernel is built)."""
+    x, w = torch.empty(4, 8), torch.empty(6, 8)
+    a, b = torch.empty(8, 2), torch.empty(2, 6)
+    assert direct.plan_for(None, x, w, None, a, b) == -1
+    xb = x.bfloat16()
+    assert direct.plan_for(None, xb, w.bfloat16(), None, a.bfloat16(), b) == -1
+    assert direct._plans == {}
