@@ -305,13 +305,13 @@ def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode, mo
     ker = _layer(256, 192, 16, device="cuda").to(torch.bfloat16)
     x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 33, 192, device="cuda", dtype=torch.bfloat16)
-    assert lora_kernel_backend("cuda") == "cpp"
-    assert K._layer_plan(x, 16) == ("cpp", "cpp")
+    assert lora_kernel_backend("cuda") == "cpp" and lora_kernel_backend("cuda", dtype=torch.bfloat16) == "cpp-direct"
+    assert K._layer_plan(x, 16) == ("direct", "direct")  # bf16: the C++ op launches the Triton kernels
     assert ker(x).grad_fn.name() == lora_cpp.GRAD_FN_NAME
     assert lora_kernel_backend("cuda", graphs=True) == "triton"
     with K.graph_plan():  # graph warm-ups run the plan the capture will use
         assert K._layer_plan(x, 16) == ("fused", "fused") and ker(x).grad_fn.name() == PY_GRAD_FN
-    assert K._layer_plan(x, 16) == ("cpp", "cpp")
+    assert K._layer_plan(x, 16) == ("direct", "direct")
     big = torch.empty(6400, 1600, device="cuda", dtype=torch.bfloat16)  # a 1558M MLP weight: cuBLAS wins
     with K.graph_plan():
         assert K._layer_plan(x, 16, big) == ("cpp", "cpp") and K._layer_plan(x, 16, ker.linear.weight) != ("cpp", "cpp")
@@ -340,7 +340,8 @@ DIRECT_CASES = [  # odd sizes (no tile multiples), 2-D/3-D, no bias, ranks 1/16/
     dict(batch=(2, 5, 7), k=45, n=33, r=16, alpha=2.0, bias=False),
     dict(batch=(150,), k=128, n=192, r=64, alpha=8.0),
     dict(batch=(3, 11), k=40, n=24, r=4, alpha=1.5, x_grad=False),
-    dict(batch=(8, 120), k=1600, n=6400, r=16, alpha=16.0),  # a GPT-2 1558M MLP layer at 960 tokens
+    # a GPT-2 1558M MLP layer at 960 tokens (alpha 2: with 16, fp16's grad_A overflows, in every plan)
+    dict(batch=(8, 120), k=1600, n=6400, r=16, alpha=2.0),
 ]
 
 

@@ -28,6 +28,19 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+direct2)
+  # issue 5, second call: every GPU test on the direct-plan code, the bf16 bench again with 400 repeats,
+  # then whole eager bf16 training steps: lora-kernel direct vs its ATen plan (A-B-A), lora, all
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -12 > $OUT/gpu_tests.log; t tests
+  mkdir -p $R/kernel-bench-direct
+  timeout 150 python3 -m lora_bench kernel-bench --shapes 1558m,124m --dtypes bf16 --repeats 400 \
+    --impls frozen,lora,lora-kernel,lora-kernel:cpp --no-progress \
+    --out $R/kernel-bench-direct/kernel_bench_bf16_r400.csv 2>&1 | grep -v USDT | tail -30 > $OUT/kernel_bench_bf16_r400.log; t bench
+  tar czf $OUT/results.tgz $R/kernel-bench-direct
+  timeout 130 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-eager-bf16-direct --sizes 124M 1558M \
+    --steps 40 --layers all lora lora-kernel --modes eager-bf16-fused --kernel-plans default cpp default 2>&1 \
+    | grep -v USDT | tail -16 > $OUT/modes.log; t modes
+  tar czf $OUT/results.tgz $R/kernel-bench-direct $R/modes-eager-bf16-direct ;;
 direct)
   # issue 5: the C++ op launching the Triton kernels itself (plan "direct", the eager bf16 default)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_cpp.py tests/test_direct.py 2>&1 \
