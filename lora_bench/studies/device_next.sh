@@ -28,6 +28,19 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+noise)
+  # issue 5: the same 1558M eager bf16 2-epoch run with lora-kernel's ATen plan (LORA_BENCH_KERNEL_MODE=cpp):
+  # how far rounding alone moves the final accuracies; then the compiled cuBLAS rule, A-B-A (issue 6's claim)
+  LORA_BENCH_KERNEL_MODE=cpp timeout 150 python3 -m lora_bench train --model-size 1558M --weights random \
+    --trainable-layers lora-kernel --rank 16 --alpha 16 --num-epochs 2 --precision bf16 --attention sdpa --ops fused \
+    --data-file $DATA --no-progress --results-dir $R/whole-eager-bf16 --run-id 1558M-lora-kernel-cpp-eager-bf16-2ep 2>&1 \
+    | grep -E "^Training|^Validation|^Test|completed|step " >> $OUT/whole.log; t whole cpp
+  tar czf $OUT/results.tgz $R/whole-eager-bf16
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_modes.py -k "cublas_plan" 2>&1 | tail -3 > $OUT/gpu_tests_rule.log
+  timeout 200 python3 -m lora_bench.studies.modes --data-file $DATA --out $R/modes-rule --sizes 1558M --steps 45 \
+    --layers lora-kernel --modes bcompile-graphs-bf16-fused-fopt --kernel-plans default fused default 2>&1 \
+    | grep --line-buffered -v USDT > $OUT/rule.log; t rule
+  tar czf $OUT/results.tgz $R/whole-eager-bf16 $R/modes-rule ;;
 wholebf16)
   # issue 5: whole runs with the direct plan (eager bf16 training: autocast, fp32 A and B read by the kernels),
   # lora-kernel vs lora, wall time and accuracy: 124M 5 epochs, 1558M 2 epochs (random weights, r16 α16)
