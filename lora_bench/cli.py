@@ -303,7 +303,7 @@ def kernel_bench(
     shapes: Annotated[Optional[str], typer.Option(help="Comma-separated: groups guide, 124m, 1558m, or specs "
                                                        "like 4x512:768->768:r16 (default: all groups).")] = None,
     impls: Annotated[Optional[str], typer.Option(help="Comma-separated subset of frozen, lora, lora-merged, "
-                                                      "lora-kernel (lora-kernel:MODE forces a plan).")] = None,
+                                                      "lora-kernel (lora-kernel:MODE forces a plan: direct, cpp, fused, cublas, torch).")] = None,
     dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16.")] = "fp32,bf16",
     device: Annotated[str, typer.Option(help="cuda, cuda:N, or cpu.")] = "cuda",
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median, p10, p90).")] = 200,

@@ -3,7 +3,8 @@
 Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
 gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
 measurements ``lora-kernel:MODE`` forces a plan (see ``lora_bench.lora.kernel``), e.g.
-``lora-kernel:cpp`` (the C++ op) or ``lora-kernel:fused``.
+``lora-kernel:direct`` (the C++ op launching the Triton kernels: the eager bf16/fp16 default),
+``lora-kernel:cpp`` (the C++ op with cuBLAS GEMMs) or ``lora-kernel:fused``.
 
 How it times (docs performance.md / METHOD.md):
 * CUDA events around each repeat, with no synchronisation between repeats: back to back, as in

@@ -247,6 +247,9 @@ def test_missing_triton_warns_once(monkeypatch):
     monkeypatch.setattr(K, "_triton_state", {})
     monkeypatch.setattr(K, "_cpp_state", {"fn": None})  # the C++ op unavailable too (CUDA's default)
     monkeypatch.setitem(sys.modules, "lora_bench.kernels.lora_triton", None)  # import now fails
+    import lora_bench.kernels
+
+    monkeypatch.delattr(lora_bench.kernels, "lora_triton", raising=False)  # (set once an earlier test imported it)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert K._triton() is None and K._triton() is None

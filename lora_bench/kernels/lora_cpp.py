@@ -10,6 +10,13 @@ apply/ctx work each way (lora_bench/kernels/NOTES.md).
     backward  us = s·g·Bᵀ; grad_x = g·W + us·Aᵀ; grad_A = xᵀ·us; grad_B = s·hᵀ·g
               grad_W = gᵀ·x, grad_b = Σg only when W / b need a gradient        5 GEMMs (no head)
 
+Plan "direct" (bf16/fp16 on CUDA, lora_bench/kernels/direct.py): the same op, given the id of a
+registered plan, launches the project's compiled Triton kernels itself with ``cuLaunchKernel``
+(resolved from the loaded libcuda: no CUDA headers at build time): forward the fused GEMM (y, h),
+backward the fused GEMM on (g, W, Bᵀ, Aᵀ) (grad_x, u) and the adapter-gradient kernel. Each call
+checks that its operands fit the plan (shapes, dtypes, contiguity, alignment) and otherwise runs
+the ATen path.
+
 Built lazily on first use with ``torch.utils.cpp_extension.load_inline`` (host C++, no CUDA
 source, so one build serves CPU and CUDA tensors) into torch's extension cache, or into
 ``$LORA_BENCH_EXT_DIR`` when set. A failed build (no C++ compiler, no ninja) warns once and

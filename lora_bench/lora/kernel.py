@@ -9,9 +9,12 @@ divided by the rank); only forward/backward differ. One autograd op does the min
               grad_W = gᵀ·x and grad_b = Σg only if W/b require grad (a trainable head)
 
 Where it runs (``LORA_BENCH_KERNEL_MODE=fwd[:bwd]`` or ``set_kernel_mode`` overrides, for measurements):
+  direct  the C++ autograd op launching the Triton kernels below itself, through the CUDA driver
+          (lora_bench/kernels/direct.py): one launch forward, two backward, no dispatcher call per
+          GEMM. bf16/fp16 compute dtypes on CUDA (also under autocast); others run as "cpp".
   cpp     the C++ autograd op (lora_bench/kernels/lora_cpp.py): ATen calls, cuBLAS for every GEMM;
-          one pybind call per forward, no Python in backward. A whole-layer mode ("cpp", never
-          "cpp:x"); forced, it also runs on CPU (tests).
+          one pybind call per forward, no Python in backward. Whole-layer modes (never "cpp:x");
+          forced, "cpp" and "direct" also run on CPU (tests), as "cpp".
   fused   Triton: one launch forward (big GEMM with the rank-r path folded in), two backward
   cublas  cuBLAS for the GEMMs (torch ops), one Triton launch for grad_A and grad_B together
   torch   torch ops only: the CPU path, and the fallback on CUDA without Triton
@@ -21,8 +24,10 @@ Under torch.compile the layer is traced as two custom ops (``lora_bench::lora_li
 ``_bwd``, with fake implementations and an autograd formula) that run these same plans: the
 compiled graph has no break at the layer and the compiler fuses the work around it.
 
-Default on CUDA: cpp, when the op builds, in eager mode, i.e. unless the current stream is
-capturing a CUDA graph or torch.compile is tracing (``_cpp_for``, checked on every call, cheaply).
+Default on CUDA: the C++ op, when it builds, in eager mode, i.e. unless the current stream is
+capturing a CUDA graph or torch.compile is tracing (``_route``, checked on every call, cheaply):
+"direct" for bf16/fp16 (H200, GPT-2 1558M shapes, bf16: 1.01-1.07× the frozen layer's eager
+forward+backward against 1.97-1.99× with its cuBLAS calls; kernels/NOTES.md, v7), "cpp" for fp32.
 Rationale: at GPT-2 sizes an eager layer is host-bound (lora_bench/kernels/NOTES.md): the frozen
 layer is one C++ op each way, while the Python Function costs tens of microseconds of
 apply/ctx work each way on top of its launches, so the fewest Python calls win. Under graph
