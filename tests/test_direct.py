@@ -113,7 +113,7 @@ def test_plan_for_declines_fp32_and_mixed_adapter_dtypes():
     """Exact fp32 keeps the ATen plan; so do A and B of different dtypes (no kernel is built)."""
     x, w = torch.empty(4, 8), torch.empty(6, 8)
     a, b = torch.empty(8, 2), torch.empty(2, 6)
-    assert direct.plan_for(None, x, w, None, a, b) == -1
+    assert direct.plan_for(x, w, None, a, b) == -1
     xb = x.bfloat16()
-    assert direct.plan_for(None, xb, w.bfloat16(), None, a.bfloat16(), b) == -1
+    assert direct.plan_for(xb, w.bfloat16(), None, a.bfloat16(), b) == -1
     assert direct._plans == {}

@@ -73,8 +73,8 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
                 y = K.lora_linear(x, w, b, a, bm, alpha)
             finally:
                 K._mode_override = prev
-            key = (x.numel() // k, n, k, r, autocast or dtype, a.dtype, bias, x.device)
-            assert direct_mod._plans.get(key, -1) >= 0, "the direct plan did not register"
+            key = direct_mod.plan_key(x, w, b, a, bm)
+            assert key is not None and direct_mod._plans.get(key, -1) >= 0, "the direct plan did not register"
         else:
             y = lora_cpp.lora_linear_cpp(x, w, b, a, bm, alpha)
     out_dtype = autocast or dtype

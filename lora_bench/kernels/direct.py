@@ -10,7 +10,7 @@ plus one.
 How: the first call for a layer shape (tokens, n, k, r, dtypes, bias) runs the Triton kernels
 once through ``lora_triton`` on scratch operands of exactly that shape, records the compiled
 kernels (``launch.RECORD``), and registers with the C++ op what a launch needs: the CUfunction,
-grid, threads, shared memory, the CUDA context, and which of the @triton.jit function's runtime
+grid, threads, shared memory, and which of the @triton.jit function's runtime
 arguments the compiled kernel kept, in order (Triton drops constexprs and appends its scratch
 pointers). That list is read from the kernel's signature and checked against the parameter
 sizes declared in its PTX; anything unexpected (another Triton ABI, scratch memory, clusters)
@@ -37,7 +37,8 @@ AB_ARGS = "p" * 6 + "i" * 17 + "f"  # _lora_grad_ab_kernel: x u h g ga gb, M K N
 _SIZE = {"p": 8, "i": 4, "f": 4}
 _PTX_SIZE = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)")
-DTYPES_16 = (torch.bfloat16, torch.float16)
+DTYPES_16 = (torch.bfloat16, torch.float16)  # the compute dtypes that take this plan
+_SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType values
 
 _plans: dict[tuple, int] = {}  # plan key -> registered id, or -1 (this shape stays on the ATen plan)
 _warned: set[str] = set()
@@ -110,20 +111,12 @@ def launch_spec(kernel, grid: tuple, canonical: str) -> list[int]:
     return [int(fn), *(int(g) for g in grid), 32 * int(md.num_warps), int(md.shared), len(srcs), *srcs]
 
 
-def _current_context() -> int:
-    import ctypes
-
-    ctx = ctypes.c_void_p()
-    rc = ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(ctx))
-    if rc != 0 or not ctx.value:
-        raise Unsupported(f"no current CUDA context (CUresult {rc})")
-    return int(ctx.value)
-
-
-def build(mod, M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtype, has_bias: bool,
+def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtype, has_bias: bool,
           device: torch.device) -> int:
-    """Compile (or load) and run the three kernels once for this shape, register them; the plan id."""
+    """Compile (or load) and run the three kernels once for this shape, register them with the C++
+    op (which takes the CUDA context they were loaded in: the current one); the plan id."""
     from . import launch as _launch
+    from . import lora_cpp
     from . import lora_triton as tk
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -145,42 +138,47 @@ def build(mod, M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch
         raise Unsupported(f"recorded launches {[t for t, _, _ in rec]} (Triton's fast launch off?)")
     (_, g_fwd, k_fwd), (_, g_bwd, k_bwd), (_, g_ab, k_ab) = rec
     num_a = -(-K // cfg.block_d)
-    spec = [M, N, K, R, num_a, _scalar_type(dtype), _scalar_type(adtype), int(has_bias), _current_context(),
+    spec = [M, N, K, R, num_a, _SCALAR_TYPE[dtype], _SCALAR_TYPE[adtype], int(has_bias),
             *launch_spec(k_fwd, g_fwd, MM_ARGS), *launch_spec(k_bwd, g_bwd, MM_ARGS),
             *launch_spec(k_ab, g_ab, AB_ARGS)]
-    torch.cuda.synchronize(device)
-    return int(mod.register_plan(spec))
+    torch.cuda.synchronize(device)  # a failed launch shows up here, inside the caller's fallback
+    return int(lora_cpp.module().register_plan(spec))
 
 
-_SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType values
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a CUDA layer call computes in: autocast's when it is on, else the input's."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
 
 
-def _scalar_type(dt: torch.dtype) -> int:
-    return _SCALAR_TYPE[dt]
-
-
-def plan_for(mod, x: torch.Tensor, weight: torch.Tensor, bias, A: torch.Tensor, B: torch.Tensor) -> int:
-    """The registered plan id for this eager CUDA call, or -1 (the C++ op's ATen plan)."""
-    n, k = weight.shape
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+def plan_key(x: torch.Tensor, weight: torch.Tensor, bias, A: torch.Tensor, B: torch.Tensor) -> tuple | None:
+    """(tokens, n, k, r, compute dtype, A/B dtype, bias, device index) of an eager CUDA call, or
+    None when the call does not take this plan (exact fp32, A and B of different dtypes)."""
+    dt = compute_dtype(x)
     if dt not in DTYPES_16 or A.dtype is not B.dtype or A.dtype not in (dt, torch.float32):
+        return None
+    n, k = weight.shape
+    return x.numel() // k if k else 0, n, k, A.shape[1], dt, A.dtype, bias is not None, x.get_device()
+
+
+def plan_for(x: torch.Tensor, weight: torch.Tensor, bias, A: torch.Tensor, B: torch.Tensor) -> int:
+    """The registered plan id for this eager CUDA call, or -1 (the C++ op's ATen plan)."""
+    key = plan_key(x, weight, bias, A, B)
+    if key is None:
         return -1
-    r = A.shape[1]
-    key = (x.numel() // k if k else 0, n, k, r, dt, A.dtype, bias is not None, x.device)
     pid = _plans.get(key)
     if pid is None:
-        pid = _plans[key] = _build_or_warn(mod, key)
+        pid = _plans[key] = _build_or_warn(key)
     return pid
 
 
-def _build_or_warn(mod, key) -> int:
+def _build_or_warn(key) -> int:
     M, N, K, R, dt, adt, has_bias, device = key
     from . import lora_triton as tk
 
     if M < 1 or R > tk.MAX_RANK:
         return -1
     try:
-        return build(mod, M, N, K, R, dt, adt, has_bias, device)
+        return build(M, N, K, R, dt, adt, has_bias, torch.device("cuda", device))
     except Exception as exc:  # Unsupported, a compile error, a Triton without the attributes read here
         reason = f"{type(exc).__name__}: {exc}"
         if reason not in _warned:
@@ -190,5 +188,5 @@ def _build_or_warn(mod, key) -> int:
         return -1
 
 
-__all__ = ["AB_ARGS", "MM_ARGS", "Unsupported", "build", "launch_spec", "param_sources", "plan_for",
-           "ptx_param_sizes"]
+__all__ = ["AB_ARGS", "DTYPES_16", "MM_ARGS", "Unsupported", "build", "compute_dtype", "launch_spec",
+           "param_sources", "plan_for", "plan_key", "ptx_param_sizes"]

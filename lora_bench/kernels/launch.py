@@ -35,7 +35,6 @@ FAST = ((3, 6) <= _VERSION <= (3, 9) and os.environ.get("LORA_BENCH_TRITON_FAST_
 # its C ``launch``; on 3.6 that C function is called directly. Other versions go through __call__.
 _DIRECT_C = _VERSION == (3, 6)
 _COMPILED: dict[tuple, tuple] = {}
-_KERNELS: dict[tuple, object] = {}  # key -> its CompiledKernel (lora_bench.kernels.direct reads them)
 # When a list: every launch appends (tag, grid, CompiledKernel or None). lora_bench.kernels.direct
 # sets it while it runs a layer's kernels once, to hand them to the C++ op.
 RECORD: list | None = None
@@ -45,7 +44,8 @@ _PTR = torch.Tensor.data_ptr
 
 
 def _entry(kernel) -> tuple | None:
-    """What a later launch needs from a CompiledKernel; None if it cannot be reused safely."""
+    """What a later launch needs from a CompiledKernel (the kernel itself last, for ``RECORD``);
+    None if it cannot be reused safely."""
     if getattr(kernel, "function", None) is None:
         return None
     runner = kernel.run  # the CudaLauncher (handles are initialised by now)
@@ -53,8 +53,8 @@ def _entry(kernel) -> tuple | None:
     if (_DIRECT_C and not getattr(md, "global_scratch_size", 0) and not getattr(md, "profile_scratch_size", 0)
             and hasattr(runner, "launch")):
         return (True, runner.launch, kernel.function, kernel.packed_metadata, runner.launch_cooperative_grid,
-                runner.launch_pdl)
-    return (False, runner, kernel.function, kernel.packed_metadata, None, None)
+                runner.launch_pdl, kernel)
+    return (False, runner, kernel.function, kernel.packed_metadata, None, None, kernel)
 
 
 def _disable_direct(exc: BaseException) -> None:
@@ -84,9 +84,9 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tu
         key = (tag, dev, num_warps, num_stages, consts, ints, tuple(map(_DTYPE, tensors)))
         entry = _COMPILED.get(key)
         if entry is not None:
+            direct, run, function, packed, coop, pdl, kernel = entry
             if RECORD is not None:
-                RECORD.append((tag, grid, _KERNELS.get(key)))
-            direct, run, function, packed, coop, pdl = entry
+                RECORD.append((tag, grid, kernel))
             stream = torch._C._cuda_getCurrentRawStream(dev)
             if not direct:
                 run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *ptrs, *ints, *tail, *consts)
@@ -104,4 +104,3 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tu
         entry = _entry(kernel)
         if entry is not None:
             _COMPILED[key] = entry
-            _KERNELS[key] = kernel

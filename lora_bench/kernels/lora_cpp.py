@@ -159,17 +159,19 @@ inline Launch read_launch(const std::vector<int64_t>& s, size_t& i) {
   return l;
 }
 
-// spec: M, N, K, R, num_a, dtype, A dtype, has_bias, context, then the three launches
-// (fn, grid x/y/z, threads, shared bytes, parameter count, canonical index per parameter).
+// spec: M, N, K, R, num_a, dtype, A dtype, has_bias, then the three launches (fn, grid x/y/z,
+// threads, shared bytes, parameter count, canonical index per parameter). Called right after the
+// kernels ran on this thread: the current CUDA context is the one they were loaded in.
 int64_t register_plan(const std::vector<int64_t>& spec) {
   TORCH_CHECK(drv::api().launch != nullptr, "lora-kernel direct launch: libcuda's entry points not found");
   auto p = std::make_unique<Plan>();
+  drv::check(drv::api().ctx_get(&p->ctx), "cuCtxGetCurrent");
+  TORCH_CHECK(p->ctx != nullptr, "lora-kernel direct launch: no current CUDA context");
   size_t i = 0;
   p->M = spec.at(i++); p->N = spec.at(i++); p->K = spec.at(i++); p->R = spec.at(i++); p->num_a = spec.at(i++);
   p->dt = static_cast<at::ScalarType>(spec.at(i++));
   p->adt = static_cast<at::ScalarType>(spec.at(i++));
   p->has_bias = spec.at(i++) != 0;
-  p->ctx = reinterpret_cast<void*>(spec.at(i++));
   p->fwd = read_launch(spec, i);
   p->bwd = read_launch(spec, i);
   p->ab = read_launch(spec, i);

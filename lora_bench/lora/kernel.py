@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 
 from ..errors import UsageError
+from ..kernels import direct as _direct  # (imports no Triton)
 from .layer import LoRALinearBase
 
 _MODES = ("fused", "cublas", "torch", "cpp", "direct")
@@ -177,37 +178,10 @@ def _route(x: torch.Tensor, weight: torch.Tensor | None = None):
     return fn, direct and fn is not None
 
 
-def _cpp_for(x: torch.Tensor, weight: torch.Tensor | None = None):
-    """The C++ op when this call should run it, else None."""
-    return _route(x, weight)[0]
-
-
 def _direct_plan(x, weight, bias, A, B) -> int:
     """The C++ op's direct-launch plan id for this call, or -1 (its ATen GEMMs): 16-bit compute
-    dtypes on CUDA with Triton (lora_bench/kernels/direct.py)."""
-    mod = _direct_state.get("module", False)
-    if mod is False:
-        mod = _direct_state["module"] = _direct_module()
-    if mod is None:
-        return -1
-    return mod.plan_for(_cpp_state["cpp_module"], x, weight, bias, A, B)
-
-
-_direct_state: dict[str, object] = {}
-
-
-def _direct_module():
-    """lora_bench.kernels.direct when Triton can be used (it warns once otherwise), else None."""
-    if _triton() is None or _cpp() is None:
-        return None
-    from lora_bench.kernels import direct, lora_cpp
-
-    _cpp_state["cpp_module"] = lora_cpp.module()
-    return direct
-
-
-def _direct_dtype(dtype: torch.dtype | None) -> bool:
-    return dtype in (torch.bfloat16, torch.float16)
+    dtypes on CUDA with Triton (lora_bench/kernels/direct.py; ``_triton`` warns once without it)."""
+    return _direct.plan_for(x, weight, bias, A, B) if _triton() is not None else -1
 
 
 def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False,
@@ -223,7 +197,7 @@ def lora_kernel_backend(device: torch.device | str, *, graphs: bool = False,
     whole = _mode_override in (_CPP, _DIRECT)
     if whole or (_mode_override is None and device.type == "cuda" and not graphs):
         if _cpp() is not None:
-            direct = (_mode_override != _CPP and device.type == "cuda" and _direct_dtype(dtype)
+            direct = (_mode_override != _CPP and device.type == "cuda" and dtype in _direct.DTYPES_16
                       and _triton() is not None)
             return "cpp-direct" if direct else "cpp"
     if device.type != "cuda" or _mode_override == _TORCH:
@@ -237,8 +211,7 @@ def _layer_plan(x: torch.Tensor, rank: int, weight: torch.Tensor | None = None) 
     fn, direct = _route(x, weight)
     if fn is None:
         return _plan(x, rank)
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return _DIRECT if direct and _direct_dtype(dt) and _triton() is not None else _CPP
+    return _DIRECT if direct and _direct.compute_dtype(x) in _direct.DTYPES_16 and _triton() is not None else _CPP
 
 
 def _plan(x: torch.Tensor, rank: int) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device parts for the open issues, each fitting one 10-minute call. Session 3 ran explore, timing,
+# Device parts for the open issues, each fitting one 10-minute call. Session 4 ran direct, direct2,
+# wholebf16, noise, tests and verify (results/README.md). Session 3 ran explore, timing,
 # study and final (results/README.md); whole and tests are covered by them; rule and bench have not
 # run yet:
 #   rule    issues 5/6: the compiled custom ops' cuBLAS plan for 1558M's MLP, A-B-A against fused, then
@@ -28,6 +29,10 @@ source lora_bench/studies/device_env.sh
 save() { tar czf $OUT/results.tgz results/all-vs-lora $R 2>/dev/null; }
 python3 -c "from lora_bench.kernels import lora_cpp; assert lora_cpp.module() is not None"; t "ext built"
 case $PART in
+verify)
+  # after the review refactor (the C++ op takes the CUDA context itself; kernels kept in the launch cache)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_cpp.py tests/test_direct.py 2>&1 \
+    | tail -4 > $OUT/gpu_tests_verify.log ;;
 noise)
   # issue 5: the same 1558M eager bf16 2-epoch run with lora-kernel's ATen plan (LORA_BENCH_KERNEL_MODE=cpp):
   # how far rounding alone moves the final accuracies; then the compiled cuBLAS rule, A-B-A (issue 6's claim)
