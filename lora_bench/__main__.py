@@ -1,5 +1,5 @@
 """``python -m lora_bench`` = the ``lora-bench`` command."""
 
-from .cli import main
+from lora_bench.cli import main
 
 main()

@@ -8,7 +8,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import ConfigError
+from lora_bench.errors import ConfigError
 
 # Allowed values: one place. The CLI, sweep validation and docs read these.
 WEIGHTS = ("pretrained", "random")
@@ -108,7 +108,7 @@ class TrainConfig:
     # -- validation --------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every problem with these settings (empty when valid)."""
-        from .model import resolve_model_size  # local: model imports nothing from here
+        from lora_bench.model.gpt2 import resolve_model_size  # local: model imports nothing from here
 
         p: list[str] = []
 
@@ -199,7 +199,7 @@ def model_shape_problems(s: dict) -> list[str]:
     """Problems only the model's shape reveals: a size without a checkpoint, a width the heads
     don't divide, a context length the model doesn't have. ``s`` maps setting names to values
     (a TrainConfig's, or a sweep run's before it is built)."""
-    from .model import gpt_config, resolve_model_size
+    from lora_bench.model.gpt2 import gpt_config, resolve_model_size
 
     try:
         size = resolve_model_size(s["model_size"])

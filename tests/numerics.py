@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from lora_bench.lora import LinearWithLoRA, inject_lora
 from lora_bench.lora.kernel import LinearWithLoRAKernel
-from lora_bench.model import build_random_model, gpt_config
+from lora_bench.model.gpt2 import build_random_model, gpt_config
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import refused_url
-from lora_bench.results import read_runs
+from lora_bench.results.store import read_runs
 
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress"]
 
@@ -65,7 +65,7 @@ def test_missing_data_file(run_cli, tmp_path):
 
 def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
     urls = [refused_url("/a.zip"), refused_url("/b.zip")]
-    monkeypatch.setattr("lora_bench.data.SMS_URLS", urls)
+    monkeypatch.setattr("lora_bench.data.sms_spam.SMS_URLS", urls)
     code, out = run_cli("train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
     _assert_clean_usage_error(code, out, *urls, "--data-file")
 
@@ -154,7 +154,7 @@ def test_kernel_bench_bad_inputs(run_cli, tmp_path, args, needle):
 
 
 def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(monkeypatch):
-    from lora_bench.lora import kernel as K
+    from lora_bench.kernels import autograd as K
 
     monkeypatch.setattr(K, "_ENV_ERROR", "LORA_BENCH_KERNEL_MODE: lora-kernel mode 'foo': expected ...")
     with pytest.raises(K.KernelModeError, match="LORA_BENCH_KERNEL_MODE"):

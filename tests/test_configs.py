@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_bench.model import MODEL_SIZES
-from lora_bench.sweep import load_sweep, validate_files
+from lora_bench.model.gpt2 import MODEL_SIZES
+from lora_bench.sweep.spec import load_sweep, validate_files
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

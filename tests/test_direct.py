@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lora_bench.kernels import direct
-from lora_bench.lora import kernel as K
+from lora_bench.kernels import autograd as K
 
 PTX = """
 .visible .entry k(

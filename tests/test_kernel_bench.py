@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from lora_bench.kernel_bench import COLUMNS, IMPLS, parse_shape, render_kernel_table, resolve_shapes, run_kernel_bench
+from lora_bench.bench.kernel_bench import COLUMNS, IMPLS, parse_shape, render_kernel_table, resolve_shapes, run_kernel_bench
 
 
 def test_tiny_cpu_bench_writes_csv(tmp_path):
@@ -47,7 +47,7 @@ def test_shapes_and_groups():
 
 def test_forced_cpp_impl_runs_the_cpp_op():
     from lora_bench.kernels import lora_cpp
-    from lora_bench.lora import kernel as k
+    from lora_bench.kernels import autograd as k
 
     if not lora_cpp.cpp_available():
         pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}")
@@ -61,7 +61,7 @@ def test_forced_cpp_impl_runs_the_cpp_op():
 def test_interleaved_rounds_cancel_host_drift(monkeypatch):
     """A host that slows down steadily (×3 over the bench) must not bias the ratios: each round
     times every implementation, so the per-round ratio recovers the true cost ratio."""
-    import lora_bench.kernel_bench as kb
+    import lora_bench.bench.kernel_bench as kb
 
     true_cost = {"frozen": 1.0, "lora": 4.0, "lora-kernel": 2.0}
     clock = {"calls": 0}

@@ -17,8 +17,9 @@ import torch.nn as nn
 from lora_bench.kernels import direct as direct_mod
 from lora_bench.kernels import lora_cpp
 from lora_bench.lora import LinearWithLoRA
-from lora_bench.lora import kernel as K
-from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, set_kernel_mode
+from lora_bench.kernels import autograd as K
+from lora_bench.kernels.autograd import lora_kernel_backend, set_kernel_mode
+from lora_bench.lora.kernel import LinearWithLoRAKernel
 from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 PY_GRAD_FN = "LoRAKernelFunctionBackward"

@@ -19,9 +19,10 @@ import torch
 import torch.nn as nn
 
 from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
-from lora_bench.lora import kernel as K
-from lora_bench.lora.kernel import LinearWithLoRAKernel, lora_kernel_backend, lora_linear
-from lora_bench.model import build_random_model, gpt_config
+from lora_bench.kernels import autograd as K
+from lora_bench.kernels.autograd import lora_kernel_backend, lora_linear
+from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.model.gpt2 import build_random_model, gpt_config
 from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
@@ -264,7 +265,7 @@ def test_kernels_under_triton_interpreter():
     except ImportError:
         pytest.skip("Triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "lora_bench.kernels.selfcheck", "--interpret"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_selfcheck", "--interpret"],
                           capture_output=True, text=True, env=env, timeout=600)
     if "only 0-dimensional arrays can be converted" in proc.stderr:
         pytest.skip("this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)")

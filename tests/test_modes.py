@@ -12,8 +12,8 @@ from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import ConfigError
-from lora_bench.model import build_random_model, gpt_config
-from lora_bench.run import execute_run
+from lora_bench.model.gpt2 import build_random_model, gpt_config
+from lora_bench.train.run import execute_run
 
 
 def _losses(cfg: TrainConfig, tmp_path, run_id: str) -> tuple[list[float], dict]:
@@ -82,8 +82,8 @@ def test_block_scoped_compile_compiles_once_for_any_depth(layers):
     """compile_scope=blocks: every transformer block compiled in place; a deeper model costs no
     more compiles (one graph for the first block, whose input needs no gradient, one reused by
     all the others), and the outputs and gradients are the eager ones."""
-    from lora_bench.classifier import make_trainable
-    from lora_bench.run import compile_model
+    from lora_bench.train.classifier import make_trainable
+    from lora_bench.train.run import compile_model
 
     counts = {}
     for n_layers in (3, 6):
@@ -121,7 +121,7 @@ def test_inductor_compiles_lora_kernel_blocks_on_cpu():
     their fake implementations and autograd formula: forward and LoRA gradients equal eager's."""
     from lora_bench.lora import inject_lora
     from lora_bench.lora.kernel import LinearWithLoRAKernel
-    from lora_bench.run import compile_model
+    from lora_bench.train.run import compile_model
 
     torch._dynamo.reset()
     models = []
@@ -195,7 +195,7 @@ def test_graph_replayed_evaluation_matches_eager(tiny_cfg, tmp_path, layers):
 def test_graphed_eval_replays_the_eager_forward(tiny_cfg):
     """Same weights, same inputs: the replayed eval forward equals the eager one exactly, for each
     captured shape, and follows in-place weight updates."""
-    from lora_bench.graphs import GraphedEval
+    from lora_bench.train.graphs import GraphedEval
 
     torch.manual_seed(0)
     model = build_random_model(gpt_config("tiny", attention="sdpa", ops="fused"), seed=1).cuda()
@@ -228,8 +228,8 @@ def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path
     """bf16, block-compiled inside CUDA graphs: with the threshold lowered so the MLP layers count
     as large, the custom ops run the cuBLAS plan there (backend says so) and train like the run
     that keeps the fused kernels everywhere."""
-    from lora_bench.lora import kernel as K
-    from lora_bench.model import gpt_config as cfg_of
+    from lora_bench.kernels import autograd as K
+    from lora_bench.model.gpt2 import gpt_config as cfg_of
 
     base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
                             lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
@@ -274,7 +274,7 @@ def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
 def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path, monkeypatch):
     """Inline sweeps run many models in one process: every compiled run resets dynamo first, or
     the recompile limit would silently turn later runs eager."""
-    from lora_bench.run import RunContext
+    from lora_bench.train.run import RunContext
 
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
@@ -287,8 +287,9 @@ def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path,
 def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, monkeypatch):
     """Eager CUDA layers run the C++ op, captured or compiled ones the Triton plans; a run whose
     layers differ says both. Checked on the CPU by standing in for what CUDA would report."""
-    from lora_bench.lora import kernel as K
-    from lora_bench.run import RunContext
+    from lora_bench.kernels import autograd as K
+    from lora_bench.lora.kernel import LinearWithLoRAKernel
+    from lora_bench.train.run import RunContext
 
     def fake_backend(device, graphs=False, dtype=None):
         return "triton" if graphs else ("cpp-direct" if dtype == torch.bfloat16 else "cpp")
@@ -307,7 +308,7 @@ def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, mon
     monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 10 ** 12)
     assert ctx.backend() == "triton"
     # compiled: the custom ops give the largest weights cuBLAS GEMMs (the 'cublas' plan), unless forced
-    sizes = sorted({m.linear.weight.numel() for m in ctx.model.modules() if isinstance(m, K.LinearWithLoRAKernel)})
+    sizes = sorted({m.linear.weight.numel() for m in ctx.model.modules() if isinstance(m, LinearWithLoRAKernel)})
     monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", sizes[-1])
     ctx.cfg = cfg.replace(compile=True)
     assert ctx.backend() == "cublas+triton"
@@ -328,7 +329,7 @@ def test_compiled_plan_gives_the_largest_weights_cublas(monkeypatch):
     """The custom ops' plan: what the Python Function would run, except that weights of at least
     CPP_GRAPH_MIN_WEIGHT elements take the cuBLAS plan (as captured layers take the C++ op), and a
     forced plan is kept as forced."""
-    from lora_bench.lora import kernel as K
+    from lora_bench.kernels import autograd as K
 
     x = torch.zeros(4, 8)
     small, big = torch.zeros(8, 8), torch.zeros(16, 8)

@@ -1,4 +1,4 @@
-"""lora_bench.report / lora_bench.plots: from committed fixture results (2 sizes × all / lora /
+"""lora_bench.report.aggregate / lora_bench.report.plots: from committed fixture results (2 sizes × all / lora /
 lora-kernel × 3 repeats, one size with a single repeat, one failed run) — the Markdown table
 against its expected file, the within-spread rule, merging by run id, plots, and clear messages
 when there is nothing to report."""
@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from lora_bench.errors import UsageError
-from lora_bench.report import build_report, load_results, to_markdown
+from lora_bench.report.aggregate import build_report, load_results, to_markdown
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 

@@ -6,7 +6,7 @@ import pandas as pd
 
 
 def _upsert_many(args):
-    from lora_bench.results import upsert_run
+    from lora_bench.results.store import upsert_run
 
     path, worker = args
     for i in range(15):
@@ -28,7 +28,7 @@ def test_readme_documents_every_result_column():
     import re
     from pathlib import Path
 
-    from lora_bench.results import ENV_COLUMNS, RUN_COLUMNS, STEP_COLUMNS
+    from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, STEP_COLUMNS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     family = re.compile(r"^(host_)?(data|forward|backward|optimizer|step)_ms_(median|p10|p90)$|^bound_")
@@ -43,7 +43,7 @@ def test_atomic_writes_leave_ordinary_permissions(tmp_path):
     import os
     import stat
 
-    from lora_bench.results import atomic_write_text
+    from lora_bench.fileio import atomic_write_text
 
     old = os.umask(0o022)
     try:

@@ -1,4 +1,4 @@
-"""lora_bench.sweep / lora_bench.worker: expansion and deterministic ids, validation of every run in
+"""lora_bench.sweep.spec / lora_bench.sweep.runner: expansion and deterministic ids, validation of every run in
 one pass, shards, and running tiny sweeps on the CPU — a failing and a crashing run are recorded
 while the others finish, SIGINT leaves intact results and a resume runs only what is missing."""
 
@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from lora_bench.errors import ConfigError, UsageError
-from lora_bench.sweep import load_sweep, parse_shard, select_shard
+from lora_bench.sweep.spec import load_sweep, parse_shard, select_shard
 
 SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
 TINY = f"""\
@@ -83,8 +83,9 @@ def test_run_ids_survive_a_new_setting_with_a_default(tmp_path, monkeypatch):
 def test_resume_finds_finished_runs_by_their_settings(tmp_path):
     """Rows written under another id scheme (or before a setting existed) still count as done when
     the same sweep and repeat holds the same settings; anything else is still to run."""
-    from lora_bench.results import settings_columns, upsert_run
-    from lora_bench.worker import resume_statuses
+    from lora_bench.results.store import upsert_run
+    from lora_bench.results.schema import settings_columns
+    from lora_bench.sweep.runner import resume_statuses
 
     path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora, last_block]\n"
                  "repeats: 2\n")
@@ -256,7 +257,7 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
     assert status == {ids["quick"]: "done", ids["slow"]: "interrupted"}
     quick_started = df.set_index("run_id").loc[ids["quick"], "started_at"]
 
-    import lora_bench.run as run_mod
+    import lora_bench.train.run as run_mod
 
     calls, real = [], run_mod.execute_run
 
@@ -276,7 +277,7 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
 
 
 def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatch, capsys, run_cli):
-    import lora_bench.run as run_mod
+    import lora_bench.train.run as run_mod
 
     def killed(*args, **kwargs):  # the loop receives SIGTERM mid-run
         os.kill(os.getpid(), signal.SIGTERM)
@@ -296,7 +297,7 @@ def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatc
 
 
 def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, capsys, run_cli):
-    import lora_bench.run as run_mod
+    import lora_bench.train.run as run_mod
 
     calls, real = [], run_mod.execute_run
     monkeypatch.setattr(run_mod, "execute_run", lambda cfg, **kw: calls.append(kw["run_id"]) or real(cfg, **kw))

@@ -9,10 +9,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from lora_bench.metrics import flops_per_step, summarise_steps
-from lora_bench.model import gpt_config
-from lora_bench.results import RUN_COLUMNS, STEP_COLUMNS, read_runs, run_column_names
-from lora_bench.run import execute_run
+from lora_bench.results.metrics import flops_per_step, summarise_steps
+from lora_bench.model.gpt2 import gpt_config
+from lora_bench.results.store import read_runs
+from lora_bench.results.schema import RUN_COLUMNS, STEP_COLUMNS, run_column_names
+from lora_bench.train.run import execute_run
 from lora_bench.timing import PHASES, PhaseTimer
 
 
@@ -132,7 +133,7 @@ def test_show_prints_phase_table(tiny_cfg, tmp_path, run_cli):
 
 
 def test_git_commit_provenance(monkeypatch):
-    from lora_bench import provenance
+    from lora_bench.results import environment as provenance
 
     provenance.git_commit.cache_clear()
     monkeypatch.setenv("LORA_BENCH_GIT_COMMIT", "abc1234")
@@ -152,7 +153,7 @@ def test_timer_overhead_pairs_cancel_drift_and_bound_the_overhead():
     import random
     import statistics
 
-    from lora_bench.studies.timer_overhead import block_order, paired_overhead
+    from benchmarks.timer_overhead import block_order, paired_overhead
 
     assert block_order(4) == [("off", "events"), ("events", "off"), ("off", "events"), ("events", "off")]
     medians, covered = [], 0
@@ -179,8 +180,8 @@ def test_timer_overhead_pairs_cancel_drift_and_bound_the_overhead():
 def test_timer_overhead_block_runs_the_steps_it_divides_by(tiny_cfg, monkeypatch, tmp_path):
     """A block longer than an epoch runs as many epochs as it needs, and ms/step divides by the
     steps that really ran."""
-    from lora_bench.run import RunContext
-    from lora_bench.studies import timer_overhead
+    from lora_bench.train.run import RunContext
+    from benchmarks import timer_overhead
 
     ctx = RunContext(tiny_cfg.replace(batch_size=64), cache_dir=tmp_path / "cache", progress=False)
     n = len(ctx.loaders.train)
@@ -202,7 +203,7 @@ def test_timer_cost_times_every_step_and_resolves_them(monkeypatch):
     and leaves no step unresolved (on the CPU: the host clock)."""
     import torch
 
-    from lora_bench.studies import timer_overhead
+    from benchmarks import timer_overhead
 
     marks = []
     real_mark = timer_overhead.PhaseTimer.mark
@@ -218,6 +219,6 @@ def test_gpu_timer_cost_is_small():
     below 2 % of a 124M step (~50 ms): under 1 ms even on a slow host."""
     import torch
 
-    from lora_bench.studies.timer_overhead import timer_cost_us
+    from benchmarks.timer_overhead import timer_cost_us
 
     assert timer_cost_us(torch.device("cuda"), steps=500) < 1000

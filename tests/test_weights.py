@@ -1,4 +1,4 @@
-"""lora_bench.weights: a tiny TF1 Saver checkpoint named like OpenAI's is written once per module,
+"""lora_bench.model.checkpoints: a tiny TF1 Saver checkpoint named like OpenAI's is written once per module,
 then read, mapped onto GPTModel (checked tensor by tensor), converted to .pt and reloaded without
 TensorFlow; ensure_checkpoint is exercised against a local HTTP server."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import refused_url
 
-from lora_bench import weights
+from lora_bench.model import checkpoints as weights
 from lora_bench.errors import CheckpointError, DownloadError
-from lora_bench.model import GPTConfig, GPTModel
-from lora_bench.weights import (CHECKPOINT_FILES, CONVERTED_NAME, default_cache_dir, ensure_checkpoint,
+from lora_bench.model.gpt2 import GPTConfig, GPTModel
+from lora_bench.model.checkpoints import (CHECKPOINT_FILES, CONVERTED_NAME, default_cache_dir, ensure_checkpoint,
                                 load_pretrained_into, load_tf_checkpoint, load_weights_into_gpt)
 
 VOCAB, CTX, EMB, LAYERS, HEADS = 50, 16, 16, 2, 2

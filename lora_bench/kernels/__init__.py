@@ -1,7 +1,7 @@
 """The project's own GPU kernels (Triton).
 
 Nothing here imports Triton at package import time: ``lora_bench.kernels.lora_triton`` does, and
-only the CUDA path of ``lora_bench.lora.kernel`` imports it, on first use. Machines without Triton
+only the CUDA path of ``lora_bench.kernels.autograd`` imports it, on first use. Machines without Triton
 (CI, CPU-only installs) therefore import the whole package fine.
 """
 

@@ -115,9 +115,9 @@ def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtyp
           device: torch.device) -> int:
     """Compile (or load) and run the three kernels once for this shape, register them with the C++
     op (which takes the CUDA context they were loaded in: the current one); the plan id."""
-    from . import launch as _launch
-    from . import lora_cpp
-    from . import lora_triton as tk
+    from lora_bench.kernels import launch as _launch
+    from lora_bench.kernels import lora_cpp
+    from lora_bench.kernels import lora_triton as tk
 
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -173,7 +173,7 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias, A: torch.Tensor, B: to
 
 def _build_or_warn(key) -> int:
     M, N, K, R, dt, adt, has_bias, device = key
-    from . import lora_triton as tk
+    from lora_bench.kernels import lora_triton as tk
 
     if M < 1 or R > tk.MAX_RANK:
         return -1

@@ -1,6 +1,6 @@
 """The lora-kernel layer as a C++ autograd op (``--trainable-layers lora-kernel``, plan "cpp").
 
-Same math as ``lora_bench.lora.kernel.LoRAKernelFunction`` (y = x·Wᵀ + b + s·(x·A)·B, minimal
+Same math as ``lora_bench.kernels.autograd.LoRAKernelFunction`` (y = x·Wᵀ + b + s·(x·A)·B, minimal
 backward), written as a ``torch::autograd::Function`` whose forward and backward are ATen calls
 (cuBLAS on CUDA, the CPU BLAS on CPU). One pybind call per forward, no Python at all in backward:
 an eager layer on a fast GPU is host-bound, and the Python Function costs tens of microseconds of

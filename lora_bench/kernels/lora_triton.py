@@ -13,7 +13,7 @@ Two kernels cover forward and backward (shapes: x N×k, W n×k, A k×r, B r×n):
   ~1k rows there are too few strips to fill the GPU, so the rows are split too (grid axis 1): each
   program reduces its share and atomically adds it into a zero-filled fp32 output.
 
-This module imports Triton; import it lazily (``lora_bench.lora.kernel`` does).
+This module imports Triton; import it lazily (``lora_bench.kernels.autograd`` does).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from lora_bench.kernels.launch import launch
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
 # forgets to write shows up instead of hiding behind whatever memory held before.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .layer import LoRALinearBase
+from lora_bench.lora.layer import LoRALinearBase
 
 
 def inject_lora(model: nn.Module, *, cls: type[LoRALinearBase], rank: int, alpha: float) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .layer import LoRALinearBase
+from lora_bench.lora.layer import LoRALinearBase
 
 
 class LinearWithLoRAMerged(LoRALinearBase):

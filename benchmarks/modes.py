@@ -1,0 +1,94 @@
+"""Quick exploration of execution modes (before committing a sweep): for each model size,
+trainable set and mode, a short timing run through ``execute_run``; prints a table of median step
+times and the LoRA/all ratio. Random weights are built once per size (reused in-process).
+
+    python -m benchmarks.modes --data-file PATH --out DIR --sizes 124M 1558M
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lora_bench.config import TrainConfig
+from lora_bench.kernels.autograd import KernelModeError, set_kernel_mode
+from lora_bench.train.run import execute_run
+
+MODES = {
+    "eager-fp32": {},
+    "graphs-fp32": dict(cuda_graphs=True),
+    "eager-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused"),
+    "graphs-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True),
+    "compile-bf16-fused": dict(precision="bf16", attention="sdpa", ops="fused", compile=True),
+    # the fastest settings: + the fused AdamW update; + torch.compile inside the captured graphs
+    "graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                   optimizer="fused"),
+    "compile-graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                           optimizer="fused", compile=True),
+    # each transformer block compiled (one graph reused by all blocks): compile time independent of depth
+    "bcompile-graphs-bf16-fused-fopt": dict(precision="bf16", attention="sdpa", ops="fused", cuda_graphs=True,
+                                            optimizer="fused", compile=True, compile_scope="blocks"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data-file", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", nargs="+", default=["124M", "1558M"])
+    ap.add_argument("--layers", nargs="+", default=["all", "lora", "lora-kernel"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="none", help="none or torch (kernel tables per run)")
+    ap.add_argument("--skip", nargs="*", default=[], help="MODE:LAYERS pairs not to run (e.g. slow compiles)")
+    ap.add_argument("--kernel-plans", nargs="+", default=["default"],
+                    help="lora-kernel plans to run in turn (default, or a forced plan such as fused); "
+                         "e.g. default fused default: an A-B-A comparison in one process")
+    args = ap.parse_args()
+    for plan in args.kernel_plans:
+        try:
+            set_kernel_mode(None if plan == "default" else plan)
+        except KernelModeError as e:
+            ap.error(f"--kernel-plans {plan}: {e}")
+    set_kernel_mode(None)
+    console = Console(width=150)
+    out = Path(args.out)
+    table = Table(title="median step ms (device events)")
+    for col in ("size", "mode", *args.layers, "lora/all"):
+        table.add_column(col)
+    for size in args.sizes:
+        for mode in args.modes:
+            cells = {}
+            for layers in args.layers:
+                if f"{mode}:{layers}" in args.skip:
+                    continue
+                plans = args.kernel_plans if layers == "lora-kernel" else ["default"]
+                for i, plan in enumerate(plans):
+                    set_kernel_mode(None if plan == "default" else plan)
+                    cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
+                                      lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
+                                      device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
+                                      warmup_steps=15, profile=args.profile, **MODES[mode])
+                    rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(plans) > 1 else "")
+                    try:
+                        row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
+                        cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
+                        console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
+                            f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
+                            for p in ("data", "forward", "backward", "optimizer")) + "  (device/host ms)")
+                    except Exception as e:  # an exploration goes on past one failing mode; the row records it
+                        console.print(f"{rid}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        cells[layers] = None
+            ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
+            table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
+                          f"{ratio:.2f}" if ratio else "-")
+    set_kernel_mode(None)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Micro-benchmarks: one LoRA layer timed against the frozen layer."""

@@ -1,0 +1,1 @@
+"""The SMS Spam Collection: fetch, balance and split as the reference, tokenise, and the loaders."""

@@ -1,0 +1,1 @@
+"""GPT-2 as the reference builds it: sizes, the model, and its pretrained checkpoints."""

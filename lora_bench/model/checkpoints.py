@@ -1,0 +1,282 @@
+"""OpenAI GPT-2 checkpoints: download, read, map onto :class:`lora_bench.model.gpt2.GPTModel`.
+
+This module owns the pretrained weights: fetching the seven OpenAI files of one model size into
+the cache, reading the TensorFlow checkpoint into the reference's nested ``params`` dict, the
+reference's checkpoint->model mapping (with shape checks), and a converted ``.pt`` copy beside the
+checkpoint so that only the first load of a checkpoint needs TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lora_bench.download import download_file
+from lora_bench.errors import CheckpointError
+from lora_bench.model.gpt2 import CHECKPOINT_NAMES, resolve_model_size
+
+CHECKPOINT_FILES = ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.data-00000-of-00001",
+                    "model.ckpt.index", "model.ckpt.meta", "vocab.bpe")
+PRIMARY_BASE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/models"
+FALLBACK_BASE_URL = "https://f001.backblazeb2.com/file/LLMs-from-scratch/gpt2"
+BASE_URLS = (PRIMARY_BASE_URL, FALLBACK_BASE_URL)
+# The tokenizer files are identical for every size (reference-behaviour.md), so pin them.
+KNOWN_SHA256 = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+# What reading the weights needs (model.ckpt.meta and "checkpoint" are not read: we open the
+# "model.ckpt" prefix directly, so a moved folder still works).
+TF_FILES = ("hparams.json", "model.ckpt.index", "model.ckpt.data-00000-of-00001")
+CONVERTED_NAME = "lora_bench_state.pt"
+CONVERTED_FORMAT = 1
+_BLOCK = re.compile(r"h(\d+)$")
+
+
+def default_cache_dir() -> Path:
+    """``$LORA_BENCH_CACHE`` if set, else ``~/.cache/lora-bench``."""
+    env = os.environ.get("LORA_BENCH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lora-bench"
+
+
+def ensure_checkpoint(
+    model_size: str,
+    *,
+    cache_dir: Path | None = None,
+    base_urls: list[str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Download the seven files of ``model_size`` (e.g. "124M") into ``<cache>/gpt2/<size>/``
+    unless already there; returns that folder. ``base_urls`` are tried in order for each file."""
+    try:
+        size = CHECKPOINT_NAMES[resolve_model_size(model_size)]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"model_size={model_size!r} has no pretrained OpenAI checkpoint; "
+                              f"choose one of {', '.join(CHECKPOINT_NAMES)} or use random weights") from None
+    folder = Path(cache_dir or default_cache_dir()) / "gpt2" / size
+    bases = list(base_urls) if base_urls is not None else list(BASE_URLS)
+    for name in CHECKPOINT_FILES:
+        dest = folder / name
+        download_file([f"{b.rstrip('/')}/{size}/{name}" for b in bases], dest,
+                      sha256=KNOWN_SHA256.get(name), description=f"GPT-2 {size} {name}",
+                      progress=progress,
+                      offline_hint=(f"to work offline, copy the GPT-2 {size} files "
+                                    f"({', '.join(CHECKPOINT_FILES)}) into {folder}, "
+                                    "or pass --weights-dir <folder holding them>"))
+    return folder
+
+
+def _missing_hint(ckpt_dir: Path) -> str:
+    return (f"if {ckpt_dir} is lora-bench's download cache, delete it to have the files downloaded again; "
+            "otherwise pass --weights-dir <folder with the OpenAI GPT-2 files>")
+
+
+def _insert(params: dict, name: str, value) -> None:
+    """Place one tensor at the reference's position: 'h3/attn/c_attn/w' ->
+    params['blocks'][3]['attn']['c_attn']['w']; 'ln_f/g' -> params['g'] (the reference drops
+    every path part between the first and the last one)."""
+    parts = name.split("/")
+    target = params
+    match = _BLOCK.match(parts[0])
+    if match:
+        index = int(match.group(1))
+        while len(params["blocks"]) <= index:
+            params["blocks"].append({})
+        target = params["blocks"][index]
+    for key in parts[1:-1]:
+        target = target.setdefault(key, {})
+    target[parts[-1]] = value
+
+
+def _read_settings(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / "hparams.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path} ({exc}); {_missing_hint(ckpt_dir)}") from exc
+
+
+def load_tf_checkpoint(ckpt_dir: Path) -> tuple[dict, dict]:
+    """Read an OpenAI TensorFlow checkpoint: (settings from hparams.json, nested params)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist; {_missing_hint(ckpt_dir)}")
+    missing = [n for n in TF_FILES if not (ckpt_dir / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint folder {ckpt_dir} lacks {', '.join(missing)}; "
+                              + _missing_hint(ckpt_dir))
+    settings = _read_settings(ckpt_dir)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ start-up chatter is no help here
+    try:
+        import tensorflow as tf  # lazy: ~4 s, and only needed until the converted copy exists
+    except ImportError as exc:
+        raise CheckpointError(f"reading {ckpt_dir} needs TensorFlow (pip install tensorflow-cpu), "
+                              f"since it has no {CONVERTED_NAME} yet ({exc})") from exc
+    prefix = str(ckpt_dir / "model.ckpt")
+    params: dict = {"blocks": [{} for _ in range(int(settings.get("n_layer", 0)))]}
+    for name in _tf_read(tf, prefix, ckpt_dir, name=None):
+        if name.startswith("model/"):
+            _insert(params, name[len("model/"):], np.squeeze(_tf_read(tf, prefix, ckpt_dir, name=name)))
+    return settings, params
+
+
+def _tf_read(tf, prefix: str, ckpt_dir: Path, *, name: str | None):
+    """The variable names (name=None) or one variable's value; TF's failures -> CheckpointError.
+    TF reports some C++ statuses as builtin exceptions (a truncated data file: IndexError)."""
+    try:
+        if name is None:
+            return [n for n, _ in tf.train.list_variables(prefix)]
+        return tf.train.load_variable(prefix, name)
+    except (tf.errors.OpError, IndexError, RuntimeError, ValueError) as exc:
+        what = "" if name is None else f" variable {name!r}"
+        raise CheckpointError(f"cannot read the TensorFlow checkpoint {prefix}.*{what} "
+                              f"({type(exc).__name__}: {exc}); {_missing_hint(ckpt_dir)}") from exc
+
+
+def _assign(param: torch.nn.Parameter, value, *, param_name: str, source: str) -> None:
+    value = torch.as_tensor(np.asarray(value), dtype=torch.float32)
+    if tuple(param.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"checkpoint tensor {source} has shape {tuple(value.shape)} but model parameter "
+            f"{param_name} has shape {tuple(param.shape)}: the checkpoint is for another model "
+            "size; choose the matching model size or --weights-dir")
+    with torch.no_grad():  # copy_ keeps the Parameter objects (and requires_grad) in place
+        param.copy_(value)
+
+
+def load_weights_into_gpt(model, params: dict) -> None:
+    """Copy the reference mapping of ``params`` into ``model`` (float32), checking every shape."""
+    blocks = params.get("blocks", [])
+    if len(blocks) != len(model.trf_blocks):
+        raise CheckpointError(f"checkpoint has {len(blocks)} transformer blocks but the model has "
+                              f"{len(model.trf_blocks)}: the checkpoint is for another model size")
+
+    def get(tree: dict, path: str, where: str):
+        node = tree
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                raise CheckpointError(f"checkpoint has no tensor {where}{path}; it is incomplete "
+                                      "or not an OpenAI GPT-2 checkpoint")
+            node = node[key]
+        return node
+
+    def put(module_path: str, value, source: str) -> None:
+        _assign(model.get_parameter(module_path), value, param_name=module_path, source=source)
+
+    put("tok_emb.weight", get(params, "wte", ""), "wte")
+    put("pos_emb.weight", get(params, "wpe", ""), "wpe")
+    for i, block in enumerate(blocks):
+        h, m = f"h{i}/", f"trf_blocks.{i}."
+        q_w, k_w, v_w = np.split(get(block, "attn/c_attn/w", h), 3, axis=-1)
+        q_b, k_b, v_b = np.split(get(block, "attn/c_attn/b", h), 3, axis=-1)
+        for part, w, b in (("W_query", q_w, q_b), ("W_key", k_w, k_b), ("W_value", v_w, v_b)):
+            put(f"{m}att.{part}.weight", w.T, f"{h}attn/c_attn/w ({part} third, transposed)")
+            put(f"{m}att.{part}.bias", b, f"{h}attn/c_attn/b ({part} third)")
+        for src, dst in (("attn/c_proj", "att.out_proj"), ("mlp/c_fc", "ff.layers.0"),
+                         ("mlp/c_proj", "ff.layers.2")):
+            put(f"{m}{dst}.weight", get(block, f"{src}/w", h).T, f"{h}{src}/w (transposed)")
+            put(f"{m}{dst}.bias", get(block, f"{src}/b", h), f"{h}{src}/b")
+        for src, dst in (("ln_1", "norm1"), ("ln_2", "norm2")):
+            put(f"{m}{dst}.scale", get(block, f"{src}/g", h), f"{h}{src}/g")
+            put(f"{m}{dst}.shift", get(block, f"{src}/b", h), f"{h}{src}/b")
+    put("final_norm.scale", get(params, "g", "ln_f/"), "ln_f/g")
+    put("final_norm.shift", get(params, "b", "ln_f/"), "ln_f/b")
+    put("out_head.weight", get(params, "wte", ""), "wte (tied output head)")
+
+
+def _flatten(params: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in params.items():
+        if key == "blocks":
+            for i, block in enumerate(value):
+                flat.update(_flatten(block, f"h{i}/"))
+        elif isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[prefix + key] = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
+    return flat
+
+
+def _fingerprint(ckpt_dir: Path) -> dict[str, int]:
+    """Sizes of the TF weight files: a re-downloaded checkpoint of another size invalidates the
+    converted copy, while copying the folder elsewhere (new mtimes) does not."""
+    return {n: (ckpt_dir / n).stat().st_size for n in TF_FILES[1:] if (ckpt_dir / n).is_file()}
+
+
+def convert_checkpoint(ckpt_dir: Path) -> Path:
+    """Read the TF checkpoint once and write ``<ckpt_dir>/lora_bench_state.pt`` atomically."""
+    ckpt_dir = Path(ckpt_dir)
+    settings, params = load_tf_checkpoint(ckpt_dir)
+    return _write_converted(ckpt_dir, settings, params)
+
+
+def _write_converted(ckpt_dir: Path, settings: dict, params: dict) -> Path:
+    path = ckpt_dir / CONVERTED_NAME
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    payload = {"format": CONVERTED_FORMAT, "settings": settings, "source": _fingerprint(ckpt_dir),
+               "n_blocks": len(params["blocks"]), "tensors": _flatten(params)}
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _read_converted(ckpt_dir: Path) -> tuple[dict, dict] | None:
+    """(settings, params) from the converted file, or None when it is absent, corrupt or stale."""
+    path = ckpt_dir / CONVERTED_NAME
+    if not path.is_file():
+        return None
+    try:
+        payload = torch.load(path, weights_only=True, map_location="cpu")
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as exc:
+        warnings.warn(f"{path} is unreadable ({type(exc).__name__}); converting the TensorFlow "
+                      "checkpoint again", RuntimeWarning, stacklevel=3)
+        return None
+    if not (isinstance(payload, dict) and payload.get("format") == CONVERTED_FORMAT
+            and isinstance(payload.get("settings"), dict) and isinstance(payload.get("tensors"), dict)
+            and all(isinstance(t, torch.Tensor) for t in payload["tensors"].values())):
+        warnings.warn(f"{path} is not a lora-bench converted checkpoint of format "
+                      f"{CONVERTED_FORMAT}; converting again", RuntimeWarning, stacklevel=3)
+        return None
+    current = _fingerprint(ckpt_dir)
+    if current and current != payload.get("source"):
+        return None  # the TF files changed since conversion: quietly convert again
+    params: dict = {"blocks": [{} for _ in range(int(payload.get("n_blocks", 0)))]}
+    for name, tensor in payload["tensors"].items():
+        _insert(params, name, tensor.numpy())
+    return payload["settings"], params
+
+
+def load_pretrained_into(model, ckpt_dir: Path) -> dict:
+    """Load the checkpoint in ``ckpt_dir`` into ``model``; returns its hparams settings.
+
+    Uses ``lora_bench_state.pt`` when present and valid; otherwise reads the TensorFlow files and,
+    if the folder is writable, writes the converted file so the next run needs no TensorFlow.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    loaded = _read_converted(ckpt_dir)
+    if loaded is None:
+        settings, params = load_tf_checkpoint(ckpt_dir)
+        if os.access(ckpt_dir, os.W_OK):
+            try:
+                _write_converted(ckpt_dir, settings, params)
+            except OSError as exc:  # full disk, read-only mount: loading still succeeded
+                warnings.warn(f"could not write {ckpt_dir / CONVERTED_NAME} ({exc}); the next run "
+                              "will read the TensorFlow checkpoint again", RuntimeWarning, stacklevel=2)
+    else:
+        settings, params = loaded
+    heads = settings.get("n_head")
+    if heads is not None and model.trf_blocks and heads != model.trf_blocks[0].att.num_heads:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has n_head={heads} but the model has "
+                              f"{model.trf_blocks[0].att.num_heads} heads; choose the matching model size")
+    load_weights_into_gpt(model, params)
+    return settings

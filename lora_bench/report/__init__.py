@@ -1,0 +1,1 @@
+"""Reports from results only: aggregation, renderers and figures."""

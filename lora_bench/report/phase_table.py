@@ -1,0 +1,63 @@
+"""Terminal rendering of one run's phase breakdown (device vs host, median and spread)."""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+
+from lora_bench.timing import PHASES
+
+
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _fmt(v, digits: int = 2) -> str:
+    f = _num(v)
+    return "-" if f is None else f"{f:.{digits}f}"
+
+
+def phase_table(row: dict) -> Table:
+    """Median [p10–p90] per phase, device and host, with the bound verdict."""
+    clock = row.get("timing_clock") or "off"
+    title = (f"{row.get('run_id', '')}  ·  {row.get('model_size')} {row.get('trainable_layers')}"
+             f"  ·  {row.get('device', '')} {row.get('gpu_name') or ''}  ·  clock: {clock}")
+    status = row.get("status")
+    if status not in (None, "", "done"):  # a failed or interrupted run: say so before any number
+        title += f"  ·  {status}" + (f": {row.get('error')}" if row.get("error") else "")
+    t = Table(title=title, title_justify="left")
+    two_clocks = clock != "host"  # on a CPU the host clock is the only one: no device columns
+    t.add_column("phase")
+    if two_clocks:
+        t.add_column("device ms (median)", justify="right")
+        t.add_column("p10–p90", justify="right")
+    t.add_column("host ms (median)", justify="right")
+    t.add_column("p10–p90", justify="right")
+    t.add_column("share", justify="right")
+    if two_clocks:
+        t.add_column("bound")
+    step = _num(row.get("step_ms_median"))
+    for ph in (*PHASES, "step"):
+        med = _num(row.get(f"{ph}_ms_median"))
+        share = "" if ph == "step" or not step or med is None else f"{100 * med / step:.0f}%"
+        device = [_fmt(med), f"{_fmt(row.get(f'{ph}_ms_p10'))}–{_fmt(row.get(f'{ph}_ms_p90'))}"]
+        host = [_fmt(row.get(f"host_{ph}_ms_median")),
+                f"{_fmt(row.get(f'host_{ph}_ms_p10'))}–{_fmt(row.get(f'host_{ph}_ms_p90'))}"]
+        bound = [str(row.get(f"bound_{ph}") or "") if ph != "step" else ""]
+        t.add_row(ph, *(device if two_clocks else []), *host, share, *(bound if two_clocks else []))
+    extras = []
+    for key, label, d in (("tokens_per_s", "tokens/s", 0), ("achieved_tflops", "TFLOP/s", 2), ("mfu", "MFU", 3),
+                          ("eval_s", "eval s", 2), ("training_time_s", "train s", 2),
+                          ("peak_mem_allocated_mib", "peak MiB", 0), ("measured_steps", "steps measured", 0),
+                          ("phase_sum_pct", "Σ phase medians vs step %", 1)):
+        if _num(row.get(key)) is not None:
+            extras.append(f"{label} {_fmt(row.get(key), d)}")
+    if extras:
+        t.caption = "  ·  ".join(extras)
+        t.caption_justify = "left"
+    return t

@@ -1,0 +1,1 @@
+"""Results: the schema of the result tables, their store, the recorded environment and the metrics."""

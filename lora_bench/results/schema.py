@@ -1,0 +1,114 @@
+"""Results: the one schema of the per-run (``runs.csv``) and per-step (``steps.csv``) tables —
+every measured column with its unit, dtype and which direction is better."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lora_bench.config import TrainConfig
+from lora_bench.timing import PHASES
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str  # pandas dtype: "string", "float64", "Int64", "boolean"
+    unit: str
+    help: str
+    better: str = ""  # "lower", "higher" or "" (not a metric)
+
+
+def _phase_cols() -> list[Column]:
+    cols = []
+    for ph in (*PHASES, "step"):
+        for stat in ("median", "p10", "p90"):
+            cols.append(Column(f"{ph}_ms_{stat}", "float64", "ms", f"device time of the {ph} phase, {stat} over measured steps", "lower"))
+            cols.append(Column(f"host_{ph}_ms_{stat}", "float64", "ms", f"host time of the {ph} phase, {stat}", "lower"))
+    for ph in PHASES:
+        cols.append(Column(f"bound_{ph}", "string", "", f"'host' when the {ph} phase's median host time reaches its device time (launch-bound), else 'device'"))
+    return cols
+
+
+RUN_COLUMNS: list[Column] = [
+    Column("run_id", "string", "", "unique run id (settings hash, repeat or time stamp)"),
+    Column("status", "string", "", "done, failed or interrupted"),
+    Column("error", "string", "", "error message when not done"),
+    Column("started_at", "string", "ISO-8601", "start time (UTC)"),
+    Column("model_size", "string", "", "GPT-2 size"),
+    Column("weights", "string", "", "pretrained or random"),
+    Column("trainable_layers", "string", "", "trainable-layer choice / LoRA variant"),
+    Column("lora_rank", "Int64", "", "LoRA rank (blank when not LoRA)"),
+    Column("lora_alpha", "float64", "", "LoRA alpha (blank when not LoRA)"),
+    Column("trainable_params", "Int64", "params", "parameters with requires_grad"),
+    Column("total_params", "Int64", "params", "all parameters"),
+    Column("train_acc", "float64", "%", "final accuracy on the whole train loader", "higher"),
+    Column("val_acc", "float64", "%", "final accuracy on the whole validation loader", "higher"),
+    Column("test_acc", "float64", "%", "final accuracy on the whole test loader", "higher"),
+    Column("final_train_loss", "float64", "", "last periodic train loss", "lower"),
+    Column("final_val_loss", "float64", "", "last periodic validation loss", "lower"),
+    Column("training_time_s", "float64", "s", "wall time of the loop incl. periodic evaluation (the reference's figure)", "lower"),
+    Column("training_time_min", "float64", "min", "the same in minutes", "lower"),
+    Column("steps", "Int64", "steps", "training steps run"),
+    Column("device", "string", "", "torch device"),
+    Column("backend", "string", "", "lora-kernel's path(s) in the training step: cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), cpp-direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), triton (Triton kernels: captured or compiled layers), cublas (compiled layers of 1558M-MLP size: cuBLAS GEMMs, Triton adapter gradients), torch (CPU); joined with + when layers differ; blank for other choices"),
+    Column("timing_clock", "string", "", "cuda_events, cuda_sync (perturbing), host (CPU) or off"),
+    Column("warmup_steps", "Int64", "steps", "steps excluded from the summaries"),
+    Column("measured_steps", "Int64", "steps", "steps in the summaries"),
+    *_phase_cols(),
+    Column("phase_sum_pct", "float64", "%", "sum of the phase medians vs the median step, in % of the median step "
+           "(each step's phases add up exactly; the medians drift apart when the host changes regime within a run)"),
+    Column("eval_s", "float64", "s", "time spent in periodic and per-epoch evaluation (device time on CUDA)", "lower"),
+    Column("tokens_per_step", "float64", "tokens", "median tokens per step"),
+    Column("tokens_per_s", "float64", "tokens/s", "tokens per second of median step time", "higher"),
+    Column("flops_per_step", "float64", "FLOP", "analytic FLOPs per step for the trainable set"),
+    Column("achieved_tflops", "float64", "TFLOP/s", "flops_per_step / median step time", "higher"),
+    Column("peak_tflops", "float64", "TFLOP/s", "datasheet dense peak for the GPU and precision (blank when unknown)"),
+    Column("mfu", "float64", "fraction", "model-FLOPs utilisation (achieved / peak)", "higher"),
+    Column("peak_mem_allocated_mib", "float64", "MiB", "peak CUDA memory allocated", "lower"),
+    Column("peak_mem_reserved_mib", "float64", "MiB", "peak CUDA memory reserved", "lower"),
+    Column("peak_rss_mib", "float64", "MiB", "peak host resident memory of the process", "lower"),
+    # sweep provenance (blank for one-off `lora-bench train` runs)
+    Column("sweep_name", "string", "", "name of the sweep the run belongs to"),
+    Column("sweep_file", "string", "", "sweep YAML file the run was expanded from"),
+    Column("sweep_sha256", "string", "", "sha256 of that YAML file when the run started"),
+    Column("sweep_label", "string", "", "the run's label in the sweep file (e.g. 'row 10'), if any"),
+    Column("repeat", "Int64", "", "repeat index within the sweep (0-based)"),
+]
+ENV_COLUMNS: list[Column] = [
+    Column(n, "string", "", h) for n, h in [
+        ("gpu_name", "GPU name"), ("gpu_driver", "NVIDIA driver"), ("torch_version", "torch version"),
+        ("cuda_version", "CUDA version torch was built with"), ("cudnn_version", "cuDNN version"),
+        ("triton_version", "Triton version"), ("python_version", "Python version"),
+        ("platform", "OS / machine"), ("cpu", "CPU model"), ("hostname", "host name"),
+        ("git_commit", "lora-bench git commit (+dirty)"), ("lora_bench_version", "package version"),
+        ("tf32_matmul", "torch.backends.cuda.matmul.allow_tf32"), ("tf32_cudnn", "torch.backends.cudnn.allow_tf32"),
+        ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
+    ]
+]
+SETTING_PREFIX = "cfg_"  # every TrainConfig field is a column cfg_<field>
+
+STEP_COLUMNS: list[Column] = [
+    Column("run_id", "string", "", "run id"),
+    Column("step", "Int64", "", "global step (0-based)"),
+    Column("epoch", "Int64", "", "epoch (1-based)"),
+    Column("warmup", "boolean", "", "excluded from summaries"),
+    *[Column(f"{p}_ms", "float64", "ms", f"device time of the {p} phase") for p in (*PHASES, "step")],
+    *[Column(f"host_{p}_ms", "float64", "ms", f"host time of the {p} phase") for p in (*PHASES, "step")],
+    Column("tokens", "Int64", "tokens", "tokens in the batch"),
+    Column("loss", "float64", "", "training loss of the batch (after division by accumulation steps)"),
+]
+
+
+def run_column_names() -> list[str]:
+    return [c.name for c in RUN_COLUMNS] + [c.name for c in ENV_COLUMNS] + [
+        SETTING_PREFIX + n for n in TrainConfig.field_names()]
+
+
+def column_index() -> dict[str, Column]:
+    cols = {c.name: c for c in RUN_COLUMNS + ENV_COLUMNS}
+    cols.update({c.name: c for c in STEP_COLUMNS if c.name not in cols})
+    return cols
+
+
+def settings_columns(cfg: TrainConfig) -> dict:
+    return {SETTING_PREFIX + k: v for k, v in cfg.to_dict().items()}

@@ -1,1 +1,0 @@
-"""Device studies: scripts that run several configurations in one call and print a short table."""

@@ -1,0 +1,149 @@
+"""Profilers around the training loop.
+
+``line``: line_profiler over the loop and the loss function, report saved beside the results —
+the method of the earlier 124M profile, kept so its host-attributed per-line times can be set
+against the device phase times. ``torch``: torch.profiler over a window of steps after warm-up;
+saves a gzipped Chrome/Perfetto trace and a per-phase kernel summary (launches per step, device time,
+top kernels) as CSV."""
+
+from __future__ import annotations
+
+import collections
+import io
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lora_bench.fileio import atomic_write_text
+from lora_bench.results.store import write_csv
+
+TORCH_WINDOW = 10  # steps recorded after warm-up
+
+
+class Profiler:
+    def __init__(self, mode: str, *, run_dir: Path, warmup_steps: int, device: torch.device):
+        self.mode = mode
+        self.run_dir = Path(run_dir)
+        self.device = device
+        self.start = warmup_steps
+        self.stop = warmup_steps + TORCH_WINDOW
+        self._prof = None
+        self._lp = None
+        self._active = False
+        self.recorded_steps = 0
+
+    @property
+    def labels_phases(self) -> bool:
+        return self.mode == "torch"
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, fn: Callable, *args, **kw):
+        if self.mode == "line":
+            from line_profiler import LineProfiler
+
+            from lora_bench.train import evaluate, loop as train
+
+            self._lp = LineProfiler(train.train_classifier, evaluate.calc_loss_batch)
+            return self._lp(fn)(*args, **kw)
+        return fn(*args, **kw)
+
+    def chain(self, on_step: Callable) -> Callable:
+        if self.mode != "torch":
+            return on_step
+
+        def hook(step: int, epoch: int, loss) -> None:
+            # ``step`` is the index of the step that just ended
+            if self._active:
+                self.recorded_steps += 1
+            if step + 1 == self.start:
+                self._begin()
+            elif step + 1 == self.stop:
+                self._end()
+            on_step(step, epoch, loss)
+
+        if self.start == 0:
+            self._begin()
+        return hook
+
+    def _begin(self) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
+        self._prof.__enter__()
+        self._active = True
+        self.recorded_steps = 0
+
+    def _end(self) -> None:
+        if not self._active:
+            return  # exiting a profiler twice crashes the process
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._prof.__exit__(None, None, None)
+        self._active = False
+
+    # -- output -------------------------------------------------------------------------------
+    def finish(self, console) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._lp is not None:
+            buf = io.StringIO()
+            self._lp.print_stats(stream=buf, output_unit=1e-3)
+            atomic_write_text(self.run_dir / "line_profile.txt", buf.getvalue())
+            console.print(f"line_profiler report: {self.run_dir / 'line_profile.txt'}")
+        if self._prof is not None:
+            self._end()
+            trace = self.run_dir / "trace.json.gz"  # ~50 MB uncompressed for 10 steps of 124M
+            self._prof.export_chrome_trace(str(trace))
+            rows, top = kernel_summary(self._prof, steps=max(self.recorded_steps, 1),
+                                       cuda=self.device.type == "cuda")
+            write_csv(self.run_dir / "kernels_by_phase.csv", rows, list(rows[0]) if rows else ["phase"])
+            write_csv(self.run_dir / "top_kernels.csv", top, list(top[0]) if top else ["phase"])
+            console.print(f"torch.profiler trace (open in ui.perfetto.dev): {trace}")
+
+
+def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
+    """Per phase: device kernels (incl. memcpy/memset) launched per step — top-level aten ops when
+    there is no GPU — their device time per step, and the top kernels by time.
+
+    A kernel belongs to the phase whose host-side ``phase:*`` range contains the start of the
+    CPU op that launched it (the profiler links each kernel to its op by correlation id). The
+    backward's ops run on autograd's own thread, inside the main thread's backward range."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    ranges = sorted((ev.time_range.start, ev.time_range.end, ev.name[6:]) for ev in events
+                    if ev.name.startswith("phase:") and ev.device_type == DeviceType.CPU)
+
+    def phase_of(t: float) -> str:
+        for start, end, name in ranges:
+            if start <= t <= end:
+                return name
+        return "other"
+
+    count: collections.Counter = collections.Counter()
+    dur_us: collections.Counter = collections.Counter()
+    per_kernel: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+
+    def add(ph: str, name: str, us: float) -> None:
+        count[ph] += 1
+        dur_us[ph] += us
+        acc = per_kernel[(ph, name)]
+        acc[0] += 1
+        acc[1] += us
+
+    for ev in events:
+        if ev.device_type != DeviceType.CPU or ev.name.startswith("phase:"):
+            continue
+        if cuda:
+            for k in getattr(ev, "kernels", None) or []:
+                add(phase_of(ev.time_range.start), k.name, k.duration)
+        elif ev.name.startswith("aten::") and not (ev.cpu_parent is not None
+                                                   and ev.cpu_parent.name.startswith("aten::")):
+            add(phase_of(ev.time_range.start), ev.name, ev.time_range.end - ev.time_range.start)
+    unit = "cuda kernels+memcpy" if cuda else "top-level aten ops (CPU)"
+    rows = [{"phase": ph, "launches_per_step": count[ph] / steps, "kernel_ms_per_step": dur_us[ph] / 1e3 / steps,
+             "unit": unit} for ph in sorted(count)]
+    top = sorted(({"phase": ph, "kernel": name[:200], "calls_per_step": c / steps, "ms_per_step": us / 1e3 / steps}
+                  for (ph, name), (c, us) in per_kernel.items()), key=lambda r: -r["ms_per_step"])[:60]
+    return rows, top

@@ -1,0 +1,296 @@
+"""One training run from a ``TrainConfig`` to its result rows: device and precision set-up, model,
+data, optimizer, the instrumented loop, final evaluation, and the files it leaves behind
+(``runs.csv`` row, ``<run_id>/steps.csv``, ``<run_id>/run.json``, profiles)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import re
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from lora_bench.train.classifier import build_classifier, cast_frozen, model_config
+from lora_bench.config import TrainConfig
+from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
+from lora_bench.errors import UsageError
+from lora_bench.train.evaluate import calc_accuracy_loader
+from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
+from lora_bench.model.gpt2 import count_params
+from lora_bench.results.environment import environment
+from lora_bench.fileio import atomic_write_text
+from lora_bench.results.store import upsert_run, write_csv
+from lora_bench.results.schema import STEP_COLUMNS, settings_columns
+from lora_bench.timing import PhaseTimer
+from lora_bench.data.tokenizer import gpt2_tokenizer
+from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier
+
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def default_cache_dir() -> Path:
+    from lora_bench.model.checkpoints import default_cache_dir as _d
+
+    return _d()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device={name!r} but CUDA is not available here; use --device cpu or auto")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device={name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def settings_hash(cfg: TrainConfig) -> str:
+    """Hash of the settings that differ from their defaults: a setting added to lora-bench later
+    (with a default that keeps the old behaviour) leaves existing run ids, and so a sweep's resume,
+    intact. (Before, the hash covered every field, so each new option re-ran whole sweeps.)"""
+    defaults = TrainConfig().to_dict()
+    changed = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
+    return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def make_run_id(cfg: TrainConfig, *, repeat: int | None = None) -> str:
+    """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs."""
+    slug = f"{cfg.model_size}-{cfg.trainable_layers}".replace(" ", "").replace("(", "").replace(")", "")
+    base = f"{slug}-{settings_hash(cfg)}"
+    if repeat is not None:
+        return f"{base}-r{repeat}"
+    return f"{base}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S%f')}"
+
+
+def set_precision(cfg: TrainConfig) -> None:
+    # fp32 is the reference: no TF32 anywhere in matmuls (torch's default); tf32 opts in.
+    torch.set_float32_matmul_precision("high" if cfg.precision == "tf32" else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = cfg.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = cfg.precision == "tf32"
+
+
+def amp_context(cfg: TrainConfig, device: torch.device):
+    if cfg.precision != "bf16":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def compile_model(model: torch.nn.Module, scope: str, **compile_kw) -> torch.nn.Module:
+    """torch.compile the whole model (returns the compiled wrapper), or each transformer block in
+    place (returns the model itself). Blocks share their code, so with scope "blocks" a 48-block
+    model compiles about as fast as a 12-block one: one graph for the first block (its input needs
+    no gradient), one reused by all the others."""
+    if scope == "model":
+        return torch.compile(model, **compile_kw)
+    if scope == "blocks":
+        for block in model.trf_blocks:
+            block.compile(**compile_kw)
+        return model
+    raise ValueError(f"compile scope {scope!r}: expected model or blocks")
+
+
+class RunContext:
+    """What a run builds before its loop; kept for the profilers and CUDA graphs."""
+
+    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        set_precision(cfg)
+        mcfg = model_config(cfg)
+        raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
+        splits = cached_splits(raw, cache_dir)
+        self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
+        self.trainable_params = count_params(self.model, trainable_only=True)
+        self.total_params = count_params(self.model)
+        if cfg.precision == "bf16":
+            cast_frozen(self.model, torch.bfloat16)
+        self.model.to(self.device)
+        self.loaders = build_loaders(splits, gpt2_tokenizer(), context_length=cfg.context_length,
+                                     model_context=mcfg.context_length, batch_size=cfg.batch_size,
+                                     no_padding=cfg.no_padding)
+        self.mcfg = mcfg
+        torch.manual_seed(cfg.seed)
+        opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
+        if cfg.cuda_graphs:
+            opt_kw["capturable"] = True
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay, **opt_kw)
+        self.amp = amp_context(cfg, self.device)
+        if cfg.compile:
+            # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
+            # models would pile up to the recompile limit, after which dynamo silently runs eager.
+            torch._dynamo.reset()
+        self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
+        self.eval_model = self.forward_model
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from lora_bench.train.graphs import GraphedEval
+
+            self.eval_model = GraphedEval(self.forward_model)
+
+    def loop_settings(self) -> LoopSettings:
+        c = self.cfg
+        return LoopSettings(num_epochs=c.num_epochs, eval_freq=c.eval_freq, eval_iter=c.eval_iter,
+                            accumulation_steps=c.accumulation_steps, token_pos=c.trainable_token_pos,
+                            ignore_index=c.ignore_index, average_embeddings=c.average_embeddings,
+                            max_steps=c.max_steps)
+
+    def backend(self) -> str:
+        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'cpp-direct', 'triton', or
+        'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
+        block-scoped compile), 'cublas' for 1558M's MLP compiled."""
+        if self.cfg.trainable_layers != "lora-kernel":
+            return ""
+        from lora_bench.kernels.autograd import CPP_GRAPH_MIN_WEIGHT, compiled_takes_cublas, lora_kernel_backend
+        from lora_bench.lora.kernel import LinearWithLoRAKernel
+
+        cfg = self.cfg
+        eager = lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        traced = lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
+        compiled = set()
+        if cfg.compile:
+            blocks = self.model.trf_blocks if cfg.compile_scope == "blocks" else self.model
+            compiled = {id(m) for m in blocks.modules()}
+        paths = set()
+        for m in self.model.modules():
+            if not isinstance(m, LinearWithLoRAKernel):
+                continue
+            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
+                paths.add("cublas" if traced == "triton" and compiled_takes_cublas(m.linear.weight) else traced)
+            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
+                paths.add(traced)
+            elif cfg.cuda_graphs and eager == "cpp-direct":  # captured: the C++ op's cuBLAS GEMMs
+                paths.add("cpp")
+            else:
+                paths.add(eager)
+        return "+".join(sorted(paths))
+
+
+def final_accuracies(ctx: RunContext) -> dict[str, float]:
+    kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
+    out = {}
+    for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
+        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
+    return out
+
+
+def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
+                progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None) -> dict:
+    """Run one configuration and record it. On failure or interruption the row is still written
+    (status failed / interrupted, with the error) and the exception propagates."""
+    from lora_bench.progress import TrainProgress
+    from lora_bench.train.profiling import Profiler
+
+    cfg.validate()
+    console = console or Console()
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    results_dir = Path(results_dir)
+    run_id = run_id or make_run_id(cfg)
+    if not RUN_ID_RE.match(run_id):
+        raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
+                         "digit (it names a folder inside the results folder)")
+    run_dir = results_dir / run_id
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
+    timer = None
+    steps: list[dict] | None = None  # the per-step rows, built once
+    log: list[str] = []
+    curves: dict = {}
+
+    def say(msg: str) -> None:
+        log.append(msg)
+        console.print(msg, highlight=False)
+
+    try:
+        ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress)
+        row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
+                   backend=ctx.backend(), **environment(ctx.device))
+        timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        profiler = Profiler(cfg.profile, run_dir=run_dir, warmup_steps=cfg.warmup_steps, device=ctx.device)
+        step_fn = None
+        if cfg.cuda_graphs:
+            from lora_bench.train.graphs import GraphedStep
+
+            step_fn = GraphedStep(ctx, timer=timer)
+        total = (cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train))
+        with TrainProgress(console, total=total, enabled=progress, timer=timer) as bar:
+            on_step = profiler.chain(bar.update)
+            timer.label_phases = profiler.labels_phases
+            result: TrainResult = profiler.run(
+                train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step,
+                eval_model=ctx.eval_model, say=say)
+        curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
+                      train_accs=result.train_accs, val_accs=result.val_accs)
+        row.update(steps=result.steps, training_time_s=result.training_time_s,
+                   training_time_min=result.training_time_s / 60,
+                   final_train_loss=result.train_losses[-1] if result.train_losses else None,
+                   final_val_loss=result.val_losses[-1] if result.val_losses else None)
+        say(f"Training completed in {result.training_time_s / 60:.2f} minutes.")
+        if not cfg.skip_final_eval:
+            accs = final_accuracies(ctx)
+            row.update(accs)
+            say(f"Training accuracy: {accs['train_acc']:.2f}%")
+            say(f"Validation accuracy: {accs['val_acc']:.2f}%")
+            say(f"Test accuracy: {accs['test_acc']:.2f}%")
+        profiler.finish(console)
+        steps = timer.step_rows(run_id) if timer.enabled else []
+        row.update(_summary(ctx, timer, cfg, steps))
+        row["status"] = "done"
+        return row
+    except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
+        row["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        raise
+    finally:
+        if timer is not None and timer.enabled:
+            try:
+                if steps is None:  # the run stopped before its summary
+                    steps = timer.step_rows(run_id)
+                write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
+            except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
+                row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+        row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        atomic_write_text(run_dir / "run.json", json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
+        upsert_run(results_dir / "runs.csv", row)
+
+
+def _cfg_columns(cfg: TrainConfig) -> dict:
+    return {
+        "model_size": cfg.model_size, "weights": cfg.weights, "trainable_layers": cfg.trainable_layers,
+        "lora_rank": cfg.lora_rank if cfg.is_lora else None,
+        "lora_alpha": cfg.lora_alpha if cfg.is_lora else None,
+        "warmup_steps": cfg.warmup_steps, **settings_columns(cfg),
+    }
+
+
+def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:
+    out: dict = {"timing_clock": timer.clock, "eval_s": timer.eval_ms / 1e3 if timer.enabled else None}
+    if ctx.device.type == "cuda":
+        out["peak_mem_allocated_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+        out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(ctx.device) / 2**20
+    if not timer.enabled:
+        return out
+    s = summarise_steps(steps, clock=timer.clock)
+    out.update(s)
+    if "step_ms_median" in s:
+        tokens = s["tokens_per_step"]
+        step_s = s["step_ms_median"] / 1e3
+        flops = flops_per_step(ctx.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank)
+        out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
+        if ctx.device.type == "cuda":
+            peak = peak_tflops(torch.cuda.get_device_name(ctx.device), cfg.precision)
+            if peak:
+                out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / peak)
+    return out
+
