@@ -19,9 +19,9 @@ import time
 import torch
 
 from lora_bench.config import TrainConfig
-from lora_bench.train.run import RunContext, default_cache_dir
 from lora_bench.timing import PHASES, PhaseTimer
 from lora_bench.train.loop import train_classifier
+from lora_bench.train.run import RunContext, default_cache_dir
 
 
 def measure(ctx: RunContext, *, mode: str, steps: int) -> float:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lora_bench.errors import ConfigError
+from lora_bench.model.gpt2 import gpt_config, resolve_model_size
 
 # Allowed values: one place. The CLI, sweep validation and docs read these.
 WEIGHTS = ("pretrained", "random")
@@ -108,8 +109,6 @@ class TrainConfig:
     # -- validation --------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every problem with these settings (empty when valid)."""
-        from lora_bench.model.gpt2 import resolve_model_size  # local: model imports nothing from here
-
         p: list[str] = []
 
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -199,8 +198,6 @@ def model_shape_problems(s: dict) -> list[str]:
     """Problems only the model's shape reveals: a size without a checkpoint, a width the heads
     don't divide, a context length the model doesn't have. ``s`` maps setting names to values
     (a TrainConfig's, or a sweep run's before it is built)."""
-    from lora_bench.model.gpt2 import gpt_config, resolve_model_size
-
     try:
         size = resolve_model_size(s["model_size"])
     except ValueError:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import refused_url
+
 from lora_bench.results.store import read_runs
 
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress"]

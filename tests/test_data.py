@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from lora_bench.data.sms_spam import balance_and_split, build_loaders, prepare_splits, read_raw
-from lora_bench.errors import DataError, UsageError
 from lora_bench.data.tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, bpe_files, gpt2_tokenizer, sha256_file
+from lora_bench.errors import DataError, UsageError
 
 SPLIT_SHA256 = {
     "train": "ec2895b026553ce06475815818c52cf44828af0605b07b257935a194e611195a",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_bench.kernels import direct
 from lora_bench.kernels import autograd as K
+from lora_bench.kernels import direct
 
 PTX = """
 .visible .entry k(

@@ -8,8 +8,8 @@ import os
 import zipfile
 
 import pytest
-
 from conftest import refused_url
+
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError
 

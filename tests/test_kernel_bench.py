@@ -6,7 +6,14 @@ import csv
 
 import pytest
 
-from lora_bench.bench.kernel_bench import COLUMNS, IMPLS, parse_shape, render_kernel_table, resolve_shapes, run_kernel_bench
+from lora_bench.bench.kernel_bench import (
+    COLUMNS,
+    IMPLS,
+    parse_shape,
+    render_kernel_table,
+    resolve_shapes,
+    run_kernel_bench,
+)
 
 
 def test_tiny_cpu_bench_writes_csv(tmp_path):
@@ -46,8 +53,8 @@ def test_shapes_and_groups():
 
 
 def test_forced_cpp_impl_runs_the_cpp_op():
-    from lora_bench.kernels import lora_cpp
     from lora_bench.kernels import autograd as k
+    from lora_bench.kernels import lora_cpp
 
     if not lora_cpp.cpp_available():
         pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}")

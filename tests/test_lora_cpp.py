@@ -13,14 +13,14 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
+from lora_bench.kernels import autograd as K
 from lora_bench.kernels import direct as direct_mod
 from lora_bench.kernels import lora_cpp
-from lora_bench.lora import LinearWithLoRA
-from lora_bench.kernels import autograd as K
 from lora_bench.kernels.autograd import lora_kernel_backend, set_kernel_mode
+from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.kernel import LinearWithLoRAKernel
-from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 PY_GRAD_FN = "LoRAKernelFunctionBackward"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

@@ -17,13 +17,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
-from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.kernels import autograd as K
 from lora_bench.kernels.autograd import lora_kernel_backend, lora_linear
+from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.model.gpt2 import build_random_model, gpt_config
-from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

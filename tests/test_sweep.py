@@ -83,8 +83,8 @@ def test_run_ids_survive_a_new_setting_with_a_default(tmp_path, monkeypatch):
 def test_resume_finds_finished_runs_by_their_settings(tmp_path):
     """Rows written under another id scheme (or before a setting existed) still count as done when
     the same sweep and repeat holds the same settings; anything else is still to run."""
-    from lora_bench.results.store import upsert_run
     from lora_bench.results.schema import settings_columns
+    from lora_bench.results.store import upsert_run
     from lora_bench.sweep.runner import resume_statuses
 
     path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora, last_block]\n"

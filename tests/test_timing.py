@@ -9,12 +9,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from lora_bench.results.metrics import flops_per_step, summarise_steps
 from lora_bench.model.gpt2 import gpt_config
-from lora_bench.results.store import read_runs
+from lora_bench.results.metrics import flops_per_step, summarise_steps
 from lora_bench.results.schema import RUN_COLUMNS, STEP_COLUMNS, run_column_names
-from lora_bench.train.run import execute_run
+from lora_bench.results.store import read_runs
 from lora_bench.timing import PHASES, PhaseTimer
+from lora_bench.train.run import execute_run
 
 
 def test_phase_attribution_with_known_sleeps():
@@ -180,8 +180,8 @@ def test_timer_overhead_pairs_cancel_drift_and_bound_the_overhead():
 def test_timer_overhead_block_runs_the_steps_it_divides_by(tiny_cfg, monkeypatch, tmp_path):
     """A block longer than an epoch runs as many epochs as it needs, and ms/step divides by the
     steps that really ran."""
-    from lora_bench.train.run import RunContext
     from benchmarks import timer_overhead
+    from lora_bench.train.run import RunContext
 
     ctx = RunContext(tiny_cfg.replace(batch_size=64), cache_dir=tmp_path / "cache", progress=False)
     n = len(ctx.loaders.train)

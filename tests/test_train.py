@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import cached_splits
+from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.lora import LinearWithLoRA, inject_lora
 from lora_bench.model.gpt2 import GPTModel, gpt_config
 from lora_bench.train.run import execute_run
-from lora_bench.data.tokenizer import gpt2_tokenizer
 
 
 # ---- the reference, transcribed (deliberately not sharing code with lora_bench's loop) --------

@@ -14,11 +14,18 @@ import pytest
 import torch
 from conftest import refused_url
 
-from lora_bench.model import checkpoints as weights
 from lora_bench.errors import CheckpointError, DownloadError
+from lora_bench.model import checkpoints as weights
+from lora_bench.model.checkpoints import (
+    CHECKPOINT_FILES,
+    CONVERTED_NAME,
+    default_cache_dir,
+    ensure_checkpoint,
+    load_pretrained_into,
+    load_tf_checkpoint,
+    load_weights_into_gpt,
+)
 from lora_bench.model.gpt2 import GPTConfig, GPTModel
-from lora_bench.model.checkpoints import (CHECKPOINT_FILES, CONVERTED_NAME, default_cache_dir, ensure_checkpoint,
-                                load_pretrained_into, load_tf_checkpoint, load_weights_into_gpt)
 
 VOCAB, CTX, EMB, LAYERS, HEADS = 50, 16, 16, 2, 2
 CFG = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=EMB, n_layers=LAYERS, n_heads=HEADS)

@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from lora_bench.results import store
+from lora_bench.kernels import autograd as k
+from lora_bench.kernels.autograd import _MODES
 from lora_bench.lora import lora_class
-from lora_bench.train.graphs import warm_up
+from lora_bench.results import store
 from lora_bench.results.metrics import median_p10_p90
+from lora_bench.train.graphs import warm_up
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -202,15 +204,11 @@ class _Forced:
         self.mode = impl.partition(":")[2] if impl.startswith("lora-kernel") else ""
 
     def __enter__(self):
-        from lora_bench.kernels import autograd as k
-
         self.prev = k._mode_override  # e.g. from LORA_BENCH_KERNEL_MODE
         if self.mode:
             k.set_kernel_mode(self.mode)
 
     def __exit__(self, *exc):
-        from lora_bench.kernels import autograd as k
-
         k._mode_override = self.prev
         return False
 
@@ -220,7 +218,6 @@ def _backend(impl: str, shape: Shape, device: torch.device, dtype: torch.dtype) 
     plan a CUDA graph captures when it differs."""
     if not impl.startswith("lora-kernel"):
         return "cublas" if device.type == "cuda" else "torch"
-    from lora_bench.kernels import autograd as k
 
     with _Forced(impl):
         probe = torch.empty(0, device=device, dtype=dtype)
@@ -317,7 +314,6 @@ def run_kernel_bench(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
     impls = impls or list(IMPLS)
-    from lora_bench.kernels.autograd import _MODES
 
     for impl in impls:
         base, _, mode = impl.partition(":")

@@ -11,8 +11,19 @@ import typer
 from rich.console import Console
 
 from lora_bench import __version__
-from lora_bench.config import (ATTENTION, COMPILE_SCOPES, OPS, OPTIMIZERS, PRECISIONS, PROFILES, TIMING, TOKEN_POSITIONS, TRAINABLE_LAYERS, WEIGHTS,
-                     TrainConfig)
+from lora_bench.config import (
+    ATTENTION,
+    COMPILE_SCOPES,
+    OPS,
+    OPTIMIZERS,
+    PRECISIONS,
+    PROFILES,
+    TIMING,
+    TOKEN_POSITIONS,
+    TRAINABLE_LAYERS,
+    WEIGHTS,
+    TrainConfig,
+)
 from lora_bench.errors import LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -192,8 +203,8 @@ def _validate_as_flags(cfg: TrainConfig) -> None:
 def show(results_dir: Annotated[Path, typer.Argument(help="A results folder holding runs.csv.")],
          run_id: Annotated[Optional[str], typer.Argument(help="Run id (default: the latest run).")] = None) -> None:
     """Print a run's phase breakdown again, from the files."""
-    from lora_bench.report.phase_table import phase_table
     from lora_bench.errors import UsageError
+    from lora_bench.report.phase_table import phase_table
     from lora_bench.results.store import read_runs
 
     path = results_dir / "runs.csv"
@@ -222,8 +233,8 @@ def data_prepare(
 ) -> None:
     """Balance and split the SMS Spam Collection exactly as the reference."""
     from lora_bench.data.sms_spam import ensure_sms_spam, prepare_splits
-    from lora_bench.train.run import default_cache_dir
     from lora_bench.data.tokenizer import sha256_file
+    from lora_bench.train.run import default_cache_dir
 
     raw = data_file or ensure_sms_spam(cache_dir or default_cache_dir(), progress=not no_progress)
     for name, path in prepare_splits(raw, out).items():
@@ -260,7 +271,7 @@ def sweep(
     Example: [bold]lora-bench sweep configs/smoke.yaml[/bold]
     """
     from lora_bench.errors import UsageError
-    from lora_bench.sweep.spec import sweep_command
+    from lora_bench.sweep.command import sweep_command
 
     if data_file is not None:
         _check_data_file(data_file)
@@ -285,7 +296,7 @@ def report(
 ) -> None:
     """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
     from lora_bench.errors import UsageError
-    from lora_bench.report.aggregate import report_command
+    from lora_bench.report.command import report_command
 
     if plot is not None:
         if plot.suffix.lower() not in PLOT_SUFFIXES:
@@ -313,8 +324,8 @@ def kernel_bench(
     no_progress: NoProgress = False,
 ) -> None:
     """Time one LoRA layer (forward, backward, both) against the frozen layer: the floor."""
-    from lora_bench.errors import UsageError
     from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
+    from lora_bench.errors import UsageError
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     _output_dir(out.parent, "--out")

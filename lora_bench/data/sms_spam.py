@@ -13,9 +13,10 @@ import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
+from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, UsageError
 from lora_bench.fileio import publish
-from lora_bench.data.tokenizer import PAD_TOKEN_ID
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -29,9 +30,6 @@ SPLIT_FILES = ("train.csv", "validation.csv", "test.csv")
 
 def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None) -> Path:
     """The raw TSV, downloaded (primary then fallback URL) and extracted into ``cache_dir`` once."""
-    from lora_bench.download import download_file, safe_extract_zip
-    from lora_bench.data.tokenizer import sha256_file
-
     folder = Path(cache_dir) / "sms_spam"
     tsv = folder / "SMSSpamCollection.tsv"
     if tsv.is_file() and sha256_file(tsv) == SMS_SHA256:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import io
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,8 +20,8 @@ import pandas as pd
 
 from lora_bench.config import TRAINABLE_LAYERS
 from lora_bench.errors import UsageError
-from lora_bench.results.store import read_runs
 from lora_bench.results.schema import SETTING_PREFIX, column_index
+from lora_bench.results.store import read_runs, result_rows
 
 FORMATS = ("table", "markdown", "csv")
 PHASE_METRICS = ("data_ms_median", "forward_ms_median", "backward_ms_median", "optimizer_ms_median")
@@ -36,30 +35,7 @@ RULE = ("≈: |Δ median| ≤ max(IQR of the group, IQR of the baseline), i.e. w
         "?: fewer than 2 repeats on a side, spread unknown")
 
 
-# -- reading -------------------------------------------------------------------------------------
-def result_rows(results_dir: Path) -> list[dict]:
-    """Rows (as text, like runs.csv) of one results folder: runs.csv, plus any ``<run_id>/run.json``
-    it lacks. run.json is written before runs.csv, so it is never older and wins."""
-    rows: dict[str, dict] = {}
-    csv = Path(results_dir) / "runs.csv"
-    if csv.is_file():
-        for r in pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records"):
-            rows[r["run_id"]] = r
-    for path in sorted(Path(results_dir).glob("*/run.json")):
-        try:
-            row = json.loads(path.read_text())["row"]
-        except (OSError, ValueError, KeyError):
-            continue  # a half-copied or foreign file is not a result
-        rows[row["run_id"]] = {k: _text(v) for k, v in row.items()}
-    return list(rows.values())
-
-
-def _text(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
-
-
+# -- reading ---------------------------------------------------------------------------------------
 def _result_dirs(path: Path) -> list[Path]:
     if path.is_file():
         return [path.parent]
@@ -331,42 +307,3 @@ def to_rich(rep: Report, *, title: str = ""):
     for r in rows:
         table.add_row(*r)
     return table
-
-
-def report_command(paths: list[Path], *, group_by: str | None, baseline: str | None, metrics: str | None,
-                   fmt: str, output: Path | None, plot: Path | None, console) -> None:
-    """What ``lora-bench report`` does: read, aggregate, render, optionally plot."""
-    if fmt not in FORMATS:
-        raise UsageError(f"--format {fmt!r} is not allowed; choose one of: {', '.join(FORMATS)}")
-
-    def split(text):
-        return [s for s in (t.strip() for t in text.split(",")) if s] if text else None
-
-    rep = build_report(load_results(paths), group_by=split(group_by), baseline=baseline, metrics=split(metrics))
-    if fmt == "table":
-        from rich.console import Console
-
-        from rich.measure import Measurement
-
-        title = f"{len(rep.done)} finished runs from {', '.join(map(str, paths))}"
-        table = to_rich(rep, title=title)
-        target = Console(file=open(output, "w"), no_color=True) if output else console
-        # never clip a number to fit a narrow terminal or a log's 80 columns: print at full width
-        width = max(target.width, Measurement.get(target, target.options.update_width(10_000), table).maximum)
-        Console(file=target.file, width=width, force_terminal=target.is_terminal,
-                no_color=target.no_color).print(table)
-        if output:
-            target.file.close()
-    else:
-        text = to_markdown(rep) if fmt == "markdown" else to_csv(rep)
-        if output:
-            Path(output).write_text(text)
-        else:
-            console.out(text, end="", highlight=False)
-    if output:
-        console.print(f"wrote {output}", highlight=False)
-    if plot:
-        from lora_bench.report.plots import plot_report
-
-        plot_report(rep, plot)
-        console.print(f"wrote {plot}", highlight=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 from pathlib import Path
 from typing import Iterable
 
@@ -73,3 +74,26 @@ def _fmt(v):
     if isinstance(v, (dict, list)):
         return json.dumps(v)
     return "" if v is None else v
+
+
+def result_rows(results_dir: Path) -> list[dict]:
+    """Rows (as text, like runs.csv) of one results folder: runs.csv, plus any ``<run_id>/run.json``
+    it lacks. run.json is written before runs.csv, so it is never older and wins."""
+    rows: dict[str, dict] = {}
+    csv = Path(results_dir) / "runs.csv"
+    if csv.is_file():
+        for r in pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records"):
+            rows[r["run_id"]] = r
+    for path in sorted(Path(results_dir).glob("*/run.json")):
+        try:
+            row = json.loads(path.read_text())["row"]
+        except (OSError, ValueError, KeyError):
+            continue  # a half-copied or foreign file is not a result
+        rows[row["run_id"]] = {k: text_value(v) for k, v in row.items()}
+    return list(rows.values())
+
+
+def text_value(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return json.dumps(v) if isinstance(v, (dict, list)) else str(v)

@@ -22,7 +22,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 from rich.console import Console
@@ -30,11 +29,10 @@ from rich.console import Console
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.fileio import atomic_write_text
-from lora_bench.results.store import locked, upsert_run, write_csv
 from lora_bench.results.schema import run_column_names, settings_columns
-
-if TYPE_CHECKING:
-    from lora_bench.sweep.spec import PlannedRun, Sweep
+from lora_bench.results.store import locked, result_rows, text_value, upsert_run, write_csv
+from lora_bench.sweep.spec import ID_AS_DECLARED, PlannedRun, Sweep, select_shard
+from lora_bench.train.run import execute_run
 
 ISOLATION = ("process", "inline")
 GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
@@ -127,8 +125,6 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts) -> dict:
 
 
 def _run_inline(job: Job, log: Path, interrupts: Interrupts) -> int:
-    from lora_bench.train.run import execute_run
-
     with open(log, "w") as f:
         console = Console(file=f, width=120, force_terminal=False)
         try:
@@ -253,10 +249,14 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
               cache_dir: Path | None = None) -> SweepResult:
     """Run the (shard's) runs not yet done, each isolated; a failure is recorded and the sweep
     goes on; SIGINT / SIGTERM stops it after recording the interrupted run."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    from lora_bench.sweep.spec import select_shard
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     if isolation not in ISOLATION:
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
@@ -331,8 +331,6 @@ def repair_runs_csv(results_dir: Path) -> int:
 
 
 def run_statuses(results_dir: Path) -> dict[str, str]:
-    from lora_bench.report.aggregate import result_rows
-
     return {r["run_id"]: r.get("status", "") for r in result_rows(Path(results_dir))}
 
 
@@ -341,9 +339,6 @@ def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) 
     counts as done when a finished row of the same sweep and repeat holds the same settings:
     a row written under an older run-id scheme, or before a setting (now at its default) existed.
     Paths and the device are not compared (they may differ per machine, as in the ids)."""
-    from lora_bench.report.aggregate import result_rows
-    from lora_bench.sweep.spec import ID_AS_DECLARED
-
     rows = result_rows(Path(results_dir))
     by_id = {r["run_id"]: r for r in rows}
     out: dict[str, tuple[str, str]] = {}
@@ -369,13 +364,11 @@ def _same_settings(cfg: TrainConfig, row: dict, defaults: TrainConfig, *, skip: 
     """Does a results row (text values, ``cfg_<name>`` columns) hold these settings? A column the
     row lacks, or leaves empty (runs.csv fills the columns of older rows with nothing), holds the
     setting's default."""
-    from lora_bench.report.aggregate import _text
-
     for name in TrainConfig.field_names():
         if name in skip:
             continue
-        want = _text(getattr(cfg, name))
-        got = row.get(f"cfg_{name}") or _text(getattr(defaults, name))
+        want = text_value(getattr(cfg, name))
+        got = row.get(f"cfg_{name}") or text_value(getattr(defaults, name))
         if want != got and not _same_number(want, got):
             return False
     return True
@@ -430,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
-        from lora_bench.train.run import execute_run
-
         spec = json.loads(Path(argv[0]).read_text())
         cfg = TrainConfig.from_mapping(spec["config"])
         console = Console(file=sys.stdout, width=120, force_terminal=False)

@@ -9,6 +9,9 @@ import torch
 import torch.nn as nn
 
 from lora_bench.config import TrainConfig
+from lora_bench.errors import UsageError
+from lora_bench.lora import inject_lora, lora_class
+from lora_bench.model import checkpoints as weights
 from lora_bench.model.gpt2 import GPTConfig, GPTModel, build_random_model, gpt_config, resolve_model_size
 
 NUM_CLASSES = 2
@@ -57,12 +60,9 @@ def _random_base(mcfg: GPTConfig, seed: int) -> GPTModel:
 def load_base_model(cfg: TrainConfig, mcfg: GPTConfig, *, cache_dir: Path, progress: bool = True) -> GPTModel:
     if cfg.weights == "random":
         return _random_base(mcfg, cfg.seed)
-    from lora_bench.model import checkpoints as weights
 
     size = resolve_model_size(cfg.model_size)
     if size == "tiny":
-        from lora_bench.errors import UsageError
-
         raise UsageError("model_size=tiny has no pretrained checkpoint; use --weights random")
     folder = Path(cfg.weights_dir) if cfg.weights_dir else weights.ensure_checkpoint(
         size, cache_dir=cache_dir, progress=progress)
@@ -88,8 +88,6 @@ def make_trainable(model: GPTModel, cfg: TrainConfig) -> None:
         for p in model.parameters():
             p.requires_grad = True
     elif cfg.is_lora:
-        from lora_bench.lora import inject_lora, lora_class
-
         inject_lora(model, cls=lora_class(layers), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
     # last_layer: only the new head, which is trainable on creation
 

@@ -14,8 +14,8 @@ import contextlib
 import torch
 
 from lora_bench.errors import UsageError
-from lora_bench.train.evaluate import calc_loss_batch
 from lora_bench.kernels.autograd import graph_plan
+from lora_bench.train.evaluate import calc_loss_batch
 
 WARMUP_ITERS = 3
 

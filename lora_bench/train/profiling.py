@@ -17,6 +17,8 @@ import torch
 
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.store import write_csv
+from lora_bench.train import evaluate
+from lora_bench.train import loop as train
 
 TORCH_WINDOW = 10  # steps recorded after warm-up
 
@@ -41,8 +43,6 @@ class Profiler:
     def run(self, fn: Callable, *args, **kw):
         if self.mode == "line":
             from line_profiler import LineProfiler
-
-            from lora_bench.train import evaluate, loop as train
 
             self._lp = LineProfiler(train.train_classifier, evaluate.calc_loss_batch)
             return self._lp(fn)(*args, **kw)

@@ -15,29 +15,28 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from lora_bench.train.classifier import build_classifier, cast_frozen, model_config
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
-from lora_bench.errors import UsageError
-from lora_bench.train.evaluate import calc_accuracy_loader
-from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
-from lora_bench.model.gpt2 import count_params
-from lora_bench.results.environment import environment
-from lora_bench.fileio import atomic_write_text
-from lora_bench.results.store import upsert_run, write_csv
-from lora_bench.results.schema import STEP_COLUMNS, settings_columns
-from lora_bench.timing import PhaseTimer
 from lora_bench.data.tokenizer import gpt2_tokenizer
+from lora_bench.errors import UsageError
+from lora_bench.fileio import atomic_write_text
+from lora_bench.kernels import autograd as lora_kernel_ops
+from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.model.checkpoints import default_cache_dir
+from lora_bench.model.gpt2 import count_params
+from lora_bench.progress import TrainProgress
+from lora_bench.results.environment import environment
+from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
+from lora_bench.results.schema import STEP_COLUMNS, settings_columns
+from lora_bench.results.store import upsert_run, write_csv
+from lora_bench.timing import PhaseTimer
+from lora_bench.train.classifier import build_classifier, cast_frozen, model_config
+from lora_bench.train.evaluate import calc_accuracy_loader
+from lora_bench.train.graphs import GraphedEval, GraphedStep
 from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier
-
+from lora_bench.train.profiling import Profiler
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def default_cache_dir() -> Path:
-    from lora_bench.model.checkpoints import default_cache_dir as _d
-
-    return _d()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,8 +131,6 @@ class RunContext:
         self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
         self.eval_model = self.forward_model
         if cfg.cuda_graphs and self.device.type == "cuda":
-            from lora_bench.train.graphs import GraphedEval
-
             self.eval_model = GraphedEval(self.forward_model)
 
     def loop_settings(self) -> LoopSettings:
@@ -149,12 +146,10 @@ class RunContext:
         block-scoped compile), 'cublas' for 1558M's MLP compiled."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-        from lora_bench.kernels.autograd import CPP_GRAPH_MIN_WEIGHT, compiled_takes_cublas, lora_kernel_backend
-        from lora_bench.lora.kernel import LinearWithLoRAKernel
 
         cfg = self.cfg
-        eager = lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-        traced = lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
+        eager = lora_kernel_ops.lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        traced = lora_kernel_ops.lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
         compiled = set()
         if cfg.compile:
             blocks = self.model.trf_blocks if cfg.compile_scope == "blocks" else self.model
@@ -164,8 +159,8 @@ class RunContext:
             if not isinstance(m, LinearWithLoRAKernel):
                 continue
             if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
-                paths.add("cublas" if traced == "triton" and compiled_takes_cublas(m.linear.weight) else traced)
-            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < CPP_GRAPH_MIN_WEIGHT:
+                paths.add("cublas" if traced == "triton" and lora_kernel_ops.compiled_takes_cublas(m.linear.weight) else traced)
+            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < lora_kernel_ops.CPP_GRAPH_MIN_WEIGHT:
                 paths.add(traced)
             elif cfg.cuda_graphs and eager == "cpp-direct":  # captured: the C++ op's cuBLAS GEMMs
                 paths.add("cpp")
@@ -186,9 +181,6 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
                 progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None) -> dict:
     """Run one configuration and record it. On failure or interruption the row is still written
     (status failed / interrupted, with the error) and the exception propagates."""
-    from lora_bench.progress import TrainProgress
-    from lora_bench.train.profiling import Profiler
-
     cfg.validate()
     console = console or Console()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -219,8 +211,6 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         profiler = Profiler(cfg.profile, run_dir=run_dir, warmup_steps=cfg.warmup_steps, device=ctx.device)
         step_fn = None
         if cfg.cuda_graphs:
-            from lora_bench.train.graphs import GraphedStep
-
             step_fn = GraphedStep(ctx, timer=timer)
         total = (cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train))
         with TrainProgress(console, total=total, enabled=progress, timer=timer) as bar:

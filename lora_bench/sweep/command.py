@@ -1,0 +1,65 @@
+"""``lora-bench sweep``: validate a sweep file, then list its plan (``--dry-run``) or run it, and
+print the summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from lora_bench.sweep.runner import resume_statuses, run_sweep
+from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
+
+
+def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
+    """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped."""
+    status = resume_statuses(results_dir, runs, sweep.name)
+    table = Table(title=f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})",
+                  title_justify="left")
+    for col in ("#", "run id", "repeat", "settings", "action"):
+        table.add_column(col, no_wrap=col in ("run id", "action"))
+    todo = 0
+    for r in runs:
+        st, row_id = status.get(r.run_id, (None, None))
+        if st == "done":
+            action = "skip (done)" if row_id == r.run_id else f"skip (done as {row_id})"
+        else:
+            action = f"rerun ({st})" if st else "run"
+        todo += st != "done"
+        table.add_row(str(r.index), r.run_id, str(r.repeat), r.describe(), action)
+    console.print(table)
+    console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
+
+
+def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
+    """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
+    parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
+             f"{result.skipped} skipped (done earlier)"]
+    if result.count("interrupted") or result.not_started:
+        parts += [f"{result.count('interrupted')} interrupted", f"{result.not_started} not started"]
+    colour = "red" if result.count("failed") or result.interrupted else "green"
+    console.print(f"[bold {colour}]sweep {sweep.name}[/bold {colour}]: {result.selected} runs — "
+                  + ", ".join(parts), highlight=False)
+    for row in result.rows:
+        if row.get("status") == "failed":
+            error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
+            console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
+    if result.interrupted:
+        console.print("interrupted: finished results are kept; run the same command again to resume",
+                      highlight=False)
+    console.print(f"results: {results_dir / 'runs.csv'}   report: lora-bench report {results_dir}", highlight=False)
+
+
+def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,
+                  isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console) -> int:
+    """What ``lora-bench sweep`` does: validate, then list (dry run) or run; returns the exit code."""
+    sw = load_sweep(file, overrides=overrides)
+    results_dir = Path(results_dir) if results_dir else Path("results") / sw.name
+    selected = parse_shard(shard)
+    if dry_run:
+        print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
+        return 0
+    result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
+                       shard=selected, progress=progress, cache_dir=cache_dir)
+    print_summary(sw, result, results_dir=results_dir, console=console)
+    return result.exit_code
