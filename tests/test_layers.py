@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("fileio", "timing", "progress"),
+    ("fileio", "timing", "progress", "safe_yaml"),
     ("download",),
     ("model",),
     ("config", "kernels"),

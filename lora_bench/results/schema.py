@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import SETTINGS, TrainConfig
 from lora_bench.timing import PHASES
 
 
@@ -85,7 +85,12 @@ ENV_COLUMNS: list[Column] = [
         ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
     ]
 ]
-SETTING_PREFIX = "cfg_"  # every TrainConfig field is a column cfg_<field>
+SETTING_PREFIX = "cfg_"  # every setting is a column cfg_<name>
+_DTYPES = {str: "string", int: "Int64", float: "float64", bool: "boolean"}
+# Generated from the settings' declaration (lora_bench.config). They hold each run's settings as
+# written; readers compare them as text, so they are left out of ``column_index``'s conversions.
+SETTING_COLUMNS: list[Column] = [
+    Column(SETTING_PREFIX + name, _DTYPES[s.type], "", s.spec.help) for name, s in SETTINGS.items()]
 
 STEP_COLUMNS: list[Column] = [
     Column("run_id", "string", "", "run id"),
@@ -100,8 +105,7 @@ STEP_COLUMNS: list[Column] = [
 
 
 def run_column_names() -> list[str]:
-    return [c.name for c in RUN_COLUMNS] + [c.name for c in ENV_COLUMNS] + [
-        SETTING_PREFIX + n for n in TrainConfig.field_names()]
+    return [c.name for c in RUN_COLUMNS + ENV_COLUMNS + SETTING_COLUMNS]
 
 
 def column_index() -> dict[str, Column]:
@@ -111,4 +115,5 @@ def column_index() -> dict[str, Column]:
 
 
 def settings_columns(cfg: TrainConfig) -> dict:
+    """A run's settings as its ``cfg_*`` columns."""
     return {SETTING_PREFIX + k: v for k, v in cfg.to_dict().items()}

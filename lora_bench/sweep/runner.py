@@ -26,12 +26,13 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import TrainConfig, render
 from lora_bench.errors import UsageError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.schema import run_column_names, settings_columns
 from lora_bench.results.store import locked, result_rows, text_value, upsert_run, write_csv
 from lora_bench.sweep.spec import ID_AS_DECLARED, PlannedRun, Sweep, select_shard
+from lora_bench.train.preflight import device_problems
 from lora_bench.train.run import execute_run
 
 ISOLATION = ("process", "inline")
@@ -295,14 +296,10 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
 
 def _preflight(runs: list[PlannedRun], console) -> None:
     """Environment checks that `validate` cannot do on another machine: fail before the first run."""
-    import torch
-
-    for device in sorted({r.cfg.device for r in runs if r.cfg.device.startswith("cuda")}):
-        # counts only: creating a CUDA context here would hold GPU memory for the whole sweep
-        index = int(device[5:]) if device.startswith("cuda:") else 0
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
-                             "use --device cpu or auto")
+    machines = {(r.cfg.device, r.cfg.cuda_graphs): r.cfg for r in runs}
+    problems = sorted({p for cfg in machines.values() for p in render(device_problems(cfg))})
+    if problems:
+        raise UsageError("; ".join(problems))
     for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
         if not Path(path).is_file():
             console.print(f"[yellow]warning:[/yellow] data_file {path} does not exist; runs using it will fail",

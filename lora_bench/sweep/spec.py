@@ -1,36 +1,71 @@
-"""Sweep files: parse a YAML sweep (``name``, ``base``, ``grid``, ``runs``, ``repeats``), report
-every problem of every run it expands to at once, expand it into planned runs with
-deterministic ids, pick a shard, and list the plan (``--dry-run``). Running the plan (resume,
-isolation, interrupts, progress) lives in ``worker``.
+"""Sweep files: parse a YAML sweep, report every problem of every run it expands to at once,
+expand it into planned runs with deterministic ids, pick a shard, and list the plan
+(``--dry-run``). Running the plan (resume, isolation, interrupts, progress) is
+``lora_bench.sweep.runner``'s.
+
+A sweep file is a mapping with these keys::
+
+    name: all-vs-lora          # names the results folder (results/<name>)
+    base: {model_size: 124M}   # settings of every run (the keys of `train --config` files)
+    grid:                      # every combination of these values (the last key varies fastest)
+      trainable_layers: [all, lora]
+    runs:                      # explicit runs, each crossed with the grid; `label` names one
+      - {label: small, lora_rank: 4}
+    repeats: 3                 # run everything this many times (default 1)
+    vary_seed: true            # repeat r runs with seed + r (default false: the same seed)
+
+Repeats are repeat-major (all runs once, then all again), so drift over a long sweep spreads over
+every setting. By default each repeat uses the same seed: the repeats measure timing noise. With
+``vary_seed: true`` repeat r runs with the run's seed + r (123, 124, 125 for the default seed): the
+repeats then also measure the spread of accuracy over seeds. The seed is recorded in ``cfg_seed``.
 
 Precedence of settings: defaults < ``base`` < the ``grid`` point < the explicit ``runs`` entry <
-CLI overrides (``--device``, ``--data-file``). Relative ``data_file`` / ``weights_dir`` values are
-resolved against the YAML file's folder, so a sweep file can point at data shipped beside it.
-Run ids hash the settings *as the file declares them* (before CLI overrides and path resolution):
-the same sweep run on two machines with different data paths or devices yields the same ids, so
-their results merge by run id."""
+command-line overrides (``key=value``, ``--device``, ``--data-file``), which apply to every run.
+Relative ``data_file`` / ``weights_dir`` values in the file are resolved against the file's folder,
+so a sweep file can point at data shipped beside it.
+
+Run ids are ``<size>-<layers>-<hash of the settings that differ from their defaults>-r<repeat>``.
+The paths and the device enter the hash *as the file declares them* (before overrides and path
+resolution): the same sweep run on two machines with different data paths or devices yields the
+same ids, so their results merge by run id. Every other override changes the ids.
+
+A sweep is counted before it is expanded: one that would hold more than ``MAX_RUNS`` runs is
+refused."""
 
 from __future__ import annotations
 
 import difflib
 import hashlib
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from rich.markup import escape
 
-from lora_bench.config import TrainConfig, model_shape_problems, type_problems, unknown_key_problems
+from lora_bench.config import (
+    DEFAULTS,
+    PATH_SETTINGS,
+    SETTINGS,
+    TrainConfig,
+    coerce,
+    render,
+    resolve_paths,
+    settings_problems,
+    unknown_key_problems,
+    value_problems,
+)
 from lora_bench.errors import ConfigError, UsageError
+from lora_bench.safe_yaml import load as load_yaml
+from lora_bench.safe_yaml import short_repr
 from lora_bench.train.run import make_run_id, settings_hash
 
-SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats")
-PATH_SETTINGS = ("data_file", "weights_dir")  # resolved against the YAML file's folder
-OVERRIDABLE = ("device", "data_file")  # CLI overrides: environment-specific, may differ per machine
+SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed")
 ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (see module docstring)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_RUNS = 100_000
 
 
 @dataclass(frozen=True)
@@ -42,7 +77,7 @@ class PlannedRun:
     repeat: int
     label: str
     point: dict  # the grid / runs values of this run (what differs from base)
-    cfg: TrainConfig  # effective settings: paths resolved, CLI overrides applied
+    cfg: TrainConfig  # effective settings: paths resolved, overrides applied, the repeat's seed
 
     def describe(self) -> str:
         return self.label or _describe(self.point)
@@ -55,6 +90,7 @@ class Sweep:
     sha256: str
     repeats: int
     runs: tuple[PlannedRun, ...]
+    vary_seed: bool = False
 
     def provenance(self, run: PlannedRun) -> dict:
         """Extra result columns that tie a run to the file it came from."""
@@ -62,59 +98,96 @@ class Sweep:
                 "sweep_label": run.label or None, "repeat": run.repeat}
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A sweep file's structure, every value checked on its own."""
+
+    name: str
+    base: dict
+    grid: dict[str, list]
+    runs: list[tuple[str, dict]]
+    repeats: int
+    vary_seed: bool
+
+
 # -- loading and validation ----------------------------------------------------------------------
 def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
-    """Parse, validate and expand a sweep file; ConfigError lists every problem found."""
+    """Parse, validate and expand a sweep file; ConfigError lists every problem found.
+    ``overrides`` (settings, already resolved paths) apply to every run."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"sweep file not found: {path}")
     raw = path.read_bytes()
-    try:
-        data = yaml.safe_load(raw.decode("utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
+    data = load_yaml(raw, source=str(path))
 
     problems: list[str] = []
-    name, base, grid, runs, repeats = _structure(data, problems)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if set(overrides) - set(OVERRIDABLE):
-        raise UsageError(f"only {', '.join(OVERRIDABLE)} can be overridden, not {sorted(set(overrides))}")
-    points = _points(grid, runs, problems)
+    problems += [f"override: {p.render()}" for p in unknown_key_problems(overrides)]
+    overrides = _checked(overrides, "override", problems)
+    layout = _structure(data, problems)
+    size = _count(layout)
+    if size > MAX_RUNS:
+        problems.append(f"the sweep expands to {size:,} runs ({_count_text(layout)}); at most {MAX_RUNS:,} are "
+                        "allowed: split it into several files or lower repeats")
+        raise ConfigError(problems, source=str(path))
+    checked_alone = not problems  # with bad values dropped above, runs may look alike: no duplicate check
+    points = _points(layout.grid, layout.runs, problems)
     planned: list[tuple[str, dict, TrainConfig, TrainConfig]] = []
     by_message: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
+    id_overrides = {k: v for k, v in overrides.items() if k not in ID_AS_DECLARED}
     for label, point, desc in points:
-        declared = {**base, **point}
-        effective = {**_resolve_paths(declared, path.parent), **overrides}
-        cfg, errs = None, []
-        try:
-            cfg = TrainConfig.from_mapping(effective)
-        except ConfigError as e:
-            extra = _combination_problems({**TrainConfig().to_dict(), **effective})
-            errs = e.problems + [m for m in extra if m not in e.problems]
+        declared = {**DEFAULTS, **layout.base, **point, **id_overrides}
+        values = {**resolve_paths({**layout.base, **point}, path.parent), **overrides}
+        values = {**DEFAULTS, **values}
+        errs = render(settings_problems(values))
         for msg in errs:
             by_message.setdefault(msg, []).append(desc)
-        if cfg is None or errs:
+        if errs:
             continue
+        cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
         # the id is the file's own settings: a --data-file or --device override leaves it alone
-        id_cfg = cfg.replace(**{k: declared.get(k, getattr(TrainConfig(), k)) for k in ID_AS_DECLARED})
+        id_cfg = cfg.replace(**{k: coerce(k, declared[k]) for k in ID_AS_DECLARED})
         key = settings_hash(id_cfg)
-        if key in seen:
+        if checked_alone and key in seen:
             problems.append(f"{desc} has the same settings as {seen[key]} (they would share run ids); "
                             "remove one or give it a setting that differs")
             continue
         seen[key] = desc
         planned.append((label, point, cfg, id_cfg))
     problems += [_group_message(msg, descs, len(points)) for msg, descs in by_message.items()]
+    runs_out = [] if problems else _expand(planned, layout, problems)
     if problems:
         raise ConfigError(problems, source=str(path))
-    runs_out = []
-    for repeat in range(repeats):  # repeat-major: drift over a long sweep spreads over every setting
+    return Sweep(name=layout.name, path=path, sha256=hashlib.sha256(raw).hexdigest(), repeats=layout.repeats,
+                 runs=tuple(runs_out), vary_seed=layout.vary_seed)
+
+
+def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig]], layout: _Layout,
+            problems: list[str]) -> list[PlannedRun]:
+    """Every repeat of every planned run (repeat-major), with the repeat's seed when it varies."""
+    out: list[PlannedRun] = []
+    ids: dict[str, str] = {}
+    for repeat in range(layout.repeats):
         for label, point, cfg, id_cfg in planned:
-            runs_out.append(PlannedRun(index=len(runs_out), run_id=make_run_id(id_cfg, repeat=repeat),
-                                       repeat=repeat, label=label, point=point, cfg=cfg))
-    return Sweep(name=name, path=path, sha256=hashlib.sha256(raw).hexdigest(), repeats=repeats,
-                 runs=tuple(runs_out))
+            if layout.vary_seed and repeat:
+                seed = cfg.seed + repeat
+                bad = value_problems("seed", seed)
+                if bad:
+                    problems.append(f"vary_seed: repeat {repeat} of {label or _describe(point)}: {bad[0].render()}")
+                    return []
+                cfg, id_cfg = cfg.replace(seed=seed), id_cfg.replace(seed=seed)
+            run_id = make_run_id(id_cfg, repeat=repeat)
+            if layout.vary_seed:  # seed + r of one run can be another run's seed
+                key = settings_hash(id_cfg)
+                where = f"{label or _describe(point)} (repeat {repeat}, seed {cfg.seed})"
+                if key in ids:
+                    problems.append(f"vary_seed: {where} has the same settings as {ids[key]}; "
+                                    "space the runs' seeds at least `repeats` apart")
+                    return []
+                ids[key] = where
+            out.append(PlannedRun(index=len(out), run_id=run_id, repeat=repeat, label=label, point=point, cfg=cfg))
+    return out
 
 
 def validate_files(paths: list[Path], *, console) -> list[Sweep]:
@@ -125,42 +198,60 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
             sw = load_sweep(path)
         except UsageError as e:  # ConfigError (every problem) or a missing file
             bad += 1
-            console.print(f"[red]✗[/red] {e}", highlight=False)
+            console.print(f"[red]✗[/red] {escape(str(e))}", highlight=False)
             continue
         sweeps.append(sw)
-        console.print(f"[green]✓[/green] {path}: sweep {sw.name!r}, {len(sw.runs)} runs "
-                      f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats)", highlight=False)
+        seeds = ", seed + repeat" if sw.vary_seed and sw.repeats > 1 else ""
+        console.print(f"[green]✓[/green] {escape(str(path))}: sweep {sw.name!r}, {len(sw.runs)} runs "
+                      f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats{seeds})", highlight=False)
     if bad:
         raise UsageError(f"{bad} of {len(paths)} sweep file(s) have problems (listed above)")
     return sweeps
 
 
-def _structure(data: Any, problems: list[str]) -> tuple[str, dict, dict, list, int]:
+def _structure(data: Any, problems: list[str]) -> _Layout:
     if not isinstance(data, dict):
         problems.append("a sweep file is a mapping with keys: " + ", ".join(SWEEP_KEYS))
-        return "", {}, {}, [], 1
-    fields = TrainConfig.field_names()
+        return _Layout("", {}, {}, [], 1, False)
     for key in data:
         if key in SWEEP_KEYS:
             continue
-        if key in fields:
+        if key in SETTINGS:
             problems.append(f"{key!r} is a run setting: put it under base: (or grid: / runs:)")
         else:
-            close = difflib.get_close_matches(str(key), SWEEP_KEYS, n=1)
+            close = difflib.get_close_matches(str(key)[:100], SWEEP_KEYS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            problems.append(f"unknown top-level key {key!r}; {hint}allowed: {', '.join(SWEEP_KEYS)}")
+            problems.append(f"unknown top-level key {short_repr(key)}; {hint}allowed: {', '.join(SWEEP_KEYS)}")
     name = data.get("name")
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        problems.append(f"name={name!r}: give the sweep a name of letters, digits, '.', '_' or '-' "
+    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 100:
+        problems.append(f"name={short_repr(name)}: give the sweep a name of letters, digits, '.', '_' or '-' "
                         "(it names the results folder)")
     base = _settings(data.get("base"), "base", problems)
     grid = _grid(data.get("grid"), problems)
     runs = _runs(data.get("runs"), problems)
     repeats = data.get("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        problems.append(f"repeats={repeats!r} must be a whole number of at least 1")
+        problems.append(f"repeats={short_repr(repeats)} must be a whole number of at least 1")
         repeats = 1
-    return str(name), base, grid, runs, repeats
+    vary_seed = data.get("vary_seed", False)
+    if not isinstance(vary_seed, bool):
+        problems.append(f"vary_seed={short_repr(vary_seed)} must be true or false")
+        vary_seed = False
+    return _Layout(str(name), base, grid, runs, repeats, vary_seed)
+
+
+def _checked(mapping: dict, where: str, problems: list[str]) -> dict:
+    """The settings of ``mapping`` whose values are valid on their own; the others' problems are
+    added to ``problems``, prefixed with ``where``."""
+    out = {}
+    for key, value in mapping.items():
+        if key not in SETTINGS:
+            continue
+        bad = value_problems(key, value)
+        problems += [f"{where}: {p.render()}" for p in bad]
+        if not bad:
+            out[key] = value
+    return out
 
 
 def _settings(mapping: Any, where: str, problems: list[str]) -> dict:
@@ -168,38 +259,37 @@ def _settings(mapping: Any, where: str, problems: list[str]) -> dict:
     if mapping is None:
         return {}
     if not isinstance(mapping, dict):
-        problems.append(f"{where} must be a mapping of settings, got {mapping!r}")
+        problems.append(f"{where} must be a mapping of settings, got {short_repr(mapping)}")
         return {}
-    known = {k: v for k, v in mapping.items() if k in TrainConfig.field_names()}
-    problems += [f"{where}: {p}" for p in unknown_key_problems(mapping)]
-    bad = type_problems(known)
-    problems += [f"{where}: {p}" for p in bad]
-    return {k: v for k, v in known.items() if not type_problems({k: v})}
+    problems += [f"{where}: {p.render()}" for p in unknown_key_problems(mapping)]
+    return _checked(mapping, where, problems)
 
 
 def _grid(grid: Any, problems: list[str]) -> dict[str, list]:
     if grid is None:
         return {}
     if not isinstance(grid, dict):
-        problems.append(f"grid must map settings to lists of values, got {grid!r}")
+        problems.append(f"grid must map settings to lists of values, got {short_repr(grid)}")
         return {}
-    problems += [f"grid: {p}" for p in unknown_key_problems(grid)]
+    problems += [f"grid: {p.render()}" for p in unknown_key_problems(grid)]
     out = {}
     for key, values in grid.items():
-        if key not in TrainConfig.field_names():
+        if key not in SETTINGS:
             continue
         if not isinstance(values, list) or not values:
-            problems.append(f"grid.{key} must be a non-empty list of values, got {values!r} "
+            problems.append(f"grid.{key} must be a non-empty list of values, got {short_repr(values)} "
                             "(a single value belongs in base)")
             continue
-        if len({repr(v) for v in values}) != len(values):
-            problems.append(f"grid.{key} lists a value twice: {values!r}")
-        good = []
+        good: list = []
         for v in values:
-            bad = type_problems({key: v})
-            problems += [f"grid: {p}" for p in bad]
-            if not bad and v not in good:
-                good.append(v)
+            bad = value_problems(key, v)
+            problems += [f"grid: {p.render()}" for p in bad]
+            if bad:
+                continue
+            if any(type(g) is type(v) and g == v for g in good):
+                problems.append(f"grid.{key} lists {short_repr(v)} twice")
+                continue
+            good.append(v)
         if good:
             out[key] = good
     return out
@@ -209,17 +299,28 @@ def _runs(runs: Any, problems: list[str]) -> list[tuple[str, dict]]:
     if runs is None:
         return []
     if not isinstance(runs, list) or not runs:
-        problems.append(f"runs must be a non-empty list of setting mappings, got {runs!r}")
+        problems.append(f"runs must be a non-empty list of setting mappings, got {short_repr(runs)}")
         return []
     out = []
     for i, entry in enumerate(runs):
         entry = dict(entry) if isinstance(entry, dict) else entry
         label = entry.pop("label", "") if isinstance(entry, dict) else ""
-        if not isinstance(label, str):
-            problems.append(f"runs[{i}].label must be text, got {label!r}")
+        if not isinstance(label, str) or len(label) > 200:
+            problems.append(f"runs[{i}].label must be text of up to 200 characters, got {short_repr(label)}")
             label = ""
         out.append((label, _settings(entry, f"runs[{i}]" + (f" ({label})" if label else ""), problems)))
     return out
+
+
+def _count(layout: _Layout) -> int:
+    """How many runs the sweep expands to, without expanding it."""
+    return math.prod(len(v) for v in layout.grid.values()) * max(1, len(layout.runs)) * layout.repeats
+
+
+def _count_text(layout: _Layout) -> str:
+    parts = [f"grid {' × '.join(str(len(v)) for v in layout.grid.values())}"] if layout.grid else []
+    parts += [f"{len(layout.runs)} runs entries"] if layout.runs else []
+    return " × ".join(parts + [f"{layout.repeats:,} repeats"])
 
 
 def _points(grid: dict[str, list], runs: list[tuple[str, dict]],
@@ -237,28 +338,6 @@ def _points(grid: dict[str, list], runs: list[tuple[str, dict]],
         name = label or f"runs[{i}]"
         out += [(label, {**g, **run}, f"{name} ({_describe(g)})" if g else name) for g in grid_points]
     return out
-
-
-def _resolve_paths(settings: dict, folder: Path) -> dict:
-    out = dict(settings)
-    for key in PATH_SETTINGS:
-        value = out.get(key)
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            out[key] = str((folder / value).resolve())
-        elif isinstance(value, str) and value:
-            out[key] = str(Path(value).expanduser())
-    return out
-
-
-def _combination_problems(s: dict) -> list[str]:
-    """The model-shape problems of a run whose settings did not all type-check (so no TrainConfig
-    could be built to report them), found next to its other problems."""
-    if any(s[k] is not None and (not isinstance(s[k], int) or s[k] < 1) for k in ("emb_dim", "n_layers", "n_heads")):
-        return []  # reported by the type / range checks
-    try:
-        return model_shape_problems(s)
-    except (TypeError, AttributeError):  # a mistyped model_size / weights: reported by the type checks
-        return []
 
 
 def _describe(point: dict) -> str:

@@ -13,7 +13,6 @@ import contextlib
 
 import torch
 
-from lora_bench.errors import UsageError
 from lora_bench.kernels.autograd import graph_plan
 from lora_bench.train.evaluate import calc_loss_batch
 
@@ -33,12 +32,7 @@ def warm_up(fn, iters: int) -> None:
 
 class GraphedStep:
     def __init__(self, ctx, *, timer):
-        cfg = ctx.cfg
-        if ctx.device.type != "cuda":
-            raise UsageError("cuda_graphs needs a CUDA device")
-        if cfg.accumulation_steps != 1:
-            raise UsageError("cuda_graphs needs accumulation_steps=1: a replayed backward overwrites the "
-                             "gradients instead of accumulating them")
+        cfg = ctx.cfg  # validated: a CUDA device (train.preflight), accumulation_steps=1 (config)
         self.ctx = ctx
         self.model = ctx.forward_model
         self.optimizer = ctx.optimizer

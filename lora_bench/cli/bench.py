@@ -1,0 +1,55 @@
+"""``lora-bench kernel-bench``: one LoRA layer timed against the frozen layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lora_bench.cli.options import NoProgress, console, output_dir, results_dir_option, split_list
+from lora_bench.errors import UsageError
+
+CSV_NAME = "kernel_bench.csv"
+
+HELP = f"""Time one LoRA layer (forward, backward, both) against the frozen layer: the floor.
+
+Writes {CSV_NAME} into the results folder.
+
+Example: [bold]lora-bench kernel-bench --shapes '4x512:768->768:r16' --dtypes bf16[/bold]
+"""
+
+
+def kernel_bench(
+    shapes: Annotated[Optional[str], typer.Option(help="Comma-separated: groups guide, 124m, 1558m, or specs "
+                                                       "like '4x512:768->768:r16' (quote them in a shell) "
+                                                       "(default: all groups).")] = None,
+    impls: Annotated[Optional[str], typer.Option(help="Comma-separated subset of frozen, lora, lora-merged, "
+                                                      "lora-kernel (lora-kernel:MODE forces a plan: direct, cpp, "
+                                                      "fused, cublas, torch).")] = None,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16.")] = "fp32,bf16",
+    device: Annotated[str, typer.Option(help="auto (the first GPU if there is one, else the CPU), cuda, cuda:N, "
+                                             "or cpu.")] = "auto",
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median, p10, p90).")] = 200,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls.")] = 20,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Add a CPU forward+backward column (fp32 rows).")] = False,
+    results_dir: Annotated[Path, results_dir_option(f"Folder for {CSV_NAME}.")] = Path("results/kernel-bench"),
+    out: Annotated[Optional[Path], typer.Option("--out", hidden=True, help="The CSV file itself.")] = None,
+    no_progress: NoProgress = False,
+) -> None:
+    import torch
+
+    from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
+
+    csv = out if out is not None else results_dir / CSV_NAME
+    output_dir(csv.parent, "--out" if out is not None else "--results-dir")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        rows = run_kernel_bench(shapes=split_list(shapes), impls=split_list(impls), dtypes=split_list(dtypes),
+                                device=device, repeats=repeats, warmup=warmup, out_csv=csv, cpu=cpu,
+                                progress=not no_progress)
+    except ValueError as e:  # bad shape/impl/dtype/device names or counts, or no GPU for device=cuda
+        raise UsageError(str(e)) from e
+    console.print(render_kernel_table(rows))
+    console.print(f"written: {csv}")

@@ -1,0 +1,84 @@
+"""What the commands share: the consoles, the options several commands take, the check of an
+output folder, and the ``train`` options generated from the settings' declaration.
+
+Naming of output paths across commands: ``--results-dir DIR`` is the results folder a command
+writes its tables into (``train``, ``sweep``, ``kernel-bench``); ``-o/--output PATH`` is the one
+other thing a command writes (``report``'s file, ``data prepare``'s folder of splits)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from lora_bench.config import PANELS, SETTINGS, Setting
+from lora_bench.errors import UsageError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+PRECEDENCE = ("Settings, from lowest to highest precedence: the defaults (the reference's book mode), a "
+              "[bold]--config[/bold] file, then flags and [bold]key=value[/bold] overrides.")
+
+# piped output (logs, CI) would be cut at rich's default 80 columns: tables get room there
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True)
+
+OUTPUT_PANEL = PANELS[-1]
+CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE", rich_help_panel="Data",
+                                                  help="Download cache (default ~/.cache/lora-bench).")]
+NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPUT_PANEL,
+                                          help="No progress bars (logs, CI).")]
+Overrides = Annotated[Optional[list[str]], typer.Argument(
+    metavar="KEY=VALUE", show_default=False,
+    help="Settings as in a YAML file, e.g. lora_rank=16 precision=bf16 (values read as YAML reads them).")]
+
+
+def results_dir_option(help: str) -> Any:
+    return typer.Option("--results-dir", help=help, rich_help_panel=OUTPUT_PANEL)
+
+
+def output_dir(path: Path, flag: str) -> None:
+    """A folder the command will write into: refuse a file in its place, create it now."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UsageError(f"{flag} {path}: a file is in the way of this folder") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create this folder ({e.strerror})") from None
+
+
+def split_list(text: str | None) -> list[str] | None:
+    """``a, b,c`` -> ``['a', 'b', 'c']``; None for no text."""
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+
+# -- the settings as options ----------------------------------------------------------------
+def setting_help(s: Setting) -> str:
+    """A setting's help: its text, its allowed values, its default."""
+    parts = [s.spec.help]
+    if s.spec.allowed_text():
+        parts.append(f"Allowed: {s.spec.allowed_text()}.")
+    if s.default is not None and s.type is not bool:
+        parts.append(f"Default: {s.default}.")
+    return escape(" ".join(parts))
+
+
+def setting_parameter(s: Setting) -> inspect.Parameter:
+    """The command-line option of one setting. Its default is the setting's, and a command learns
+    from click which options were given (``ctx.get_parameter_source``)."""
+    kind = Optional[s.type] if s.optional else s.type
+    metavar = {int: "INT", float: "NUMBER", str: "TEXT"}.get(s.type)
+    option = typer.Option(*s.flags, help=setting_help(s), rich_help_panel=s.spec.panel, show_default=False,
+                          metavar=metavar if s.type is not bool else None)
+    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, option],
+                             default=s.default)
+
+
+def setting_parameters() -> list[inspect.Parameter]:
+    """Every setting's option, grouped by help panel in the panels' order."""
+    order = {p: i for i, p in enumerate(PANELS)}
+    return [setting_parameter(s) for s in sorted(SETTINGS.values(), key=lambda s: order[s.spec.panel])]

@@ -1,0 +1,41 @@
+"""``lora-bench report``: the command-line wrapper of ``lora_bench.report.command``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lora_bench.cli.options import console, output_dir
+from lora_bench.errors import UsageError
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def report(
+    paths: Annotated[list[Path], typer.Argument(help="Results folders (or runs.csv files); merged by run id.",
+                                                show_default=False)],
+    group_by: Annotated[Optional[str], typer.Option(help="Comma-separated settings (default: the run labels, or "
+                                                         "the settings that vary).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="key=value runs to compare against, e.g. "
+                                                         "trainable_layers=all.")] = None,
+    metrics: Annotated[Optional[str], typer.Option(help="Comma-separated result columns; the first is "
+                                                        "ratioed.")] = None,
+    format: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead "
+                                                                          "of the terminal.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE (.png, "
+                                                      ".pdf or .svg).")] = None,
+) -> None:
+    """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
+    from lora_bench.report.command import report_command
+
+    if plot is not None:
+        if plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")
+        output_dir(plot.parent, "--plot")
+    if output is not None:
+        output_dir(output.parent, "--output")
+    report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,
+                   plot=plot, console=console)

@@ -1,0 +1,102 @@
+"""``lora-bench validate`` and ``lora-bench sweep``: check sweep files; run one (resuming by
+default), with ``key=value`` overrides applied to every run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from lora_bench.cli.options import PRECEDENCE, CacheDir, NoProgress, Overrides, console, results_dir_option
+from lora_bench.config import (
+    PATH_SETTINGS,
+    TrainConfig,
+    flag_name,
+    key_name,
+    parse_overrides,
+    problem,
+    render,
+    value_problems,
+)
+from lora_bench.errors import ConfigError, UsageError
+
+SweepFiles = Annotated[list[Path], typer.Argument(help="Sweep YAML files.", show_default=False)]
+ISOLATION = ("process", "inline")
+
+SWEEP_HELP = f"""Run every configuration of a sweep file; resumes by default (finished runs are skipped).
+
+A sweep file holds [bold]name[/bold], [bold]base[/bold] (settings of every run), [bold]grid[/bold] (every
+combination of the listed values), [bold]runs[/bold] (explicit runs, each crossed with the grid),
+[bold]repeats[/bold] (default 1) and [bold]vary_seed[/bold] (true: repeat r runs with seed + r, so repeats
+measure the spread over seeds; default false: every repeat uses the same seed, so repeats measure timing noise).
+
+{PRECEDENCE.replace("a [bold]--config[/bold] file", "the sweep file")} Overrides apply to every run.
+
+Examples:
+
+[bold]lora-bench sweep configs/smoke.yaml[/bold]
+
+[bold]lora-bench sweep configs/smoke.yaml max_steps=4 --results-dir results/smoke-short[/bold]
+"""
+
+
+def validate(files: SweepFiles) -> None:
+    """Check every run of each sweep file and report all problems at once (nothing runs)."""
+    from lora_bench.sweep.spec import validate_files
+
+    validate_files(files, console=console)
+
+
+def sweep_overrides(items: list[str], *, device: str | None, data_file: Path | None) -> dict[str, Any]:
+    """The overrides of every run: ``key=value`` items and the ``--device`` / ``--data-file`` flags,
+    each value checked on its own (named as the user wrote it) and relative paths read from here."""
+    values, problems = parse_overrides(items)
+    flags = {k: v for k, v in (("device", device), ("data_file", str(data_file) if data_file else None)) if v}
+    for name in sorted(set(values) & set(flags)):
+        problems.append(problem(name, "{setting} is given twice: as " + flag_name(name) + " and as " + name + "=…"))
+    values.update(flags)
+
+    def name_of(name: str) -> str:
+        return flag_name(name) if name in flags else key_name(name)
+
+    problems += [p for k, v in values.items() for p in value_problems(k, v)]
+    if problems:
+        raise ConfigError(render(problems, name_of))
+    for key in PATH_SETTINGS:
+        if isinstance(values.get(key), str) and values[key]:
+            values[key] = str(Path(values[key]).expanduser().resolve())
+    return values, name_of
+
+
+def sweep(
+    file: Annotated[Path, typer.Argument(help="Sweep YAML file (see configs/).", show_default=False)],
+    overrides: Overrides = None,
+    device: Annotated[Optional[str], typer.Option(help="Every run's device: auto, cpu, cuda, cuda:N "
+                                                       "(run ids stay those of the file).")] = None,
+    data_file: Annotated[Optional[Path], typer.Option(help="Every run's data_file, the raw SMS TSV (run ids stay "
+                                                           "those of the file).")] = None,
+    results_dir: Annotated[Optional[Path], results_dir_option("Results folder (default: results/<name of the "
+                                                              "sweep>).")] = None,
+    cache_dir: CacheDir = None,
+    isolation: Annotated[str, typer.Option(help="process (each run in a child process) or inline.")] = "process",
+    fresh: Annotated[bool, typer.Option("--fresh", help="Forget earlier results of these runs and start over.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs; run nothing.")] = False,
+    shard: Annotated[Optional[str], typer.Option(help="Run only shard I of N (I/N, 1-based), e.g. 2/4.")] = None,
+    no_progress: NoProgress = False,
+) -> None:
+    from lora_bench.sweep.command import sweep_command
+    from lora_bench.train.preflight import input_problems
+
+    if isolation not in ISOLATION:
+        raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
+    values, name_of = sweep_overrides(overrides or [], device=device, data_file=data_file)
+    paths = {k: v for k, v in values.items() if k in PATH_SETTINGS and v}
+    missing = render(input_problems(TrainConfig(**paths)), name_of) if paths else []
+    if missing:
+        raise UsageError("; ".join(missing))
+    if results_dir is not None and results_dir.exists() and not results_dir.is_dir():
+        raise UsageError(f"--results-dir {results_dir}: a file is in the way of this folder")
+    raise typer.Exit(sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
+                                   isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
+                                   progress=not no_progress, console=console))

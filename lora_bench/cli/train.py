@@ -1,0 +1,135 @@
+"""``lora-bench train``: one run. Its setting options are generated from the settings'
+declaration (``lora_bench.config``); the command merges the defaults, a ``--config`` file, the
+flags and ``key=value`` overrides, checks the result once, asks the machine (``preflight``), runs,
+and prints the phase table."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from lora_bench.cli.options import (
+    OUTPUT_PANEL,
+    PRECEDENCE,
+    CacheDir,
+    NoProgress,
+    Overrides,
+    console,
+    output_dir,
+    results_dir_option,
+    setting_parameters,
+)
+from lora_bench.config import (
+    DEFAULTS,
+    SETTINGS,
+    TrainConfig,
+    coerce,
+    flag_name,
+    key_name,
+    parse_overrides,
+    problem,
+    read_settings_file,
+    render,
+    settings_problems,
+)
+from lora_bench.errors import ConfigError
+
+HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
+
+{PRECEDENCE}
+
+Examples:
+
+[bold]lora-bench train --trainable-layers lora --lora-rank 16 --lora-alpha 16[/bold]
+
+[bold]lora-bench train --config run.yaml precision=bf16 lora_rank=4[/bold]
+"""
+
+ConfigFile = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", metavar="FILE.yaml", show_default=False,
+    help="YAML file of settings: the keys of a sweep file's base (lora_rank: 16). Relative paths in it are "
+         "read from its folder.")]
+RunId = Annotated[Optional[str], typer.Option(help="Run id (default: settings hash + time).",
+                                              rich_help_panel=OUTPUT_PANEL)]
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    """Was option ``name`` given on the command line (not left at its default)? By the source's
+    name: typer may bring its own copy of click's enum."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[str],
+                  given: dict[str, Any]) -> tuple[TrainConfig, Any]:
+    """The run's settings by precedence (defaults < file < flags and overrides), every problem at
+    once; and how to name each setting in later messages: as the flag, or as the key where the
+    file or an override gave it."""
+    values = dict(DEFAULTS)
+    as_key: set[str] = set()
+    if config is not None:
+        from_file = read_settings_file(config)
+        values.update(from_file)
+        as_key |= set(from_file)
+    flags = {n: v for n, v in given.items() if _from_command_line(ctx, n)}
+    values.update(flags)
+    as_key -= set(flags)
+    parsed, problems = parse_overrides(overrides)
+    for name in sorted(set(parsed) & set(flags)):
+        problems.append(problem(name, "{setting} is given twice: as " + flag_name(name) + " and as " + name + "=…"))
+    values.update(parsed)
+    as_key |= set(parsed)
+
+    def name_of(name: str) -> str:
+        return key_name(name) if name in as_key else flag_name(name)
+
+    problems += settings_problems(values)
+    if problems:
+        raise ConfigError(render(problems, name_of))
+    return TrainConfig(**{k: coerce(k, v) for k, v in values.items()}), name_of
+
+
+def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
+          results_dir: Path, run_id: str | None, cache_dir: Path | None, no_progress: bool) -> None:
+    """What ``lora-bench train`` does, with ``given`` the setting options' values."""
+    from lora_bench.report.phase_table import phase_table
+    from lora_bench.train.preflight import check_machine
+    from lora_bench.train.run import execute_run
+
+    cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
+    check_machine(cfg, name_of=name_of)
+    output_dir(results_dir, "--results-dir")
+    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                      cache_dir=cache_dir)
+    if row.get("timing_clock") not in (None, "off"):
+        console.print(phase_table(row))
+    console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
+
+
+def _parameter(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+
+
+def command() -> Any:
+    """``train`` with one option per setting: a function whose signature typer reads."""
+
+    def train_command(ctx: typer.Context, **kw: Any) -> None:
+        fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "cache_dir", "no_progress")}
+        train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
+
+    train_command.__signature__ = inspect.Signature([
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        _parameter("overrides", Overrides, None),
+        _parameter("config", ConfigFile, None),
+        *setting_parameters(),
+        _parameter("results_dir", Annotated[Path, results_dir_option("Folder for runs.csv and per-run files.")],
+                   Path("results/runs")),
+        _parameter("run_id", RunId, None),
+        _parameter("cache_dir", CacheDir, None),
+        _parameter("no_progress", NoProgress, False),
+    ])
+    train_command.__doc__ = HELP
+    return train_command

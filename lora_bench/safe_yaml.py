@@ -1,0 +1,170 @@
+"""Reading settings YAML (sweep files, ``train --config`` files, ``key=value`` overrides) safely.
+
+``yaml.safe_load``'s types, plus rules that only a mistake or an attack breaks:
+
+- a document has at most ``MAX_CHARS`` characters and nests at most ``MAX_DEPTH`` levels;
+- with every alias counted at each place it is used, it holds at most ``MAX_NODES`` values, and no
+  anchor contains itself: an alias bomb ("billion laughs") is refused from its composed node
+  graph, before any value is built or printed;
+- a mapping names each key once (YAML would keep the last of duplicate keys without a word).
+
+Floats may be written as YAML 1.2 and Python write them (``1e-05``, ``3E4``): YAML 1.1, which
+PyYAML follows, reads those as strings, a surprise in a ``learning_rate``."""
+
+from __future__ import annotations
+
+import re
+import reprlib
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, SequenceNode
+
+from lora_bench.errors import ConfigError
+
+MAX_NODES = 100_000  # values in a document with its aliases expanded: settings files hold hundreds
+MAX_CHARS = 1_000_000  # a settings file is a few kilobytes
+MAX_DEPTH = 50  # nesting levels: a sweep file needs four
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class UnsafeDocument(yaml.YAMLError):
+    """A document refused before it is built: nested too deeply, too large once its aliases are
+    expanded, or an anchor that contains itself."""
+
+
+class SettingsLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with an expansion limit, no duplicate keys, and YAML 1.2 floats."""
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise UnsafeDocument(f"the document nests more than {MAX_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Node:
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict:
+        if isinstance(node, MappingNode):
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue  # '<<' merges keys in on purpose; the mapping's own keys win
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = key in first_line
+                except TypeError:
+                    continue  # an unhashable key: the base constructor reports it
+                if seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {short_repr(key)} (first given on line {first_line[key] + 1})",
+                        key_node.start_mark)
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2 / Python float spellings that YAML 1.1 leaves as strings: an exponent without a dot
+# (1e-05, 3E4) or with an unsigned exponent (1.5e3).
+SettingsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    if isinstance(node, MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_expansion(root: Node | None) -> None:
+    """Count the values of the document as if every alias were copied out, without copying:
+    each node's expanded size is computed once (an alias shares its anchor's node)."""
+    if root is None:
+        return
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()  # on the current path: meeting one again is a cycle
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:  # iterative post-order
+        node, children_done = stack.pop()
+        if children_done:
+            open_nodes.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in _children(node))
+            if size[id(node)] > MAX_NODES:
+                raise UnsafeDocument(f"the document expands to more than {MAX_NODES:,} values once its "
+                                     "aliases are copied out (an alias bomb?); write the values out instead")
+            continue
+        if id(node) in size:
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        for child in reversed(_children(node)):
+            if id(child) in open_nodes:
+                raise UnsafeDocument(f"an anchor contains itself (line {child.start_mark.line + 1})")
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def load(text: str | bytes, *, source: str | None = None) -> Any:
+    """The document in ``text``; ConfigError (naming ``source``) when it is not valid YAML or is
+    refused by the rules above."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError([f"not UTF-8 text ({e.reason} at byte {e.start})"], source=source) from None
+    if len(text) > MAX_CHARS:
+        raise ConfigError([f"refused: {len(text):,} characters; a settings file holds at most {MAX_CHARS:,}"],
+                          source=source)
+    try:
+        return yaml.load(text, Loader=SettingsLoader)  # a SafeLoader subclass
+    except UnsafeDocument as e:
+        raise ConfigError([f"refused: {e}"], source=source) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], source=source) from None
+    except ValueError as e:  # an integer too long for int(): Python's own limit
+        raise ConfigError([f"not valid YAML: {short_repr(str(e))}"], source=source) from None
+
+
+def parse_scalar(text: str) -> Any:
+    """A ``key=value`` override's value, read as a value in a YAML file is: ``4`` an int, ``1e-5``
+    a float, ``true`` a bool, ``null`` or nothing None, anything else text."""
+    if text.strip() == "":
+        return None
+    return load(text, source=f"value {short_repr(text)}")
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, without building the whole repr of a huge
+    value first (a long string, a big nested list, an integer of thousands of digits)."""
+    if isinstance(value, bool) or value is None:
+        text = repr(value)
+    elif isinstance(value, int):
+        digits = value.bit_length() * 0.30103
+        text = repr(value) if digits < limit else f"<an integer of about {int(digits):,} digits>"
+    elif isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = repr(value[: limit + 1])
+    else:
+        text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _make_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 2, 4, 4, 4, 4
+    r.maxstring, r.maxother, r.maxlong = 40, 40, 40
+    return r
+
+
+_REPR = _make_repr()

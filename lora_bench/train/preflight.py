@@ -1,0 +1,54 @@
+"""What only this machine can tell about a run's settings: whether its device exists (and is a
+CUDA device where CUDA graphs need one), whether its data file and checkpoint folder are there.
+``train`` and ``sweep`` ask before the first run starts, so that a mistake leaves no failed row
+behind. The rules between settings themselves are ``lora_bench.config``'s."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lora_bench.config import Problem, TrainConfig, problem, raw, render
+from lora_bench.errors import UsageError
+
+
+def device_problems(cfg: TrainConfig) -> list[Problem]:
+    """The device: there, and a CUDA one for CUDA graphs. Counts devices only: a CUDA context
+    made here would hold GPU memory for as long as the process lives."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = []
+    if cfg.device.startswith("cuda"):
+        index = int(cfg.device[5:]) if cfg.device.startswith("cuda:") else 0
+        if index >= count:
+            out.append(problem("device", "{device}={d} but this machine has {n} CUDA device(s); use {device}=cpu "
+                                         "or auto", d=cfg.device, n=raw(count)))
+    elif cfg.cuda_graphs and cfg.device == "auto" and count == 0:
+        out.append(problem("cuda_graphs", "{cuda_graphs} needs a CUDA device, and none is available here"))
+    return out
+
+
+def input_problems(cfg: TrainConfig) -> list[Problem]:
+    """The data file and the checkpoint folder the settings name: there, and of the right kind."""
+    out = []
+    if cfg.data_file:
+        path = Path(cfg.data_file)
+        if path.is_dir():
+            out.append(problem("data_file", "{data_file} {p} is a folder; give the raw SMSSpamCollection TSV file",
+                               p=str(path)))
+        elif not path.is_file():
+            out.append(problem("data_file", "{data_file} {p}: no such file", p=str(path)))
+    if cfg.weights_dir and not Path(cfg.weights_dir).is_dir():
+        out.append(problem("weights_dir", "{weights_dir} {p}: no such folder (it should hold the OpenAI GPT-2 "
+                                          "checkpoint files: checkpoint, hparams.json, model.ckpt.*)",
+                           p=cfg.weights_dir))
+    return out
+
+
+def check_machine(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:
+    """UsageError listing every machine problem of a run's settings (named by ``name_of``)."""
+    problems = render(device_problems(cfg) + input_problems(cfg), name_of)
+    if problems:
+        raise UsageError(problems[0] if len(problems) == 1 else
+                         f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
