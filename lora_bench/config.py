@@ -457,6 +457,9 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError([f"a settings file is one mapping of settings (such as lora_rank: 16), not "
                            f"{short_repr(data)}"], source=str(path))
+    if isinstance(data.get("base"), dict) and not set(data) & set(SETTINGS):
+        raise ConfigError(["this is a sweep file (it has base:); run it with `lora-bench sweep`, or give a file "
+                           "of settings such as the contents of its base"], source=str(path))
     problems = unknown_key_problems(data)
     problems += [p for k, v in data.items() if k in SETTINGS for p in value_problems(k, v)]
     if problems:

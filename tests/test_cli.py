@@ -159,7 +159,7 @@ def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(monkeypat
     monkeypatch.setattr(K, "_ENV_ERROR", "LORA_BENCH_KERNEL_MODE: lora-kernel mode 'foo': expected ...")
     with pytest.raises(K.KernelModeError, match="LORA_BENCH_KERNEL_MODE"):
         K.lora_kernel_backend("cpu")
-    with pytest.raises(ValueError):  # set_kernel_mode keeps raising a ValueError (now also a UsageError)
+    with pytest.raises(ValueError):  # set_kernel_mode raises a ValueError (that is also a UsageError)
         K.set_kernel_mode("fused:cpp")
 
 

@@ -28,7 +28,7 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 OUTPUT_PANEL = PANELS[-1]
-CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE", rich_help_panel="Data",
+CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE",
                                                   help="Download cache (default ~/.cache/lora-bench).")]
 NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPUT_PANEL,
                                           help="No progress bars (logs, CI).")]

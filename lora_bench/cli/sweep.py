@@ -3,6 +3,7 @@ default), with ``key=value`` overrides applied to every run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -26,10 +27,11 @@ ISOLATION = ("process", "inline")
 
 SWEEP_HELP = f"""Run every configuration of a sweep file; resumes by default (finished runs are skipped).
 
-A sweep file holds [bold]name[/bold], [bold]base[/bold] (settings of every run), [bold]grid[/bold] (every
-combination of the listed values), [bold]runs[/bold] (explicit runs, each crossed with the grid),
-[bold]repeats[/bold] (default 1) and [bold]vary_seed[/bold] (true: repeat r runs with seed + r, so repeats
-measure the spread over seeds; default false: every repeat uses the same seed, so repeats measure timing noise).
+A sweep file holds [bold]name[/bold], [bold]base[/bold] (the settings of every run), [bold]grid[/bold] \
+(every combination of the listed values), [bold]runs[/bold] (explicit runs, each crossed with the grid), \
+[bold]repeats[/bold] (default 1) and [bold]vary_seed[/bold]. By default every repeat uses the same seed, so \
+repeats measure timing noise; with vary_seed: true repeat r runs with seed + r, so repeats also measure the \
+spread of accuracy over seeds.
 
 {PRECEDENCE.replace("a [bold]--config[/bold] file", "the sweep file")} Overrides apply to every run.
 
@@ -48,7 +50,8 @@ def validate(files: SweepFiles) -> None:
     validate_files(files, console=console)
 
 
-def sweep_overrides(items: list[str], *, device: str | None, data_file: Path | None) -> dict[str, Any]:
+def sweep_overrides(items: list[str], *, device: str | None,
+                    data_file: Path | None) -> tuple[dict[str, Any], Callable[[str], str]]:
     """The overrides of every run: ``key=value`` items and the ``--device`` / ``--data-file`` flags,
     each value checked on its own (named as the user wrote it) and relative paths read from here."""
     values, problems = parse_overrides(items)
@@ -70,7 +73,8 @@ def sweep_overrides(items: list[str], *, device: str | None, data_file: Path | N
 
 
 def sweep(
-    file: Annotated[Path, typer.Argument(help="Sweep YAML file (see configs/).", show_default=False)],
+    file: Annotated[Path, typer.Argument(metavar="FILE.yaml", help="Sweep YAML file (see configs/).",
+                                         show_default=False)],
     overrides: Overrides = None,
     device: Annotated[Optional[str], typer.Option(help="Every run's device: auto, cpu, cuda, cuda:N "
                                                        "(run ids stay those of the file).")] = None,

@@ -14,7 +14,6 @@ import typer
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
     PRECEDENCE,
-    CacheDir,
     NoProgress,
     Overrides,
     console,
@@ -23,6 +22,7 @@ from lora_bench.cli.options import (
     setting_parameters,
 )
 from lora_bench.config import (
+    DATA,
     DEFAULTS,
     SETTINGS,
     TrainConfig,
@@ -52,6 +52,8 @@ ConfigFile = Annotated[Optional[Path], typer.Option(
     "--config", "-c", metavar="FILE.yaml", show_default=False,
     help="YAML file of settings: the keys of a sweep file's base (lora_rank: 16). Relative paths in it are "
          "read from its folder.")]
+CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE", rich_help_panel=DATA,
+                                                  help="Download cache (default ~/.cache/lora-bench).")]
 RunId = Annotated[Optional[str], typer.Option(help="Run id (default: settings hash + time).",
                                               rich_help_panel=OUTPUT_PANEL)]
 
