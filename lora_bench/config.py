@@ -242,18 +242,18 @@ class Problem:
         return self.text.format_map({**names, **dict(self.args)})
 
 
-def problem(setting: str | None, text: str, **values: Any) -> Problem:
-    """A Problem whose ``values`` are shown as reprs cut to 80 characters, or as they are when
-    wrapped in ``raw``."""
-    return Problem(setting, text, tuple((k, v if isinstance(v, _Raw) else short_repr(v)) for k, v in values.items()))
-
-
 class _Raw(str):
     """A value shown as it is (a number, a choice already checked)."""
 
 
 def raw(text: Any) -> _Raw:
     return _Raw(str(text))
+
+
+def problem(setting: str | None, text: str, **values: Any) -> Problem:
+    """A Problem whose ``values`` are shown as reprs cut to 80 characters, or as they are when
+    wrapped in ``raw``."""
+    return Problem(setting, text, tuple((k, v if isinstance(v, _Raw) else short_repr(v)) for k, v in values.items()))
 
 
 def render(problems: Iterable[Problem], name_of: Callable[[str], str] | None = None) -> list[str]:

@@ -100,16 +100,20 @@ def test_show_missing_and_unknown(run_cli, tmp_path):
 
 
 def test_kernel_bench_command_on_cpu(run_cli, tmp_path):
-    out = tmp_path / "kb.csv"
     code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--repeats", "2",
-                         "--warmup", "1", "--out", str(out), "--no-progress")
+                         "--warmup", "1", "--results-dir", str(tmp_path), "--no-progress")
     assert code == 0, text
     import pandas as pd
 
-    rows = pd.read_csv(out)
+    rows = pd.read_csv(tmp_path / "kernel_bench.csv")
     assert set(rows["impl"]) >= {"frozen", "lora", "lora-merged", "lora-kernel"}
-    code, text = run_cli("kernel-bench", "--device", "cpu", "--impls", "bogus", "--out", str(out))
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--impls", "bogus", "--results-dir", str(tmp_path))
     _assert_clean_usage_error(code, text, "bogus", "frozen")
+    # the CSV file itself, as an earlier spelling named it, still works
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--impls", "frozen",
+                         "--dtypes", "fp32", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "kb.csv"),
+                         "--no-progress")
+    assert code == 0 and (tmp_path / "kb.csv").is_file(), text
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -135,8 +139,8 @@ def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path,
     assert not (tmp_path / "escape").exists() and not (tmp_path / "r" / "runs.csv").exists()
     code, out = run_cli("report", str(tmp_path), "--plot", str(tmp_path / "plot.txt"))
     _assert_clean_usage_error(code, out, "--plot", ".png, .pdf, .svg")
-    code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:48->40:r4", "--out", str(blocker / "x.csv"))
-    _assert_clean_usage_error(code, out, "--out", "a file is in the way")
+    code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:48->40:r4", "--results-dir", str(blocker))
+    _assert_clean_usage_error(code, out, "--results-dir", "a file is in the way")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -148,9 +152,9 @@ def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path,
 ])
 def test_kernel_bench_bad_inputs(run_cli, tmp_path, args, needle):
     code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:48->40:r4", *args,
-                        "--out", str(tmp_path / "kb.csv"))
+                        "--results-dir", str(tmp_path))
     _assert_clean_usage_error(code, out, needle)
-    assert not (tmp_path / "kb.csv").exists()
+    assert not (tmp_path / "kernel_bench.csv").exists()
 
 
 def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(monkeypatch):

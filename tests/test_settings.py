@@ -363,3 +363,12 @@ def test_repeats_with_seeds_record_cfg_seed(run_cli, tmp_path):
     assert code == 0, out
     df = pd.read_csv(tmp_path / "r" / "runs.csv", dtype=str)
     assert sorted(zip(df["repeat"], df["cfg_seed"])) == [("0", "123"), ("1", "124")]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_machine_checks_name_the_flag_before_anything_runs(run_cli, tmp_path):
+    code, out = run_cli("train", "--weights", "random", "--cuda-graphs", "--results-dir", tmp_path)
+    assert code == 2 and "--cuda-graphs needs a CUDA device, and none is available here" in out, out
+    code, out = run_cli("train", "--weights", "random", "device=cuda:1", "--results-dir", tmp_path)
+    assert code == 2 and "device='cuda:1' but this machine has 0 CUDA device(s); use device=cpu or auto" in out, out
+    assert not (tmp_path / "runs.csv").exists()
