@@ -881,10 +881,13 @@ def render_summary(rows: list[dict]) -> str:
                 else:
                     done = [r for r in rs if r.get("check") != "skip"]
                     ok = sum(r.get("check") == "ok" for r in done)
-                    line.append(f"{ok}/{len(done)} ok" if done else "skip")
+                    counted = rs[0].get("kernels_fwd") not in (None, "")
+                    line.append((f"{ok}/{len(done)} ok" if done else "skip") + (f" ({_launches(rs[0])})" if counted else ""))
             lines.append(tuple(line))
-        what = ("graph/eager x frozen (launches fwd/bwd; ! = check failed)" if timed
-                else "checks passed (bias and no bias)")
+        counted = any(r.get("kernels_fwd") not in (None, "") for r in rows)
+        what = ("graph/eager x frozen (kernels fwd/bwd; ! = check failed)" if timed
+                else "checks passed (kernels fwd/bwd of the captured graphs)" if counted
+                else "checks passed (with and without a bias)")
         out.append(f"{dt}: {what}\n" + _columns(("candidate", *shapes), lines, 1))
     return "\n\n".join(out)
 
