@@ -169,15 +169,16 @@ class Operands:
         return self.x.shape[0], self.x.shape[1], self.w.shape[0], self.a.shape[1]
 
 
-def make_operands(N: int, k: int, n: int, r: int, *, dtype: torch.dtype, device: torch.device, bias: bool = True,
+def make_operands(dims: tuple[int, int, int, int], *, dtype: torch.dtype, device: torch.device, bias: bool = True,
                   scale: float = ALPHA, gen: torch.Generator | None = None) -> Operands:
-    """Random operands scaled so x·Wᵀ, s·(x·A)·B and their gradients' two terms are all O(1) and
+    """Random operands for dims (N, k, n, r), scaled so x·Wᵀ, s·(x·A)·B and their gradients' two terms are all O(1) and
     comparable: an error in either path shows in the relative error."""
 
     def rnd(*shape, std=1.0):
         t = torch.randn(*shape, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         return (t * std).to(device=device, dtype=dtype)
 
+    N, k, n, r = dims
     x = rnd(N, k).requires_grad_(True)
     return Operands(x=x, w=rnd(n, k, std=k ** -0.5), b=rnd(n, std=0.5) if bias else None, a=rnd(k, r, std=k ** -0.5),
                     bm=rnd(r, n, std=r ** -0.5), g=rnd(N, n), s=scale)
@@ -431,9 +432,10 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.bfloat16: 1e-2, torch.float16: 3e-3}[dtype]
 
 
-def _outputs(cand: Candidate, x: torch.Tensor, p: Params, g: torch.Tensor) -> dict[str, torch.Tensor]:
-    y = cand.call(x, p)
-    grads = torch.autograd.grad(y, [x, *p.leaves], g)
+def _outputs(cand: Candidate, op: Operands, p: Params) -> dict[str, torch.Tensor]:
+    """One forward+backward: y and the gradients of x and the adapters (``GRADS`` order)."""
+    y = cand.call(op.x, p)
+    grads = torch.autograd.grad(y, [op.x, *p.leaves], op.g)
     return dict(zip(GRADS, (y, *grads)))
 
 
@@ -474,7 +476,7 @@ def check_eager(cand: Candidate, op: Operands, ref: dict[str, torch.Tensor]) -> 
     with poisoned():
         if op.x.is_cuda:
             poison_cuda_allocator(op.x.device)
-        out = _outputs(cand, op.x, p, op.g)
+        out = _outputs(cand, op, p)
     return errors(out, ref)
 
 
@@ -593,11 +595,10 @@ def check_graph(cand: Candidate, op: Operands, ref: dict[str, torch.Tensor]) -> 
     """Capture forward alone and forward+backward (debug mode: node counts), NaN-fill the
     captured outputs, replay, compare."""
     p = cand.prepare(op)
-    x, g = op.x, op.g
-    graph, _ = capture(lambda: cand.call(x, p), debug=True)
+    graph, _ = capture(lambda: cand.call(op.x, p), debug=True)
     nodes_fwd = graph_nodes(graph)
     del graph, _
-    graph, outs = capture(lambda: _outputs(cand, x, p, g), debug=True)
+    graph, outs = capture(lambda: _outputs(cand, op, p), debug=True)
     nodes_all = graph_nodes(graph)
     for t in outs.values():
         t.detach().fill_(float("nan"))
@@ -610,8 +611,8 @@ def check_graph(cand: Candidate, op: Operands, ref: dict[str, torch.Tensor]) -> 
         of = sum(len(v) for kind, v in nodes_fwd.items() if kind != "KERNEL")
         oa = sum(len(v) for kind, v in nodes_all.items() if kind != "KERNEL")
         return GraphCheck(errs, kf, _minus(ka, kf), of, oa - of)
-    kf = profiled_kernels(lambda: cand.call(x, p))
-    ka = profiled_kernels(lambda: _outputs(cand, x, p, g))
+    kf = profiled_kernels(lambda: cand.call(op.x, p))
+    ka = profiled_kernels(lambda: _outputs(cand, op, p))
     return GraphCheck(errs, kf, _minus(ka, kf), None, None,
                       "counts from the profiler (an eager call in the capture plan): graph dump unreadable")
 
@@ -619,8 +620,9 @@ def check_graph(cand: Candidate, op: Operands, ref: dict[str, torch.Tensor]) -> 
 # ------------------------------------------------------------------------ timing
 
 
-def n_sets(N: int, k: int, n: int, r: int, dtype: torch.dtype, l2_bytes: int) -> int:
+def n_sets(dims: tuple[int, int, int, int], dtype: torch.dtype, l2_bytes: int) -> int:
     """Input sets to rotate so that together they exceed twice the L2 (3 to ``MAX_SETS``)."""
+    N, k, n, r = dims
     elt = torch.tensor([], dtype=dtype).element_size()
     per_set = elt * (n * k + N * (k + n) + r * (k + n))
     return max(3, min(MAX_SETS, math.ceil(2 * l2_bytes / per_set)))
@@ -711,6 +713,11 @@ def time_eager(calls: dict[str, list[Callable]], repeats: int, warmup: int = 5) 
 # ------------------------------------------------------------------------ driver
 
 
+def _dims(shape: Shape) -> tuple[int, int, int, int]:
+    """(N tokens, k = d_in, n = d_out, r)"""
+    return shape.tokens, shape.d_in, shape.d_out, shape.rank
+
+
 def _shape_fields(shape: Shape) -> dict:
     return {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out, "rank": shape.rank}
 
@@ -731,8 +738,7 @@ def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str]) -> l
         for dt in dtypes:
             dtype = DTYPES[dt]
             for bias in (True, False):
-                op = make_operands(shape.tokens, shape.d_in, shape.d_out, shape.rank, dtype=dtype, device=device,
-                                   bias=bias)
+                op = make_operands(_dims(shape), dtype=dtype, device=device, bias=bias)
                 refs = {True: reference(op), False: reference(op, adapters=False)}
                 for name in names:
                     cand = CANDIDATES[name]
@@ -774,13 +780,12 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
         names = [n for n in names if not CANDIDATES[n].triton]
     base = "frozen" if "frozen" in names else None
     for shape in shapes:
-        N, k, n, r = shape.tokens, shape.d_in, shape.d_out, shape.rank
         for dt in dtypes:
             t0 = time.perf_counter()
             dtype = DTYPES[dt]
             tol = tolerance(dtype)
             group = {}
-            op = make_operands(N, k, n, r, dtype=dtype, device=device)
+            op = make_operands(_dims(shape), dtype=dtype, device=device)
             refs = {True: reference(op), False: reference(op, adapters=False)}
             for name in names:
                 cand = CANDIDATES[name]
@@ -800,7 +805,7 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
             del op, refs
             log(f"{shape.name} {dt}: checks and counts done ({time.perf_counter() - t0:.1f} s)")
             if not count_only:
-                _time_group(group, names, N, k, n, r, dtype, l2=l2, repeats=repeats, base=base, device=device)
+                _time_group(group, names, _dims(shape), dtype=dtype, l2=l2, repeats=repeats, base=base, device=device)
             rows += [group[c] for c in names]
             torch.cuda.empty_cache()
             on_group(rows, kernel_log)
@@ -808,14 +813,14 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
     return rows
 
 
-def _time_group(group: dict[str, dict], names: list[str], N: int, k: int, n: int, r: int, dtype: torch.dtype, *,
+def _time_group(group: dict[str, dict], names: list[str], dims: tuple[int, int, int, int], *, dtype: torch.dtype,
                 l2: int, repeats: int, base: str | None, device: torch.device) -> None:
     """Steps 3 and 4 for one (shape, dtype): every candidate on the same rotating input sets."""
-    sets = [make_operands(N, k, n, r, dtype=dtype, device=device) for _ in range(n_sets(N, k, n, r, dtype, l2))]
+    sets = [make_operands(dims, dtype=dtype, device=device) for _ in range(n_sets(dims, dtype, l2))]
     graphs, calls = {}, {}
     for name in names:
         cand = CANDIDATES[name]
-        fns = [(lambda c=cand, op=op, p=cand.prepare(op): _outputs(c, op.x, p, op.g)) for op in sets]
+        fns = [(lambda c=cand, op=op, p=cand.prepare(op): _outputs(c, op, p)) for op in sets]
         _warm(fns[0])
         graphs[name] = [capture(fn, warm=0)[0] for fn in fns]
         calls[name] = fns

@@ -65,7 +65,7 @@ def _reference_autograd(x, w, b, a, bm, g, s, *, lora: bool):
 def test_candidate_matches_float64(name, dtype, case):
     N, k, n, r, bias = case
     cand = lgc.CANDIDATES[name]
-    op = lgc.make_operands(N, k, n, r, dtype=dtype, device=torch.device("cpu"), bias=bias)
+    op = lgc.make_operands((N, k, n, r), dtype=dtype, device=torch.device("cpu"), bias=bias)
     p = cand.prepare(op)
     with lgc.poisoned():  # buffers the candidate allocates itself start as NaN
         y = cand.call(op.x, p)
@@ -85,7 +85,7 @@ def test_candidate_matches_float64(name, dtype, case):
 
 
 def test_check_matches_for_every_torch_candidate_and_the_frozen_reference_has_no_lora_term():
-    op = lgc.make_operands(29, 40, 24, 4, dtype=torch.float32, device=torch.device("cpu"))
+    op = lgc.make_operands((29, 40, 24, 4), dtype=torch.float32, device=torch.device("cpu"))
     full, base = lgc.reference(op), lgc.reference(op, adapters=False)
     assert lgc.rel_err(base["y"], full["y"]) > 0.1  # the operands make the LoRA term matter
     for name in TORCH_ONLY:
@@ -133,7 +133,7 @@ class _LeavesLastRowUnwritten(torch.autograd.Function):
 
 @pytest.mark.parametrize("fn, bad", [(_ForgetsScaleInGradB, "grad_B"), (_LeavesLastRowUnwritten, "y")])
 def test_checker_fails_wrong_math_and_unwritten_outputs(fn, bad):
-    op = lgc.make_operands(33, 40, 24, 4, dtype=torch.float32, device=torch.device("cpu"))
+    op = lgc.make_operands((33, 40, 24, 4), dtype=torch.float32, device=torch.device("cpu"))
     cand = lgc.Candidate("broken", lgc.prepare_plain, lambda x, p: fn.apply(x, p.w, p.b, p.a, p.bm, p.s))
     errs = lgc.check_eager(cand, op, lgc.reference(op))
     verdict = lgc._verdict(errs, lgc.tolerance(torch.float32))
@@ -150,7 +150,7 @@ NCAT_COPY = lgc.Candidate("ncat-copy", lgc.prepare_concat_copy,
 def test_adapters_updated_in_place_are_what_the_next_call_uses(cand):
     """ncat/kcat read A and B through the concatenated buffer: an optimizer's in-place update of the
     adapters (views of the buffer, or copied into it on every call) must reach the next call."""
-    op = lgc.make_operands(21, 30, 26, 4, dtype=torch.float64, device=torch.device("cpu"))
+    op = lgc.make_operands((21, 30, 26, 4), dtype=torch.float64, device=torch.device("cpu"))
     p = cand.prepare(op)
     a, bm = p.leaves
     before = cand.call(op.x, p).detach()
@@ -169,7 +169,7 @@ def test_ncat_outputs_are_row_strided_views_and_still_view_as_heads():
     """ncat's y and grad_x carry the r extra columns of its GEMMs (leading dimension n+r, k+r);
     splitting the last dimension into attention heads still works without a copy."""
     N, k, n, r = 12, 16, 24, 4
-    op = lgc.make_operands(N, k, n, r, dtype=torch.float32, device=torch.device("cpu"))
+    op = lgc.make_operands((N, k, n, r), dtype=torch.float32, device=torch.device("cpu"))
     p = lgc.CANDIDATES["ncat"].prepare(op)
     y = lgc.CANDIDATES["ncat"].call(op.x, p)
     gx, *_ = torch.autograd.grad(y, [op.x, *p.leaves], op.g)
@@ -232,7 +232,7 @@ def test_blocks_sum_to_the_repeats():
 def test_rotated_sets_exceed_twice_the_l2(group):
     for shape in lgc.resolve_shapes([group]):
         N, k, n, r = shape.tokens, shape.d_in, shape.d_out, shape.rank
-        sets = lgc.n_sets(N, k, n, r, torch.bfloat16, 60 << 20)
+        sets = lgc.n_sets((N, k, n, r), torch.bfloat16, 60 << 20)
         per_set = 2 * (n * k + N * (k + n) + r * (k + n))
         assert sets * per_set >= 2 * (60 << 20) and sets <= lgc.MAX_SETS
 
