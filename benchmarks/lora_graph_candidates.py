@@ -779,8 +779,8 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
         log(f"Triton unavailable ({_TRITON.get('error')}): skipping the Triton candidates")
         names = [n for n in names if not CANDIDATES[n].triton]
     base = "frozen" if "frozen" in names else None
-    for shape in shapes:
-        for dt in dtypes:
+    for dt in dtypes:  # dtype by dtype: the first one listed is complete before the next starts
+        for shape in shapes:
             t0 = time.perf_counter()
             dtype = DTYPES[dt]
             tol = tolerance(dtype)
