@@ -70,9 +70,9 @@ import torch.profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the checkout's lora_bench
 
-from lora_bench.kernel_bench import Shape, resolve_shapes  # noqa: E402
-from lora_bench.metrics import median_p10_p90  # noqa: E402
-from lora_bench.results import atomic_write_text  # noqa: E402
+from lora_bench.bench.kernel_bench import Shape, resolve_shapes  # noqa: E402
+from lora_bench.fileio import atomic_write_text  # noqa: E402
+from lora_bench.results.metrics import median_p10_p90  # noqa: E402
 
 ALPHA = 2.0  # the layer's s (kernel-bench's value)
 ROUND = 20  # repeats per candidate per round
@@ -122,7 +122,7 @@ def project_layer() -> tuple[Callable, Callable]:
     ``graph_plan`` context manager: inside it calls choose the plan a CUDA-graph capture uses, so
     warm-ups compile and launch what the capture records). The only place this script names the
     project's layer module."""
-    from lora_bench.lora.kernel import graph_plan, lora_linear
+    from lora_bench.kernels.autograd import graph_plan, lora_linear
 
     return lora_linear, graph_plan
 

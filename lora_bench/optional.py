@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import UsageError
+from lora_bench.errors import UsageError
 
 PEERS_EXTRA = "peers"  # transformers, peft, safetensors, huggingface_hub (pyproject's extra)
 

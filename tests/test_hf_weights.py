@@ -1,4 +1,4 @@
-"""lora_bench.hf_weights: one set of random GPT-2 weights is written as an OpenAI TensorFlow checkpoint
+"""lora_bench.model.hf_checkpoint: one set of random GPT-2 weights is written as an OpenAI TensorFlow checkpoint
 and as Hugging Face safetensors (the Hub's layout, written directly, and transformers' own
 save_pretrained layout); the book model loaded from either is the same model, bit for bit. Then the
 transformers model from the same files, the book -> Hugging Face conversion, the error messages, and
@@ -14,12 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from lora_bench import weights
+from lora_bench.model import checkpoints as weights
 from lora_bench.errors import CheckpointError, DownloadError
-from lora_bench.hf_weights import (CONFIG_FILE, WEIGHTS_FILE, ensure_hf_checkpoint, hf_repo_id, hf_state_from_gpt,
-                                   load_gpt_from_hf, load_hf_checkpoint_into_gpt, load_hf_state, read_hf_state,
-                                   verify_hf_blob)
-from lora_bench.model import GPTConfig, GPTModel
+from lora_bench.model.gpt2 import GPTConfig, GPTModel
+from lora_bench.model.hf_checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ensure_hf_checkpoint,
+    hf_repo_id,
+    hf_state_from_gpt,
+    load_gpt_from_hf,
+    load_hf_checkpoint_into_gpt,
+    load_hf_state,
+    read_hf_state,
+    verify_hf_blob,
+)
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

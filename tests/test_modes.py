@@ -82,7 +82,7 @@ def test_block_scoped_compile_compiles_once_for_any_depth(layers):
     """compile_scope=blocks: every transformer block compiled in place; a deeper model costs no
     more compiles (one graph for the first block, whose input needs no gradient, one reused by
     all the others), and the outputs and gradients are the eager ones."""
-    from lora_bench.train.classifier import make_trainable
+    from lora_bench.classifier.book import make_trainable
     from lora_bench.train.run import compile_model
 
     counts = {}

@@ -14,22 +14,30 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lora_bench.classifier import build_classifier, make_trainable
+from lora_bench.classifier.book import build_classifier, make_trainable
 from lora_bench.config import TrainConfig
+from lora_bench.data.tokenizer import PAD_TOKEN_ID
 from lora_bench.errors import ConfigError, UsageError
-from lora_bench.evaluate import calc_loss_batch, select_logits
-from lora_bench.hf_weights import hf_state_from_gpt
-from lora_bench.model import GPTConfig, count_params, build_random_model
+from lora_bench.model.gpt2 import GPTConfig, build_random_model, count_params
+from lora_bench.model.hf_checkpoint import hf_state_from_gpt
 from lora_bench.timing import PhaseTimer
-from lora_bench.tokenizer import PAD_TOKEN_ID
-from lora_bench.train import LoopSettings, train_classifier
+from lora_bench.train.evaluate import calc_loss_batch, select_logits
+from lora_bench.train.loop import LoopSettings, train_classifier
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lora_bench.peers.hf import (HF_TRAINABLE_LAYERS, HFClassifier, build_hf_classifier,  # noqa: E402
-                                 build_hf_model, cast_frozen_hf, lora_A_weights, make_hf_trainable,
-                                 package_versions, unsupported_settings)
+from lora_bench.peers.hf import (  # noqa: E402
+    HF_TRAINABLE_LAYERS,
+    HFClassifier,
+    build_hf_classifier,
+    build_hf_model,
+    cast_frozen_hf,
+    lora_A_weights,
+    make_hf_trainable,
+    package_versions,
+    unsupported_settings,
+)
 
 E, L, H, R = 16, 2, 2, 4
 MCFG = GPTConfig(vocab_size=PAD_TOKEN_ID + 1, context_length=32, emb_dim=E, n_layers=L, n_heads=H)
@@ -319,8 +327,8 @@ def test_missing_package_names_the_extra(monkeypatch, missing, layers):
 
 
 def test_book_path_imports_neither_transformers_nor_peft():
-    code = ("import sys, lora_bench, lora_bench.run, lora_bench.cli, lora_bench.sweep, lora_bench.peers, "
-            "lora_bench.peers.hf, lora_bench.hf_weights\n"
+    code = ("import sys, lora_bench, lora_bench.train.run, lora_bench.cli, lora_bench.sweep.spec, lora_bench.peers, "
+            "lora_bench.peers.hf, lora_bench.model.hf_checkpoint\n"
             "print(sorted(m for m in ('transformers', 'peft', 'safetensors', 'huggingface_hub') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -340,9 +348,9 @@ def _run_losses(*, impl="hf", layers="lora", device="cuda", precision="fp32", gr
     GraphedStep/GraphedEval with the capturable fused AdamW."""
     from types import SimpleNamespace
 
-    from lora_bench.classifier import cast_frozen
-    from lora_bench.graphs import GraphedEval, GraphedStep
-    from lora_bench.run import amp_context, compile_model
+    from lora_bench.classifier.book import cast_frozen
+    from lora_bench.train.graphs import GraphedEval, GraphedStep
+    from lora_bench.train.run import amp_context, compile_model
 
     cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers=layers, lora_rank=R, lora_alpha=8.0,
                       attention="sdpa", ops="fused", precision=precision, learning_rate=1e-3, device=device,

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
-from .lora_triton import MAX_RANK, block_r
+from lora_bench.kernels.launch import launch
+from lora_bench.kernels.lora_triton import MAX_RANK, block_r
 
 # Tests set this to fill the outputs the wrapper allocates with NaN (an element no program writes
 # shows up instead of hiding behind old memory).

@@ -39,12 +39,12 @@ from importlib import metadata
 import torch
 import torch.nn as nn
 
-from ..classifier import NUM_CLASSES, load_base_model, model_config
-from ..errors import ConfigError
-from ..hf_weights import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
-from ..model import GPTConfig, resolve_model_size
-from ..optional import require
-from ..tokenizer import PAD_TOKEN_ID
+from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
+from lora_bench.data.tokenizer import PAD_TOKEN_ID
+from lora_bench.errors import ConfigError
+from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
+from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
+from lora_bench.optional import require
 
 HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
 WEIGHTS_SOURCES = ("openai", "hf")

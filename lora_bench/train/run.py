@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
@@ -30,7 +31,6 @@ from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_st
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
 from lora_bench.results.store import upsert_run, write_csv
 from lora_bench.timing import PhaseTimer
-from lora_bench.train.classifier import build_classifier, cast_frozen, model_config
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedEval, GraphedStep
 from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier

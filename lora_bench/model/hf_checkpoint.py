@@ -2,8 +2,8 @@
 
 This module owns the second source of pretrained weights: finding ``model.safetensors`` (the Hub's
 cache, a download through ``huggingface_hub``, or a local folder), reading it into the Hugging Face
-key layout, and mapping it onto :class:`lora_bench.model.GPTModel` through the reference mapping of
-:mod:`lora_bench.weights` (the Hugging Face Conv1D weights are stored in×out, exactly as the OpenAI
+key layout, and mapping it onto :class:`lora_bench.model.gpt2.GPTModel` through the reference mapping of
+:mod:`lora_bench.model.checkpoints` (the Hugging Face Conv1D weights are stored in×out, exactly as the OpenAI
 TensorFlow variables are, so the two sources share one mapping and give bit-identical models). It
 also converts a book model's weights into the Hugging Face layout and loads such a state into
 transformers' ``GPT2Model``.
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .download import sha256_of
-from .errors import CheckpointError, DownloadError
-from .model import CHECKPOINT_NAMES, GPTConfig, GPTModel, resolve_model_size
-from .optional import require
-from .weights import TF_FILES, load_weights_into_gpt
+from lora_bench.download import sha256_of
+from lora_bench.errors import CheckpointError, DownloadError
+from lora_bench.model.checkpoints import TF_FILES, load_weights_into_gpt
+from lora_bench.model.gpt2 import CHECKPOINT_NAMES, GPTConfig, GPTModel, resolve_model_size
+from lora_bench.optional import require
 
 HF_REPOS = {
     "124M": "openai-community/gpt2",
@@ -185,7 +185,7 @@ def read_hf_settings(folder: Path) -> dict:
 
 
 def params_from_hf_state(state: dict[str, torch.Tensor]) -> dict:
-    """The reference's nested ``params`` (as :func:`lora_bench.weights.load_tf_checkpoint` returns
+    """The reference's nested ``params`` (as :func:`lora_bench.model.checkpoints.load_tf_checkpoint` returns
     them) from a Hugging Face state: a renaming only, since Conv1D weights are stored in×out like the
     TensorFlow variables."""
     n_blocks = 1 + max((int(m.group(1)) for k in state if (m := _BLOCK_KEY.match(k))), default=-1)
