@@ -25,7 +25,7 @@ from lora_bench.model.checkpoints import (
     load_weights_into_gpt,
 )
 from lora_bench.model.gpt2 import GPTConfig, GPTModel
-from lora_bench.model.gpt2 import checkpoints as weights
+from lora_bench.model import checkpoints as weights
 
 VOCAB, CTX, EMB, LAYERS, HEADS = 50, 16, 16, 2, 2
 CFG = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=EMB, n_layers=LAYERS, n_heads=HEADS)
