@@ -21,7 +21,7 @@ from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import Interrupted, UsageError
-from lora_bench.fileio import atomic_write_text
+from lora_bench.fileio import atomic_write_text, check_writable_dir
 from lora_bench.kernels import autograd as lora_kernel_ops
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.model.checkpoints import default_cache_dir
@@ -245,6 +245,9 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
                          "digit (it names a folder inside the results folder)")
     check_results_dir(results_dir)
+    why = check_writable_dir(cache_dir)
+    if why:
+        raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
     run_dir = results_dir / run_id
     held = claim if claim is not None else claim_run(run_dir)
     try:
