@@ -24,7 +24,7 @@ from lora_bench.config import (
     WEIGHTS,
     TrainConfig,
 )
-from lora_bench.errors import EXIT_INTERRUPTED, Interrupted, LoraBenchError
+from lora_bench.errors import Interrupted, LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   pretty_exceptions_show_locals=False,
@@ -170,8 +170,11 @@ def train(
     _validate_as_flags(cfg)
     _check_machine_inputs(cfg)
     _output_dir(results_dir, "--results-dir")
-    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
-                      cache_dir=cache_dir, overwrite=overwrite)
+    try:
+        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                          cache_dir=cache_dir, overwrite=overwrite)
+    except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
+        raise typer.Exit(e.exit_code) from None
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
@@ -331,5 +334,3 @@ def main() -> None:
     except LoraBenchError as e:
         err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt as e:  # a run records itself and says where; 128 + the signal, as a shell reports
-        sys.exit(e.exit_code if isinstance(e, Interrupted) else EXIT_INTERRUPTED)
