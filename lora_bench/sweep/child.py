@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
 from lora_bench.results.claims import RunClaim
 from lora_bench.sweep.isolation import die_with_parent
 from lora_bench.train.run import RaiseOnSignal, execute_run
+
+PARENT_EXIT_S = 2.0
 
 
 class _ChildSignals(RaiseOnSignal):
@@ -31,8 +35,18 @@ class _ChildSignals(RaiseOnSignal):
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            gone = os.getppid() != self.parent_pid
-            raise Interrupted(signum, f"the sweep process {self.parent_pid} died" if gone else "")
+            raise Interrupted(signum, f"the sweep process {self.parent_pid} died" if self._parent_gone(signum) else "")
+
+    def _parent_gone(self, signum: int) -> bool:
+        """The parent-death signal comes when the thread that started this process ends, which
+        can be a moment before the parent process is gone and this one adopted: a SIGTERM waits
+        that moment out."""
+        deadline = time.monotonic() + (PARENT_EXIT_S if signum == signal.SIGTERM else 0)
+        while os.getppid() == self.parent_pid:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
