@@ -46,7 +46,7 @@ def repair_runs_csv(results_dir: Path) -> int:
 def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) -> dict[str, tuple[str, str]]:
     """Planned run id -> (status, id of the row that has it). A run without a row of its own id
     counts as done when a finished row of the same sweep and repeat holds the same settings:
-    a row written under an older run-id scheme, or before a setting (now at its default) existed.
+    a row written under another run-id scheme, or by a version without a setting now at its default.
     Paths and the device are not compared (they may differ per machine, as in the ids)."""
     rows = result_rows(Path(results_dir))
     by_id = {r["run_id"]: r for r in rows}

@@ -58,8 +58,8 @@ def resolve_device(name: str) -> torch.device:
 
 def settings_hash(cfg: TrainConfig) -> str:
     """Hash of the settings that differ from their defaults: a setting added to lora-bench later
-    (with a default that keeps the old behaviour) leaves existing run ids, and so a sweep's resume,
-    intact. (Before, the hash covered every field, so each new option re-ran whole sweeps.)"""
+    (with a default that keeps the behaviour) leaves existing run ids, and so a sweep's resume,
+    intact; a hash over every field would rerun whole sweeps for each new option."""
     defaults = TrainConfig().to_dict()
     changed = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
     return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
