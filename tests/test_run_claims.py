@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_bench.results.claims import claimant, is_claimed, try_claim
+from lora_bench.results.claims import claimant, try_claim
 from lora_bench.results.store import run_record
 from lora_bench.sweep.spec import load_sweep
 
@@ -40,6 +40,14 @@ def _sweep(tmp_path: Path, runs: str, name: str = "c") -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"name: {name}\n" + BASE + textwrap.dedent(runs))
     return path
+
+
+def is_claimed(run_dir: Path) -> bool:
+    claim = try_claim(run_dir)
+    if claim is None:
+        return True
+    claim.release()
+    return False
 
 
 def _rows(results: Path) -> list[dict]:

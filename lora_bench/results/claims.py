@@ -78,16 +78,6 @@ def claimant(run_dir: Path) -> int | None:
         return None
 
 
-def is_claimed(run_dir: Path) -> bool:
-    if not (Path(run_dir) / CLAIM_NAME).is_file():
-        return False
-    claim = try_claim(run_dir)
-    if claim is None:
-        return True
-    claim.release()
-    return False
-
-
 def claim_run(run_dir: Path) -> RunClaim:
     """Claim ``run_dir`` or raise RunClaimedError naming the process that holds it."""
     got = try_claim(run_dir)
