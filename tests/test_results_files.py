@@ -148,6 +148,8 @@ def test_folders_that_take_no_file_are_refused_before_any_work(unwritable_dir, t
     _clean_error(code, out, str(unwritable_dir), "cannot write here")
     code, out = run_cli("report", tmp_path, "--output", unwritable_dir / "r.md")
     _clean_error(code, out, "--output", "cannot write here")
+    code, out = run_cli("report", tmp_path, "--output", tmp_path)
+    _clean_error(code, out, "--output", "is a folder")
     code, out = run_cli("data", "prepare", "--out", unwritable_dir / "splits", "--data-file", SAMPLE)
     _clean_error(code, out, str(unwritable_dir / "splits"), "cannot")
     code, out = run_cli("train", *TINY[:-2], "--results-dir", tmp_path / "res", "--cache-dir", unwritable_dir)

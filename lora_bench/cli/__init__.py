@@ -292,6 +292,8 @@ def report(
             raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")
         _output_dir(plot.parent, "--plot")
     if output is not None:
+        if output.is_dir():
+            raise UsageError(f"--output {output} is a folder; give the report's file name")
         _output_dir(output.parent, "--output")
 
     report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,
