@@ -64,10 +64,13 @@ def test_missing_data_file(run_cli, tmp_path):
 
 
 def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
+    """Offline, the corpus shipped with the package is used, and the run says so in one line."""
     urls = [refused_url("/a.zip"), refused_url("/b.zip")]
     monkeypatch.setattr("lora_bench.data.sms_spam.SMS_URLS", urls)
-    code, out = run_cli("train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, *urls, "--data-file")
+    code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",
+                        "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
+    assert code == 0, out
+    assert out.count("using the SMS Spam Collection shipped with lora-bench (could not download") == 1
 
 
 def test_corrupt_checkpoint(run_cli, tmp_path, sms_file):

@@ -295,6 +295,13 @@ def write_csv(rows: list[dict], path: Path) -> None:
     store.write_csv(path, ({c: r.get(c) for c in COLUMNS} for r in rows), list(COLUMNS))
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    text = str(e).lower()
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text \
+        or "out of memory" in text
+
+
 def run_kernel_bench(
     *, shapes: list[str] | None = None, impls: list[str] | None = None, dtypes: list[str] | None = None,
     device: str = "cuda", repeats: int = 200, warmup: int = 20, out_csv: Path | None = None,
@@ -332,7 +339,13 @@ def run_kernel_bench(
     rows = []
     for shape in resolve_shapes(shapes):
         for dtype_name in dtypes:
-            group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu)
+            try:
+                group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu)
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                if not _out_of_memory(e):
+                    raise
+                raise ValueError(f"shape {shape.name} ({dtype_name}) does not fit in {dev} memory: "
+                                 f"{str(e).splitlines()[0][:200]}; choose a smaller shape") from None
             rows += group
             if out_csv is not None:  # rewritten after every group: an error later loses nothing measured
                 write_csv(rows, out_csv)

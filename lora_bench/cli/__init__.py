@@ -24,7 +24,7 @@ from lora_bench.config import (
     WEIGHTS,
     TrainConfig,
 )
-from lora_bench.errors import LoraBenchError
+from lora_bench.errors import Interrupted, LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   pretty_exceptions_show_locals=False,
@@ -43,15 +43,15 @@ def _choices(values) -> str:
 
 
 def _output_dir(path: Path, flag: str) -> None:
-    """A folder the command will write into: refuse a file in its place, create it now."""
+    """A folder the command will write into: refuse a file in its place or a folder that takes no
+    new file; create it now."""
     from lora_bench.errors import UsageError
 
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UsageError(f"{flag} {path}: a file is in the way of this folder") from None
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot create this folder ({e.strerror})") from None
+    from lora_bench.fileio import check_writable_dir
+
+    why = check_writable_dir(Path(path))
+    if why:
+        raise UsageError(f"{flag} {path}: {why}")
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -144,6 +144,7 @@ def train(
     data_file: Annotated[Optional[Path], typer.Option(help="Raw SMSSpamCollection TSV (no download).")] = None,
     results_dir: ResultsDir = Path("results/runs"),
     run_id: Annotated[Optional[str], typer.Option(help="Run id (default: settings hash + time).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the run of the same --run-id, if any.")] = False,
     cache_dir: CacheDir = None,
     no_progress: NoProgress = False,
 ) -> None:
@@ -169,8 +170,11 @@ def train(
     _validate_as_flags(cfg)
     _check_machine_inputs(cfg)
     _output_dir(results_dir, "--results-dir")
-    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
-                      cache_dir=cache_dir)
+    try:
+        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                          cache_dir=cache_dir, overwrite=overwrite)
+    except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
+        raise typer.Exit(e.exit_code) from None
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
@@ -203,25 +207,10 @@ def _validate_as_flags(cfg: TrainConfig) -> None:
 def show(results_dir: Annotated[Path, typer.Argument(help="A results folder holding runs.csv.")],
          run_id: Annotated[Optional[str], typer.Argument(help="Run id (default: the latest run).")] = None) -> None:
     """Print a run's phase breakdown again, from the files."""
-    from lora_bench.errors import UsageError
     from lora_bench.report.phase_table import phase_table
-    from lora_bench.results.store import read_runs
+    from lora_bench.results.store import find_run
 
-    path = results_dir / "runs.csv"
-    if not path.is_file():
-        raise UsageError(f"no runs.csv in {results_dir}: run `lora-bench train --results-dir {results_dir}` first")
-    df = read_runs(path)
-    if run_id is None:
-        rows = df.to_dict("records")
-        if not rows:
-            raise UsageError(f"{path} holds no runs")
-        console.print(phase_table(rows[-1]))
-        return
-    hit = df[df["run_id"] == run_id]
-    if hit.empty:
-        close = ", ".join(df["run_id"].tail(5))
-        raise UsageError(f"run_id {run_id!r} not found in {path}; latest runs: {close}")
-    console.print(phase_table(hit.iloc[0].to_dict()))
+    console.print(phase_table(find_run(results_dir, run_id)))
 
 
 @data_app.command("prepare")
@@ -303,6 +292,8 @@ def report(
             raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")
         _output_dir(plot.parent, "--plot")
     if output is not None:
+        if output.is_dir():
+            raise UsageError(f"--output {output} is a folder; give the report's file name")
         _output_dir(output.parent, "--output")
 
     report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,

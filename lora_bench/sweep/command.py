@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from lora_bench.sweep.runner import resume_statuses, run_sweep
+from lora_bench.sweep.resume import resume_statuses
+from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
 
 
@@ -35,6 +36,8 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
     parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
              f"{result.skipped} skipped (done earlier)"]
+    if result.elsewhere:
+        parts.append(f"{result.elsewhere} done by another process")
     if result.count("interrupted") or result.not_started:
         parts += [f"{result.count('interrupted')} interrupted", f"{result.not_started} not started"]
     colour = "red" if result.count("failed") or result.interrupted else "green"
