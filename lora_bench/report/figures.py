@@ -59,28 +59,37 @@ def crossover_figure(study: Study):
             style, marker = VARIANT_STYLES[variants.index(ln.variant) % len(VARIANT_STYLES)]
             label = ln.label + (f" · {ln.condition}" if cond is None and ln.condition else "")
             yerr = [[g.ratio - g.ratio_lo if g.n > 1 else 0 for g in gs], [g.ratio_hi - g.ratio if g.n > 1 else 0 for g in gs]]
+            hollow = cond is None and conditions.index(ln.condition) % 2 == 1  # one panel: conditions by fill
             h = ax.errorbar([g.params for g in gs], [g.ratio for g in gs], yerr=yerr, color=colour, ls=style,
-                            marker=marker, capsize=3, lw=1.6, ms=6, label=label)
+                            marker=marker, capsize=3, lw=1.2 if hollow else 1.6, ms=7 if hollow else 6,
+                            mfc="white" if hollow else colour, label=label)
             handles[label] = h
         _size_axis(ax, study)
         ax.axhline(1.0, color="black", lw=0.9, ls="--", zorder=0)
         ax.annotate(f"1.0 = as fast as {base}", xy=(1.0, 1.0), xycoords=("axes fraction", "data"),
                     xytext=(-4, 4), textcoords="offset points", ha="right", va="bottom", fontsize=8)
         tokens = _tokens(study, cond)
-        ax.set_title(" · ".join(p for p in (cond, tokens) if p) or "all runs", fontsize=10)
+        ax.set_title(" · ".join(p for p in (cond, tokens) if p) or "conditions as in the legend", fontsize=10)
         ax.set_xlabel("model size (parameters, log scale)")
         ax.grid(True, axis="y", alpha=0.3)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
         ax.set_ylabel(f"step time / {base}'s\n(median over repeats; bars: range)")
-    fig.suptitle(f"{study.device}: step time relative to {study.baseline_text} by model size\n"
+    fig.suptitle(f"{_on(study)}step time relative to {study.baseline_text} by model size\n"
                  f"below 1.0: faster than {base}", fontsize=11)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(2, len(handles)), fontsize=8,
-               frameon=False)
-    n_legend_rows = math.ceil(len(handles) / 2)
-    fig.tight_layout(rect=(0, 0.035 * n_legend_rows + 0.02, 1, 1))
+    ncol = cols if max(len(k) for k in handles) > 45 else cols + 1  # long labels: one column per panel
+    ncol = min(ncol, len(handles))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    legend_in = 0.19 * math.ceil(len(handles) / ncol) + 0.25
+    fig.set_figheight(fig.get_figheight() + legend_in - 1.4 if legend_in > 1.4 else fig.get_figheight())
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     return fig
+
+
+def _on(study: Study) -> str:
+    """'NVIDIA H200: ' to open a title; nothing where the runs did not record their device."""
+    return f"{study.device}: " if study.header.gpus or study.header.devices else ""
 
 
 def _n_sizes(study: Study, cond: str) -> int:
@@ -128,14 +137,18 @@ def phase_figure(study: Study):
         for c, size in enumerate(sizes):
             gs = [g for g in study.groups if g.mode == mode and g.condition == cond and g.size == size]
             _phase_panel(axes[r][c], gs, title=" · ".join(p for p in (mode, size) if p))
+    two = any(g.two_clocks for g in study.groups if g.mode in modes and g.condition == cond)
     handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLOURS[p]) for p in BAR_ORDER]
-    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///"))
-    fig.legend(handles, [*BAR_ORDER[:-1], "data (on the host: incl. waiting for the GPU)", "hatched: host time"],
-               loc="lower center", ncol=5, fontsize=8, frameon=False)
-    fig.suptitle(f"{study.device}: where a step's time goes, device vs host"
-                 f"{' (' + cond + ')' if cond else ''}, median ms over repeats\n"
-                 "a host segment as long as its device segment: that phase is host-bound (the GPU waits for Python)",
-                 fontsize=11)
+    names = list(BAR_ORDER)
+    if two:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///"))
+        names = [*BAR_ORDER[:-1], "data (on the host: incl. waiting for the GPU)", "hatched: host time"]
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    title = (f"{_on(study)}where a step's time goes{', device vs host' if two else ''}"
+             f"{' (' + cond + ')' if cond else ''}, median ms over repeats")
+    if two:
+        title += "\na host segment as long as its device segment: that phase is host-bound (the GPU waits for Python)"
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
@@ -144,7 +157,7 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
     names, y = [], 0.0
     ticks = []
     for g in groups:
-        for clock in ("device", "host"):
+        for clock in ("device", "host") if g.two_clocks else ("device",):
             left = 0.0
             for ph in BAR_ORDER:
                 s = getattr(g.phases[ph], clock)
@@ -155,7 +168,7 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
                 left += v
             ax.text(left, y, f" {left:.1f}", va="center", fontsize=7)
             ticks.append(y)
-            names.append(f"{g.variant} · {clock}")
+            names.append(f"{g.variant} · {clock}" if g.two_clocks else g.variant)
             y += 1
         y += 0.5
     ax.set_yticks(ticks, names, fontsize=8)

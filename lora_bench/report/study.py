@@ -102,6 +102,13 @@ class Group:
         return len(self.runs)
 
     @property
+    def two_clocks(self) -> bool:
+        """Device and host times are both measured (CUDA events); on a CPU the host clock is the only one."""
+        clocks = {str(v) for v in self.runs.get("timing_clock", [])}
+        host_known = any(p.host.known for p in self.phases.values())
+        return host_known and (not clocks or any(c.startswith("cuda") for c in clocks))
+
+    @property
     def line(self) -> tuple[str, str, str]:
         return (self.condition, self.mode, self.variant)
 
@@ -148,6 +155,7 @@ class Header:
     title: str
     question: str
     gpus: list[str]
+    devices: list[str]  # torch devices ('cpu', 'cuda') where no GPU name is recorded
     versions: dict[str, str]
     commits: list[tuple[str, int]]
     first: str
@@ -174,7 +182,7 @@ class Study:
 
     @property
     def device(self) -> str:
-        return ", ".join(self.header.gpus) or "CPU"
+        return ", ".join(self.header.gpus) or ", ".join(self.header.devices) or "device not recorded"
 
     def base_of(self, g: Group) -> Group | None:
         for b in self.groups:
@@ -399,7 +407,7 @@ def _header(df: pd.DataFrame, done: pd.DataFrame, timed: pd.DataFrame, *, title:
     layers = sorted(_values(timed, LAYERS), key=order_key)
     return Header(title=title or (names[0] if len(names) == 1 else "results"),
                   question=_question(spec, sizes, layers, modes=len(_values(timed, MODE))),
-                  gpus=_values(done, "gpu_name"), versions={k: ", ".join(_values(done, c)) for k, c in ENV if _values(done, c)},
+                  gpus=_values(done, "gpu_name"), devices=[d.upper() for d in _values(done, "device")], versions={k: ", ".join(_values(done, c)) for k, c in ENV if _values(done, c)},
                   commits=[(str(c) or "unknown", int(n)) for c, n in commits.items()],
                   first=started[0] if started else "", last=started[-1] if started else "", fixed=fixed,
                   varying=varying, n_runs=len(done),
