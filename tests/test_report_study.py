@@ -15,6 +15,7 @@ from lora_bench.report import answer as rules
 from lora_bench.report.load import load_results
 from lora_bench.report.names import mode_name
 from lora_bench.report.study import Group, Line, Phase, Spread, build_study
+from lora_bench.report.tables import accuracy_table
 from lora_bench.timing import PHASES
 
 STUDY = Path(__file__).parent / "fixtures" / "study"
@@ -214,3 +215,17 @@ def test_answer_for_the_study_fixture():
     assert "At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer" in eager
     graphs = " ".join(points[1].sentences)
     assert "faster at every size" in graphs and "No phase is host-bound at any size" in graphs
+
+
+def test_accuracy_table_sits_next_to_speed(tmp_path):
+    rows = []
+    for r, seed in enumerate((1, 2, 3)):
+        rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0)[r]),
+                 _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(91.0, 91.5, 92.0)[r])]
+    t = accuracy_table(_study(tmp_path, rows))
+    assert t.head[4:] == ["seeds", "step ms", "step ratio", "test acc % median", "min–max", "IQR", "Δ vs baseline",
+                          "within seed noise"]
+    base, lora = t.rows
+    assert base[4] == "3 (1, 2, 3)" and base[-1] == "baseline"
+    assert lora[5] == "70.0" and lora[6].startswith("1.40×") and lora[7:] == ["91.50", "91.00–92.00", "0.50", "-4.50", "no"]
+    assert "seeds vary across repeats" in t.notes[0]

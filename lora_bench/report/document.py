@@ -25,6 +25,7 @@ class Section:
     points: list[Point] = field(default_factory=list)  # bullets with a bold heading and sub-bullets
     tables: list[Table] = field(default_factory=list)
     figure: str = ""  # key of a figure: 'crossover' or 'phases'
+    figure_first: bool = False  # the figure before the tables (it reads faster than they do)
     facts: list[tuple[str, str]] = field(default_factory=list)
     first_screen: bool = False
     terminal: bool = True  # shown on the terminal too (the long table of every group is for files)
@@ -57,7 +58,7 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
                "no group has a baseline group of the same size, mode and condition")
         sections.append(Section("Answer", text=[f"No comparison: {why}."], first_screen=True))
     sections.append(Section("Where the time goes", tables=why_tables(study, min_share=MIN_SHARE),
-                            figure="phases" if "phases" in figures else ""))
+                            figure="phases" if "phases" in figures else "", figure_first=True))
     prof = profiles_table(study)
     if prof is not None:
         sections.append(Section("Kernel profiles", tables=[prof]))

@@ -38,8 +38,11 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     """Every run under ``paths`` (folders, runs.csv files, or a folder of result folders), merged
     by run id (a done row beats a failed one; otherwise the later start wins), schema dtypes."""
     merged: dict[str, dict] = {}
+    header: dict[str, None] = {}  # every column the folders' runs.csv files write
     for path in paths:
         for d in result_dirs(Path(path)):
+            if (d / "runs.csv").is_file():
+                header.update(dict.fromkeys(pd.read_csv(d / "runs.csv", nrows=0).columns))
             for row in result_rows(d):
                 old = merged.get(row["run_id"])
                 if old is None or _rank(row) >= _rank(old):
@@ -48,8 +51,13 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
         shown = " ".join(str(p) for p in paths)
         raise UsageError(f"nothing to report: no results under {shown} "
                          "(run `lora-bench sweep FILE` or `lora-bench train` first)")
+    rows = pd.DataFrame(list(merged.values()))
+    # a run.json holds only the keys its run set (no test_acc when the final evaluation was skipped);
+    # the columns of runs.csv stay, blank where unset
+    missing = [c for c in header if c not in rows.columns]
+    rows = pd.concat([rows, pd.DataFrame("", index=rows.index, columns=missing)], axis=1)
     buf = io.StringIO()
-    pd.DataFrame(list(merged.values())).to_csv(buf, index=False)
+    rows.to_csv(buf, index=False)
     buf.seek(0)
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]

@@ -47,7 +47,8 @@ def table_html(t: Table) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in t.head)
     rows = []
     for i, r in enumerate(t.rows):
-        cells = "".join((NUM_TD if j >= t.n_keys else "<td>") + f"{html.escape(c)}</td>" for j, c in enumerate(r))
+        cells = "".join((NUM_TD if j >= t.n_keys else "<td>") + html.escape(c).replace("\n", "<br>") + "</td>"
+                        for j, c in enumerate(r))
         cls = ' class="block"' if i in t.groups and i else ""
         rows.append(f"<tr{cls}>{cells}</tr>")
     out = f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
@@ -66,12 +67,16 @@ def _section(s: Section, figures: dict[str, str]) -> str:
     if s.facts:
         out.append('<dl class="facts">' + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>"
                                                   for k, v in s.facts) + "</dl>")
+    figure = ([f'<p><img alt="{html.escape(s.figure)} figure" src="data:image/png;base64,{figures[s.figure]}"></p>']
+              if s.figure in figures else [])
+    if s.figure_first:
+        out += figure
     for t in s.tables:
         if t.title and t.title != s.title:
             out.append(f"<h3>{html.escape(t.title)}</h3>")
         out.append(table_html(t))
-    if s.figure and s.figure in figures:
-        out.append(f'<p><img alt="{html.escape(s.figure)} figure" src="data:image/png;base64,{figures[s.figure]}"></p>')
+    if not s.figure_first:
+        out += figure
     return "\n".join(out)
 
 

@@ -46,10 +46,13 @@ def to_markdown(doc: Document, *, figures: dict[str, str] | None = None) -> str:
             parts.append(points_markdown(s.points))
         if s.facts:
             parts.append("\n".join(f"- **{k}:** {v}" for k, v in s.facts) + "\n")
+        figure = [f"![{s.figure}]({figures[s.figure]})\n"] if s.figure in figures else []
+        if s.figure_first:
+            parts += figure
         for t in s.tables:
             if t.title and t.title != s.title:
                 parts.append(f"**{t.title}**\n")
             parts.append(table_markdown(t))
-        if s.figure and s.figure in figures:
-            parts.append(f"![{s.figure}]({figures[s.figure]})\n")
+        if not s.figure_first:
+            parts += figure
     return "\n".join(parts)

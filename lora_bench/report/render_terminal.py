@@ -18,11 +18,17 @@ from lora_bench.report.render_markdown import points_markdown
 from lora_bench.report.tables import Table
 
 
+KEY_WIDTH = 30  # widest a name column gets before it wraps
+
+
 def table_rich(t: Table, *, title: str = "") -> RichTable:
     rt = RichTable(title=title or None, title_justify="left", caption="\n".join(t.notes) or None,
                    caption_justify="left", box=box.SIMPLE_HEAD, title_style="bold")
     for i, h in enumerate(t.head):
-        rt.add_column(h, justify="left" if i < t.n_keys else "right", no_wrap=True)
+        if i < t.n_keys:  # names may wrap onto a second line; numbers never do
+            rt.add_column(h, justify="left", max_width=KEY_WIDTH, overflow="fold")
+        else:
+            rt.add_column(h, justify="right", no_wrap=True)
     for i, r in enumerate(t.rows):
         rt.add_row(*r, end_section=(i + 1) in t.groups)
     return rt
@@ -67,7 +73,8 @@ def print_document(doc: Document, console: Console, *, notes: list[str] | None =
 
 
 def _print_wide(console: Console, items: list) -> None:
-    """Tables at their natural width (wider than the terminal if need be), text wrapped to it."""
+    """Tables fitted to the terminal by wrapping their names, wider than it where the numbers need
+    it (a number is never clipped); text wrapped to the terminal."""
     for item in items:
         if isinstance(item, RichTable):
             width = max(console.width, Measurement.get(console, console.options.update_width(10_000), item).maximum)

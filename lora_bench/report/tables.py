@@ -71,7 +71,7 @@ def ratio_cell(g: Group | None) -> str:
     mark = {True: " ≈", False: "", None: " ?"}[g.within]
     rng = ""
     if g.n > 1 or g.step.n > 1:
-        rng = f" ({g.ratio_lo:.2f}–{g.ratio_hi:.2f})"
+        rng = f"\n({g.ratio_lo:.2f}–{g.ratio_hi:.2f})"  # a second line where the renderer allows one
     return f"{g.ratio:.2f}×{mark}{rng}"
 
 
@@ -116,8 +116,8 @@ def why_tables(study: Study, *, min_share: float) -> list[Table]:
 
 def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
     profiled = any(g.kernels() for g in groups)
-    head = ["size", "variant", "n", "step ms (IQR)", *[f"{p} ms dev / host" for p in ("forward", "backward", "optimizer")],
-            "host-bound", *(["kernels / step fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", "tokens/s", "MFU"]
+    head = ["size", "variant", "n", "step ms (IQR)", *[f"{SHORT[p]} ms dev / host" for p in ("forward", "backward", "optimizer")],
+            "host-bound", *(["kernels fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", "tokens/s", "MFU"]
     rows, starts, last = [], [], None
     for g in groups:
         if g.size != last:
@@ -132,12 +132,13 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
                      f"{num(g.step.median)} ({num(g.step.iqr, 2)})",
                      *[_dev_host(g, p) for p in ("forward", "backward", "optimizer")], _bound(g, min_share=min_share),
                      *([kern, num(k[1]) if k else "-"] if profiled else []), share, num(g.tokens_per_s, 0), num(g.mfu, 2)])
-    notes = [f"dev: device time (CUDA events), host: host time (perf_counter); medians over repeats of each run's "
-             f"median. host-bound: every repeat recorded host ≥ {HOST_BOUND_RATIO} × device for the phase "
-             f"('mixed': the repeats disagree); phases under {100 * min_share:.0f} % of the step are not listed"]
+    notes = [f"fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA events), host: host time "
+             "(perf_counter); medians over repeats of each run's median. host-bound: every repeat recorded host ≥ "
+             f"{HOST_BOUND_RATIO} × device for the phase ('mixed': the repeats disagree); phases under "
+             f"{100 * min_share:.0f} % of the step are not listed"]
     if profiled:
-        notes.append("kernels / step and kernel ms: torch.profiler counts of a profiled run with the same step shape "
-                     "and mode (see Kernel profiles)")
+        notes.append("kernels (launched per step) and kernel ms (their device time per step): torch.profiler counts "
+                     "of a profiled run with the same step shape and mode (see Kernel profiles)")
     notes.append("opt share: the optimizer's device time in % of the step; MFU: achieved / datasheet peak FLOP/s")
     return Table(title=title, head=head, rows=rows, notes=notes, n_keys=2, groups=starts)
 
@@ -154,9 +155,9 @@ def _bound(g: Group, *, min_share: float) -> str:
         if not p.device.known or p.device.median < min_share * g.step.median:
             continue
         if p.bound == "host":
-            out.append(ph)
+            out.append(SHORT[ph])
         elif "host" in p.bound:
-            out.append(ph + " (mixed)")
+            out.append(SHORT[ph] + " (mixed)")
     return ", ".join(out) or "-"
 
 
