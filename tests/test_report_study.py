@@ -73,7 +73,7 @@ def test_groups_ratios_ranges_and_lines(tmp_path):
                  _run(10 * r + 2, size="1558M", layers="all", step=300 + r), _run(10 * r + 3, size="1558M", layers="lora", step=240 + r)]
     s = _study(tmp_path, rows)
     assert s.baseline == {"cfg_trainable_layers": "all"} and s.sizes == ["124M", "1558M"]
-    assert [ln.label for ln in s.lines] == ["lora"] and [g.size for g in s.lines[0].groups] == ["124M", "1558M"]
+    assert [ln.label for ln in s.lines] == ["lora · eager fp32"] and [g.size for g in s.lines[0].groups] == ["124M", "1558M"]
     small = s.lines[0].groups[0]
     assert small.ratio == pytest.approx(78 / 51)
     assert (small.ratio_lo, small.ratio_hi) == (pytest.approx(76 / 52), pytest.approx(80 / 50))  # min/max to max/min
@@ -223,9 +223,9 @@ def test_accuracy_table_sits_next_to_speed(tmp_path):
         rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0)[r]),
                  _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(91.0, 91.5, 92.0)[r])]
     t = accuracy_table(_study(tmp_path, rows))
-    assert t.head[4:] == ["seeds", "step ms", "step ratio", "test acc % median", "min–max", "IQR", "Δ vs baseline",
+    assert t.head[3:] == ["seeds", "step ms", "step ratio", "test acc % median", "min–max", "IQR", "Δ vs baseline",
                           "within seed noise"]
     base, lora = t.rows
-    assert base[4] == "3 (1, 2, 3)" and base[-1] == "baseline"
-    assert lora[5] == "70.0" and lora[6].startswith("1.40×") and lora[7:] == ["91.50", "91.00–92.00", "0.50", "-4.50", "no"]
+    assert base[3] == "3 (1, 2, 3)" and base[-1] == "baseline"
+    assert lora[4] == "70.0" and lora[5].startswith("1.40×") and lora[6:] == ["91.50", "91.00–92.00", "0.50", "-4.50", "no"]
     assert "seeds vary across repeats" in t.notes[0]

@@ -72,12 +72,13 @@ def crossover_sentence(line: Line, *, base: str) -> str:
     else:
         head = (f"{line.variant} takes {ratio_text(gs[0])} {base}'s step time at {gs[0].size} "
                 f"and {ratio_text(gs[-1])} at {gs[-1].size}")
+    unknown = " (one run per group: the spread is unknown)" if all(g.within is None for g in gs) else ""
     if where.startswith("between"):
-        return f"{head}: the crossover lies {where}"
+        return f"{head}: the crossover lies {where}{unknown}"
     if where and len(gs) > 1:
-        return f"{head}: {where}"
+        return f"{head}: {where}{unknown}"
     mixed = ", ".join(f"{verdict(g)} at {g.size}" for g in gs)
-    return f"{head} ({mixed})" if len(gs) > 1 else head
+    return (f"{head} ({mixed})" if len(gs) > 1 else head) + unknown
 
 
 def host_bound_phases(g: Group) -> list[str]:

@@ -237,7 +237,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     groups = []
     for _, g in timed.groupby([*size_keys, *spec, *([MODE] if MODE in keys else []), *rest] or ["run_id"],
                               sort=False, dropna=False):
-        groups.append(_group(g, size_keys=size_keys, spec=spec, mode=MODE in keys and MODE not in spec, rest=rest))
+        groups.append(_group(g, size_keys=size_keys, spec=spec, mode=MODE in g and MODE not in spec, rest=rest))
     sizes = sorted({g.size for g in groups}, key=lambda s: (order_key(s.split()[0]), s))
     groups.sort(key=lambda g: (_cond_order(g, rest), order_key(g.mode, col=MODE), sizes.index(g.size),
                                tuple(order_key(g.settings.get(k), col=k) for k in spec)))
@@ -306,7 +306,7 @@ def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, res
     def med(col: str) -> float:
         return Spread.of(g[col]).median if col in g else math.nan
 
-    return Group(size=size, variant=variant, mode=str(settings.get(MODE, "")) if mode else "",
+    return Group(size=size, variant=variant, mode=value_text(_first(g, MODE)) if mode else "",
                  condition=condition_text({k: settings[k] for k in rest}), settings=settings, runs=g,
                  step=Spread.of(g.get("step_ms_median", pd.Series(dtype=float))), phases=phases, seeds=seeds,
                  tokens_per_step=med("tokens_per_step"), tokens_per_s=med("tokens_per_s"), mfu=med("mfu"),

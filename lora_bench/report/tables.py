@@ -40,7 +40,8 @@ def header_facts(study: Study) -> list[tuple[str, str]]:
     h = study.header
     facts = [("device", study.device + (f" ({h.hosts} hosts)" if h.hosts > 1 else ""))]
     facts.append(("software", ", ".join(f"{k} {v}" for k, v in h.versions.items())))
-    facts.append(("commits", ", ".join(f"{c} ({n} runs)" for c, n in h.commits)))
+    known = any(c != "unknown" for c, _ in h.commits)
+    facts.append(("commits", ", ".join(f"{c} ({n} runs)" for c, n in h.commits) if known else "not recorded"))
     if h.first:
         facts.append(("runs started", h.first[:16].replace("T", " ") + " – " + h.last[:16].replace("T", " ") + " UTC"))
     runs = f"{h.n_runs} finished"
@@ -77,7 +78,8 @@ def ratio_cell(g: Group | None) -> str:
 
 def crossover_table(study: Study) -> Table:
     """Per mode and condition: the baseline's median step ms by size, then each variant's ratio."""
-    head = ["execution mode", "condition", "variant", *study.sizes]
+    with_cond = any(study.conditions())
+    head = ["execution mode", *(["condition"] if with_cond else []), "variant", *study.sizes]
     rows, starts = [], []
     for cond in study.conditions():
         for mode in study.modes():
@@ -86,11 +88,11 @@ def crossover_table(study: Study) -> Table:
             if not lines:
                 continue
             starts.append(len(rows))
-            rows.append([mode or "-", cond or "-", f"{base_name(study)}: step ms"] +
+            rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{base_name(study)}: step ms"] +
                         [num(base[s].step.median) if s in base else "-" for s in study.sizes])
             for ln in lines:
                 by = {g.size: g for g in ln.groups}
-                rows.append(["", "", f"{ln.variant} / {base_name(study)}"] +
+                rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
     notes = [f"ratio = median step time over repeats / the baseline's ({study.baseline_text}) at the same size, "
              "mode and condition; (lo–hi): the ratio's range over repeats, min/max to max/min",
@@ -98,7 +100,7 @@ def crossover_table(study: Study) -> Table:
     if legend(study):
         notes.append(legend(study))
     return Table(title=f"LoRA crossover: step time relative to {study.baseline_text} ({study.device})", head=head,
-                 rows=rows, notes=notes, n_keys=3, groups=starts)
+                 rows=rows, notes=notes, n_keys=3 if with_cond else 2, groups=starts)
 
 
 # -- where the time goes -------------------------------------------------------------------------
@@ -187,8 +189,9 @@ def accuracy_table(study: Study) -> Table | None:
     if not metric:
         return None
     label = column_label(metric)
-    head = ["execution mode", "condition", "size", "variant", "seeds", "step ms", "step ratio",
-            f"{label} median", "min–max", "IQR", "Δ vs baseline", "within seed noise"]
+    with_cond = any(study.conditions())
+    head = ["execution mode", *(["condition"] if with_cond else []), "size", "variant", "seeds", "step ms",
+            "step ratio", f"{label} median", "min–max", "IQR", "Δ vs baseline", "within seed noise"]
     rows = []
     for g in study.groups:
         a = g.accuracy.get(metric)
@@ -196,7 +199,7 @@ def accuracy_table(study: Study) -> Table | None:
             continue
         d, w = study.accuracy_vs_base(g)
         mark = "baseline" if g.is_baseline else {True: "≈ yes", False: "no", None: "? (one run)"}[w]
-        rows.append([g.mode or "-", g.condition or "-", g.size, g.variant,
+        rows.append([g.mode or "-", *([g.condition or "-"] if with_cond else []), g.size, g.variant,
                      f"{len(g.seeds)} ({', '.join(g.seeds)})" if g.seeds else str(g.n), num(g.step.median),
                      ratio_cell(g) if not g.is_baseline else "1.00×", num(a.median, 2),
                      f"{num(a.lo, 2)}–{num(a.hi, 2)}", num(a.iqr, 2),
@@ -204,7 +207,7 @@ def accuracy_table(study: Study) -> Table | None:
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
     notes = [f"{label}: median, min–max and IQR over the repeats of each group ({over}); within seed noise: "
              "|Δ median| ≤ max(IQR of the group, IQR of the baseline)"]
-    return Table(title=f"Accuracy next to speed ({label})", head=head, rows=rows, notes=notes, n_keys=4)
+    return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)
 
 
 # -- every group ---------------------------------------------------------------------------------
