@@ -12,6 +12,7 @@ rich render hook, so nothing is garbled; the next refresh draws it again below."
 
 from __future__ import annotations
 
+import math
 import time
 
 from rich.console import Console, RenderHook
@@ -105,13 +106,13 @@ class TrainProgress:
         filled = int(frac * width)
         elapsed = now - self._t0
         eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        loss = "-" if self._last_loss != self._last_loss else f"{self._last_loss:.3f}"
+        loss = "-" if math.isnan(self._last_loss) else f"{self._last_loss:.3f}"
         return (f"epoch {self._epoch}  {'━' * filled}{'─' * (width - filled)}  {done}/{self.total}  "
                 f"loss {loss}  {_clock(elapsed)} < {_clock(eta)}")
 
 
 def _clock(seconds: float) -> str:
-    if seconds != seconds:
+    if math.isnan(seconds):
         return "-:--:--"
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -71,7 +71,7 @@ def test_terminal_report_and_plot(tmp_path, run_cli):
 
 def test_markdown_file_gets_its_figures_beside_it(tmp_path, run_cli):
     md = tmp_path / "out" / "report.md"
-    code, out = run_cli("report", STUDY, "--format", "markdown", "--output", md)
+    code, _ = run_cli("report", STUDY, "--format", "markdown", "--output", md)
     assert code == 0
     text = md.read_text()
     assert text.index("## Answer") < text.index("## The crossover") < text.index("## Where the time goes")

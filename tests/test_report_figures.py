@@ -31,7 +31,7 @@ def test_crossover_lines_points_axis_and_labels():
     lines = _lines(fig)
     assert set(lines) == {"lora · eager fp32", "lora-kernel · eager fp32", f"lora · {GRAPHS}", f"lora-kernel · {GRAPHS}"}
     for c in lines.values():
-        x, y = c.lines[0].get_data()
+        x, _ = c.lines[0].get_data()
         assert len(x) == 2  # 124M and 1558M
     eager = lines["lora · eager fp32"].lines[0].get_ydata()
     assert eager[0] == pytest.approx(1.545, abs=0.01) and eager[1] == pytest.approx(0.838, abs=0.01)

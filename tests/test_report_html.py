@@ -45,7 +45,7 @@ def chromium_screenshot(page: Path, tmp_path: Path) -> tuple[Path, list[str]]:
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2000",
            "--enable-logging=stderr", "--v=0", page.resolve().as_uri()]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180)
     messages = [ln for ln in res.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
     return shot, messages
 

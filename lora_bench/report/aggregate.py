@@ -170,7 +170,7 @@ def parse_baseline(text: str, done: pd.DataFrame) -> dict[str, str]:
 def matches(df: pd.DataFrame, spec: dict) -> pd.Series:
     mask = pd.Series(True, index=df.index)
     for col, value in spec.items():
-        mask &= df[col].map(lambda v: same(v, value))
+        mask &= df[col].map(lambda v, value=value: same(v, value))
     return mask
 
 

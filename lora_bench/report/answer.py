@@ -204,7 +204,7 @@ def accuracy_sentence(study: Study) -> str:
         text = (f"{_cap(name)} ({over}): outside the spread over seeds: {listed}"
                 f"{f'; {rest} other difference(s) within it' if rest else ''}")
     else:
-        g, d, w = max(pairs, key=lambda t: abs(t[1]))
+        g, d, _ = max(pairs, key=lambda t: abs(t[1]))
         text = (f"{_cap(name)} ({over}): every difference from the baseline is within the spread over seeds"
                 if unknown < len(pairs) else f"{_cap(name)} ({over}): one run per group, so the spread is unknown")
         text += f" (largest: {g.variant} {d:+.2f} points at {where(g)})"

@@ -43,10 +43,8 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     study = build_study(df, baseline=baseline, title=_title(paths))
     if not table_only and study.baseline_text and not baseline:  # the table of groups against the study's baseline
         rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=study.baseline_text)
-    wrote = []
     drawn = _draw(study, fmt=fmt, output=output, plot=plot, table_only=table_only)
-    for path in drawn["files"].values():
-        wrote.append(path)
+    wrote = list(drawn["files"].values())
     if table_only:
         doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(map(str, paths))}")
     else:

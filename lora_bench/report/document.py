@@ -12,8 +12,15 @@ from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
 from lora_bench.report.study import Study
-from lora_bench.report.tables import (Table, accuracy_table, crossover_table, groups_table, header_facts,
-                                      profiles_table, why_tables)
+from lora_bench.report.tables import (
+    Table,
+    accuracy_table,
+    crossover_table,
+    groups_table,
+    header_facts,
+    profiles_table,
+    why_tables,
+)
 
 RULES_AT = "lora_bench/report/answer.py"
 
@@ -47,9 +54,9 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
     points = answer(study)
     if points:
         sections.append(Section("Answer", points=points, first_screen=True,
-                                text=[f"On {study.device}, median step time over repeats; a ratio below 1.0 is "
+                                text=[(f"On {study.device}, median step time over repeats; a ratio below 1.0 is "
                                       f"faster than {study.baseline_text}. Generated from the runs by the rules in "
-                                      f"`{RULES_AT}`."]))
+                                      f"`{RULES_AT}`.")]))
         sections.append(Section("The crossover", tables=[crossover_table(study)], first_screen=True,
                                 figure="crossover" if "crossover" in figures else ""))
     else:

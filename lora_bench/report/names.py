@@ -4,7 +4,7 @@ run labels), model sizes, trainable-layer choices, and settings as ``key=value``
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from lora_bench.results.schema import SETTING_PREFIX, column_index
 

@@ -17,7 +17,6 @@ from lora_bench.report.document import Document, Section
 from lora_bench.report.render_markdown import points_markdown
 from lora_bench.report.tables import Table
 
-
 KEY_WIDTH = 30  # widest a name column gets before it wraps
 
 

@@ -19,11 +19,26 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from lora_bench.report.aggregate import (NOT_GROUPED, REPEAT_SETTINGS, collapse_modes, matches, numbers,
-                                         order_key, parse_baseline, same, text_summary, varying_settings,
-                                         within_spread)
+from lora_bench.report.aggregate import (
+    NOT_GROUPED,
+    collapse_modes,
+    matches,
+    numbers,
+    order_key,
+    parse_baseline,
+    same,
+    text_summary,
+    varying_settings,
+    within_spread,
+)
 from lora_bench.report.load import MODE, RUN_DIR, kernel_counts
-from lora_bench.report.names import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
+from lora_bench.report.names import (
+    MODE_FIELDS,
+    condition_text,
+    is_blank,
+    setting_name,
+    value_text,
+)
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.timing import PHASES
 

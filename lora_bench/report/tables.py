@@ -94,8 +94,8 @@ def crossover_table(study: Study) -> Table:
                 by = {g.size: g for g in ln.groups}
                 rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
-    notes = [f"ratio = median step time over repeats / the baseline's ({study.baseline_text}) at the same size, "
-             "mode and condition; (lo–hi): the ratio's range over repeats, min/max to max/min",
+    notes = [(f"ratio = median step time over repeats / the baseline's ({study.baseline_text}) at the same size, "
+             "mode and condition; (lo–hi): the ratio's range over repeats, min/max to max/min"),
              RULE]
     if legend(study):
         notes.append(legend(study))
@@ -134,10 +134,10 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
                      f"{num(g.step.median)} ({num(g.step.iqr, 2)})",
                      *[_dev_host(g, p) for p in ("forward", "backward", "optimizer")], _bound(g, min_share=min_share),
                      *([kern, num(k[1]) if k else "-"] if profiled else []), share, num(g.tokens_per_s, 0), num(g.mfu, 2)])
-    notes = [f"fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA events), host: host time "
+    notes = [(f"fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA events), host: host time "
              "(perf_counter); medians over repeats of each run's median. host-bound: every repeat recorded host ≥ "
              f"{HOST_BOUND_RATIO} × device for the phase ('mixed': the repeats disagree); phases under "
-             f"{100 * min_share:.0f} % of the step are not listed"]
+             f"{100 * min_share:.0f} % of the step are not listed")]
     if profiled:
         notes.append("kernels (launched per step) and kernel ms (their device time per step): torch.profiler counts "
                      "of a profiled run with the same step shape and mode (see Kernel profiles)")
@@ -177,9 +177,9 @@ def profiles_table(study: Study) -> Table | None:
         rows.append([p.run_id, p.size, p.variant, p.mode, p.condition,
                      *[count_text(p.counts[ph][0]) if ph in p.counts else "-" for ph in PHASES],
                      count_text(launches), num(ms), num(step), busy])
-    notes = ["kernels launched and their summed device time per step, from torch.profiler (kernels_by_phase.csv); "
+    notes = [("kernels launched and their summed device time per step, from torch.profiler (kernels_by_phase.csv); "
              "GPU busy = kernel ms / the timed group's median step ms: the rest of the step the GPU waits "
-             "(for the host to queue work, or between kernels); '-': no timed group with this step shape and mode"]
+             "(for the host to queue work, or between kernels); '-': no timed group with this step shape and mode")]
     return Table(title="Kernel profiles", head=head, rows=rows, notes=notes, n_keys=5)
 
 
@@ -205,8 +205,8 @@ def accuracy_table(study: Study) -> Table | None:
                      f"{num(a.lo, 2)}–{num(a.hi, 2)}", num(a.iqr, 2),
                      "-" if math.isnan(d) or g.is_baseline else f"{d:+.2f}", mark])
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
-    notes = [f"{label}: median, min–max and IQR over the repeats of each group ({over}); within seed noise: "
-             "|Δ median| ≤ max(IQR of the group, IQR of the baseline)"]
+    notes = [(f"{label}: median, min–max and IQR over the repeats of each group ({over}); within seed noise: "
+             "|Δ median| ≤ max(IQR of the group, IQR of the baseline)")]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)
 
 
