@@ -279,11 +279,11 @@ def report(
     group_by: Annotated[Optional[str], typer.Option(help="Comma-separated settings (default: the run labels, or the settings that vary).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="key=value runs to compare against, e.g. trainable_layers=all.")] = None,
     metrics: Annotated[Optional[str], typer.Option(help="Comma-separated result columns; the first is ratioed.")] = None,
-    format: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
-    output: Annotated[Optional[Path], typer.Option(help="Write the report to this file instead of the terminal.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE (.png, .pdf or .svg).")] = None,
+    format: Annotated[str, typer.Option("--format", help="table (terminal), markdown, html (one self-contained page) or csv.")] = "table",
+    output: Annotated[Optional[Path], typer.Option(help="Write the report to this file instead of the terminal (Markdown gets its figures beside it).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw the crossover figure to FILE (.png, .pdf or .svg) and the phases to FILE-phases.")] = None,
 ) -> None:
-    """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
+    """Explain results: the answer generated from the runs, the crossover against a baseline, where the time goes."""
     from lora_bench.errors import UsageError
     from lora_bench.report.command import report_command
 
