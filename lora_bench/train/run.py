@@ -26,6 +26,7 @@ from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.progress import TrainProgress
 from lora_bench.results.environment import environment
+from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
 from lora_bench.results.store import upsert_run, write_csv
@@ -189,6 +190,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     if not RUN_ID_RE.match(run_id):
         raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
                          "digit (it names a folder inside the results folder)")
+    record_invocation(results_dir, run_ids=[run_id])
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
