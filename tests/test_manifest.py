@@ -130,6 +130,9 @@ def test_reconstructed_entries_say_so_and_keep_unknowns():
     assert first["started_at"] == "2026-01-01T00:00:00+00:00"
     assert (second["git_commit"], second["git_dirty"], second["run_ids"]) == (man.UNKNOWN, None, ["c"])
     assert first["environment"]["gpu_name"] == "GPU X"
+    assert man.reconstruct_entries(rows, outputs=["x.log"])[-1]["outputs"] == []  # beside rows: origin unknown
+    [files_only] = man.reconstruct_entries([], outputs=["bench.csv"])
+    assert files_only["outputs"] == ["bench.csv"] and files_only["git_commit"] == man.UNKNOWN
 
 
 def test_superseded_rows_move_aside_with_their_numbers(tmp_path):

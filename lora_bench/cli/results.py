@@ -74,8 +74,8 @@ def reconstruct(
     """Write manifest.json for folders written before they had one, from the rows' own columns
     (git_commit, versions, GPU, start time); marked 'reconstructed from rows'."""
     from lora_bench.errors import UsageError
-    from lora_bench.results.index import PER_RUN_FILES
     from lora_bench.results.manifest import MANIFEST, read_manifest, reconstruct_entries, update_manifest
+    from lora_bench.results.prune import SUPERSEDED
     from lora_bench.results.store import result_rows
 
     if description is not None and len(folders) != 1:
@@ -88,7 +88,7 @@ def reconstruct(
         run_dirs = {r["run_id"] for r in rows}
         outputs = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
                    if p.is_file() and p.name not in (MANIFEST, "README.md", "runs.csv") and not p.name.endswith(".lock")
-                   and not (p.relative_to(folder).parts[0] in run_dirs and p.name in PER_RUN_FILES)]
+                   and p.relative_to(folder).parts[0] not in (*run_dirs, SUPERSEDED)]
         entries = reconstruct_entries(rows, outputs=outputs)
 
         def change(data: dict, entries=entries) -> None:

@@ -30,6 +30,7 @@ class FolderSummary:
     runs: int = 0
     done: int = 0
     superseded: int = 0
+    superseded_commits: list[str] = field(default_factory=list)
     reconstructed: bool = False
     files: list[tuple[str, str]] = field(default_factory=list)  # (path, what: row count or size)
 
@@ -46,6 +47,10 @@ def _csv_rows(path: Path) -> int:
         return 0
 
 
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
 def _size(path: Path) -> str:
     n = path.stat().st_size
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
@@ -60,6 +65,17 @@ def _unique(values) -> list[str]:
     return out
 
 
+def _commits(entries: list[dict]) -> list[str]:
+    out = []
+    for e in entries:
+        sha = e.get("git_commit") or UNKNOWN
+        label = sha if sha == UNKNOWN else sha[:12] + (" (uncommitted changes)" if e.get("git_dirty") else "")
+        if e.get("commit_source") == "LORA_BENCH_GIT_COMMIT":
+            label += " (passed in)"
+        out.append(label)
+    return _unique(out)
+
+
 def summarise(folder: Path) -> FolderSummary:
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -68,13 +84,7 @@ def summarise(folder: Path) -> FolderSummary:
     env = [e.get("environment", {}) for e in entries]
     devices = _unique([r.get("gpu_name") or r.get("device") for r in rows]
                       + [x.get("gpu_name") or x.get("gpus") for x in env])
-    commits = []
-    for e in entries:
-        sha = e.get("git_commit") or UNKNOWN
-        label = sha if sha == UNKNOWN else sha[:12] + (" (uncommitted changes)" if e.get("git_dirty") else "")
-        if e.get("commit_source") == "LORA_BENCH_GIT_COMMIT":
-            label += " (passed in)"
-        commits.append(label)
+    commits = _commits(entries)
     dates = sorted(_unique([str(r.get("started_at", ""))[:10] for r in rows]
                            + [str(e.get("started_at", ""))[:10] for e in entries if e.get("started_at") != UNKNOWN]))
     summary = FolderSummary(
@@ -83,6 +93,7 @@ def summarise(folder: Path) -> FolderSummary:
         dates=[dates[0], dates[-1]] if len(dates) > 1 else dates,
         runs=len(rows), done=sum(r.get("status") == "done" for r in rows),
         superseded=_csv_rows(folder / SUPERSEDED / "runs.csv") if (folder / SUPERSEDED / "runs.csv").is_file() else 0,
+        superseded_commits=_commits(read_manifest(folder / SUPERSEDED)["invocations"]),
         reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries))
     run_dirs = {r["run_id"] for r in rows}
     for path in sorted(folder.rglob("*")):
@@ -91,7 +102,7 @@ def summarise(folder: Path) -> FolderSummary:
             continue
         if rel.parts[0] == SUPERSEDED or (len(rel.parts) > 1 and rel.parts[0] in run_dirs and path.name in PER_RUN_FILES):
             continue
-        what = f"{_csv_rows(path)} rows" if path.suffix == ".csv" else _size(path)
+        what = _rows(_csv_rows(path)) if path.suffix == ".csv" else _size(path)
         summary.files.append((rel.as_posix(), what))
     return summary
 
@@ -135,7 +146,8 @@ def render_index(root: Path) -> str:
         lines.append(f"- dates (UTC): {' to '.join(s.dates) or UNKNOWN}")
         if s.runs:
             lines.append(f"- runs: {s.runs} in `runs.csv` ({s.done} done)"
-                         + (f"; {s.superseded} superseded in `{SUPERSEDED}/runs.csv`" if s.superseded else ""))
+                         + (f"; {s.superseded} superseded in `{SUPERSEDED}/runs.csv`" if s.superseded else "")
+                         + (f" (source commits {', '.join(s.superseded_commits)})" if s.superseded_commits else ""))
         if s.files:
             lines.append("- files: " + ", ".join(f"`{p}` ({w})" for p, w in s.files))
     return "\n".join(lines) + "\n"

@@ -167,7 +167,9 @@ ROW_ENVIRONMENT = ("gpu_name", "gpu_driver", "torch_version", "cuda_version", "t
 def reconstruct_entries(rows: list[dict], *, outputs: Iterable[str] = ()) -> list[dict]:
     """Manifest entries rebuilt from a folder's own rows, for results written before the harness
     kept a manifest: one entry per (git_commit, environment, version) group, dated by its earliest
-    run. The command line was not recorded; a blank ``git_commit`` stays ``unknown``."""
+    run. The command line was not recorded; a blank ``git_commit`` stays ``unknown``. Other files
+    (``outputs``) are listed only in a folder without rows, in one entry that knows nothing else:
+    beside rows, nothing tells which group wrote them."""
     groups: dict[tuple, dict] = {}
     for row in rows:
         env = {k: str(row.get(k) or "") for k in ROW_ENVIRONMENT}
@@ -194,10 +196,9 @@ def reconstruct_entries(rows: list[dict], *, outputs: Iterable[str] = ()) -> lis
             "run_ids": g["ids"],
             "outputs": [],
         })
-    if outputs := [str(o) for o in outputs]:
-        if not entries:
-            entries.append({"id": "rows/0", "source": RECONSTRUCTED, "command": UNKNOWN, "git_commit": UNKNOWN,
-                            "git_dirty": None, "commit_source": UNKNOWN, "started_at": UNKNOWN,
-                            "lora_bench_version": UNKNOWN, "environment": {}, "run_ids": [], "outputs": []})
-        entries[-1]["outputs"] = outputs
+    outputs = [str(o) for o in outputs]
+    if outputs and not entries:  # files without rows (a kernel bench's CSV): nothing tells their origin
+        entries.append({"id": "rows/0", "source": RECONSTRUCTED, "command": UNKNOWN, "git_commit": UNKNOWN,
+                        "git_dirty": None, "commit_source": UNKNOWN, "started_at": UNKNOWN,
+                        "lora_bench_version": UNKNOWN, "environment": {}, "run_ids": [], "outputs": outputs})
     return entries
