@@ -113,9 +113,9 @@ def _cell(items: list[str], *, code: bool = False) -> str:
     return "<br>".join(f"`{i}`" if code and i != UNKNOWN else i for i in items).replace("|", "\\|")
 
 
-def render_index(root: Path) -> str:
-    """The Markdown index of every results folder under ``root``."""
-    folders = [summarise(f) for f in results_folders(root)]
+def render_index(root: Path, *, names: list[str] | None = None) -> str:
+    """The Markdown index of every results folder under ``root`` (or of the folders ``names``)."""
+    folders = [summarise(f) for f in results_folders(root) if names is None or f.name in names]
     lines = [
         "# Results",
         "",
