@@ -1,8 +1,11 @@
-"""Quick exploration of execution modes (before committing a sweep): for each model size,
-trainable set and mode, a short timing run through ``execute_run``; prints a table of median step
-times and the LoRA/all ratio. Random weights are built once per size (reused in-process).
+"""Execution modes side by side: for each model size, trainable set and mode, a short timing run
+(random weights, built once per size and reused in-process) into one results folder; prints a table
+of median step times and the LoRA/all ratio last.
 
-    python -m benchmarks.modes --data-file PATH --out DIR --sizes 124M 1558M
+    python -m benchmarks.modes --results-dir results/modes --sizes 124M 1558M [--data-file TSV]
+
+``--kernel-plans default fused default`` runs the lora-kernel layers once per plan in turn, in one
+process: an A-B-A comparison in which a drifting host affects both plans alike.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ MODES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data-file", required=True)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results-dir", required=True, type=Path, help="Folder for runs.csv and the per-run files.")
+    ap.add_argument("--data-file", help="Raw SMSSpamCollection TSV (default: lora-bench's own copy or download).")
     ap.add_argument("--sizes", nargs="+", default=["124M", "1558M"])
     ap.add_argument("--layers", nargs="+", default=["all", "lora", "lora-kernel"])
     ap.add_argument("--modes", nargs="+", default=list(MODES))
@@ -56,7 +59,7 @@ def main() -> None:
             ap.error(f"--kernel-plans {plan}: {e}")
     set_kernel_mode(None)
     console = Console(width=150)
-    out = Path(args.out)
+    out = args.results_dir
     table = Table(title="median step ms (device events)")
     for col in ("size", "mode", *args.layers, "lora/all"):
         table.add_column(col)

@@ -24,6 +24,7 @@ from lora_bench.config import (
     WEIGHTS,
     TrainConfig,
 )
+from lora_bench.cli.results import results_app
 from lora_bench.errors import Interrupted, LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -31,6 +32,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Benchmark and ablation harness for LoRA fine-tuning of GPT-2 (SMS spam classification).")
 data_app = typer.Typer(no_args_is_help=True, help="Data set commands.")
 app.add_typer(data_app, name="data")
+app.add_typer(results_app, name="results")
 # piped output (logs, CI) would be cut at rich's default 80 columns: tables get room there
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
@@ -317,6 +319,7 @@ def kernel_bench(
     """Time one LoRA layer (forward, backward, both) against the frozen layer: the floor."""
     from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
     from lora_bench.errors import UsageError
+    from lora_bench.results.manifest import record_invocation
 
     split = (lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None)
     _output_dir(out.parent, "--out")
@@ -325,6 +328,7 @@ def kernel_bench(
                                 repeats=repeats, warmup=warmup, out_csv=out, cpu=cpu, progress=not no_progress)
     except ValueError as e:  # bad shape/impl/dtype/device names or counts, or no GPU for device=cuda
         raise UsageError(str(e)) from e
+    record_invocation(out.parent, outputs=[out.name])
     console.print(render_kernel_table(rows))
     console.print(f"written: {out}")
 

@@ -29,6 +29,7 @@ from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.progress import TrainProgress
 from lora_bench.results.environment import environment
+from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
@@ -269,6 +270,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
 
 def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Console, progress: bool,
              cache_dir: Path, extra: dict | None) -> dict:
+    record_invocation(results_dir, run_ids=[run_id])
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
