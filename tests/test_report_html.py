@@ -6,6 +6,7 @@ any message is an error: a blocked resource, a parse error). Skips where no Chro
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
@@ -13,21 +14,26 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from rich.console import Console
+
+from lora_bench.report.command import report_command
 
 STUDY = Path(__file__).parent / "fixtures" / "study"
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install -y chromium)")
 
 
-def _render(tmp_path: Path, run_cli) -> Path:
-    page = tmp_path / "report.html"
-    code, out = run_cli("report", STUDY, "--format", "html", "--output", page)
-    assert code == 0, out
-    return page
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> Path:
+    """The study fixture's report as HTML, rendered once for the tests below."""
+    path = tmp_path_factory.mktemp("html") / "report.html"
+    report_command([STUDY], group_by=None, baseline=None, metrics=None, fmt="html", output=path, plot=None,
+                   console=Console(file=io.StringIO()))
+    return path
 
 
-def test_the_page_is_self_contained(tmp_path, run_cli):
-    text = _render(tmp_path, run_cli).read_text()
+def test_the_page_is_self_contained(page):
+    text = page.read_text()
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     assert "http://" not in text and "https://" not in text and "<script" not in text and "<link" not in text
     sources = re.findall(r'src="([^"]*)"', text)
@@ -51,8 +57,8 @@ def chromium_screenshot(page: Path, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 @needs_chromium
-def test_chromium_renders_the_report_without_console_errors(tmp_path, run_cli):
-    shot, messages = chromium_screenshot(_render(tmp_path, run_cli), tmp_path)
+def test_chromium_renders_the_report_without_console_errors(page, tmp_path):
+    shot, messages = chromium_screenshot(page, tmp_path)
     assert messages == []
     img = Image.open(shot).convert("RGB")
     assert img.size == (1280, 2000)

@@ -228,8 +228,9 @@ def answer(study: Study) -> list[Point]:
     conditions = study.conditions()
     for ci, cond in enumerate(conditions):
         for mode in study.modes():
-            lines = [ln for ln in study.lines if ln.condition == cond and ln.mode == mode]
-            if not lines:
+            lines = [ln for ln in study.lines if ln.condition == cond and ln.mode == mode
+                     and any(not math.isnan(g.ratio) for g in ln.groups)]
+            if not lines:  # no step times (timing off) or no baseline here: nothing to say
                 continue
             tokens = next((g.tokens_per_step for ln in lines for g in ln.groups if not math.isnan(g.tokens_per_step)), math.nan)
             where = " · ".join(p for p in (mode, cond, f"{tokens:,.0f} tokens per step" if not math.isnan(tokens) else "") if p)
@@ -268,7 +269,7 @@ def _shift(study: Study, lines: list[Line], *, first: str) -> str:
     parts = []
     for ln in lines:
         other = next((o for o in study.lines if o.condition == first and o.mode == ln.mode and o.variant == ln.variant), None)
-        if other is None:
+        if other is None or not crossover(ln.groups):
             continue
         was, now = crossover(other.groups), crossover(ln.groups)
         if was and was != now:

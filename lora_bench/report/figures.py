@@ -140,7 +140,7 @@ def phase_figure(study: Study):
     handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLOURS[p]) for p in BAR_ORDER]
     names = list(BAR_ORDER)
     if two:
-        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///"))
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
         names = [*BAR_ORDER[:-1], "data (on the host: incl. waiting for the GPU)", "hatched: host time"]
     fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
     title = (f"{_on(study)}where a step's time goes{', device vs host' if two else ''}"
@@ -162,7 +162,7 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
                 s = getattr(g.phases[ph], clock)
                 v = 0.0 if not s.known else s.median
                 ax.barh(y, v, left=left, height=0.8, color=PHASE_COLOURS[ph], alpha=1.0 if clock == "device" else 0.55,
-                        hatch="///" if clock == "host" else None, edgecolor="white" if clock == "device" else "black",
+                        hatch="//" if clock == "host" else None, edgecolor="white" if clock == "device" else "black",
                         linewidth=0.4)
                 left += v
             ax.text(left, y, f" {left:.1f}", va="center", fontsize=7)

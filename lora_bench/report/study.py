@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from lora_bench.report.aggregate import (
@@ -31,6 +32,7 @@ from lora_bench.report.aggregate import (
     varying_settings,
     within_spread,
 )
+from lora_bench.report.empty import why_empty
 from lora_bench.report.load import MODE, RUN_DIR, kernel_counts
 from lora_bench.report.names import (
     MODE_FIELDS,
@@ -63,11 +65,12 @@ class Spread:
 
     @classmethod
     def of(cls, s: pd.Series) -> Spread:
-        v = numbers(s)
-        if v.empty:
+        v = pd.to_numeric(s, errors="coerce").to_numpy(dtype=float)
+        v = v[~np.isnan(v)]
+        if not len(v):
             return cls(math.nan, math.nan, math.nan, math.nan, 0)
-        iqr = float(v.quantile(0.75) - v.quantile(0.25)) if len(v) >= 2 else math.nan
-        return cls(float(v.median()), iqr, float(v.min()), float(v.max()), len(v))
+        q1, med, q3 = np.quantile(v, (0.25, 0.5, 0.75))  # linear interpolation, as pandas' quantile
+        return cls(float(med), float(q3 - q1) if len(v) >= 2 else math.nan, float(v.min()), float(v.max()), len(v))
 
     @property
     def known(self) -> bool:
@@ -111,6 +114,7 @@ class Group:
     ratio_hi: float = math.nan
     within: bool | None = None
     profile: str = ""  # run id of the profiled run whose kernel counts are shown
+    counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # its (launches, kernel ms) by phase
 
     @property
     def n(self) -> int:
@@ -134,11 +138,11 @@ class Group:
                 and p.device.median >= min_share * self.step.median]
 
     def kernels(self) -> tuple[float, float] | None:
-        """(launches, kernel ms) per step over all phases, when a profile exists."""
-        vals = [(p.launches, p.kernel_ms) for p in self.phases.values() if p.launches is not None]
-        if not vals:
+        """(launches, kernel ms) per step, when a profile exists: every row of its counts, those the
+        profiler could not place in a phase ('other') included."""
+        if not self.counts:
             return None
-        return sum(a for a, _ in vals), sum(b for _, b in vals)
+        return sum(a for a, _ in self.counts.values()), sum(b for _, b in self.counts.values())
 
 
 @dataclass
@@ -260,6 +264,11 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
                   baseline_text=", ".join(f"{setting_name(k)}={v}" for k, v in spec.items()),
                   variant_keys=list(spec), sizes=sizes, groups=groups, lines=[], profiles=[],
                   seeds_vary=_seeds_vary(groups), notes=notes)
+    untimed = [g for g in groups if not g.step.known]
+    if untimed:
+        runs = pd.concat([g.runs for g in untimed])
+        study.notes.append(f"{len(untimed)} group(s) without step times ({why_empty(runs, 'step_ms_median')}): "
+                           "left out of the crossover and the phase tables")
     _ratios(study)
     study.lines = _lines(study)
     study.profiles = _attach_profiles(study, profiled)
@@ -327,7 +336,7 @@ def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, res
                  tokens_per_step=med("tokens_per_step"), tokens_per_s=med("tokens_per_s"), mfu=med("mfu"),
                  flops_per_step=med("flops_per_step"),
                  params=float(numbers(g["total_params"]).min()) if "total_params" in g and len(numbers(g["total_params"])) else math.nan,
-                 accuracy={a: Spread.of(g[a]) for a in ACCURACIES if a in g and Spread.of(g[a]).known},
+                 accuracy={a: acc for a in ACCURACIES if a in g and (acc := Spread.of(g[a])).known},
                  is_baseline=bool(spec) and bool(matches(g, spec).all()))
 
 
@@ -386,7 +395,7 @@ def _attach_profiles(study: Study, profiled: pd.DataFrame) -> list[Profile]:
             for ph, p in match.phases.items():
                 launches, ms = counts.get(ph, (None, None))
                 match.phases[ph] = Phase(device=p.device, host=p.host, bound=p.bound, launches=launches, kernel_ms=ms)
-            match.profile = str(row["run_id"])
+            match.profile, match.counts = str(row["run_id"]), counts
         out.append(Profile(run_id=str(row["run_id"]), size=value_text(row.get(SIZE)),
                            variant=value_text(row.get(LAYERS)), mode=str(row.get(MODE, "")),
                            condition=f"batch {value_text(row.get(SETTING_PREFIX + 'batch_size'))}",

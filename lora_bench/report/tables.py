@@ -85,7 +85,7 @@ def crossover_table(study: Study) -> Table:
         for mode in study.modes():
             base = {g.size: g for g in study.groups if g.is_baseline and g.condition == cond and g.mode == mode}
             lines = [ln for ln in study.lines if ln.condition == cond and ln.mode == mode]
-            if not lines:
+            if not lines or not any(g.step.known for g in [*base.values(), *(g for ln in lines for g in ln.groups)]):
                 continue
             starts.append(len(rows))
             rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{base_name(study)}: step ms"] +
@@ -111,7 +111,7 @@ def why_tables(study: Study, *, min_share: float) -> list[Table]:
     for cond in study.conditions():
         for mode in study.modes():
             gs = [g for g in study.groups if g.condition == cond and g.mode == mode]
-            if gs:
+            if any(g.step.known for g in gs):
                 out.append(_why(gs, title=" · ".join(p for p in (mode, cond) if p) or "all runs", min_share=min_share))
     return out
 
@@ -166,16 +166,18 @@ def _bound(g: Group, *, min_share: float) -> str:
 def profiles_table(study: Study) -> Table | None:
     if not study.profiles:
         return None
+    other = any("other" in p.counts for p in study.profiles)
     head = ["run", "size", "variant", "execution mode", "condition", *[f"{SHORT[p]} kernels" for p in PHASES],
-            "kernels / step", "kernel ms / step", "timed step ms", "GPU busy"]
+            *(["outside phases"] if other else []), "kernels / step", "kernel ms / step", "timed step ms", "GPU busy"]
     rows = []
     for p in study.profiles:
-        launches = sum(p.counts.get(ph, (0.0, 0.0))[0] for ph in PHASES)
-        ms = sum(p.counts.get(ph, (0.0, 0.0))[1] for ph in PHASES)
+        launches = sum(a for a, _ in p.counts.values())
+        ms = sum(b for _, b in p.counts.values())
         step = p.group.step.median if p.group is not None else math.nan
         busy = f"{100 * ms / step:.0f} %" if p.group is not None and step else "-"
         rows.append([p.run_id, p.size, p.variant, p.mode, p.condition,
                      *[count_text(p.counts[ph][0]) if ph in p.counts else "-" for ph in PHASES],
+                     *([count_text(p.counts["other"][0]) if "other" in p.counts else "-"] if other else []),
                      count_text(launches), num(ms), num(step), busy])
     notes = [("kernels launched and their summed device time per step, from torch.profiler (kernels_by_phase.csv); "
              "GPU busy = kernel ms / the timed group's median step ms: the rest of the step the GPU waits "
