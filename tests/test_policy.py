@@ -174,6 +174,13 @@ def test_plan_names_and_backends():
             parse_plan(bad)
 
 
+def test_a_policy_takes_a_plan_or_its_name():
+    assert PlanPolicy(forced="cpp") == PlanPolicy(forced=Plan.CPP) and PlanPolicy(forced="cpp").forced is Plan.CPP
+    assert pick(PlanPolicy(forced="fused")) is Plan.FUSED
+    with pytest.raises(KernelModeError, match="'cpp:fused'"):
+        PlanPolicy(forced="cpp:fused")
+
+
 def test_policy_from_env():
     base = PlanPolicy(cpp_graph_min_weight=5)
     assert policy_from_env(base, {}) is base

@@ -48,7 +48,8 @@ def call_plan(x: torch.Tensor, weight: torch.Tensor, rank: int) -> Plan:
     dtype = _compute_dtype(x, dev)
     return choose(current_policy(), device=dev, dtype=dtype,
                   capturing=cuda and torch.cuda.is_current_stream_capturing(), compiling=False,
-                  weight_numel=weight.numel(), rank=rank, exact_fp32=_exact_fp32(dtype),
+                  weight_numel=weight.numel(), rank=rank,
+                  exact_fp32=cuda and _exact_fp32(dtype),  # (the CPU's plans never depend on it)
                   have_triton=available.HAVE_TRITON if cuda else available.HAVE_TRITON_INTERPRETER,
                   have_cpp=available.HAVE_CPP)
 

@@ -90,6 +90,10 @@ class PlanPolicy:
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT
     capture: bool = False
 
+    def __post_init__(self) -> None:
+        if self.forced is not None and not isinstance(self.forced, Plan):  # a plan's name
+            object.__setattr__(self, "forced", parse_plan(str(self.forced)))
+
 
 def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bool, compiling: bool,
            weight_numel: int, rank: int, exact_fp32: bool, have_triton, have_cpp) -> Plan:
