@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.autograd import KernelModeError, set_kernel_mode
+from lora_bench.kernels.policy import KernelModeError, PlanPolicy, parse_plan, use_policy
 from lora_bench.train.run import execute_run
 
 MODES = {
@@ -52,12 +52,12 @@ def main() -> None:
                     help="lora-kernel plans to run in turn (default, or a forced plan such as fused); "
                          "e.g. default fused default: an A-B-A comparison in one process")
     args = ap.parse_args()
+    policies = {}
     for plan in args.kernel_plans:
         try:
-            set_kernel_mode(None if plan == "default" else plan)
+            policies[plan] = PlanPolicy(forced=None if plan == "default" else parse_plan(plan))
         except KernelModeError as e:
             ap.error(f"--kernel-plans {plan}: {e}")
-    set_kernel_mode(None)
     console = Console(width=150)
     out = args.results_dir
     table = Table(title="median step ms (device events)")
@@ -71,14 +71,15 @@ def main() -> None:
                     continue
                 plans = args.kernel_plans if layers == "lora-kernel" else ["default"]
                 for i, plan in enumerate(plans):
-                    set_kernel_mode(None if plan == "default" else plan)
                     cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
                                       lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
                                       device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
                                       warmup_steps=15, profile=args.profile, **MODES[mode])
                     rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(plans) > 1 else "")
                     try:
-                        row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
+                        with use_policy(policies.get(plan, PlanPolicy())):
+                            row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True),
+                                              progress=False)
                         cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
                         console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
                             f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
@@ -89,7 +90,6 @@ def main() -> None:
             ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
             table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
                           f"{ratio:.2f}" if ratio else "-")
-    set_kernel_mode(None)
     console.print(table)
 
 

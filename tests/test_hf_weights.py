@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from lora_bench.model import checkpoints as weights
 from lora_bench.errors import CheckpointError, DownloadError
+from lora_bench.model import checkpoints as weights
 from lora_bench.model.gpt2 import GPTConfig, GPTModel
 from lora_bench.model.hf_checkpoint import (
     CONFIG_FILE,

@@ -15,6 +15,7 @@ import torch
 from conftest import refused_url
 
 from lora_bench.errors import CheckpointError, DownloadError
+from lora_bench.model import checkpoints as weights
 from lora_bench.model.checkpoints import (
     CHECKPOINT_FILES,
     CONVERTED_NAME,
@@ -25,7 +26,6 @@ from lora_bench.model.checkpoints import (
     load_weights_into_gpt,
 )
 from lora_bench.model.gpt2 import GPTConfig, GPTModel
-from lora_bench.model import checkpoints as weights
 
 VOCAB, CTX, EMB, LAYERS, HEADS = 50, 16, 16, 2, 2
 CFG = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=EMB, n_layers=LAYERS, n_heads=HEADS)

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from lora_bench import __version__
+from lora_bench.cli.results import results_app
 from lora_bench.config import (
     ATTENTION,
     COMPILE_SCOPES,
@@ -24,7 +25,6 @@ from lora_bench.config import (
     WEIGHTS,
     TrainConfig,
 )
-from lora_bench.cli.results import results_app
 from lora_bench.errors import Interrupted, LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -48,7 +48,6 @@ def _output_dir(path: Path, flag: str) -> None:
     """A folder the command will write into: refuse a file in its place or a folder that takes no
     new file; create it now."""
     from lora_bench.errors import UsageError
-
     from lora_bench.fileio import check_writable_dir
 
     why = check_writable_dir(Path(path))

@@ -23,15 +23,14 @@ from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_sp
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import Interrupted, UsageError
 from lora_bench.fileio import atomic_write_text, check_writable_dir
-from lora_bench.kernels import autograd as lora_kernel_ops
-from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.progress import TrainProgress
+from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
-from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
 from lora_bench.results.store import RUN_RECORD, check_results_dir, read_run_table, run_record, upsert_run, write_csv
 from lora_bench.timing import PhaseTimer
@@ -107,6 +106,10 @@ class RunContext:
 
     def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool):
         self.cfg = cfg
+        # lora-kernel: the plan policy of this run (LORA_BENCH_KERNEL_MODE may force a plan), and
+        # the plans its layers run, noted while the loop runs
+        self.kernel_policy = policy_from_env(current_policy())
+        self.kernel_plans = PlanLog()
         self.device = resolve_device(cfg.device)
         set_precision(cfg)
         mcfg = model_config(cfg)
@@ -146,39 +149,21 @@ class RunContext:
                             max_steps=c.max_steps)
 
     def backend(self) -> str:
-        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'cpp-direct', 'triton', or
-        'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
-        block-scoped compile), 'cublas' for 1558M's MLP compiled."""
+        """The lora-kernel plans the training step's layers ran, as recorded while the loop ran
+        (``kernel_plans``), e.g. 'cpp', 'cpp-direct', 'triton', 'cublas', 'torch', or 'cpp+triton'
+        when layers differ (1558M's MLP under CUDA graphs; the head left out of a block-scoped
+        compile). '' for other trainable-layer settings, or before any training step ran."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-
-        cfg = self.cfg
-        eager = lora_kernel_ops.lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-        traced = lora_kernel_ops.lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
-        compiled = set()
-        if cfg.compile:
-            blocks = self.model.trf_blocks if cfg.compile_scope == "blocks" else self.model
-            compiled = {id(m) for m in blocks.modules()}
-        paths = set()
-        for m in self.model.modules():
-            if not isinstance(m, LinearWithLoRAKernel):
-                continue
-            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
-                paths.add("cublas" if traced == "triton" and lora_kernel_ops.compiled_takes_cublas(m.linear.weight) else traced)
-            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < lora_kernel_ops.CPP_GRAPH_MIN_WEIGHT:
-                paths.add(traced)
-            elif cfg.cuda_graphs and eager == "cpp-direct":  # captured: the C++ op's cuBLAS GEMMs
-                paths.add("cpp")
-            else:
-                paths.add(eager)
-        return "+".join(sorted(paths))
+        return self.kernel_plans.backend()
 
 
 def final_accuracies(ctx: RunContext) -> dict[str, float]:
     kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
     out = {}
-    for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
+    with use_policy(ctx.kernel_policy):
+        for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
+            out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
     return out
 
 
@@ -287,7 +272,7 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
     try:
         ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress)
         row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
-                   backend=ctx.backend(), **environment(ctx.device))
+                   **environment(ctx.device))
         timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -296,13 +281,15 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
         if cfg.cuda_graphs:
             step_fn = GraphedStep(ctx, timer=timer)
         total = (cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train))
-        with TrainProgress(console, total=total, enabled=progress, timer=timer) as bar:
+        with (TrainProgress(console, total=total, enabled=progress, timer=timer) as bar,
+              use_policy(ctx.kernel_policy), record_plans(ctx.kernel_plans)):
             on_step = profiler.chain(bar.update)
             timer.label_phases = profiler.labels_phases
             result: TrainResult = profiler.run(
                 train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
                 settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step,
                 eval_model=ctx.eval_model, say=say)
+        row["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
         curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
                       train_accs=result.train_accs, val_accs=result.val_accs)
         row.update(steps=result.steps, training_time_s=result.training_time_s,
