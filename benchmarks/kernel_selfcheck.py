@@ -1,7 +1,7 @@
-"""Check and time the LoRA Triton kernels in one go (one device-machine call does everything).
+"""Check and time the LoRA Triton kernels in one go.
 
     TRITON_INTERPRET=1 python -m benchmarks.kernel_selfcheck --interpret   # CPU, Triton's interpreter
-    PYTHONPATH=. python3 -m benchmarks.kernel_selfcheck --out $OUT           # GPU: sweep + bench
+    python -m benchmarks.kernel_selfcheck --out DIR                         # GPU: sweep + bench
 
 The interpreter check runs the kernels on fresh random inputs at odd sizes against float64,
 outputs pre-filled with NaN. (bf16 is left to the GPU: Triton 3.6's interpreter gets bf16 dots
@@ -72,9 +72,10 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
 
 
 def _function_check(gen: torch.Generator, *, verbose: bool) -> list[str]:
-    """The autograd Function end to end on each forced plan (3-D, non-contiguous input, a
-    trainable bias to exercise grad_b, frozen weight) against float64."""
-    from lora_bench.kernels import autograd as k
+    """The autograd Function end to end on each of its plans, forced through the plan policy (3-D,
+    non-contiguous input, a trainable bias to exercise grad_b, frozen weight) against float64."""
+    from lora_bench.kernels.autograd import lora_linear
+    from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
 
     failures = []
     x0 = torch.randn(3, 29, 41, generator=gen).transpose(0, 1)  # (29, 3, 41), non-contiguous
@@ -84,14 +85,14 @@ def _function_check(gen: torch.Generator, *, verbose: bool) -> list[str]:
     xr, br, ar, bmr = ref_in
     yr = xr @ w.double().t() + br + 1.5 * (xr @ ar) @ bmr
     refs = [yr, *torch.autograd.grad(yr, ref_in, g.double())]
-    for mode in ("fused", "cublas", "fused:torch"):
-        k.set_kernel_mode(mode)
-        try:
+    for plan in (Plan.FUSED, Plan.CUBLAS, Plan.TORCH):
+        mode = plan.value
+        with use_policy(PlanPolicy(forced=plan)), record_plans() as ran:
             ins = [t.clone().requires_grad_(True) for t in (x0, bias, a, b)]
-            y = k.lora_linear(ins[0], w, ins[1], ins[2], ins[3], 1.5)
+            y = lora_linear(ins[0], w, ins[1], ins[2], ins[3], 1.5)
             outs = [y, *torch.autograd.grad(y, ins, g)]
-        finally:
-            k.set_kernel_mode(None)
+        if list(ran) != [plan]:
+            failures.append(f"Function forced {mode} ran {[p.value for p in ran]}")
         for name, out, ref in zip(("y", "grad_x", "grad_bias", "grad_A", "grad_B"), outs, refs):
             e = _err(out, ref.detach())
             ok = e <= 1e-5 and out.shape == ref.shape
@@ -205,10 +206,10 @@ def host_cost(dtype: torch.dtype = torch.bfloat16) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--interpret", action="store_true", help="CPU check under TRITON_INTERPRET=1")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
+    ap.add_argument("--out", type=Path, default=Path("."), help="folder for sweep.txt and kernel_bench.csv")
     ap.add_argument("--shapes", nargs="*", default=["1558m"])
-    ap.add_argument("--impls", nargs="*", default=["frozen", "lora", "lora-merged", "lora-kernel",
-                                                     "lora-kernel:cublas", "lora-kernel:torch"])
+    ap.add_argument("--impls", nargs="*", default=["frozen", "lora", "lora-merged", "lora-kernel", "lora-kernel:cpp",
+                                                     "lora-kernel:fused", "lora-kernel:cublas"])
     ap.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--no-sweep", action="store_true")

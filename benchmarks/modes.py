@@ -1,8 +1,11 @@
-"""Quick exploration of execution modes (before committing a sweep): for each model size,
-trainable set and mode, a short timing run through ``execute_run``; prints a table of median step
-times and the LoRA/all ratio. Random weights are built once per size (reused in-process).
+"""Execution modes side by side: for each model size, trainable set and mode, a short timing run
+(random weights, built once per size and reused in-process) into one results folder; prints a table
+of median step times and the LoRA/all ratio last.
 
-    python -m benchmarks.modes --data-file PATH --out DIR --sizes 124M 1558M
+    python -m benchmarks.modes --results-dir results/modes --sizes 124M 1558M [--data-file TSV]
+
+``--kernel-plans default fused default`` runs the lora-kernel layers once per plan in turn, in one
+process: an A-B-A comparison in which a drifting host affects both plans alike.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.autograd import KernelModeError, set_kernel_mode
+from lora_bench.kernels.policy import KernelModeError, PlanPolicy, parse_plan, use_policy
 from lora_bench.train.run import execute_run
 
 MODES = {
@@ -35,9 +38,9 @@ MODES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data-file", required=True)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results-dir", required=True, type=Path, help="Folder for runs.csv and the per-run files.")
+    ap.add_argument("--data-file", help="Raw SMSSpamCollection TSV (default: lora-bench's own copy or download).")
     ap.add_argument("--sizes", nargs="+", default=["124M", "1558M"])
     ap.add_argument("--layers", nargs="+", default=["all", "lora", "lora-kernel"])
     ap.add_argument("--modes", nargs="+", default=list(MODES))
@@ -49,14 +52,14 @@ def main() -> None:
                     help="lora-kernel plans to run in turn (default, or a forced plan such as fused); "
                          "e.g. default fused default: an A-B-A comparison in one process")
     args = ap.parse_args()
+    policies = {}
     for plan in args.kernel_plans:
         try:
-            set_kernel_mode(None if plan == "default" else plan)
+            policies[plan] = PlanPolicy(forced=None if plan == "default" else parse_plan(plan))
         except KernelModeError as e:
             ap.error(f"--kernel-plans {plan}: {e}")
-    set_kernel_mode(None)
     console = Console(width=150)
-    out = Path(args.out)
+    out = args.results_dir
     table = Table(title="median step ms (device events)")
     for col in ("size", "mode", *args.layers, "lora/all"):
         table.add_column(col)
@@ -68,14 +71,15 @@ def main() -> None:
                     continue
                 plans = args.kernel_plans if layers == "lora-kernel" else ["default"]
                 for i, plan in enumerate(plans):
-                    set_kernel_mode(None if plan == "default" else plan)
                     cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
                                       lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
                                       device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
                                       warmup_steps=15, profile=args.profile, **MODES[mode])
                     rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(plans) > 1 else "")
                     try:
-                        row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True), progress=False)
+                        with use_policy(policies.get(plan, PlanPolicy())):
+                            row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True),
+                                              progress=False)
                         cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
                         console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
                             f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"
@@ -86,7 +90,6 @@ def main() -> None:
             ratio = (cells.get("lora") / cells["all"]) if cells.get("lora") and cells.get("all") else None
             table.add_row(size, mode, *[f"{cells[x]:.2f}" if cells.get(x) else "-" for x in args.layers],
                           f"{ratio:.2f}" if ratio else "-")
-    set_kernel_mode(None)
     console.print(table)
 
 

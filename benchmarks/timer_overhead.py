@@ -3,9 +3,10 @@ the timer ``off`` and ``events`` in ABBA order (off-events, events-off, …: a l
 host cancels within each pair of pairs); per block the wall time of the loop with a device
 synchronisation at both ends. The overhead is the median over pairs of events/off − 1, with a
 bootstrap 95 % interval over the pairs, so a claim such as "at most 2 %" can be read off the upper
-bound rather than off one noisy ratio of medians.
+bound rather than off one noisy ratio of medians. Also measured directly: the timer's own host
+cost per step. Prints a table last; ``--results-dir`` also keeps every block in ``timer_overhead.csv``.
 
-    python -m benchmarks.timer_overhead --data-file PATH [--trainable-layers lora]
+    python -m benchmarks.timer_overhead [--trainable-layers lora] [--results-dir DIR] [--data-file TSV]
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ import dataclasses
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from lora_bench.config import TrainConfig
+from lora_bench.results.manifest import record_invocation
+from lora_bench.results.store import write_csv
 from lora_bench.timing import PHASES, PhaseTimer
 from lora_bench.train.loop import train_classifier
 from lora_bench.train.run import RunContext, default_cache_dir
@@ -87,8 +93,9 @@ def _timed_step(timer: PhaseTimer, step: int, loss: torch.Tensor) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data-file", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-file", help="Raw SMSSpamCollection TSV (default: lora-bench's own copy or download).")
+    ap.add_argument("--results-dir", type=Path, help="Also write every block to DIR/timer_overhead.csv.")
     ap.add_argument("--model-size", default="124M")
     ap.add_argument("--trainable-layers", default="all")
     ap.add_argument("--device", default="cuda")
@@ -98,26 +105,39 @@ def main() -> None:
     args = ap.parse_args()
     if args.blocks < 2 or args.blocks % 2:
         ap.error(f"--blocks {args.blocks}: need an even number (ABBA quads), at least 2")
+    console = Console(width=160)
     cost = timer_cost_us(torch.device(args.device))
-    print(f"timer cost (direct, host): {cost:.1f} us per step with events timing on {args.device}")
+    table = Table(title=f"timer overhead, {args.model_size} {args.trainable_layers} on {args.device}",
+                  title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("timer's host cost per step (direct)", f"{cost:.1f} µs")
     if args.cost_only:
+        console.print(table)
         return
     cfg = TrainConfig(model_size=args.model_size, weights="random", trainable_layers=args.trainable_layers,
                       lora_rank=16, lora_alpha=16.0, data_file=args.data_file, device=args.device)
     ctx = RunContext(cfg, cache_dir=default_cache_dir(), progress=False)
     measure(ctx, mode="off", steps=10)  # warm-up
     res: dict[str, list[float]] = {"off": [], "events": []}
+    blocks = []
     for pair in block_order(args.blocks):
         for mode in pair:
             res[mode].append(measure(ctx, mode=mode, steps=args.steps))
-    off, ev = statistics.median(res["off"]), statistics.median(res["events"])
+            blocks.append({"block": len(blocks), "mode": mode, "steps": args.steps, "ms_per_step": res[mode][-1]})
+    if args.results_dir:
+        write_csv(args.results_dir / "timer_overhead.csv", blocks, ["block", "mode", "steps", "ms_per_step"])
+        record_invocation(args.results_dir, outputs=["timer_overhead.csv"])
     med, lo, hi = paired_overhead(res["off"], res["events"])
-    print(f"timer overhead {args.model_size} {args.trainable_layers}: ms/step off {off:.3f} events {ev:.3f}; "
-          f"paired events/off {med:+.2f}% (95% interval {lo:+.2f}% to {hi:+.2f}%)  "
-          f"(ABBA blocks of {args.steps} steps, {args.blocks} of each mode)")
-    print(f"  direct cost {cost:.1f} us = {100 * cost / 1e3 / off:.3f} % of the off step")
-    print("  off   ", [round(x, 2) for x in res["off"]])
-    print("  events", [round(x, 2) for x in res["events"]])
+    off = statistics.median(res["off"])
+    console.print("off   ", [round(x, 2) for x in res["off"]])
+    console.print("events", [round(x, 2) for x in res["events"]])
+    table.add_row("ms per step, timer off (median of blocks)", f"{off:.3f}")
+    table.add_row("ms per step, timer on (median of blocks)", f"{statistics.median(res['events']):.3f}")
+    table.add_row(f"paired overhead, {args.blocks} ABBA blocks of {args.steps} steps", f"{med:+.2f} %")
+    table.add_row("95 % interval", f"{lo:+.2f} % to {hi:+.2f} %")
+    table.add_row("direct cost in % of the off step", f"{100 * cost / 1e3 / off:.3f} %")
+    console.print(table)
 
 
 if __name__ == "__main__":

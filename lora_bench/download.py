@@ -16,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from contextlib import nullcontext
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -182,11 +183,14 @@ def _member_escapes(name: str, root: Path) -> bool:
     return not (root / name).resolve().is_relative_to(root)
 
 
-def safe_extract_zip(zip_path: Path, out_dir: Path, *, members: list[str] | None = None) -> list[Path]:
+def safe_extract_zip(zip_path: Path, out_dir: Path, *, members: list[str] | None = None,
+                     max_bytes: int | None = None) -> list[Path]:
     """Extract ``members`` (all by default) of ``zip_path`` into ``out_dir``; returns their paths.
 
     Every member is checked before anything is written: one whose path is absolute or leads out of
-    ``out_dir`` raises DataError naming it.
+    ``out_dir`` raises DataError naming it, and so does one that declares more than ``max_bytes``
+    (a zip bomb). The cap is enforced again while writing, since a crafted archive's declared size
+    need not be true.
     """
     zip_path, out_dir = Path(zip_path), Path(out_dir)
     try:
@@ -207,4 +211,33 @@ def safe_extract_zip(zip_path: Path, out_dir: Path, *, members: list[str] | None
             if _member_escapes(name, root):
                 raise DataError(f"refusing to extract {zip_path}: member {name!r} would be written "
                                 f"outside {out_dir}; the archive is not the expected one")
-        return [Path(archive.extract(name, out_dir)) for name in wanted]
+            declared = archive.getinfo(name).file_size
+            if max_bytes is not None and declared > max_bytes:
+                raise DataError(f"refusing to extract {zip_path}: member {name!r} expands to {declared:,} bytes, "
+                                f"more than the {max_bytes:,} expected; the archive is not the expected one")
+        return [_extract_capped(archive, name, out_dir, zip_path=zip_path, max_bytes=max_bytes) for name in wanted]
+
+
+def _extract_capped(archive: zipfile.ZipFile, name: str, out_dir: Path, *, zip_path: Path,
+                    max_bytes: int | None) -> Path:
+    dest = out_dir / name
+    if name.endswith("/"):
+        dest.mkdir(parents=True, exist_ok=True)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    try:
+        with archive.open(name) as src, open(dest, "wb") as out:
+            for block in iter(lambda: src.read(CHUNK_SIZE), b""):
+                written += len(block)
+                if max_bytes is not None and written > max_bytes:
+                    raise DataError(f"refusing to extract {zip_path}: member {name!r} expands past "
+                                    f"{max_bytes:,} bytes; the archive is not the expected one")
+                out.write(block)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        dest.unlink(missing_ok=True)
+        raise DataError(f"{zip_path} is damaged ({exc}); delete it and download it again") from exc
+    except DataError:
+        dest.unlink(missing_ok=True)
+        raise
+    return dest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
 
@@ -45,3 +47,37 @@ class CheckpointError(LoraBenchError):
     """A checkpoint is missing files, corrupt, or does not match the model."""
 
     exit_code = EXIT_USAGE
+
+
+class ResultsError(UsageError):
+    """A results file (``runs.csv``) that cannot be read as lora-bench's table: binary, empty,
+    unbalanced quotes, another program's CSV."""
+
+
+class RunClaimedError(UsageError):
+    """The run's folder is claimed by another process that is executing the run."""
+
+
+EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl-C (128 + SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A terminating signal (SIGINT, SIGTERM, SIGHUP) stopped a run; a KeyboardInterrupt so that
+    every ``except Exception`` lets it through, as Ctrl-C's own exception does."""
+
+    def __init__(self, signum: int, reason: str = ""):
+        self.signum = signum
+        self.reason = reason
+        super().__init__(signum, reason)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process ended by that signal."""
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        try:
+            name = signal.Signals(self.signum).name
+        except ValueError:
+            name = f"signal {self.signum}"
+        return f"interrupted by {name}" + (f" ({self.reason})" if self.reason else "")

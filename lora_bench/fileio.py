@@ -30,3 +30,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def check_writable_dir(path: Path) -> str | None:
+    """Create the folder ``path`` if needed and prove it takes a new file; returns None when it
+    does, else why not in a few words. Tried, not asked: ``os.access`` answers yes for root on a
+    read-only or pseudo file system."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return "a file is in the way of this folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-test.", suffix=".tmp")
+    except (FileExistsError, NotADirectoryError):
+        return "a file is in the way of this folder"
+    except OSError as e:
+        return f"cannot write here ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(tmp)
+    return None

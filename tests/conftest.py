@@ -107,3 +107,22 @@ def refused_url(path: str = "/file.bin") -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}{path}"
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path) -> Path:
+    """An existing folder that takes no new file: a read-only folder for an ordinary user; for
+    root (whom file modes do not stop) a folder of the kernel's sysfs. Skips where neither holds."""
+    from lora_bench.fileio import check_writable_dir
+
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    folder = Path("/sys/kernel")
+    if not folder.is_dir() or check_writable_dir(folder) is None:
+        pytest.skip("no folder that refuses files to root on this machine")
+    yield folder

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_bench.kernels import autograd as K
-from lora_bench.kernels import direct
+from lora_bench.kernels import available, direct
+from lora_bench.kernels.autograd import call_plan
+from lora_bench.kernels.policy import Plan, PlanPolicy, parse_plan, use_policy
 
 PTX = """
 .visible .entry k(
@@ -94,26 +95,27 @@ def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
 
 
 def test_direct_mode_parsing_and_cpu_route():
-    assert K._parse_mode("direct") == K._parse_mode("direct:direct") == ("direct", "direct")
-    with pytest.raises(ValueError, match="whole-layer"):
-        K._parse_mode("direct:fused")
-    prev = K._mode_override
-    try:
-        K.set_kernel_mode("direct")
-        fn, is_direct = K._route(torch.empty(2, 3))
-        assert not is_direct  # a CPU tensor: the C++ op's ATen plan (fn is None only without a compiler)
-        if fn is not None:
-            assert K._layer_plan(torch.empty(2, 3), 4) == ("cpp", "cpp")
-            assert K.lora_kernel_backend("cpu", dtype=torch.bfloat16) == "cpp"
-    finally:
-        K._mode_override = prev
+    assert parse_plan("direct") is Plan.DIRECT
+    for bad in ("direct:direct", "direct:fused"):  # one plan runs forward and backward
+        with pytest.raises(ValueError, match="expected one of"):
+            parse_plan(bad)
+    with use_policy(PlanPolicy(forced=Plan.DIRECT)):
+        # a CPU tensor: the C++ op's ATen plan (the Python Function only without a compiler)
+        want = Plan.CPP if available.HAVE_CPP else Plan.TORCH
+        assert call_plan(torch.empty(2, 3), torch.empty(4, 3), 4) is want
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert call_plan(torch.empty(2, 3), torch.empty(4, 3), 4) is want
 
 
-def test_plan_for_declines_fp32_and_mixed_adapter_dtypes():
+def test_plan_for_declines_fp32_and_mixed_adapter_dtypes(monkeypatch):
     """Exact fp32 keeps the ATen plan; so do A and B of different dtypes (no kernel is built)."""
+    def no_build(*args, **kwargs):
+        raise AssertionError("a direct plan was built for a call that does not take it")
+
+    monkeypatch.setattr(direct, "build", no_build)
     x, w = torch.empty(4, 8), torch.empty(6, 8)
     a, b = torch.empty(8, 2), torch.empty(2, 6)
-    assert direct.plan_for(x, w, None, a, b) == -1
+    assert direct.plan_key(x, w, None, a, b) is None and direct.plan_for(x, w, None, a, b) == -1
     xb = x.bfloat16()
+    assert direct.plan_key(xb, w.bfloat16(), None, a.bfloat16(), b) is None
     assert direct.plan_for(xb, w.bfloat16(), None, a.bfloat16(), b) == -1
-    assert direct._plans == {}

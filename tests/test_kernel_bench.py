@@ -31,6 +31,7 @@ def test_tiny_cpu_bench_writes_csv(tmp_path):
             assert float(r[f"{phase}_p10_ms"]) <= float(r[f"{phase}_ms"]) <= float(r[f"{phase}_p90_ms"])
             assert float(r[f"{phase}_ms"]) > 0
         assert r["device"] == "cpu" and r["graph_fwdbwd_ms"] == ""
+        assert r["backend"] == "torch"  # baselines: torch's CPU ops; lora-kernel: the plan its calls ran
         assert (r["cpu_fwdbwd_ms"] != "") == (r["dtype"] == "fp32")
     frozen = [r for r in got if r["impl"] == "frozen"]
     assert all(float(r["x_frozen"]) == 1.0 for r in frozen)
@@ -52,17 +53,36 @@ def test_shapes_and_groups():
                          repeats=1, warmup=0, out_csv=None, cpu=False, progress=False)
 
 
-def test_forced_cpp_impl_runs_the_cpp_op():
-    from lora_bench.kernels import autograd as k
+def test_forced_cpp_impl_runs_the_cpp_op(monkeypatch):
+    """``lora-kernel:cpp`` forces the C++ op through the plan policy for that implementation only;
+    the backend column says what the layer's calls ran."""
     from lora_bench.kernels import lora_cpp
+    from lora_bench.kernels.policy import ENV_VAR, Plan, PlanPolicy, current_policy, use_policy
 
     if not lora_cpp.cpp_available():
-        pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}")
-    before = k._mode_override
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}")
+    before = current_policy()
     rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["lora-kernel:cpp", "lora-kernel"], dtypes=["fp32"],
                             device="cpu", repeats=3, warmup=1, out_csv=None, cpu=False, progress=False)
-    assert [r["backend"] for r in rows] == ["cpp/cpp", "torch/torch"]  # CPU default: the Python Function
-    assert k._mode_override == before  # the forced mode was for that impl only
+    assert [r["backend"] for r in rows] == ["cpp", "torch"]  # CPU default: the Python Function
+    assert current_policy() is before  # the forced plan was for that impl only
+    # plain lora-kernel runs the policy in force, and the plan LORA_BENCH_KERNEL_MODE forces
+    with use_policy(PlanPolicy(forced=Plan.CPP)):
+        rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["lora-kernel", "lora-kernel:torch"], dtypes=["fp32"],
+                                device="cpu", repeats=3, warmup=1, out_csv=None, cpu=False, progress=False)
+    assert [r["backend"] for r in rows] == ["cpp", "torch"]
+    monkeypatch.setenv(ENV_VAR, "cpp")
+    rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["lora-kernel"], dtypes=["fp32"],
+                            device="cpu", repeats=3, warmup=1, out_csv=None, cpu=False, progress=False)
+    assert [r["backend"] for r in rows] == ["cpp"]
+
+
+@pytest.mark.parametrize("impl,needle", [("lora-kernel:foo", "lora-kernel's modes are fused, cublas, torch, cpp, direct"),
+                                         ("lora-kernel:fused:torch", "lora-kernel's modes are")])
+def test_bad_plan_names_are_refused_before_anything_runs(impl, needle):
+    with pytest.raises(ValueError, match=needle):
+        run_kernel_bench(shapes=["2x8:48->40:r4"], impls=[impl], dtypes=["fp32"], device="cpu", repeats=1,
+                         warmup=0, out_csv=None, cpu=False, progress=False)
 
 
 def test_interleaved_rounds_cancel_host_drift(monkeypatch):

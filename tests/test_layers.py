@@ -16,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("fileio", "timing", "progress", "safe_yaml"),
+    ("fileio", "timing", "progress", "optional", "safe_yaml"),
     ("download",),
     ("model",),
     ("config", "kernels"),
-    ("lora", "data", "peers"),
-    ("results",),
+    ("lora", "data"),
+    ("classifier",),
+    ("peers", "results"),
     ("train",),
     ("sweep", "report", "bench"),
     ("cli",),

@@ -1,24 +1,26 @@
 """lora-kernel's C++ autograd op (plan "cpp"): forward and every gradient against float64 on fresh
 random inputs, autocast, the frozen base, routing through LinearWithLoRAKernel, errors.
 
-CPU tests force the op with ``set_kernel_mode("cpp")`` or call it directly; the whole module is
-skipped when it cannot be built here (no C++ compiler or ninja). GPU tests (``-m gpu``) check
-CUDA numbers and that eager CUDA layers run it by default, but not under CUDA graph capture.
+CPU tests force the op through the plan policy (``use_policy(PlanPolicy(forced=Plan.CPP))``) or
+call it directly; the whole module is skipped when it cannot be built here (no C++ compiler or
+ninja). GPU tests (``-m gpu``) check CUDA numbers and that eager CUDA layers run it by default,
+but not under CUDA graph capture.
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
-from lora_bench.kernels import autograd as K
+from lora_bench.kernels import available, lora_cpp
 from lora_bench.kernels import direct as direct_mod
-from lora_bench.kernels import lora_cpp
-from lora_bench.kernels.autograd import lora_kernel_backend, set_kernel_mode
+from lora_bench.kernels.autograd import call_plan, lora_linear
+from lora_bench.kernels.policy import Plan, PlanPolicy, graph_plan, parse_plan, record_plans, use_policy
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 
@@ -33,24 +35,20 @@ def cpp_op():
         warnings.simplefilter("ignore", RuntimeWarning)
         mod = lora_cpp.module()
     if mod is None:
-        pytest.skip(f"the C++ op cannot be built here: {lora_cpp._state.get('error')}", allow_module_level=True)
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}", allow_module_level=True)
     return mod
 
 
 @pytest.fixture
 def force_cpp():
-    prev = K._mode_override
-    set_kernel_mode("cpp")
-    yield
-    K._mode_override = prev
+    with use_policy(PlanPolicy(forced=Plan.CPP)):
+        yield
 
 
 @pytest.fixture
 def default_mode():
-    prev = K._mode_override
-    set_kernel_mode(None)
-    yield
-    K._mode_override = prev
+    with use_policy(PlanPolicy()):
+        yield
 
 
 def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=16, alpha=2.0, bias=True,
@@ -68,14 +66,12 @@ def check_cpp(*, device="cpu", dtype=torch.float32, batch=(37,), k=70, n=53, r=1
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if direct:
             poison_cuda_pool()
-            prev = K._mode_override
-            set_kernel_mode("direct")
-            try:
-                y = K.lora_linear(x, w, b, a, bm, alpha)
-            finally:
-                K._mode_override = prev
+            with use_policy(PlanPolicy(forced=Plan.DIRECT)), record_plans() as log:
+                y = lora_linear(x, w, b, a, bm, alpha)
             key = direct_mod.plan_key(x, w, b, a, bm)
-            assert key is not None and direct_mod._plans.get(key, -1) >= 0, "the direct plan did not register"
+            pid = direct_mod.registered(key) if key is not None else None
+            assert pid is not None and pid >= 0, "the direct plan did not register"
+            assert list(log) == [Plan.DIRECT], "the call did not run it"
         else:
             y = lora_cpp.lora_linear_cpp(x, w, b, a, bm, alpha)
     out_dtype = autocast or dtype
@@ -183,9 +179,10 @@ def test_override_routes_the_layer_through_the_cpp_op(force_cpp):
     x = torch.randn(2, 5, 24, requires_grad=True)
     y = ker(x)
     assert y.grad_fn.name() == lora_cpp.GRAD_FN_NAME  # not the Python Function's node
-    assert K.lora_linear(x, ker.linear.weight, None, ker.lora.A, ker.lora.B, 1.0).grad_fn.name() == lora_cpp.GRAD_FN_NAME
-    assert lora_kernel_backend("cpu") == "cpp"
-    assert K._layer_plan(x, 4) == ("cpp", "cpp")
+    with record_plans() as log:
+        assert lora_linear(x, ker.linear.weight, None, ker.lora.A, ker.lora.B, 1.0).grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    assert list(log) == [Plan.CPP] and log.backend() == "cpp"
+    assert call_plan(x, ker.linear.weight, 4) is Plan.CPP
     ref = LinearWithLoRA(nn.Linear(24, 18), 4, 2.0)
     ref.load_state_dict(ker.state_dict())
     ref.linear.requires_grad_(False)
@@ -198,15 +195,17 @@ def test_override_routes_the_layer_through_the_cpp_op(force_cpp):
 
 def test_cpu_default_stays_on_the_python_function(default_mode):
     ker = _layer()
-    assert ker(torch.randn(3, 24)).grad_fn.name() == PY_GRAD_FN
-    assert lora_kernel_backend("cpu") == "torch"
+    with record_plans() as log:
+        assert ker(torch.randn(3, 24)).grad_fn.name() == PY_GRAD_FN
+    assert list(log) == [Plan.TORCH]
 
 
 def test_mode_parsing():
-    assert K._parse_mode("cpp") == K._parse_mode("cpp:cpp") == ("cpp", "cpp")
-    for bad in ("cpp:fused", "torch:cpp"):
-        with pytest.raises(ValueError, match="whole-layer"):
-            K._parse_mode(bad)
+    """The C++ op is one op forward and backward: its plans cannot be mixed with another (no plan can)."""
+    assert parse_plan("cpp") is Plan.CPP and Plan.CPP.cpp_op and Plan.DIRECT.cpp_op
+    for bad in ("cpp:fused", "torch:cpp", "cpp:cpp"):
+        with pytest.raises(ValueError, match="expected one of"):
+            parse_plan(bad)
 
 
 def test_frozen_weight_gets_no_grad_and_is_unchanged_after_a_step(force_cpp):
@@ -233,24 +232,41 @@ def test_model_equivalence_with_lora(force_cpp):
         assert rel_err(gk[name], gr[name]) <= 1e-5, name
 
 
-def test_failed_build_warns_once_and_falls_back(monkeypatch, force_cpp):
+@pytest.fixture
+def fresh_probes():
+    """The availability probes start over, and start over again afterwards: a simulated failure
+    does not outlive the test (the next probe loads the real build from the extension cache)."""
+    available.forget()
+    yield
+    available.forget()
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, force_cpp, fresh_probes):
     def broken():
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(lora_cpp, "_state", {})
-    monkeypatch.setattr(lora_cpp, "_build", broken)
-    monkeypatch.setattr(K, "_cpp_state", {})
+    monkeypatch.setattr(lora_cpp, "compile_op", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert lora_cpp.module() is None and not lora_cpp.cpp_available()
+        assert lora_cpp.module() is None and not lora_cpp.cpp_available() and not available.HAVE_CPP
         ker = _layer()
-        y = ker(torch.randn(3, 24))  # cpp forced but unavailable: the Python Function
+        with record_plans() as log:
+            y = ker(torch.randn(3, 24))  # cpp forced but unavailable: the Python Function
         assert y.grad_fn.name() == PY_GRAD_FN
-        assert lora_kernel_backend("cpu") == "torch"
+        assert list(log) == [Plan.TORCH]
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "C++ op could not be built" in msgs[0] and "no compiler here" in msgs[0]
+    assert "no compiler here" in lora_cpp.build_error()
     with pytest.raises(RuntimeError, match="unavailable"):
         lora_cpp.lora_linear_cpp(torch.randn(2, 3), torch.randn(3, 3), None, torch.randn(3, 1), torch.randn(1, 3), 1.0)
+
+
+def test_the_source_ships_as_a_cpp_file():
+    """The op's source is a real C++ file inside the package (package data), named by ``SOURCE``."""
+    assert lora_cpp.SOURCE.suffix == ".cpp" and lora_cpp.SOURCE.parent == Path(lora_cpp.__file__).parent
+    text = lora_cpp.SOURCE.read_text()
+    assert "struct LoRALinearCpp" in text and "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in text
+    assert lora_cpp.GRAD_FN_NAME.endswith("<lora_bench::LoRALinearCpp>") and "namespace lora_bench" in text
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -271,7 +287,7 @@ def test_gpu_autocast_bf16(case):
 
 def _capture_fwd_bwd(ker, static_x, g):
     """Warm up as graph users do (side stream, eager), then capture forward+backward; returns
-    (graph, plan seen inside the capture, static y, static grads)."""
+    (graph, the plan the captured call ran, static y, static grads)."""
     params = [static_x, ker.lora.A, ker.lora.B]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -280,11 +296,11 @@ def _capture_fwd_bwd(ker, static_x, g):
             torch.autograd.grad(ker(static_x), params, g)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan = K._layer_plan(static_x, ker.lora.A.shape[1])
+    with torch.cuda.graph(graph), record_plans() as log:
         static_y = ker(static_x)
         static_grads = torch.autograd.grad(static_y, params, g)
-    return graph, plan, static_y, static_grads
+    assert len(log) == 1, list(log)
+    return graph, next(iter(log)), static_y, static_grads
 
 
 def _replay_matches_eager(ker, graph, static_x, static_y, static_grads, g, tol):
@@ -300,27 +316,33 @@ def _replay_matches_eager(ker, graph, static_x, static_y, static_grads, g, tol):
 
 
 @pytest.mark.gpu
-def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode, monkeypatch):
+def test_gpu_default_is_cpp_eagerly_but_not_under_graph_capture(default_mode):
     """bf16, so the capture holds the fused Triton kernels, first launched inside the capture
     (the eager warm-up ran the C++ op): what graphs.py and the kernel bench do."""
     ker = _layer(256, 192, 16, device="cuda").to(torch.bfloat16)
     x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 33, 192, device="cuda", dtype=torch.bfloat16)
-    assert lora_kernel_backend("cuda") == "cpp" and lora_kernel_backend("cuda", dtype=torch.bfloat16) == "cpp-direct"
-    assert K._layer_plan(x, 16) == ("direct", "direct")  # bf16: the C++ op launches the Triton kernels
-    assert ker(x).grad_fn.name() == lora_cpp.GRAD_FN_NAME
-    assert lora_kernel_backend("cuda", graphs=True) == "triton"
-    with K.graph_plan():  # graph warm-ups run the plan the capture will use
-        assert K._layer_plan(x, 16) == ("fused", "fused") and ker(x).grad_fn.name() == PY_GRAD_FN
-    assert K._layer_plan(x, 16) == ("direct", "direct")
+    w = ker.linear.weight
+    assert call_plan(x.float(), w.float(), 16) is Plan.CPP  # fp32: the C++ op's ATen GEMMs
+    assert call_plan(x, w, 16) is Plan.DIRECT  # bf16: the C++ op launches the Triton kernels
+    with record_plans() as log:
+        assert ker(x).grad_fn.name() == lora_cpp.GRAD_FN_NAME
+    assert list(log) == [Plan.DIRECT]
+    with graph_plan(), record_plans() as log:  # graph warm-ups run the plan the capture will use
+        assert call_plan(x, w, 16) is Plan.FUSED and ker(x).grad_fn.name() == PY_GRAD_FN
+    assert list(log) == [Plan.FUSED]
+    assert call_plan(x, w, 16) is Plan.DIRECT
     big = torch.empty(6400, 1600, device="cuda", dtype=torch.bfloat16)  # a 1558M MLP weight: cuBLAS wins
-    with K.graph_plan():
-        assert K._layer_plan(x, 16, big) == ("cpp", "cpp") and K._layer_plan(x, 16, ker.linear.weight) != ("cpp", "cpp")
+    with graph_plan():
+        assert call_plan(x, big, 16) is Plan.CPP and call_plan(x, w, 16) is not Plan.CPP
     graph, plan, static_y, static_grads = _capture_fwd_bwd(ker, x, g)
-    assert plan == ("fused", "fused") and static_y.grad_fn.name() == PY_GRAD_FN
+    assert plan is Plan.FUSED and static_y.grad_fn.name() == PY_GRAD_FN
     _replay_matches_eager(ker, graph, x, static_y, static_grads, g, 2e-2)  # two bf16 paths
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert K._layer_plan(x, 16) != ("cpp", "cpp")  # torch.compile traces the Python Function
+    with record_plans() as log:  # torch.compile traces the custom ops (Python plans), never the C++ op
+        y = torch.compile(ker, fullgraph=True, backend="aot_eager")(x)
+        torch.autograd.grad(y, [x, ker.lora.A, ker.lora.B], g)
+    assert list(log) == [Plan.FUSED]
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu
@@ -368,25 +390,25 @@ def test_gpu_direct_on_a_side_stream_and_in_the_default_route(default_mode):
     ker = _layer(256, 192, 16, device="cuda").to(torch.bfloat16)
     x = torch.randn(4, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 33, 192, device="cuda", dtype=torch.bfloat16)
-    assert K._layer_plan(x, 16) == ("direct", "direct")
-    assert K._layer_plan(x.float(), 16) == ("cpp", "cpp")
-    assert lora_kernel_backend("cuda", dtype=torch.bfloat16) == "cpp-direct"
-    assert lora_kernel_backend("cuda", dtype=torch.float32) == "cpp"
+    w = ker.linear.weight
+    assert call_plan(x, w, 16) is Plan.DIRECT
+    assert call_plan(x.float(), w.float(), 16) is Plan.CPP
     params = [x, ker.lora.A, ker.lora.B]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), record_plans() as log:
         torch.cuda._sleep(2_000_000)  # keep the side stream busy: a launch on the wrong stream would race
         y = ker(x)
         got = torch.autograd.grad(y, params, g)
     torch.cuda.current_stream().wait_stream(side)
-    set_kernel_mode("cpp")
-    want_y = ker(x)
-    want = torch.autograd.grad(want_y, params, g)
+    assert list(log) == [Plan.DIRECT]
+    with use_policy(PlanPolicy(forced=Plan.CPP)), record_plans() as log:
+        want_y = ker(x)
+        want = torch.autograd.grad(want_y, params, g)
+    assert list(log) == [Plan.CPP]
     assert rel_err(y, want_y) <= 1e-2
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 2e-2
-    set_kernel_mode(None)
     big = torch.empty(6400, 1600, device="cuda", dtype=torch.bfloat16)
-    with K.graph_plan():  # captured large layers: the C++ op's cuBLAS GEMMs, not the direct plan
-        assert K._layer_plan(x, 16, big) == ("cpp", "cpp")
+    with graph_plan():  # captured large layers: the C++ op's cuBLAS GEMMs, not the direct plan
+        assert call_plan(x, big, 16) is Plan.CPP

@@ -3,7 +3,7 @@ untouched; trainable head gets its gradient; same outputs and grads as LinearWit
 
 CPU tests exercise the torch path (and, where Triton is installed, the kernels under Triton's
 interpreter). GPU tests (``-m gpu``) run the default plan (the C++ op, tests/test_lora_cpp.py)
-and the Triton plans, Triton outputs pre-filled with NaN.
+and the Triton plans, forced through the plan policy, Triton outputs pre-filled with NaN.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
-from lora_bench.kernels import autograd as K
-from lora_bench.kernels.autograd import lora_kernel_backend, lora_linear
+from lora_bench.kernels import available
+from lora_bench.kernels.autograd import call_plan, lora_linear
+from lora_bench.kernels.policy import Plan, PlanPolicy, choose, record_plans, use_policy
 from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.model.gpt2 import build_random_model, gpt_config
@@ -79,8 +80,11 @@ def test_cpu_matches_float64(case, dt):
 
 
 def test_cpu_backend_is_torch():
-    assert lora_kernel_backend("cpu") == "torch"
-    assert K._plan(torch.empty(1), 16) == ("torch", "torch")
+    assert call_plan(torch.empty(2, 4), torch.empty(3, 4), 16) is Plan.TORCH
+    ker, _ = _layer_pair(4, 3, 2, 1.0)
+    with record_plans() as log:
+        y = ker(torch.randn(2, 4))
+    assert list(log) == [Plan.TORCH] and log.backend() == "torch" and y.grad_fn.name() == "LoRAKernelFunctionBackward"
 
 
 def test_gradcheck_float64():
@@ -161,9 +165,48 @@ def test_compiled_model_traces_lora_kernel_as_custom_ops_in_one_graph():
     n_layers = inject_lora(m, cls=LinearWithLoRAKernel, rank=4, alpha=2.0)
     rec = _GraphRecorder()
     x = torch.randint(0, 50257, (2, 12))
-    out = torch.compile(m, fullgraph=True, backend=rec)(x)
+    with record_plans() as log:
+        out = torch.compile(m, fullgraph=True, backend=rec)(x)
     assert len(rec.graphs) == 1 and rec.count("lora_linear_fwd") == n_layers > 0
     assert torch.equal(out, m(x))
+    # the plan is chosen when the call is traced, noted then, and held by the graph as a constant
+    assert list(log) == [Plan.TORCH]
+    plans = {n.args[-1] for g in rec.graphs for n in g.graph.nodes if "lora_linear_fwd" in str(n.target)}
+    assert plans == {"torch"}
+
+
+def test_compiled_layers_note_their_plan_once_per_trace_and_keep_it(monkeypatch):
+    """The plan of a compiled call is fixed when it is traced: chosen under the policy then in
+    force (here forced, under Triton's interpreter stand-in) and run by forward and backward,
+    whatever the policy when the compiled code runs later."""
+    torch.manual_seed(6)
+    ker, ref = _layer_pair(20, 12, 3, 1.5)
+    x = torch.randn(4, 20, requires_grad=True)
+    compiled = torch.compile(ker, fullgraph=True, backend="aot_eager")
+    seen = []
+    real = available.triton_kernels
+    monkeypatch.setattr(available, "HAVE_TRITON_INTERPRETER", True)  # the CPU may take a forced Triton plan
+
+    class Torchish:  # stands in for the Triton kernels, running the same math with torch ops
+        def lora_grad_ab(self, x, u, h, g, *, scale, grad_dtype, do_a, do_b):
+            seen.append("grad_ab")
+            return ((x.t() @ u).mul_(scale).to(grad_dtype) if do_a else None,
+                    (h.t() @ g).mul_(scale).to(grad_dtype) if do_b else None)
+
+    monkeypatch.setattr(available, "triton_kernels", lambda: Torchish())
+    with use_policy(PlanPolicy(forced=Plan.CUBLAS)), record_plans() as log:
+        y = compiled(x)
+        got = torch.autograd.grad(y, [x, ker.lora.A, ker.lora.B], torch.ones_like(y))
+    assert list(log) == [Plan.CUBLAS] and seen == ["grad_ab"]  # the backward ran the traced plan too
+    with record_plans() as later:  # the default policy now; the compiled code keeps its plan
+        y2 = compiled(x)
+        torch.autograd.grad(y2, [x, ker.lora.A, ker.lora.B], torch.ones_like(y2))
+    assert len(later) == 0 and seen == ["grad_ab", "grad_ab"]
+    monkeypatch.setattr(available, "triton_kernels", real)
+    want = torch.autograd.grad(ref(x), [x, ref.lora.A, ref.lora.B], torch.ones_like(y))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("trainable_base", [False, True])
@@ -201,11 +244,12 @@ def test_custom_ops_pass_torch_library_opcheck():
     """Schema, fake (shape) implementation and autograd registration agree with the real op."""
     x, w, b = torch.randn(9, 16), torch.randn(12, 16), torch.randn(12)
     a, bm = torch.randn(16, 3, requires_grad=True), torch.randn(3, 12, requires_grad=True)
-    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, b, a, bm, 0.5))
-    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, None, a, bm, 0.5))
+    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, b, a, bm, 0.5, "torch"))
+    torch.library.opcheck(torch.ops.lora_bench.lora_linear_fwd.default, (x, w, None, a, bm, 0.5, "torch"))
     g, h = torch.randn(9, 12), torch.randn(9, 3)
     for need_x in (True, False):
-        torch.library.opcheck(torch.ops.lora_bench.lora_linear_bwd.default, (g, x, h, w, a.detach(), bm.detach(), 0.5, need_x))
+        torch.library.opcheck(torch.ops.lora_bench.lora_linear_bwd.default,
+                              (g, x, h, w, a.detach(), bm.detach(), 0.5, need_x, "torch"))
 
 
 def test_registry_and_state_dict_interchange():
@@ -244,17 +288,28 @@ def test_model_equivalence_with_lora_cpu_bf16():
     _compare_models("cpu", torch.bfloat16, 1e-2)
 
 
-def test_missing_triton_warns_once(monkeypatch):
-    monkeypatch.setattr(K, "_triton_state", {})
-    monkeypatch.setattr(K, "_cpp_state", {"fn": None})  # the C++ op unavailable too (CUDA's default)
+@pytest.fixture
+def fresh_probes():
+    """The availability probes start over, and start over again afterwards (nothing simulated here
+    outlives the test)."""
+    available.forget()
+    yield
+    available.forget()
+
+
+def test_missing_triton_warns_once(monkeypatch, fresh_probes):
     monkeypatch.setitem(sys.modules, "lora_bench.kernels.lora_triton", None)  # import now fails
     import lora_bench.kernels
 
     monkeypatch.delattr(lora_bench.kernels, "lora_triton", raising=False)  # (set once an earlier test imported it)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert K._triton() is None and K._triton() is None
-        assert lora_kernel_backend("cuda") == "torch"
+        assert available.triton_kernels() is None and available.triton_kernels() is None
+        assert not available.HAVE_TRITON and not available.HAVE_TRITON
+        # CUDA without the C++ op and without Triton: torch ops
+        assert choose(PlanPolicy(), device="cuda", dtype=torch.bfloat16, capturing=False, compiling=False,
+                      weight_numel=64, rank=4, exact_fp32=False, have_triton=available.HAVE_TRITON,
+                      have_cpp=False) is Plan.TORCH
     assert sum("Triton is unavailable" in str(w.message) for w in caught) == 1
 
 
@@ -392,17 +447,21 @@ def tf32():
     torch.set_float32_matmul_precision(prev)
 
 
+def _recorded(layer: nn.Module, x: torch.Tensor) -> set[Plan]:
+    """The plans a forward+backward of ``layer`` on ``x`` ran."""
+    with record_plans() as log:
+        layer(x).float().square().sum().backward()
+    return set(log)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_backend_is_cpp_or_forced_triton():
-    from lora_bench.kernels import lora_cpp
-
-    assert lora_kernel_backend("cuda") == ("cpp" if lora_cpp.cpp_available() else "triton")
-    K.set_kernel_mode("fused")
-    try:
-        assert lora_kernel_backend("cuda") == "triton"
-    finally:
-        K.set_kernel_mode(None)
+    ker = _layer_pair(64, 48, 8, 2.0)[0].cuda()
+    x = torch.randn(5, 64, device="cuda", requires_grad=True)  # exact fp32
+    assert _recorded(ker, x) == ({Plan.CPP} if available.HAVE_CPP else {Plan.CUBLAS})
+    with use_policy(PlanPolicy(forced=Plan.FUSED)):
+        assert _recorded(ker, x) == {Plan.FUSED}
 
 
 @pytest.mark.gpu
@@ -413,11 +472,8 @@ def test_gpu_backend_is_cpp_or_forced_triton():
 def test_gpu_matches_float64(case, dt, mode, poisoned, request):
     if dt == "tf32":
         request.getfixturevalue("tf32")
-    K.set_kernel_mode(mode)
-    try:
+    with use_policy(PlanPolicy(forced=mode and Plan(mode))):
         check_case(device="cuda", dt=dt, **case)
-    finally:
-        K.set_kernel_mode(None)
 
 
 @pytest.mark.gpu
@@ -475,11 +531,8 @@ def test_gpu_grad_ab_auto_split_at_1558m(dt, n):
 @gpu
 @pytest.mark.parametrize("mode", [None, "fused"])
 def test_gpu_autocast_bf16(poisoned, mode):
-    K.set_kernel_mode(mode)
-    try:
+    with use_policy(PlanPolicy(forced=mode and Plan(mode))):
         _gpu_autocast_bf16()
-    finally:
-        K.set_kernel_mode(None)
 
 
 def _gpu_autocast_bf16():
@@ -503,8 +556,5 @@ def _gpu_autocast_bf16():
 @pytest.mark.parametrize("mode", [None, "fused"])
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_gpu_model_equivalence_with_lora(dt, mode, poisoned):
-    K.set_kernel_mode(mode)
-    try:
+    with use_policy(PlanPolicy(forced=mode and Plan(mode))):
         _compare_models("cuda", DTYPE[dt], TOL[dt])
-    finally:
-        K.set_kernel_mode(None)

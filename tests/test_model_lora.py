@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lora_bench.classifier.book import make_trainable
 from lora_bench.config import TrainConfig
 from lora_bench.lora import LinearWithLoRA, LinearWithLoRAMerged, LoRALinearBase, inject_lora
 from lora_bench.model.gpt2 import GPTModel, build_random_model, count_params, gpt_config, resolve_model_size
-from lora_bench.train.classifier import make_trainable
 
 
 def _classifier_on_meta(size: str, layers: str, rank: int = 16) -> GPTModel:
@@ -138,7 +138,7 @@ def test_frozen_weights_unchanged_after_a_step(cls):
 
 
 def test_reused_random_base_equals_a_fresh_build():
-    from lora_bench.train.classifier import _random_base
+    from lora_bench.classifier.book import _random_base
 
     cfg = gpt_config("tiny")
     first, second = _random_base(cfg, 123), _random_base(cfg, 123)

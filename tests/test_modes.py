@@ -82,7 +82,7 @@ def test_block_scoped_compile_compiles_once_for_any_depth(layers):
     """compile_scope=blocks: every transformer block compiled in place; a deeper model costs no
     more compiles (one graph for the first block, whose input needs no gradient, one reused by
     all the others), and the outputs and gradients are the eager ones."""
-    from lora_bench.train.classifier import make_trainable
+    from lora_bench.classifier.book import make_trainable
     from lora_bench.train.run import compile_model
 
     counts = {}
@@ -224,11 +224,11 @@ def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, sc
 
 
 @pytest.mark.gpu
-def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path, monkeypatch):
+def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path):
     """bf16, block-compiled inside CUDA graphs: with the threshold lowered so the MLP layers count
     as large, the custom ops run the cuBLAS plan there (backend says so) and train like the run
     that keeps the fused kernels everywhere."""
-    from lora_bench.kernels import autograd as K
+    from lora_bench.kernels.policy import PlanPolicy, use_policy
     from lora_bench.model.gpt2 import gpt_config as cfg_of
 
     base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
@@ -236,8 +236,8 @@ def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path
                             compile=True, compile_scope="blocks", cuda_graphs=True, optimizer="fused")
     fused, row_f = _losses(base, tmp_path, "fused")
     emb = cfg_of(base.model_size).emb_dim
-    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 4 * emb * emb)  # the MLP's two projections
-    got, row_c = _losses(base, tmp_path, "cublas")
+    with use_policy(PlanPolicy(cpp_graph_min_weight=4 * emb * emb)):  # the MLP's two projections count as large
+        got, row_c = _losses(base, tmp_path, "cublas")
     assert row_f["backend"] == "triton" and row_c["backend"] == "cublas+triton"
     assert _rel(got, fused) < 3e-2
 
@@ -285,58 +285,51 @@ def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path,
 
 
 def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, monkeypatch):
-    """Eager CUDA layers run the C++ op, captured or compiled ones the Triton plans; a run whose
-    layers differ says both. Checked on the CPU by standing in for what CUDA would report."""
-    from lora_bench.kernels import autograd as K
-    from lora_bench.lora.kernel import LinearWithLoRAKernel
-    from lora_bench.train.run import RunContext
+    """The backend column is what the layers ran while the loop ran, as they noted it: eager CPU
+    layers the Python Function's torch ops; LORA_BENCH_KERNEL_MODE=cpp the C++ op; a compiled
+    model the custom ops (noted when traced: the C++ op cannot be traced, so torch ops here); a
+    block-scoped compile leaves the head eager, so a run whose layers differ says both."""
+    import functools
 
-    def fake_backend(device, graphs=False, dtype=None):
-        return "triton" if graphs else ("cpp-direct" if dtype == torch.bfloat16 else "cpp")
+    from lora_bench.kernels import lora_cpp
+    from lora_bench.kernels.policy import ENV_VAR
 
-    monkeypatch.setattr(K, "lora_kernel_backend", fake_backend)
-    cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0)
-    ctx = RunContext(cfg, cache_dir=tmp_path, progress=False)
-    assert ctx.backend() == "cpp"
-    ctx.cfg = cfg.replace(compile=True)
-    assert ctx.backend() == "triton"
-    ctx.cfg = cfg.replace(compile=True, compile_scope="blocks")  # the head stays eager
-    assert ctx.backend() == "cpp+triton"
-    ctx.cfg = cfg.replace(cuda_graphs=True, device="auto")
-    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 1)  # every layer "large": captured layers keep the C++ op
-    assert ctx.backend() == "cpp"
-    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", 10 ** 12)
-    assert ctx.backend() == "triton"
-    # compiled: the custom ops give the largest weights cuBLAS GEMMs (the 'cublas' plan), unless forced
-    sizes = sorted({m.linear.weight.numel() for m in ctx.model.modules() if isinstance(m, LinearWithLoRAKernel)})
-    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", sizes[-1])
-    ctx.cfg = cfg.replace(compile=True)
-    assert ctx.backend() == "cublas+triton"
-    K.set_kernel_mode("fused")
-    try:
-        assert ctx.backend() == "triton"
-    finally:
-        K.set_kernel_mode(None)
-    # bf16 eager layers launch the Triton kernels from the C++ op; captured large ones keep its cuBLAS GEMMs
-    ctx.cfg = cfg.replace(precision="bf16")
-    assert ctx.backend() == "cpp-direct"
-    ctx.cfg = cfg.replace(precision="bf16", cuda_graphs=True, device="auto")
-    assert ctx.backend() == "cpp+triton"  # the largest weights (CPP_GRAPH_MIN_WEIGHT) keep the C++ op
-    assert RunContext(tiny_cfg, cache_dir=tmp_path, progress=False).backend() == ""
+    cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0, max_steps=3, eval_freq=0)
+    _, row = _losses(cfg, tmp_path, "eager")
+    assert row["backend"] == "torch"
+    _, row = _losses(cfg.replace(trainable_layers="lora"), tmp_path, "lora")
+    assert row["backend"] == ""
+    if not lora_cpp.cpp_available():
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}")
+    monkeypatch.setenv(ENV_VAR, "cpp")
+    _, row = _losses(cfg, tmp_path, "eager-cpp")
+    assert row["backend"] == "cpp"
+    stored = pd.read_csv(tmp_path / "runs.csv").set_index("run_id")["backend"]
+    assert stored["eager-cpp"] == "cpp" and stored["eager"] == "torch"
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))  # fast on the CPU
+    _, row = _losses(cfg.replace(compile=True), tmp_path, "compiled")
+    assert row["backend"] == "torch"
+    _, row = _losses(cfg.replace(compile=True, compile_scope="blocks"), tmp_path, "blocks")
+    assert row["backend"] == "cpp+torch"  # the head runs eagerly: the C++ op
+    torch._dynamo.reset()
 
 
-def test_compiled_plan_gives_the_largest_weights_cublas(monkeypatch):
+def test_compiled_plan_gives_the_largest_weights_cublas():
     """The custom ops' plan: what the Python Function would run, except that weights of at least
-    CPP_GRAPH_MIN_WEIGHT elements take the cuBLAS plan (as captured layers take the C++ op), and a
-    forced plan is kept as forced."""
-    from lora_bench.kernels import autograd as K
+    the policy's threshold take the cuBLAS plan (as captured layers take the C++ op), and a forced
+    plan is kept as forced."""
+    import dataclasses
 
-    x = torch.zeros(4, 8)
-    small, big = torch.zeros(8, 8), torch.zeros(16, 8)
-    monkeypatch.setattr(K, "CPP_GRAPH_MIN_WEIGHT", big.numel())
-    assert K._compiled_plan(x, 4, big) == ("torch", "torch")  # the CPU: torch ops whatever the size
-    monkeypatch.setattr(K, "_plan", lambda x, rank: ("fused", "fused"))  # what CUDA bf16 would get
-    assert K._compiled_plan(x, 4, small) == ("fused", "fused")
-    assert K._compiled_plan(x, 4, big) == ("cublas", "cublas")
-    monkeypatch.setattr(K, "_mode_override", ("fused", "fused"))
-    assert K._compiled_plan(x, 4, big) == ("fused", "fused")
+    from lora_bench.kernels.policy import Plan, PlanPolicy, choose
+
+    def traced(policy, *, device="cuda", numel):
+        return choose(policy, device=device, dtype=torch.bfloat16, capturing=False, compiling=True,
+                      weight_numel=numel, rank=4, exact_fp32=False, have_triton=True, have_cpp=True)
+
+    small, big = 8 * 8, 16 * 8
+    policy = PlanPolicy(cpp_graph_min_weight=big)
+    assert traced(policy, device="cpu", numel=big) is Plan.TORCH  # the CPU: torch ops whatever the size
+    assert traced(policy, numel=small) is Plan.FUSED  # what CUDA bf16 gets
+    assert traced(policy, numel=big) is Plan.CUBLAS
+    assert traced(dataclasses.replace(policy, forced=Plan.FUSED), numel=big) is Plan.FUSED

@@ -24,20 +24,6 @@ def test_concurrent_upserts_lose_no_row(tmp_path):
     assert len(df) == 60 and df["run_id"].is_unique
 
 
-def test_readme_documents_every_result_column():
-    import re
-    from pathlib import Path
-
-    from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, STEP_COLUMNS
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    family = re.compile(r"^(host_)?(data|forward|backward|optimizer|step)_ms_(median|p10|p90)$|^bound_")
-    missing = [c.name for c in RUN_COLUMNS + ENV_COLUMNS + STEP_COLUMNS
-               if not family.match(c.name) and f"`{c.name}`" not in readme]
-    assert not missing, f"README lacks: {missing}"
-    assert "`{host_}{phase}_ms_{median,p10,p90}`" in readme and "`bound_{data,forward,backward,optimizer}`" in readme
-
-
 def test_atomic_writes_leave_ordinary_permissions(tmp_path):
     """mkstemp makes 0600 files; results and data files must be readable like any other file."""
     import os

@@ -85,7 +85,7 @@ def test_resume_finds_finished_runs_by_their_settings(tmp_path):
     the same sweep and repeat holds the same settings; anything else is still to run."""
     from lora_bench.results.schema import settings_columns
     from lora_bench.results.store import upsert_run
-    from lora_bench.sweep.runner import resume_statuses
+    from lora_bench.sweep.resume import resume_statuses
 
     path = write(tmp_path, "name: g\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora, last_block]\n"
                  "repeats: 2\n")

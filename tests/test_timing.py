@@ -135,15 +135,14 @@ def test_show_prints_phase_table(tiny_cfg, tmp_path, run_cli):
 def test_git_commit_provenance(monkeypatch):
     from lora_bench.results import environment as provenance
 
-    provenance.git_commit.cache_clear()
+    provenance.source_commit.cache_clear()
     monkeypatch.setenv("LORA_BENCH_GIT_COMMIT", "abc1234")
     assert provenance.git_commit() == "abc1234"
-    provenance.git_commit.cache_clear()
+    provenance.source_commit.cache_clear()
     monkeypatch.delenv("LORA_BENCH_GIT_COMMIT")
     got = provenance.git_commit()
     assert got == "" or len(got.split("+")[0]) == 40  # a real sha, never the literal 'HEAD'
-    provenance.git_commit.cache_clear()
-
+    provenance.source_commit.cache_clear()
 
 
 def test_timer_overhead_pairs_cancel_drift_and_bound_the_overhead():

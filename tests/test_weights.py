@@ -207,6 +207,52 @@ def test_converted_file_alone_suffices(ckpt_copy, tf_ckpt):
     _assert_loaded(model, tf_ckpt[1])
 
 
+def test_no_converted_file_is_written_for_a_checkpoint_that_does_not_fit(ckpt_copy):
+    wider = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=2 * EMB, n_layers=LAYERS, n_heads=HEADS)
+    with pytest.raises(CheckpointError, match="another model size"):
+        load_pretrained_into(GPTModel(wider), ckpt_copy)
+    assert not (ckpt_copy / CONVERTED_NAME).exists()  # checked first, converted only once it fits
+
+
+def _crafted(folder, *, n_blocks, tensors=None, n_layer=LAYERS):
+    """A converted-file header as a hostile or damaged copy may declare it (stub TF files, so the
+    header's fingerprint matches)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "hparams.json").write_text(json.dumps({"n_head": HEADS, "n_layer": n_layer}))
+    for name in ("model.ckpt.index", "model.ckpt.data-00000-of-00001"):
+        (folder / name).write_bytes(b"x")
+    torch.save({"format": 1, "settings": {"n_head": HEADS, "n_layer": n_layer},
+                "source": {"model.ckpt.index": 1, "model.ckpt.data-00000-of-00001": 1},
+                "n_blocks": n_blocks, "tensors": tensors or {}}, folder / CONVERTED_NAME)
+
+
+def test_a_converted_header_declaring_a_billion_blocks_is_refused_before_allocating(tmp_path):
+    import tracemalloc
+
+    _crafted(tmp_path / "w", n_blocks=10**9)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="declares 1000000000 transformer blocks but the model has 2"):
+            load_pretrained_into(GPTModel(CFG), tmp_path / "w")
+        assert tracemalloc.get_traced_memory()[1] < 50 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_block_names_beyond_the_declared_count_are_refused(tmp_path):
+    _crafted(tmp_path / "w", n_blocks=LAYERS, tensors={"h999999/ln_1/g": torch.ones(EMB)})
+    with pytest.raises(CheckpointError, match="belongs to block 999999, but the checkpoint declares 2 blocks"):
+        load_pretrained_into(GPTModel(CFG), tmp_path / "w")
+
+
+def test_hparams_declaring_other_block_counts_are_refused_before_reading(tmp_path, monkeypatch):
+    _crafted(tmp_path / "w", n_blocks=LAYERS, n_layer=10**9)
+    (tmp_path / "w" / CONVERTED_NAME).unlink()
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # refused before TensorFlow would be needed
+    with pytest.raises(CheckpointError, match="declares 1000000000 transformer blocks but the model has 2"):
+        load_pretrained_into(GPTModel(CFG), tmp_path / "w")
+
+
 # --- ensure_checkpoint against a local server -------------------------------------------------
 
 @pytest.fixture

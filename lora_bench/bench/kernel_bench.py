@@ -2,16 +2,18 @@
 
 Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
 gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
-measurements ``lora-kernel:MODE`` forces a plan (see ``lora_bench.kernels.autograd``), e.g.
-``lora-kernel:direct`` (the C++ op launching the Triton kernels: the eager bf16/fp16 default),
-``lora-kernel:cpp`` (the C++ op with cuBLAS GEMMs) or ``lora-kernel:fused``.
+measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the plan policy
+(:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct`` (the C++ op launching the Triton
+kernels: the eager bf16/fp16 default), ``lora-kernel:cpp`` (the C++ op with cuBLAS GEMMs) or
+``lora-kernel:fused``. The ``backend`` column names the plan(s) the layer's calls ran, eagerly
+and, where it differs, replayed from a CUDA graph ("direct; graph fused").
 
-How it times (docs performance.md / METHOD.md):
+How it times (docs performance.md):
 * CUDA events around each repeat, with no synchronisation between repeats: back to back, as in
   training. When the GPU outruns the host, the start event fires as soon as it is recorded and
   the interval includes the host's launch time; when the GPU is the bottleneck it is device time.
   Either way it is what a training step pays. ``graph_fwdbwd_ms`` replays the same forward+backward
-  from a CUDA graph: device cost with launch overhead removed.
+  from a CUDA graph, for every implementation: device cost with launch overhead removed.
 * implementations are interleaved: the repeats of each phase run in rounds of ``ROUND`` repeats,
   every implementation once per round (the order rotating), so slow drift of a shared host (a
   virtual machine's eager timings wander by tens of percent over seconds) hits all of them alike.
@@ -25,6 +27,7 @@ Gradients are taken with ``torch.autograd.grad`` (no .grad accumulation kernels 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -36,8 +39,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from lora_bench.kernels import autograd as k
-from lora_bench.kernels.autograd import _MODES
+from lora_bench.kernels.policy import (
+    Plan,
+    PlanLog,
+    PlanPolicy,
+    current_policy,
+    parse_plan,
+    policy_from_env,
+    record_plans,
+    use_policy,
+)
 from lora_bench.lora import lora_class
 from lora_bench.results import store
 from lora_bench.results.metrics import median_p10_p90
@@ -48,8 +59,8 @@ SHAPE_GROUPS: dict[str, list[str]] = {
     "124m": ["960:768->768:r16", "960:768->3072:r16", "960:3072->768:r16"],
     "1558m": ["960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16"],
 }
-# What the earlier guide reported for its three shapes on an RTX 4090, (CPU ms, GPU ms). Kept
-# for comparison only: what exactly it timed is not recorded.
+# Published reference timings for the three "guide" shapes on an RTX 4090, (CPU ms, GPU ms); for
+# comparison only: what exactly they timed is not recorded.
 REFERENCE_4090_MS: dict[str, tuple[float, float]] = {
     "4x512:768->768:r16": (45.0, 15.0), "8x256:1024->1024:r32": (85.0, 22.0), "2x1024:2048->2048:r16": (120.0, 28.0),
 }
@@ -197,55 +208,31 @@ def _time_graph(sets: list[tuple], *, repeats: int, device: torch.device) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in spans)
 
 
-class _Forced:
-    """Context: lora-kernel:MODE runs with that plan forced; the previous override is restored."""
-
-    def __init__(self, impl: str):
-        self.mode = impl.partition(":")[2] if impl.startswith("lora-kernel") else ""
-
-    def __enter__(self):
-        self.prev = k._mode_override  # e.g. from LORA_BENCH_KERNEL_MODE
-        if self.mode:
-            k.set_kernel_mode(self.mode)
-
-    def __exit__(self, *exc):
-        k._mode_override = self.prev
-        return False
+def _policy(impl: str, base: PlanPolicy) -> PlanPolicy:
+    """The plan policy an implementation runs under: ``base``, with ``lora-kernel:PLAN``'s plan forced."""
+    base_impl, _, plan = impl.partition(":")
+    return dataclasses.replace(base, forced=parse_plan(plan)) if base_impl == "lora-kernel" and plan else base
 
 
-def _backend(impl: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> str:
-    """'cublas' / 'torch' for the baselines; for lora-kernel 'BACKEND/PLAN' in eager mode, plus the
-    plan a CUDA graph captures when it differs."""
-    if not impl.startswith("lora-kernel"):
-        return "cublas" if device.type == "cuda" else "torch"
-
-    with _Forced(impl):
-        probe = torch.empty(0, device=device, dtype=dtype)
-        weight = torch.empty(shape.d_out, shape.d_in, device="meta")
-
-        def plan() -> str:
-            return ":".join(dict.fromkeys(k._layer_plan(probe, shape.rank, weight)))
-
-        eager = f"{k.lora_kernel_backend(device, dtype=dtype)}/{plan()}"
-        if device.type != "cuda":
-            return eager
-        with k.graph_plan():
-            graph = plan()
-        return eager if eager.endswith("/" + graph) else f"{eager}; graph {graph}"
+def _plans(log: PlanLog) -> str:
+    """The plans noted, by name: 'direct', 'cpp', 'fused+cpp', ..."""
+    return "+".join(p.value for p in log)
 
 
 def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
-                 warmup: int, cpu: bool) -> list[dict]:
-    """All implementations of one (shape, dtype), interleaved round by round (module docstring)."""
+                 warmup: int, cpu: bool, policies: dict[str, PlanPolicy]) -> list[dict]:
+    """All implementations of one (shape, dtype), interleaved round by round (module docstring).
+    ``policies``: the plan policy of each implementation."""
     dtype = DTYPES[dtype_name]
-    sets, rows = {}, {}
+    sets, rows, eager_plans = {}, {}, {}
     for impl in impls:
         torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
         sets[impl] = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
         rows[impl] = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
                       "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
-                      "backend": _backend(impl, shape, device, dtype), "repeats": repeats,
-                      "sets": len(sets[impl])}
+                      "backend": "" if impl.startswith("lora-kernel") else ("cublas" if device.type == "cuda" else "torch"),
+                      "repeats": repeats, "sets": len(sets[impl])}
+        eager_plans[impl] = PlanLog()
     n_rounds = max(1, math.ceil(repeats / ROUND))
     blocks = [repeats // n_rounds + (1 if i < repeats % n_rounds else 0) for i in range(n_rounds)]  # sum = repeats
     ratio_base = [b for b in ("frozen", "lora") if b in impls]
@@ -255,8 +242,8 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
         for rnd in range(n_rounds):
             order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
             block_median = {}
-            for impl in order:
-                with _Forced(impl):  # later rounds: a short re-warm after the other implementations ran
+            for impl in order:  # later rounds: a short re-warm after the other implementations ran
+                with use_policy(policies[impl]), record_plans(eager_plans[impl]):
                     ms = _time_phase(sets[impl], phase, repeats=blocks[rnd], warmup=warmup if rnd == 0 else min(2, warmup),
                                      device=device)
                 samples[impl] += ms
@@ -272,15 +259,19 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
         r = rows[impl]
         for b in ratio_base:
             r[f"x_{b}"] = statistics.median(round_ratios[impl][b])
-        if device.type == "cuda":
-            with _Forced(impl):
+        if impl.startswith("lora-kernel"):
+            r["backend"] = _plans(eager_plans[impl])
+        if device.type == "cuda":  # every implementation, replayed from a CUDA graph
+            with use_policy(policies[impl]), record_plans() as graph_plans:
                 r["graph_fwdbwd_ms"] = _time_graph(sets[impl], repeats=repeats, device=device)
+            if impl.startswith("lora-kernel") and len(graph_plans) and _plans(graph_plans) != r["backend"]:
+                r["backend"] += f"; graph {_plans(graph_plans)}"
         if cpu and dtype_name == "fp32":
             if device.type == "cpu":
                 r["cpu_fwdbwd_ms"] = r["fwdbwd_ms"]
             else:
                 cpu_dev = torch.device("cpu")
-                with _Forced(impl):
+                with use_policy(policies[impl]):
                     cpu_sets = _make_sets(impl, shape, dtype, cpu_dev, 2)
                     n = max(3, repeats // 10)
                     r["cpu_fwdbwd_ms"] = statistics.median(
@@ -295,6 +286,13 @@ def write_csv(rows: list[dict], path: Path) -> None:
     store.write_csv(path, ({c: r.get(c) for c in COLUMNS} for r in rows), list(COLUMNS))
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    text = str(e).lower()
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text \
+        or "out of memory" in text
+
+
 def run_kernel_bench(
     *, shapes: list[str] | None = None, impls: list[str] | None = None, dtypes: list[str] | None = None,
     device: str = "cuda", repeats: int = 200, warmup: int = 20, out_csv: Path | None = None,
@@ -303,9 +301,10 @@ def run_kernel_bench(
     """Time every (shape, impl, dtype); returns rows (keys = ``COLUMNS``) and writes ``out_csv``.
 
     shapes: names, groups ('guide', '124m', '1558m') or 'BxT:IN->OUT:rR' specs; None = all groups.
-    impls: subset of ``IMPLS`` (or 'lora-kernel:MODE'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
+    impls: subset of ``IMPLS`` (or 'lora-kernel:PLAN'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
     device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
-    forward+backward column to the fp32 rows."""
+    forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force (with
+    the plan LORA_BENCH_KERNEL_MODE forces, if set)."""
     if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ValueError(f"device {device!r}: expected cuda, cuda:N or cpu")
     dev = torch.device(device)
@@ -314,15 +313,18 @@ def run_kernel_bench(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
     impls = impls or list(IMPLS)
-
+    base_policy = policy_from_env(current_policy())  # (KernelModeError is a ValueError)
+    policies = {}
     for impl in impls:
         base, _, mode = impl.partition(":")
         if base not in IMPLS:
             raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:MODE)")
         if mode and base != "lora-kernel":
             raise ValueError(f"impl {impl!r}: only lora-kernel takes a :MODE suffix")
-        if mode and not all(m in _MODES for m in mode.split(":")):
-            raise ValueError(f"impl {impl!r}: lora-kernel's modes are {', '.join(_MODES)} (or FWD:BWD)")
+        try:
+            policies[impl] = _policy(impl, base_policy)
+        except ValueError:
+            raise ValueError(f"impl {impl!r}: lora-kernel's modes are {', '.join(p.value for p in Plan)}") from None
     dtypes = dtypes or ["fp32", "bf16"]
     for d in dtypes:
         if d not in DTYPES:
@@ -332,7 +334,14 @@ def run_kernel_bench(
     rows = []
     for shape in resolve_shapes(shapes):
         for dtype_name in dtypes:
-            group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu)
+            try:
+                group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu,
+                                     policies=policies)
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                if not _out_of_memory(e):
+                    raise
+                raise ValueError(f"shape {shape.name} ({dtype_name}) does not fit in {dev} memory: "
+                                 f"{str(e).splitlines()[0][:200]}; choose a smaller shape") from None
             rows += group
             if out_csv is not None:  # rewritten after every group: an error later loses nothing measured
                 write_csv(rows, out_csv)

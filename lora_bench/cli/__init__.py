@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from lora_bench import __version__
 from lora_bench.cli import bench, data, report, show, sweep, train
+from lora_bench.cli.results import results_app
 from lora_bench.cli.options import CONTEXT, console, err_console
 from lora_bench.errors import LoraBenchError
 
@@ -20,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Benchmark and ablation harness for LoRA fine-tuning of GPT-2 (SMS spam classification).")
 data_app = typer.Typer(no_args_is_help=True, context_settings=CONTEXT, help="Data set commands.")
 app.add_typer(data_app, name="data")
+app.add_typer(results_app, name="results", context_settings=CONTEXT)
 
 app.command("train", no_args_is_help=False, help=train.HELP)(train.command())
 app.command("show")(show.show)

@@ -40,6 +40,7 @@ def kernel_bench(
     import torch
 
     from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
+    from lora_bench.results.manifest import record_invocation
 
     csv = out if out is not None else results_dir / CSV_NAME
     output_dir(csv.parent, "--out" if out is not None else "--results-dir")
@@ -51,5 +52,6 @@ def kernel_bench(
                                 progress=not no_progress)
     except ValueError as e:  # bad shape/impl/dtype/device names or counts, or no GPU for device=cuda
         raise UsageError(str(e)) from e
+    record_invocation(csv.parent, outputs=[csv.name])
     console.print(render_kernel_table(rows))
     console.print(f"written: {csv}")

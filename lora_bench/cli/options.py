@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from lora_bench.config import PANELS, SETTINGS, Setting
 from lora_bench.errors import UsageError
+from lora_bench.fileio import check_writable_dir
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 PRECEDENCE = ("Settings, from lowest to highest precedence: the defaults (the reference's book mode), a "
@@ -42,13 +43,11 @@ def results_dir_option(help: str) -> Any:
 
 
 def output_dir(path: Path, flag: str) -> None:
-    """A folder the command will write into: refuse a file in its place, create it now."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UsageError(f"{flag} {path}: a file is in the way of this folder") from None
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot create this folder ({e.strerror})") from None
+    """A folder the command will write into: refuse a file in its place or a folder that takes no
+    new file; create it now."""
+    why = check_writable_dir(Path(path))
+    if why:
+        raise UsageError(f"{flag} {path}: {why}")
 
 
 def split_list(text: str | None) -> list[str] | None:

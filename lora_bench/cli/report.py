@@ -22,13 +22,15 @@ def report(
                                                          "trainable_layers=all.")] = None,
     metrics: Annotated[Optional[str], typer.Option(help="Comma-separated result columns; the first is "
                                                         "ratioed.")] = None,
-    format: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+    format: Annotated[str, typer.Option("--format", help="table (terminal), markdown, html (one self-contained "
+                                                         "page) or csv.")] = "table",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the report to this file instead "
-                                                                          "of the terminal.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw phase breakdown and scaling plots to FILE (.png, "
-                                                      ".pdf or .svg).")] = None,
+                                                                          "of the terminal (Markdown gets its "
+                                                                          "figures beside it).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw the crossover figure to FILE (.png, .pdf or .svg) "
+                                                      "and the phases to FILE-phases.")] = None,
 ) -> None:
-    """Aggregate results (median and IQR over repeats), compare against a baseline, plot."""
+    """Explain results: the answer generated from the runs, the crossover against a baseline, where the time goes."""
     from lora_bench.report.command import report_command
 
     if plot is not None:
@@ -36,6 +38,8 @@ def report(
             raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")
         output_dir(plot.parent, "--plot")
     if output is not None:
+        if output.is_dir():
+            raise UsageError(f"--output {output} is a folder; give the report's file name")
         output_dir(output.parent, "--output")
     report_command(paths, group_by=group_by, baseline=baseline, metrics=metrics, fmt=format, output=output,
                    plot=plot, console=console)

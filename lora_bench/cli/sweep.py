@@ -23,7 +23,6 @@ from lora_bench.config import (
 from lora_bench.errors import ConfigError, UsageError
 
 SweepFiles = Annotated[list[Path], typer.Argument(help="Sweep YAML files.", show_default=False)]
-ISOLATION = ("process", "inline")
 
 SWEEP_HELP = f"""Run every configuration of a sweep file; resumes by default (finished runs are skipped).
 
@@ -90,6 +89,7 @@ def sweep(
     no_progress: NoProgress = False,
 ) -> None:
     from lora_bench.sweep.command import sweep_command
+    from lora_bench.sweep.isolation import ISOLATION
     from lora_bench.train.preflight import input_problems
 
     if isolation not in ISOLATION:

@@ -35,7 +35,7 @@ from lora_bench.config import (
     render,
     settings_problems,
 )
-from lora_bench.errors import ConfigError
+from lora_bench.errors import ConfigError, Interrupted
 
 HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
 
@@ -54,6 +54,8 @@ ConfigFile = Annotated[Optional[Path], typer.Option(
          "read from its folder.")]
 CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE", rich_help_panel=DATA,
                                                   help="Download cache (default ~/.cache/lora-bench).")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT_PANEL,
+                                         help="Replace the run of the same --run-id, if any.")]
 RunId = Annotated[Optional[str], typer.Option(help="Run id (default: settings hash + time).",
                                               rich_help_panel=OUTPUT_PANEL)]
 
@@ -95,7 +97,7 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
 
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
-          results_dir: Path, run_id: str | None, cache_dir: Path | None, no_progress: bool) -> None:
+          results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool) -> None:
     """What ``lora-bench train`` does, with ``given`` the setting options' values."""
     from lora_bench.report.phase_table import phase_table
     from lora_bench.train.preflight import check_machine
@@ -104,8 +106,11 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
     check_machine(cfg, name_of=name_of)
     output_dir(results_dir, "--results-dir")
-    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
-                      cache_dir=cache_dir)
+    try:
+        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                          cache_dir=cache_dir, overwrite=overwrite)
+    except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
+        raise typer.Exit(e.exit_code) from None
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
@@ -119,7 +124,8 @@ def command() -> Any:
     """``train`` with one option per setting: a function whose signature typer reads."""
 
     def train_command(ctx: typer.Context, **kw: Any) -> None:
-        fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "cache_dir", "no_progress")}
+        fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "overwrite", "cache_dir",
+                                         "no_progress")}
         train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
 
     train_command.__signature__ = inspect.Signature([
@@ -130,6 +136,7 @@ def command() -> Any:
         _parameter("results_dir", Annotated[Path, results_dir_option("Folder for runs.csv and per-run files.")],
                    Path("results/runs")),
         _parameter("run_id", RunId, None),
+        _parameter("overwrite", Overwrite, False),
         _parameter("cache_dir", CacheDir, None),
         _parameter("no_progress", NoProgress, False),
     ])

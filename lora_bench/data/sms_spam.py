@@ -1,13 +1,22 @@
-"""SMS Spam Collection: fetch, balance and split exactly as the reference, the token datasets and
-the loaders (whose RNG use is part of the reproducible sequence)."""
+"""SMS Spam Collection: fetch, verify, balance and split exactly as the reference, the token
+datasets and the loaders (whose RNG use is part of the reproducible sequence).
+
+The corpus is Almeida & Gómez Hidalgo, "SMS Spam Collection" (2011), UCI Machine Learning
+Repository dataset 228, https://doi.org/10.24432/C5CC84, licensed CC BY 4.0. A copy ships with
+lora-bench (``SMSSpamCollection.tsv`` beside this module, see ``SMSSpamCollection.LICENSE``) and is
+used when the download cannot be done. Every copy, downloaded, cached or shipped, is checked
+against the known size and sha256 before use."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -15,8 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
 from lora_bench.download import download_file, safe_extract_zip
-from lora_bench.errors import DataError, UsageError
-from lora_bench.fileio import publish
+from lora_bench.errors import DataError, DownloadError, UsageError
+from lora_bench.fileio import atomic_write_text, check_writable_dir, publish
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -25,43 +34,125 @@ SMS_URLS = [
 SMS_MEMBER = "SMSSpamCollection"
 SMS_SIZE = 477_907
 SMS_SHA256 = "7d039a24a6083ed9ef0f806ebad56bbb976e3aeb8de05669173bfdc4996c239d"
+SMS_EXTRACT_CAP = 4 * SMS_SIZE  # a larger archive member is refused before it is written (zip bombs)
+PACKAGED_CORPUS = Path(__file__).with_name("SMSSpamCollection.tsv")
 SPLIT_FILES = ("train.csv", "validation.csv", "test.csv")
+SPLITS_MANIFEST = "sha256.json"  # the splits' hashes, written with them, checked on reuse
+# The reference balances by sampling as many ham as there are spam messages, then splits 70/10/20
+# with int() rounding: the validation split gets a message only from 10 balanced messages on.
+MIN_SPAM = 5
 
 
-def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None) -> Path:
-    """The raw TSV, downloaded (primary then fallback URL) and extracted into ``cache_dir`` once."""
+def _stderr_note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def corpus_problem(path: Path) -> str | None:
+    """Why ``path`` is not the SMS Spam Collection's TSV byte for byte (size, then sha256), or None."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e})"
+    if size != SMS_SIZE:
+        return f"it has {size:,} bytes, the corpus has {SMS_SIZE:,}"
+    digest = sha256_file(path)
+    if digest != SMS_SHA256:
+        return f"its sha256 is {digest}, the corpus's is {SMS_SHA256}"
+    return None
+
+
+def packaged_sms_spam() -> Path:
+    """The copy shipped with lora-bench, verified."""
+    why = corpus_problem(PACKAGED_CORPUS)
+    if why:
+        raise DataError(f"the SMS Spam Collection shipped with lora-bench ({PACKAGED_CORPUS}) is damaged: {why}; "
+                        "reinstall lora-bench or pass --data-file")
+    return PACKAGED_CORPUS
+
+
+def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None,
+                    note: Callable[[str], None] = _stderr_note) -> Path:
+    """The raw TSV, verified: from the cache, else downloaded (primary then fallback URL) and
+    extracted into ``cache_dir`` once. A cached copy that fails verification (a partial file) is
+    fetched again; when the download cannot be done, the copy shipped with lora-bench is used and
+    ``note`` says so in one line."""
     folder = Path(cache_dir) / "sms_spam"
     tsv = folder / "SMSSpamCollection.tsv"
-    if tsv.is_file() and sha256_file(tsv) == SMS_SHA256:
-        return tsv
-    folder.mkdir(parents=True, exist_ok=True)
-    zip_path = download_file(list(urls or SMS_URLS), folder / "sms_spam_collection.zip",
-                             description="SMS Spam Collection", progress=progress)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        safe_extract_zip(zip_path, Path(tmp), members=[SMS_MEMBER])
+    if tsv.is_file():
+        if corpus_problem(tsv) is None:
+            return tsv
+        tsv.unlink()  # a partial or altered corpus: never used, fetched again
+    why = check_writable_dir(folder)
+    if why:
+        raise UsageError(f"cache folder {folder}: {why}; pass a writable --cache-dir (or --data-file)")
+    zip_path = folder / "sms_spam_collection.zip"
+    try:
+        for fresh in (False, True):
+            if fresh or not zip_path.is_file():
+                zip_path.unlink(missing_ok=True)
+            download_file(list(urls or SMS_URLS), zip_path, description="SMS Spam Collection", progress=progress)
+            try:
+                _extract_verified(zip_path, tsv)
+                return tsv
+            except DataError as e:
+                zip_path.unlink(missing_ok=True)  # the cached or downloaded archive is not the corpus's
+                if fresh:
+                    raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}") from None
+    except DownloadError as e:
+        reason = str(e).splitlines()[0]
+        corpus = packaged_sms_spam()
+        note(f"note: using the SMS Spam Collection shipped with lora-bench ({reason})")
+        return corpus
+    raise AssertionError("unreachable")
+
+
+def _extract_verified(zip_path: Path, dest: Path) -> None:
+    """Extract the corpus member (size-capped) and move it to ``dest`` only once it verifies."""
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        safe_extract_zip(zip_path, Path(tmp), members=[SMS_MEMBER], max_bytes=SMS_EXTRACT_CAP)
         extracted = Path(tmp) / SMS_MEMBER
-        if not extracted.is_file():
-            raise DataError(f"{zip_path} holds no {SMS_MEMBER!r}; delete it and retry, or pass --data-file")
-        os.replace(extracted, tsv)
-    return tsv
+        why = corpus_problem(extracted)
+        if why:
+            raise DataError(f"{zip_path} holds a {SMS_MEMBER} that is not the corpus ({why})")
+        os.replace(extracted, dest)
 
 
 def read_raw(path: Path) -> pd.DataFrame:
     """Read the raw TSV with pandas' default quoting, as the reference does: 5,572 rows from
-    5,574 lines, because two quote characters swallow line breaks (kept on purpose)."""
+    5,574 lines, because two quote characters swallow line breaks (kept on purpose). Refuses a
+    file the reference split cannot use (see ``check_corpus``)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path} (pass --data-file with the raw SMSSpamCollection TSV, "
                         "or leave it out to download it)")
     try:
         df = pd.read_csv(path, sep="\t", header=None, names=["Label", "Text"])
-    except (pd.errors.ParserError, UnicodeDecodeError) as e:
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise DataError(f"cannot parse {path} as the SMS Spam Collection TSV: {e}") from e
+    check_corpus(df, path)
+    return df
+
+
+def check_corpus(df: pd.DataFrame, path: Path) -> None:
+    """Labels ham/spam only, every message with text, and enough of each class for the
+    reference's balancing (as many ham as spam are sampled) and 70/10/20 split (every split
+    non-empty): at least MIN_SPAM spam messages and at least as many ham."""
     labels = set(df["Label"].dropna().unique())
-    if not labels or not labels <= {"ham", "spam"} or len(df) < 10:
+    if not labels or not labels <= {"ham", "spam"}:
         raise DataError(f"{path} does not look like the SMS Spam Collection "
                         f"(labels {sorted(map(str, labels))[:5]}, {len(df)} rows; expected ham/spam lines)")
-    return df
+    text = df["Text"]
+    empty = [i + 1 for i, t in enumerate(text) if not isinstance(t, str) or not t.strip()]
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        raise DataError(f"{path}: {len(empty)} of {len(df)} messages have no text (rows {shown}); "
+                        "every line must be '<ham|spam><TAB><message>'")
+    spam = int((df["Label"] == "spam").sum())
+    ham = int((df["Label"] == "ham").sum())
+    if spam < MIN_SPAM or ham < spam:
+        raise DataError(f"{path} has {ham} ham and {spam} spam messages; the reference split needs at least "
+                        f"{MIN_SPAM} spam messages and at least as many ham as spam (it samples ham down to the "
+                        "spam count, then splits 70/10/20 so that every split gets a message)")
 
 
 def balance_and_split(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -79,33 +170,60 @@ def balance_and_split(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.
 
 
 def prepare_splits(raw_file: Path, out_dir: Path) -> dict[str, Path]:
-    """Write train/validation/test CSVs (header ``Label,Text``, no index), each atomically."""
+    """Write train/validation/test CSVs (header ``Label,Text``, no index), each atomically. The
+    data is checked before the folder is made, and a folder this call made is removed again
+    when writing fails: a failed prepare leaves nothing behind."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = balance_and_split(read_raw(raw_file))
+    made = not out_dir.exists()
+    why = check_writable_dir(out_dir)
+    if why:
+        raise UsageError(f"output folder {out_dir}: {why}")
     paths = {}
-    for name, part in zip(SPLIT_FILES, balance_and_split(read_raw(raw_file))):
-        dest = out_dir / name
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            part.to_csv(tmp, index=None)
-            publish(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        paths[name.removesuffix(".csv")] = dest
+    try:
+        for name, part in zip(SPLIT_FILES, parts):
+            dest = out_dir / name
+            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+            os.close(fd)
+            try:
+                part.to_csv(tmp, index=None)
+                publish(tmp, dest)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            paths[name.removesuffix(".csv")] = dest
+    except BaseException:
+        if made:
+            for path in paths.values():
+                path.unlink(missing_ok=True)
+            try:
+                out_dir.rmdir()
+            except OSError:
+                pass
+        raise
     return paths
 
 
 def cached_splits(raw_file: Path, cache_dir: Path) -> dict[str, Path]:
-    """Splits of ``raw_file`` under the cache, keyed by the raw file's content."""
+    """Splits of ``raw_file`` under the cache, keyed by the raw file's content; reused only when
+    their hashes match the ones recorded when they were written."""
     if not Path(raw_file).is_file():
         read_raw(raw_file)  # raises the clear "not found" error
     digest = hashlib.sha256(Path(raw_file).read_bytes()).hexdigest()[:16]
     folder = Path(cache_dir) / "sms_spam" / f"splits-{digest}"
-    if all((folder / f).is_file() for f in SPLIT_FILES):
-        return {f.removesuffix(".csv"): folder / f for f in SPLIT_FILES}
-    return prepare_splits(raw_file, folder)
+    manifest = folder / SPLITS_MANIFEST
+    try:
+        want = json.loads(manifest.read_text())
+        if all(sha256_file(folder / f) == want[f] for f in SPLIT_FILES):
+            return {f.removesuffix(".csv"): folder / f for f in SPLIT_FILES}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, partial or altered: prepared again below
+    why = check_writable_dir(Path(cache_dir))
+    if why:
+        raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
+    paths = prepare_splits(raw_file, folder)
+    atomic_write_text(manifest, json.dumps({f: sha256_file(folder / f) for f in SPLIT_FILES}, indent=1))
+    return paths
 
 
 class SpamDataset(Dataset):
@@ -155,6 +273,9 @@ def build_loaders(splits: dict[str, Path], tokenizer, *, context_length: str, mo
     """Datasets and loaders exactly as the reference: train shuffled with drop_last, no workers."""
     max_length = None if no_padding else resolve_max_length(context_length, model_context=model_context)
     train_ds = SpamDataset(splits["train"], tokenizer, max_length=max_length, no_padding=no_padding)
+    if len(train_ds) < batch_size:  # the loader drops the last partial batch: nothing would train
+        raise UsageError(f"the training split has {len(train_ds)} messages, fewer than batch_size={batch_size}, "
+                         "so no batch would be trained; use a smaller --batch-size or a larger corpus")
     if train_ds.max_length > model_context:
         raise UsageError(f"the longest training text has {train_ds.max_length} tokens, more than the model's "
                          f"context length {model_context}; pass --context-length {model_context}")

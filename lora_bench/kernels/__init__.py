@@ -1,18 +1,10 @@
-"""The project's own GPU kernels (Triton).
+"""lora-kernel's implementations and the policy that picks one per layer call.
 
-Nothing here imports Triton at package import time: ``lora_bench.kernels.lora_triton`` does, and
-only the CUDA path of ``lora_bench.kernels.autograd`` imports it, on first use. Machines without Triton
-(CI, CPU-only installs) therefore import the whole package fine.
+``policy`` (the plans and how one is chosen), ``available`` (whether Triton and the C++ op can
+run here), ``autograd`` (the op: the Python Function, the custom ops for torch.compile, and the
+dispatch), ``lora_cpp`` + ``lora_op.cpp`` (the C++ autograd op), ``direct`` (its direct launches
+of the Triton kernels), ``lora_triton`` + ``launch`` (the Triton kernels and their cached launch).
+
+Nothing here imports Triton or builds the C++ op at package import time: both happen on first
+use, so machines without Triton or a compiler (CI, CPU-only installs) import the whole package fine.
 """
-
-from __future__ import annotations
-
-import importlib.util
-
-
-def triton_installed() -> bool:
-    """True when the ``triton`` package can be found (it may still fail to import)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-__all__ = ["triton_installed"]

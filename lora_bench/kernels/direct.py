@@ -1,16 +1,15 @@
 """The "direct" plan of lora-kernel: the C++ op launches the project's Triton kernels itself.
 
-Why: an eager LoRA layer at GPT-2 sizes is host-bound (lora_bench/kernels/NOTES.md). The C++ op
-(plan "cpp") runs three ATen GEMMs forward and five backward, each a dispatcher call with
-cuBLAS's host work, about 15-25 us apiece on the H200 lease machine, so the layer cost ~2× the
-frozen one. Here the C++ op makes one ``cuLaunchKernel`` call forward (the fused GEMM: y and h)
-and two backward (grad_x with u, then grad_A with grad_B) — the frozen layer's one call each way,
-plus one.
+Why: an eager LoRA layer at GPT-2 sizes is host-bound (docs/kernel-design.md). The C++ op's
+"cpp" plan runs three ATen GEMMs forward and five backward, each a dispatcher call with cuBLAS's
+host work (15-25 us apiece on an H200 host), so that layer costs ~2× the frozen one. Here the C++
+op makes one ``cuLaunchKernel`` call forward (the fused GEMM: y and h) and two backward (grad_x
+with u, then grad_A with grad_B): the frozen layer's one call each way, plus one.
 
 How: the first call for a layer shape (tokens, n, k, r, dtypes, bias) runs the Triton kernels
 once through ``lora_triton`` on scratch operands of exactly that shape, records the compiled
-kernels (``launch.RECORD``), and registers with the C++ op what a launch needs: the CUfunction,
-grid, threads, shared memory, and which of the @triton.jit function's runtime
+kernels (``launch.recording``), and registers with the C++ op what a launch needs: the
+CUfunction, grid, threads, shared memory, and which of the @triton.jit function's runtime
 arguments the compiled kernel kept, in order (Triton drops constexprs and appends its scratch
 pointers). That list is read from the kernel's signature and checked against the parameter
 sizes declared in its PTX; anything unexpected (another Triton ABI, scratch memory, clusters)
@@ -30,14 +29,15 @@ import warnings
 
 import torch
 
+from lora_bench.kernels.policy import DTYPES_16, TRITON_MAX_RANK
+
 # Canonical runtime arguments of each kernel, in the @triton.jit signature's order: "p" pointer,
-# "i" 32-bit integer, "f" fp32 (the C++ op fills them in this order: lora_cpp.SOURCE, struct Args).
+# "i" 32-bit integer, "f" fp32 (the C++ op fills them in this order: lora_op.cpp, struct Args).
 MM_ARGS = "p" * 7 + "i" * 16 + "f"  # _lora_mm_kernel: x w p q bias out h, M N K R, 12 strides, scale
 AB_ARGS = "p" * 6 + "i" * 17 + "f"  # _lora_grad_ab_kernel: x u h g ga gb, M K N R NUM_A, 12 strides, scale
 _SIZE = {"p": 8, "i": 4, "f": 4}
 _PTX_SIZE = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)")
-DTYPES_16 = (torch.bfloat16, torch.float16)  # the compute dtypes that take this plan
 _SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}  # c10::ScalarType values
 
 _plans: dict[tuple, int] = {}  # plan key -> registered id, or -1 (this shape stays on the ATen plan)
@@ -127,13 +127,10 @@ def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtyp
     x, w, a, b, g = rnd(M, K), rnd(N, K), rnd(K, R, dt=adtype), rnd(R, N, dt=adtype), rnd(M, N)
     bias = rnd(N) if has_bias else None
     cfg = tk.pick_ab_config(M, K, N, device)._replace(split_m=1)  # one split: a direct store, no zero-fill
-    _launch.RECORD = rec = []
-    try:
+    with _launch.recording() as rec:
         _, h = tk.lora_fwd(x, w, a, b, bias, 1.0)
         _, u = tk.lora_bwd_x(g, w, a, b, 1.0)
         tk.lora_grad_ab(x, u, h, g, scale=1.0, grad_dtype=adtype, config=cfg)
-    finally:
-        _launch.RECORD = None
     if len(rec) != 3 or [t for t, _, _ in rec] != ["mm", "mm", "ab"] or any(k is None for _, _, k in rec):
         raise Unsupported(f"recorded launches {[t for t, _, _ in rec]} (Triton's fast launch off?)")
     (_, g_fwd, k_fwd), (_, g_bwd, k_bwd), (_, g_ab, k_ab) = rec
@@ -171,11 +168,15 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias, A: torch.Tensor, B: to
     return pid
 
 
+def registered(key: tuple) -> int | None:
+    """The plan id registered for a plan key (-1: that shape stays on the ATen plan), or None if
+    no call with that key ran yet."""
+    return _plans.get(key)
+
+
 def _build_or_warn(key) -> int:
     M, N, K, R, dt, adt, has_bias, device = key
-    from lora_bench.kernels import lora_triton as tk
-
-    if M < 1 or R > tk.MAX_RANK:
+    if M < 1 or R > TRITON_MAX_RANK:
         return -1
     try:
         return build(M, N, K, R, dt, adt, has_bias, torch.device("cuda", device))
@@ -188,5 +189,5 @@ def _build_or_warn(key) -> int:
         return -1
 
 
-__all__ = ["AB_ARGS", "DTYPES_16", "MM_ARGS", "Unsupported", "build", "compute_dtype", "launch_spec",
-           "param_sources", "plan_for", "plan_key", "ptx_param_sizes"]
+__all__ = ["AB_ARGS", "MM_ARGS", "Unsupported", "build", "compute_dtype", "launch_spec", "param_sources",
+           "plan_for", "plan_key", "ptx_param_sizes", "registered"]

@@ -1,25 +1,26 @@
 """Launch a Triton kernel with less host work than ``kernel[grid](...)``.
 
-Why: on the H200 lease machine one ``kernel[grid](...)`` call of Triton 3.6 cost ~98 us of host
-time (torch.mm: ~20 us), and a LoRA layer is host-bound at GPT-2 sizes: three such launches cost
-more than the frozen layer's whole forward+backward. Triton's own path re-derives, on every call,
-the specialisation of each argument, a string cache key, the device and stream, and then has its
-C launcher call ``data_ptr()`` and ``cuPointerGetAttribute`` once per tensor.
+Why: one ``kernel[grid](...)`` call of Triton 3.6 costs 57-122 us of host time on an H200 host
+(``torch.mm``: 14-23 us), and a LoRA layer is host-bound at GPT-2 sizes: three such launches
+cost more than the frozen layer's whole forward+backward. Triton's own path re-derives, on every
+call, the specialisation of each argument, a string cache key, the device and stream, and then
+has its C launcher call ``data_ptr()`` and ``cuPointerGetAttribute`` once per tensor.
 
 Here the first call for a key goes through Triton (compiling if needed) and keeps the returned
 ``CompiledKernel``; later calls hand raw pointers straight to its C launcher. The key covers
 everything Triton 3.x specialises on (dtypes, 16-byte alignment of each pointer, integer
 arguments equal to 1 or divisible by 16, constexprs, warps, stages, device), so a cached binary is
 only reused where Triton would pick the same one. Launch hooks (profilers such as proton) are not
-called on the fast path. Measured on the H200 machine (host cost of one lora_fwd call, tiny
-shape): Triton's path 122 us, first fast path (per-call specialisation tuples) 77 us.
+called on the fast path. Host cost of one ``lora_fwd`` call: 31 us against 57 us through Triton
+(docs/kernel-design.md).
 
-Only for Triton versions whose launch internals were read (3.6: the device machine; 3.9: here);
-elsewhere, or with ``LORA_BENCH_TRITON_FAST_LAUNCH=0``, every call takes Triton's own path.
+Only for the Triton versions whose launch internals this code follows (3.6 to 3.9); elsewhere,
+or with ``LORA_BENCH_TRITON_FAST_LAUNCH=0``, every call takes Triton's own path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -35,12 +36,23 @@ FAST = ((3, 6) <= _VERSION <= (3, 9) and os.environ.get("LORA_BENCH_TRITON_FAST_
 # its C ``launch``; on 3.6 that C function is called directly. Other versions go through __call__.
 _DIRECT_C = _VERSION == (3, 6)
 _COMPILED: dict[tuple, tuple] = {}
-# When a list: every launch appends (tag, grid, CompiledKernel or None). lora_bench.kernels.direct
-# sets it while it runs a layer's kernels once, to hand them to the C++ op.
+# When a list: every launch appends (tag, grid, CompiledKernel or None); see ``recording``.
 RECORD: list | None = None
 _I32 = 1 << 31
 _DTYPE = operator.attrgetter("dtype")
 _PTR = torch.Tensor.data_ptr
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect (tag, grid, CompiledKernel or None) for every launch in the block: how
+    ``lora_bench.kernels.direct`` learns which compiled kernels a layer shape runs."""
+    global RECORD
+    prev, RECORD = RECORD, []
+    try:
+        yield RECORD
+    finally:
+        RECORD = prev
 
 
 def _entry(kernel) -> tuple | None:

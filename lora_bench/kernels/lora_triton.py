@@ -13,7 +13,7 @@ Two kernels cover forward and backward (shapes: x N×k, W n×k, A k×r, B r×n):
   ~1k rows there are too few strips to fill the GPU, so the rows are split too (grid axis 1): each
   program reduces its share and atomically adds it into a zero-filled fp32 output.
 
-This module imports Triton; import it lazily (``lora_bench.kernels.autograd`` does).
+This module imports Triton; import it lazily (``lora_bench.kernels.available`` does).
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.launch import launch
+from lora_bench.kernels.policy import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
 # forgets to write shows up instead of hiding behind whatever memory held before.
 POISON_OUTPUTS = False
-
-MAX_RANK = 128  # the H accumulator lives in registers next to the output tile; beyond this, torch
 
 
 class MMConfig(NamedTuple):
@@ -209,9 +208,9 @@ def _precision(dtype: torch.dtype) -> str:
 # (ptxas: 255 registers, 568 B stack) because the H accumulator sits beside the output tile.
 _MM_CANDIDATES_16 = (MMConfig(64, 128, 64, 4, 4), MMConfig(128, 128, 64, 8, 4), MMConfig(128, 64, 64, 4, 4))
 _MM_CANDIDATES_32 = (MMConfig(64, 128, 32, 4, 3), MMConfig(128, 128, 32, 8, 3), MMConfig(128, 64, 32, 4, 3))
-# Relative throughput per tile shape. From the H200 sweep (lora_bench/kernels/NOTES.md, bf16, M=960,
-# graph replay): 64×128 was fastest at all six GPT-2 1558M launch shapes, by 3-20 %, even where
-# it needs twice the waves of 128×128, so it is weighted up.
+# Relative throughput per tile shape. From a tile sweep on an H200 (docs/kernel-design.md; bf16,
+# M=960, graph replay): 64×128 was fastest at all six GPT-2 1558M launch shapes, by 3-20 %, even
+# where it needs twice the waves of 128×128, so it is weighted up.
 _TILE_EFF = {(64, 128): 1.0, (128, 128): 0.85, (128, 64): 0.8}
 
 

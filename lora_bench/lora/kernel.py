@@ -8,8 +8,9 @@ from lora_bench.lora.layer import LoRALinearBase
 
 
 class LinearWithLoRAKernel(LoRALinearBase):
-    """``lora`` with the minimal-work autograd op: the C++ op in eager CUDA, else the Python
-    Function (Triton kernels on CUDA, torch ops on CPU)."""
+    """``lora`` with the minimal-work op. Each call runs the plan the kernel policy chooses
+    (:mod:`lora_bench.kernels.policy`): the C++ op in eager CUDA, the Triton kernels under CUDA-graph
+    capture and torch.compile, torch ops on the CPU; ``policy.record_plans`` collects them."""
 
     variant = "lora-kernel"
 

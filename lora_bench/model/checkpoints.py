@@ -4,6 +4,11 @@ This module owns the pretrained weights: fetching the seven OpenAI files of one 
 the cache, reading the TensorFlow checkpoint into the reference's nested ``params`` dict, the
 reference's checkpoint->model mapping (with shape checks), and a converted ``.pt`` copy beside the
 checkpoint so that only the first load of a checkpoint needs TensorFlow.
+
+Nothing a checkpoint folder declares is trusted before it is checked against the model: the number
+of blocks (hparams.json, the converted file's header, block names) is compared with the model's
+before anything is allocated for it, and the converted copy is written only after every tensor has
+been loaded into the model with its shape checked.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ def _insert(params: dict, name: str, value) -> None:
     match = _BLOCK.match(parts[0])
     if match:
         index = int(match.group(1))
-        while len(params["blocks"]) <= index:
-            params["blocks"].append({})
+        if index >= len(params["blocks"]):  # never grown from a name: the block count is checked first
+            raise CheckpointError(f"checkpoint tensor {name!r} belongs to block {index}, but the checkpoint "
+                                  f"declares {len(params['blocks'])} blocks: it is damaged or not GPT-2's")
         target = params["blocks"][index]
     for key in parts[1:-1]:
         target = target.setdefault(key, {})
@@ -103,8 +109,23 @@ def _read_settings(ckpt_dir: Path) -> dict:
         raise CheckpointError(f"cannot read {path} ({exc}); {_missing_hint(ckpt_dir)}") from exc
 
 
-def load_tf_checkpoint(ckpt_dir: Path) -> tuple[dict, dict]:
-    """Read an OpenAI TensorFlow checkpoint: (settings from hparams.json, nested params)."""
+def _declared_blocks(settings: dict, source: str, expected: int | None) -> int:
+    """The block count a checkpoint declares, checked against the model's (when given)."""
+    try:
+        n = int(settings.get("n_layer", 0))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source} declares n_layer={settings.get('n_layer')!r}, not a block count") from None
+    if expected is not None and n != expected:
+        raise CheckpointError(f"{source} declares {n} transformer blocks but the model has {expected}: "
+                              "the checkpoint is for another model size (or damaged)")
+    if n < 0:
+        raise CheckpointError(f"{source} declares n_layer={n}")
+    return n
+
+
+def load_tf_checkpoint(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[dict, dict]:
+    """Read an OpenAI TensorFlow checkpoint: (settings from hparams.json, nested params).
+    ``n_blocks``: the model's block count, which hparams.json must declare."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist; {_missing_hint(ckpt_dir)}")
@@ -113,6 +134,7 @@ def load_tf_checkpoint(ckpt_dir: Path) -> tuple[dict, dict]:
         raise CheckpointError(f"checkpoint folder {ckpt_dir} lacks {', '.join(missing)}; "
                               + _missing_hint(ckpt_dir))
     settings = _read_settings(ckpt_dir)
+    blocks = _declared_blocks(settings, str(ckpt_dir / "hparams.json"), n_blocks)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ start-up chatter is no help here
     try:
         import tensorflow as tf  # lazy: ~4 s, and only needed until the converted copy exists
@@ -120,7 +142,7 @@ def load_tf_checkpoint(ckpt_dir: Path) -> tuple[dict, dict]:
         raise CheckpointError(f"reading {ckpt_dir} needs TensorFlow (pip install tensorflow-cpu), "
                               f"since it has no {CONVERTED_NAME} yet ({exc})") from exc
     prefix = str(ckpt_dir / "model.ckpt")
-    params: dict = {"blocks": [{} for _ in range(int(settings.get("n_layer", 0)))]}
+    params: dict = {"blocks": [{} for _ in range(blocks)]}
     for name in _tf_read(tf, prefix, ckpt_dir, name=None):
         if name.startswith("model/"):
             _insert(params, name[len("model/"):], np.squeeze(_tf_read(tf, prefix, ckpt_dir, name=name)))
@@ -230,8 +252,10 @@ def _write_converted(ckpt_dir: Path, settings: dict, params: dict) -> Path:
     return path
 
 
-def _read_converted(ckpt_dir: Path) -> tuple[dict, dict] | None:
-    """(settings, params) from the converted file, or None when it is absent, corrupt or stale."""
+def _read_converted(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[dict, dict] | None:
+    """(settings, params) from the converted file, or None when it is absent, corrupt or stale.
+    A header that declares another block count than ``n_blocks`` (the model's) is refused before
+    anything is allocated for it."""
     path = ckpt_dir / CONVERTED_NAME
     if not path.is_file():
         return None
@@ -250,7 +274,16 @@ def _read_converted(ckpt_dir: Path) -> tuple[dict, dict] | None:
     current = _fingerprint(ckpt_dir)
     if current and current != payload.get("source"):
         return None  # the TF files changed since conversion: quietly convert again
-    params: dict = {"blocks": [{} for _ in range(int(payload.get("n_blocks", 0)))]}
+    declared = payload.get("n_blocks", 0)
+    if not isinstance(declared, int) or isinstance(declared, bool):
+        raise CheckpointError(f"{path} declares n_blocks={declared!r}, not a block count; delete it to have "
+                              "the TensorFlow checkpoint converted again")
+    if n_blocks is not None and declared != n_blocks:
+        raise CheckpointError(f"{path} declares {declared} transformer blocks but the model has {n_blocks}: "
+                              "it is for another model size or damaged; delete it to have the TensorFlow "
+                              "checkpoint converted again")
+    _declared_blocks(payload["settings"], str(path), n_blocks)
+    params: dict = {"blocks": [{} for _ in range(declared)]}
     for name, tensor in payload["tensors"].items():
         _insert(params, name, tensor.numpy())
     return payload["settings"], params
@@ -260,23 +293,23 @@ def load_pretrained_into(model, ckpt_dir: Path) -> dict:
     """Load the checkpoint in ``ckpt_dir`` into ``model``; returns its hparams settings.
 
     Uses ``lora_bench_state.pt`` when present and valid; otherwise reads the TensorFlow files and,
-    if the folder is writable, writes the converted file so the next run needs no TensorFlow.
+    once every tensor is in the model with its shape checked, writes the converted file into the
+    folder (when it takes files) so the next run needs no TensorFlow.
     """
     ckpt_dir = Path(ckpt_dir)
-    loaded = _read_converted(ckpt_dir)
-    if loaded is None:
-        settings, params = load_tf_checkpoint(ckpt_dir)
-        if os.access(ckpt_dir, os.W_OK):
-            try:
-                _write_converted(ckpt_dir, settings, params)
-            except OSError as exc:  # full disk, read-only mount: loading still succeeded
-                warnings.warn(f"could not write {ckpt_dir / CONVERTED_NAME} ({exc}); the next run "
-                              "will read the TensorFlow checkpoint again", RuntimeWarning, stacklevel=2)
-    else:
-        settings, params = loaded
+    n_blocks = len(model.trf_blocks)
+    loaded = _read_converted(ckpt_dir, n_blocks=n_blocks)
+    converted = loaded is not None
+    settings, params = loaded if converted else load_tf_checkpoint(ckpt_dir, n_blocks=n_blocks)
     heads = settings.get("n_head")
     if heads is not None and model.trf_blocks and heads != model.trf_blocks[0].att.num_heads:
         raise CheckpointError(f"checkpoint {ckpt_dir} has n_head={heads} but the model has "
                               f"{model.trf_blocks[0].att.num_heads} heads; choose the matching model size")
     load_weights_into_gpt(model, params)
+    if not converted and os.access(ckpt_dir, os.W_OK):
+        try:
+            _write_converted(ckpt_dir, settings, params)
+        except OSError as exc:  # full disk, read-only mount: loading still succeeded
+            warnings.warn(f"could not write {ckpt_dir / CONVERTED_NAME} ({exc}); the next run "
+                          "will read the TensorFlow checkpoint again", RuntimeWarning, stacklevel=2)
     return settings

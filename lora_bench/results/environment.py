@@ -1,4 +1,7 @@
-"""The environment recorded with every result: versions, GPU, precision flags, git commit."""
+"""The environment recorded with every result: versions, GPU, precision flags, source commit.
+
+``host_environment()`` needs no device (it never initialises CUDA, so a sweep's parent process can
+record it); ``environment(device)`` adds what only the device in use can tell."""
 
 from __future__ import annotations
 
@@ -7,38 +10,71 @@ import os
 import platform
 import socket
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora_bench import __version__
 
+COMMIT_ENV = "LORA_BENCH_GIT_COMMIT"  # for a copy of the source tree without its git history
+DIRTY = "+dirty"
+
+
+@dataclass(frozen=True)
+class SourceCommit:
+    """Which source produced a result. ``sha`` is empty when unknown; ``dirty`` is None when it
+    cannot be told (a commit passed in without the ``+dirty`` mark is taken as clean)."""
+
+    sha: str
+    dirty: bool | None
+    source: str  # "git", COMMIT_ENV or "unknown"
+
+    def label(self) -> str:
+        """The ``git_commit`` column: the sha, ``+dirty`` when modified, empty when unknown."""
+        return self.sha + (DIRTY if self.dirty else "") if self.sha else ""
+
 
 @functools.lru_cache(maxsize=1)
-def git_commit() -> str:
-    """The commit of the lora-bench source: ``LORA_BENCH_GIT_COMMIT`` when set (a copy of the tree
-    without its history, e.g. on a lent GPU machine), else git, marked ``+dirty`` when modified."""
-    if os.environ.get("LORA_BENCH_GIT_COMMIT"):
-        return os.environ["LORA_BENCH_GIT_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
+def source_commit() -> SourceCommit:
+    """The commit of the lora-bench source, read once per process: ``LORA_BENCH_GIT_COMMIT`` when
+    set (the tree is a copy without git history), else ``git rev-parse`` of the checkout the package
+    is imported from, dirty when tracked files differ from it."""
+    passed = os.environ.get(COMMIT_ENV, "").strip()
+    if passed and passed.lower() != "unknown":
+        return SourceCommit(passed.removesuffix(DIRTY), passed.endswith(DIRTY), COMMIT_ENV)
+    root = Path(__file__).resolve().parents[2]
     try:
         proc = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=root,
                               capture_output=True, text=True, timeout=5)
         sha = proc.stdout.strip() if proc.returncode == 0 else ""
+        if not sha:
+            return SourceCommit("", None, "unknown")
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return ""
-    return (sha + ("+dirty" if dirty else "")) if sha else ""
+        return SourceCommit("", None, "unknown")
+    return SourceCommit(sha, bool(dirty), "git")
+
+
+def git_commit() -> str:
+    """The ``git_commit`` column: sha (``+dirty`` when modified), or empty when unknown."""
+    return source_commit().label()
+
+
+def _nvidia_smi(query: str) -> list[str]:
+    """One line per GPU from ``nvidia-smi --query-gpu`` (no CUDA context is created)."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def _gpu_driver() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.splitlines()[0] if out else ""
+    lines = _nvidia_smi("driver_version")
+    return lines[0] if lines else ""
 
 
 def _cpu_model() -> str:
@@ -60,7 +96,25 @@ def _triton_version() -> str:
         return ""
 
 
+def host_environment() -> dict[str, str]:
+    """Versions, machine and GPUs as ``nvidia-smi`` lists them; no device is touched."""
+    gpus = _nvidia_smi("name")
+    return {
+        "gpus": "; ".join(gpus),
+        "gpu_driver": _gpu_driver() if gpus else "",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "",
+        "triton_version": _triton_version() if gpus else "",
+        "python_version": platform.python_version(),
+        "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "cpu": _cpu_model(),
+        "hostname": socket.gethostname(),
+        "lora_bench_version": __version__,
+    }
+
+
 def environment(device: torch.device) -> dict[str, str]:
+    """The environment columns of a run on ``device``."""
     cuda = device.type == "cuda"
     return {
         "gpu_name": torch.cuda.get_device_name(device) if cuda else "",

@@ -50,7 +50,7 @@ RUN_COLUMNS: list[Column] = [
     Column("training_time_min", "float64", "min", "the same in minutes", "lower"),
     Column("steps", "Int64", "steps", "training steps run"),
     Column("device", "string", "", "torch device"),
-    Column("backend", "string", "", "lora-kernel's path(s) in the training step: cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), cpp-direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), triton (Triton kernels: captured or compiled layers), cublas (compiled layers of 1558M-MLP size: cuBLAS GEMMs, Triton adapter gradients), torch (CPU); joined with + when layers differ; blank for other choices"),
+    Column("backend", "string", "", "lora-kernel's plan(s) its layers ran in the training step, as they recorded them: cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), cpp-direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), triton (the fused Triton kernels: captured or compiled layers), cublas (cuBLAS GEMMs with Triton adapter gradients: captured or compiled layers in exact fp32, compiled layers of 1558M-MLP size), torch (CPU); joined with + when layers differ; blank for other choices"),
     Column("timing_clock", "string", "", "cuda_events, cuda_sync (perturbing), host (CPU) or off"),
     Column("warmup_steps", "Int64", "steps", "steps excluded from the summaries"),
     Column("measured_steps", "Int64", "steps", "steps in the summaries"),

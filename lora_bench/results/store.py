@@ -1,19 +1,34 @@
 """Reading and writing the results tables: ``runs.csv`` (one row per run, read-modify-written under
-a lock) and the per-step CSVs, each written atomically."""
+a lock) and the per-step CSVs, each written atomically.
+
+``runs.csv`` is read strictly: a file that is not lora-bench's table (binary, empty, a quote never
+closed, another program's CSV without ``run_id``) raises one ResultsError naming the file, and a
+row cut mid-way (fewer fields than the header, or a last line without its newline) is never read as
+a result. Each run's ``<run_id>/run.json`` is written before its row and wins over it."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
+import io
 import json
 import math
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import pandas as pd
 
-from lora_bench.fileio import atomic_write_text
+from lora_bench.errors import ResultsError, UsageError
+from lora_bench.fileio import atomic_write_text, check_writable_dir
 from lora_bench.results.schema import column_index, run_column_names
+
+RUNS_CSV = "runs.csv"
+RUN_RECORD = "run.json"
+TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
+REQUIRED = ("run_id", "status")
 
 
 def write_csv(path: Path, rows: Iterable[dict], columns: list[str]) -> None:
@@ -23,9 +38,102 @@ def write_csv(path: Path, rows: Iterable[dict], columns: list[str]) -> None:
     atomic_write_text(path, df.to_csv(index=False))
 
 
-def read_runs(path: Path) -> pd.DataFrame:
-    """runs.csv with the schema's dtypes applied."""
-    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+@dataclass
+class RunTable:
+    """``runs.csv`` as text: the header, the complete rows, and the torn ones (field lists)."""
+
+    header: list[str] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    torn: list[list[str]] = field(default_factory=list)
+
+    def torn_ids(self) -> list[str]:
+        at = self.header.index("run_id") if "run_id" in self.header else 0
+        return [t[at] if len(t) > at else "" for t in self.torn]
+
+
+def _not_a_table(path: Path, why: str) -> ResultsError:
+    return ResultsError(f"{path} is not a lora-bench runs.csv: {why}. Move it aside and run again "
+                        f"(every run's record is also kept in <results folder>/<run_id>/{RUN_RECORD})")
+
+
+class _Lines:
+    """The lines of a text for csv.reader, remembering where the last complete record ended."""
+
+    def __init__(self, text: str):
+        self._lines = io.StringIO(text, newline="")
+        self._pos = 0
+        self.marked = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = self._lines.readline()
+        if not line:
+            raise StopIteration
+        self._pos += len(line)
+        return line
+
+    def mark(self) -> None:
+        self.marked = self._pos
+
+
+def read_run_table(path: Path) -> RunTable:
+    """Parse ``runs.csv`` strictly (see the module's docstring); raises ResultsError."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
+    if not data.strip():
+        raise _not_a_table(path, "it is empty")
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _not_a_table(path, "it holds binary data, not text") from None
+    records: list[list[str]] = []
+    cut = not text.endswith("\n")  # pandas and the csv module end every row with a newline
+    lines = _Lines(text)
+    try:
+        for rec in csv.reader(lines, strict=True):
+            if rec:
+                records.append(rec)
+            lines.mark()
+    except csv.Error as e:
+        if not cut:  # an error at the very end of a cut file is the cut itself
+            raise _not_a_table(path, f"it does not parse as CSV ({e}; e.g. a quote that is never closed)") from None
+        # the torn tail (cut inside a quoted field), read leniently for its run id
+        records.append(next(csv.reader(io.StringIO(text[lines.marked:], newline="")), []))
+    header = records[0] if records else []
+    if not set(REQUIRED) <= set(header):
+        shown = ", ".join((header or [])[:6])
+        raise _not_a_table(path, f"its header ({shown[:200]}) has no {' and '.join(REQUIRED)} columns")
+    table = RunTable(header=header)
+    body = records[1:]
+    for i, rec in enumerate(body):
+        last = i == len(body) - 1
+        if len(rec) != len(header) or (last and cut):
+            table.torn.append(rec)
+        else:
+            table.rows.append(dict(zip(header, rec)))
+    return table
+
+
+def read_runs(path) -> pd.DataFrame:
+    """runs.csv (a path, read strictly, without torn rows; or an open CSV text buffer) with the
+    schema's dtypes applied."""
+    if isinstance(path, (str, Path)):
+        table = read_run_table(Path(path))
+        df = pd.DataFrame(table.rows, columns=table.header, dtype=object).astype(str)
+    else:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    return runs_frame(df)
+
+
+def runs_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows as text (runs.csv's cells) -> the schema's dtypes."""
     for name, col in column_index().items():
         if name in df.columns:
             df[name] = _convert(df[name], col.dtype)
@@ -56,18 +164,62 @@ def locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def run_record(run_dir: Path) -> dict | None:
+    """The row in ``<run_dir>/run.json``, or None when absent, half-written or foreign."""
+    try:
+        row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
+
+
+def _set_aside_torn(path: Path, table: RunTable) -> None:
+    """Append torn rows, as they are, to ``runs-torn.csv`` beside ``runs.csv`` (nothing is lost)."""
+    if not table.torn:
+        return
+    dest = path.with_name(TORN_CSV)
+    new = not dest.exists()
+    with open(dest, "a", newline="") as f:
+        out = csv.writer(f)
+        if new:
+            out.writerow(table.header)
+        out.writerows(table.torn)
+
+
 def upsert_run(path: Path, row: dict) -> None:
     """Add (or replace, by run_id) one row of runs.csv, rewriting the file atomically so an
     interruption leaves either the old or the new table, never a torn row; under a lock, so
-    concurrent writers lose no row."""
+    concurrent writers lose no row. A torn row found on the way is replaced by its run.json's
+    row, or set aside in ``runs-torn.csv`` when the run has none."""
     path = Path(path)
     with locked(path):
         rows = []
         if path.exists():
-            old = pd.read_csv(path, dtype=str, keep_default_na=False)
-            rows = [r for r in old.to_dict("records") if r.get("run_id") != row["run_id"]]
+            table = read_run_table(path)
+            rows = [r for r in table.rows if r.get("run_id") != row["run_id"]]
+            have = {r["run_id"] for r in rows} | {row["run_id"]}
+            for run_id in table.torn_ids():
+                record = run_record(path.parent / run_id) if run_id and "/" not in run_id else None
+                if record is not None and record["run_id"] not in have:
+                    rows.append({k: _fmt(v) for k, v in record.items()})
+            _set_aside_torn(path, table)
         rows.append({k: _fmt(v) for k, v in row.items()})
         write_csv(path, rows, run_column_names())
+
+
+def remove_runs(path: Path, run_ids: Iterable[str]) -> int:
+    """Drop the rows of ``run_ids`` from runs.csv (atomically, under the lock); torn rows are set
+    aside in ``runs-torn.csv``. Returns how many rows went."""
+    path = Path(path)
+    ids = set(run_ids)
+    with locked(path):
+        if not path.is_file():
+            return 0
+        table = read_run_table(path)
+        keep = [r for r in table.rows if r.get("run_id") not in ids]
+        _set_aside_torn(path, table)
+        write_csv(path, keep, run_column_names())
+        return len(table.rows) - len(keep)
 
 
 def _fmt(v):
@@ -76,21 +228,70 @@ def _fmt(v):
     return "" if v is None else v
 
 
-def result_rows(results_dir: Path) -> list[dict]:
+def _stderr_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = _stderr_warning) -> list[dict]:
     """Rows (as text, like runs.csv) of one results folder: runs.csv, plus any ``<run_id>/run.json``
-    it lacks. run.json is written before runs.csv, so it is never older and wins."""
+    it lacks. run.json is written before runs.csv, so it is never older and wins. A row of runs.csv
+    cut mid-way counts only through its run.json; without one it is left out, with a warning."""
     rows: dict[str, dict] = {}
-    csv = Path(results_dir) / "runs.csv"
-    if csv.is_file():
-        for r in pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records"):
-            rows[r["run_id"]] = r
-    for path in sorted(Path(results_dir).glob("*/run.json")):
-        try:
-            row = json.loads(path.read_text())["row"]
-        except (OSError, ValueError, KeyError):
-            continue  # a half-copied or foreign file is not a result
-        rows[row["run_id"]] = {k: text_value(v) for k, v in row.items()}
+    csv_path = Path(results_dir) / RUNS_CSV
+    table = read_run_table(csv_path) if csv_path.is_file() else RunTable()
+    for r in table.rows:
+        rows[r["run_id"]] = r
+    for path in sorted(Path(results_dir).glob(f"*/{RUN_RECORD}")):
+        row = run_record(path.parent)
+        if row is not None:  # a half-copied or foreign file is not a result
+            rows[row["run_id"]] = {k: text_value(v) for k, v in row.items()}
+    for run_id in table.torn_ids():
+        if run_id not in rows and warn is not None:
+            warn(f"{csv_path}: the row of run {run_id or '?'} is cut mid-way and the run has no "
+                 f"{RUN_RECORD}; it is left out")
     return list(rows.values())
+
+
+def torn_run_ids(results_dir: Path) -> list[str]:
+    """Run ids whose runs.csv row is cut mid-way."""
+    csv_path = Path(results_dir) / RUNS_CSV
+    return read_run_table(csv_path).torn_ids() if csv_path.is_file() else []
+
+
+def find_run(results_dir: Path, run_id: str | None = None) -> dict:
+    """One run's row (schema dtypes) for display: ``run_id``'s, or the latest started one. Its
+    run.json wins over runs.csv; a row cut mid-way without a run.json is refused, by name."""
+    results_dir = Path(results_dir)
+    csv_path = results_dir / RUNS_CSV
+    if not csv_path.is_file() and not any(results_dir.glob(f"*/{RUN_RECORD}")):
+        raise UsageError(f"no runs.csv in {results_dir}: run `lora-bench train --results-dir {results_dir}` first")
+    rows = result_rows(results_dir, warn=None)
+    torn = torn_run_ids(results_dir)
+    if run_id is None:
+        if not rows:
+            raise UsageError(f"{results_dir} holds no complete run")
+        pick = max(rows, key=lambda r: r.get("started_at") or "")
+    else:
+        hits = [r for r in rows if r["run_id"] == run_id]
+        if not hits:
+            if run_id in torn:
+                raise UsageError(f"run_id {run_id!r}: its row in {csv_path} is cut mid-way and the run has no "
+                                 f"{RUN_RECORD}; its numbers cannot be trusted, so nothing is shown")
+            latest = ", ".join(r["run_id"] for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
+            raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
+        pick = hits[0]
+    return runs_frame(pd.DataFrame([pick], dtype=object).astype(str)).iloc[0].to_dict()
+
+
+def check_results_dir(results_dir: Path) -> None:
+    """Before any work: the results folder takes new files and its runs.csv (if any) parses, so
+    that a finished run is never lost at the end for want of a place to record it."""
+    results_dir = Path(results_dir)
+    why = check_writable_dir(results_dir)
+    if why:
+        raise UsageError(f"results folder {results_dir}: {why}")
+    if (results_dir / RUNS_CSV).is_file():
+        read_run_table(results_dir / RUNS_CSV)
 
 
 def text_value(v) -> str:

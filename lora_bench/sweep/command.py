@@ -7,7 +7,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from lora_bench.sweep.runner import resume_statuses, run_sweep
+from lora_bench.results.manifest import record_invocation
+from lora_bench.sweep.resume import resume_statuses
+from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
 
 
@@ -35,6 +37,8 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
     parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
              f"{result.skipped} skipped (done earlier)"]
+    if result.elsewhere:
+        parts.append(f"{result.elsewhere} done by another process")
     if result.count("interrupted") or result.not_started:
         parts += [f"{result.count('interrupted')} interrupted", f"{result.not_started} not started"]
     colour = "red" if result.count("failed") or result.interrupted else "green"
@@ -59,6 +63,7 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
     if dry_run:
         print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
         return 0
+    record_invocation(results_dir)
     result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
                        shard=selected, progress=progress, cache_dir=cache_dir)
     print_summary(sw, result, results_dir=results_dir, console=console)

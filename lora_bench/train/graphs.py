@@ -13,15 +13,16 @@ import contextlib
 
 import torch
 
-from lora_bench.kernels.autograd import graph_plan
+from lora_bench.kernels.policy import graph_plan
 from lora_bench.train.evaluate import calc_loss_batch
 
 WARMUP_ITERS = 3
 
 
 def warm_up(fn, iters: int) -> None:
-    """Run ``fn`` ``iters`` times on a side stream, as capture requires, in the plan a capture uses
-    (``graph_plan``: lora-kernel's kernels are compiled and launched once before they are captured)."""
+    """Run ``fn`` ``iters`` times on a side stream, as capture requires, under the kernel policy in
+    capture mode (``graph_plan``: lora-kernel's kernels are compiled and launched once before they
+    are captured)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), graph_plan():

@@ -1,7 +1,7 @@
 """Profilers around the training loop.
 
 ``line``: line_profiler over the loop and the loss function, report saved beside the results —
-the method of the earlier 124M profile, kept so its host-attributed per-line times can be set
+the method of the reference's own profile of its 124M runs, kept so its host-attributed per-line times can be set
 against the device phase times. ``torch``: torch.profiler over a window of steps after warm-up;
 saves a gzipped Chrome/Perfetto trace and a per-phase kernel summary (launches per step, device time,
 top kernels) as CSV."""

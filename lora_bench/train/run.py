@@ -10,33 +10,37 @@ import hashlib
 import json
 import re
 import resource
+import signal
+import threading
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
+from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
-from lora_bench.errors import UsageError
-from lora_bench.fileio import atomic_write_text
-from lora_bench.kernels import autograd as lora_kernel_ops
-from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.errors import Interrupted, UsageError
+from lora_bench.fileio import atomic_write_text, check_writable_dir
+from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.progress import TrainProgress
+from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
+from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
-from lora_bench.results.store import upsert_run, write_csv
+from lora_bench.results.store import RUN_RECORD, check_results_dir, read_run_table, run_record, upsert_run, write_csv
 from lora_bench.timing import PhaseTimer
-from lora_bench.train.classifier import build_classifier, cast_frozen, model_config
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedEval, GraphedStep
 from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier
 from lora_bench.train.profiling import Profiler
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+TERMINATING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,8 +58,8 @@ def resolve_device(name: str) -> torch.device:
 
 def settings_hash(cfg: TrainConfig) -> str:
     """Hash of the settings that differ from their defaults: a setting added to lora-bench later
-    (with a default that keeps the old behaviour) leaves existing run ids, and so a sweep's resume,
-    intact. (Before, the hash covered every field, so each new option re-ran whole sweeps.)"""
+    (with a default that keeps the behaviour) leaves existing run ids, and so a sweep's resume,
+    intact; a hash over every field would rerun whole sweeps for each new option."""
     defaults = TrainConfig().to_dict()
     changed = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
     return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
@@ -102,6 +106,10 @@ class RunContext:
 
     def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool):
         self.cfg = cfg
+        # lora-kernel: the plan policy of this run (LORA_BENCH_KERNEL_MODE may force a plan), and
+        # the plans its layers run, noted while the loop runs
+        self.kernel_policy = policy_from_env(current_policy())
+        self.kernel_plans = PlanLog()
         self.device = resolve_device(cfg.device)
         set_precision(cfg)
         mcfg = model_config(cfg)
@@ -141,46 +149,79 @@ class RunContext:
                             max_steps=c.max_steps)
 
     def backend(self) -> str:
-        """The lora-kernel path(s) the training step's layers take, e.g. 'cpp', 'cpp-direct', 'triton', or
-        'cpp+triton' when layers differ (1558M's MLP under CUDA graphs; the head left out of a
-        block-scoped compile), 'cublas' for 1558M's MLP compiled."""
+        """The lora-kernel plans the training step's layers ran, as recorded while the loop ran
+        (``kernel_plans``), e.g. 'cpp', 'cpp-direct', 'triton', 'cublas', 'torch', or 'cpp+triton'
+        when layers differ (1558M's MLP under CUDA graphs; the head left out of a block-scoped
+        compile). '' for other trainable-layer settings, or before any training step ran."""
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
-
-        cfg = self.cfg
-        eager = lora_kernel_ops.lora_kernel_backend(self.device, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-        traced = lora_kernel_ops.lora_kernel_backend(self.device, graphs=True)  # the Python Function's / custom ops' plans
-        compiled = set()
-        if cfg.compile:
-            blocks = self.model.trf_blocks if cfg.compile_scope == "blocks" else self.model
-            compiled = {id(m) for m in blocks.modules()}
-        paths = set()
-        for m in self.model.modules():
-            if not isinstance(m, LinearWithLoRAKernel):
-                continue
-            if id(m) in compiled:  # the custom ops: cuBLAS GEMMs for the largest weights
-                paths.add("cublas" if traced == "triton" and lora_kernel_ops.compiled_takes_cublas(m.linear.weight) else traced)
-            elif cfg.cuda_graphs and eager.startswith("cpp") and m.linear.weight.numel() < lora_kernel_ops.CPP_GRAPH_MIN_WEIGHT:
-                paths.add(traced)
-            elif cfg.cuda_graphs and eager == "cpp-direct":  # captured: the C++ op's cuBLAS GEMMs
-                paths.add("cpp")
-            else:
-                paths.add(eager)
-        return "+".join(sorted(paths))
+        return self.kernel_plans.backend()
 
 
 def final_accuracies(ctx: RunContext) -> dict[str, float]:
     kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
     out = {}
-    for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-        out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
+    with use_policy(ctx.kernel_policy):
+        for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
+            out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
     return out
 
 
+class RaiseOnSignal:
+    """While a run executes: the first SIGINT, SIGTERM or SIGHUP raises Interrupted (a
+    KeyboardInterrupt) in the main thread, so the run is recorded as interrupted whichever signal
+    ended it; later signals are ignored until the record is written, so a second Ctrl-C cannot
+    tear it. SIGHUP stays ignored when the process was started so (``nohup``)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "RaiseOnSignal":
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for s in TERMINATING_SIGNALS:
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise Interrupted(signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _existing_run(results_dir: Path, run_id: str) -> dict | None:
+    """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
+    row = run_record(results_dir / run_id)
+    if row is not None:
+        return row
+    csv = results_dir / "runs.csv"
+    if csv.is_file():
+        table = read_run_table(csv)
+        for r in table.rows:
+            if r.get("run_id") == run_id:
+                return r
+        if run_id in table.torn_ids():
+            return {"run_id": run_id, "status": "unknown (its runs.csv row is cut mid-way)"}
+    return None
+
+
 def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
-                progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None) -> dict:
+                progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None,
+                overwrite: bool = False, claim: RunClaim | None = None, handle_signals: bool = True) -> dict:
     """Run one configuration and record it. On failure or interruption the row is still written
-    (status failed / interrupted, with the error) and the exception propagates."""
+    (status failed / interrupted, with the error and, when interrupted, the summary of the steps
+    measured so far) and the exception propagates.
+
+    Before any work: the results folder must take files and its runs.csv parse, the run id must be
+    new (``overwrite`` replaces an earlier run of that id) and the run's folder is claimed, so no
+    other process executes the same run at the same time (``claim``: one the caller already
+    holds). ``handle_signals``: SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal);
+    a caller with its own signal handling passes False."""
     cfg.validate()
     console = console or Console()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -189,9 +230,36 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     if not RUN_ID_RE.match(run_id):
         raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
                          "digit (it names a folder inside the results folder)")
+    check_results_dir(results_dir)
+    why = check_writable_dir(cache_dir)
+    if why:
+        raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
+    run_dir = results_dir / run_id
+    held = claim if claim is not None else claim_run(run_dir)
+    try:
+        if not overwrite:
+            old = _existing_run(results_dir, run_id)
+            if old is not None:
+                raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
+                                 f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
+                                 "--overwrite to replace it")
+        # a stale record of an earlier attempt must not be mistaken for this attempt's
+        (run_dir / RUN_RECORD).unlink(missing_ok=True)
+        with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
+            return _execute(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
+                            cache_dir=cache_dir, extra=extra)
+    finally:
+        if claim is None:
+            held.release()
+
+
+def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Console, progress: bool,
+             cache_dir: Path, extra: dict | None) -> dict:
+    record_invocation(results_dir, run_ids=[run_id])
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
+    ctx = None
     timer = None
     steps: list[dict] | None = None  # the per-step rows, built once
     log: list[str] = []
@@ -204,7 +272,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     try:
         ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress)
         row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
-                   backend=ctx.backend(), **environment(ctx.device))
+                   **environment(ctx.device))
         timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -213,13 +281,15 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         if cfg.cuda_graphs:
             step_fn = GraphedStep(ctx, timer=timer)
         total = (cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train))
-        with TrainProgress(console, total=total, enabled=progress, timer=timer) as bar:
+        with (TrainProgress(console, total=total, enabled=progress, timer=timer) as bar,
+              use_policy(ctx.kernel_policy), record_plans(ctx.kernel_plans)):
             on_step = profiler.chain(bar.update)
             timer.label_phases = profiler.labels_phases
             result: TrainResult = profiler.run(
                 train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
                 settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step,
                 eval_model=ctx.eval_model, say=say)
+        row["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
         curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
                       train_accs=result.train_accs, val_accs=result.val_accs)
         row.update(steps=result.steps, training_time_s=result.training_time_s,
@@ -239,20 +309,33 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         row["status"] = "done"
         return row
     except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
-        row["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        interrupted = isinstance(e, KeyboardInterrupt)
+        row["status"] = "interrupted" if interrupted else "failed"
+        if isinstance(e, Interrupted):
+            row["error"] = str(e)[:2000]
+        elif interrupted:
+            row["error"] = "interrupted by SIGINT"
+        else:
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise
     finally:
         if timer is not None and timer.enabled:
             try:
                 if steps is None:  # the run stopped before its summary
                     steps = timer.step_rows(run_id)
+                    if row["status"] == "interrupted" and ctx is not None:
+                        row.setdefault("steps", len(steps))
+                        row.update(_summary(ctx, timer, cfg, steps))  # what was measured so far
                 write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
             except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
                 row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
         row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        atomic_write_text(run_dir / "run.json", json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
+        atomic_write_text(run_dir / RUN_RECORD, json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
         upsert_run(results_dir / "runs.csv", row)
+        if row["status"] == "interrupted":
+            console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
+                          f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
+                          highlight=False)
 
 
 def _cfg_columns(cfg: TrainConfig) -> dict:

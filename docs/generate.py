@@ -1,0 +1,380 @@
+"""Regenerate the generated parts of the documentation from the repository's own files.
+
+- ``docs/results-schema.md`` in full, from ``lora_bench/results/schema.py`` and ``TrainConfig``;
+- every table between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` in ``README.md`` and
+  ``docs/*.md``, computed from the committed results under ``results/``.
+
+    python docs/generate.py          # rewrite what is out of date
+    python docs/generate.py --check  # exit 1 and name the files that are out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's lora_bench
+    sys.path.insert(0, str(ROOT))
+
+from lora_bench.config import TrainConfig  # noqa: E402
+from lora_bench.fileio import atomic_write_text  # noqa: E402
+from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STEP_COLUMNS  # noqa: E402
+from lora_bench.results.store import read_runs  # noqa: E402
+from lora_bench.timing import PHASES  # noqa: E402
+
+RESULTS = ROOT / "results"
+BLOCK = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
+LAYERS = ("all", "lora", "lora-kernel")
+
+
+def runs(folder: str) -> pd.DataFrame:
+    return read_runs(RESULTS / folder / "runs.csv")
+
+
+def _ms(v: float) -> str:
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list], *, align: str | None = None) -> str:
+    align = align or "|".join(["---"] + ["---:"] * (len(header) - 1))
+    return "\n".join([_row(header), f"|{align}|", *(_row(r) for r in rows)]) + "\n"
+
+
+# -- the all-vs-LoRA study (results/all-vs-lora) --------------------------------------------------
+STUDY = "all-vs-lora"
+SIZES = ("124M", "355M", "774M", "1558M")
+
+
+def _study_step(label: str) -> dict[tuple[str, str], float]:
+    df = runs(STUDY)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
+    return {(r.model_size, r.trainable_layers): r.step_ms_median for r in df.itertuples()}
+
+
+def table_answer() -> str:
+    """The first screen of the README: median step ms, batch 8, both modes, 124M and 1558M."""
+    rows = []
+    for label, mode in (("eager-fp32", "reference mode (eager fp32)"),
+                        ("graphs-bf16-fused-fopt", "CUDA graphs + bf16 + fused ops")):
+        step = _study_step(label)
+        for size in ("124M", "1558M"):
+            a, lo = step[(size, "all")], step[(size, "lora")]
+            rows.append([f"GPT-2 {size}, {mode}", _ms(a), _ms(lo), f"**{lo / a:.2f}**"])
+    return _table(["median step ms, batch 8 × 120 tokens, one H200", "all layers", "LoRA r16", "LoRA ÷ all"], rows)
+
+
+def _study_sizes(label: str, *, title: str) -> list[list]:
+    step = _study_step(label)
+    rows = [[f"{layers}, {title}", *(_ms(step[(s, layers)]) for s in SIZES)] for layers in LAYERS]
+    rows.append([f"lora ÷ all, {title}", *(f"{step[(s, 'lora')] / step[(s, 'all')]:.2f}" for s in SIZES)])
+    rows.append([f"lora-kernel ÷ all, {title}",
+                 *(f"{step[(s, 'lora-kernel')] / step[(s, 'all')]:.2f}" for s in SIZES)])
+    return rows
+
+
+def table_study_eager() -> str:
+    rows = _study_sizes("eager-fp32", title="batch 8") + _study_sizes("eager-fp32-b32", title="batch 32")
+    return _table(["eager fp32 (reference mode), median step ms", *SIZES], rows)
+
+
+def table_study_graphs() -> str:
+    rows = (_study_sizes("graphs-bf16-fused-fopt", title="batch 8")
+            + _study_sizes("graphs-bf16-fused-fopt-b32", title="batch 32"))
+    return _table(["CUDA graphs + bf16 + fused ops + fused AdamW, median step ms", *SIZES], rows)
+
+
+def table_study_phases() -> str:
+    """Device time per phase at the two ends of the size range, eager fp32, batch 8."""
+    df = runs(STUDY)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == "eager-fp32")].set_index(["model_size", "trainable_layers"])
+    rows = []
+    for size in ("124M", "1558M"):
+        for layers in LAYERS:
+            r = df.loc[(size, layers)]
+            rows.append([f"{size} {layers}", *(_ms(r[f"{p}_ms_median"]) for p in ("forward", "backward", "optimizer")),
+                         _ms(r["step_ms_median"]), r["bound_forward"], r["bound_backward"]])
+    return _table(["eager fp32, batch 8, device ms", "forward", "backward", "optimizer", "step",
+                   "forward bound", "backward bound"], rows, align="---|---:|---:|---:|---:|---|---")
+
+
+# -- where a 124M step goes (results/phase-timing-h200, results/kernel-counts-124m-h200) ----------
+def table_phases_124m() -> str:
+    df = runs("phase-timing-h200").set_index("run_id")
+    rows = []
+    for layers in ("all", "lora"):
+        reps = [df.loc[f"{layers}-events-r{i}"] for i in range(3)]
+
+        def med(col: str) -> float:
+            return statistics.median(float(r[col]) for r in reps)
+
+        kernels = pd.read_csv(RESULTS / "kernel-counts-124m-h200" / f"prof-{layers}" / "kernels_by_phase.csv")
+        k = kernels.set_index("phase")
+        launches = " / ".join(f"{k.loc[p, 'launches_per_step']:,.0f}" for p in ("forward", "backward", "optimizer"))
+        rows.append([layers if layers == "all" else "lora r16",
+                     *(f"{_ms(med(f'{p}_ms_median'))} / {_ms(med(f'host_{p}_ms_median'))}"
+                       for p in ("forward", "backward", "optimizer")),
+                     _ms(med("step_ms_median")), launches, f"{k['kernel_ms_per_step'].sum():.1f}"])
+    return _table(["124M, eager fp32", "forward device / host ms", "backward device / host ms",
+                   "optimizer device / host ms", "step ms", "kernels per step (fwd / bwd / opt)",
+                   "kernel ms per step"], rows)
+
+
+def table_profilers() -> str:
+    """What each way of measuring does to the 124M step it measures."""
+    df = runs("phase-timing-h200").set_index("run_id")
+    rows = []
+    for run, what in (("events-r0", "CUDA events at phase boundaries (default)"),
+                      ("sync", "synchronise at every boundary (`--timing sync`)"),
+                      ("torchprof", "torch.profiler (`--profile torch`)"),
+                      ("lineprof", "line_profiler (`--profile line`)")):
+        rows.append([what, *(_ms(df.loc[f"{layers}-{run}", "step_ms_median"]) for layers in ("all", "lora"))])
+    return _table(["124M, eager fp32, measured by", "all: step ms", "lora: step ms"], rows)
+
+
+# -- execution modes (results/modes-*, results/plans-eager-bf16-h200) -----------------------------
+MODES_124M = [
+    ("modes-eager-vs-graphs-h200", "124M-eager-fp32-{}", "eager fp32 (reference)"),
+    ("modes-eager-vs-graphs-h200", "124M-graphs-fp32-{}", "CUDA graphs, fp32"),
+    ("modes-eager-vs-graphs-h200", "124M-eager-bf16-fused-{}", "eager, bf16 + SDPA + fused ops"),
+    ("plans-eager-bf16-h200", "124M-eager-bf16-fused-{}", "the same, lora-kernel launching its kernels from C++"),
+    ("modes-fused-adamw-compile-h200", "124M-graphs-bf16-fused-{}", "CUDA graphs, bf16 + SDPA + fused ops"),
+    ("modes-fused-adamw-compile-h200", "124M-graphs-bf16-fused-fopt-{}", "… + fused AdamW"),
+    ("modes-block-compile-h200", "124M-bcompile-graphs-bf16-fused-fopt-{}", "… + each block compiled"),
+]
+
+
+def table_modes_124m() -> str:
+    rows = []
+    for folder, pattern, what in MODES_124M:
+        df = runs(folder).set_index("run_id")
+        step = {}
+        for layers in LAYERS:
+            rid = pattern.format(layers)
+            if layers == "lora-kernel" and rid not in df.index:
+                rid = pattern.format("lora-kernel-default-0")
+            step[layers] = float(df.loc[rid, "step_ms_median"]) if rid in df.index else None
+        rows.append([what, *(_ms(step[x]) if step[x] else "-" for x in LAYERS),
+                     f"{step['lora'] / step['all']:.2f}", f"`{folder}`"])
+    return _table(["124M, batch 8, median step ms", *LAYERS, "lora ÷ all", "results"], rows,
+                  align="---|---:|---:|---:|---:|---")
+
+
+def table_block_compile() -> str:
+    df = runs("modes-block-compile-h200").set_index("run_id")
+    rows = []
+    for size in ("124M", "1558M"):
+        r = {x: df.loc[f"{size}-bcompile-graphs-bf16-fused-fopt-{x}"] for x in LAYERS}
+        rows.append([size, *(f"{_ms(r[x]['step_ms_median'])} ({_ms(r[x]['step_ms_p10'])}–{_ms(r[x]['step_ms_p90'])})"
+                             for x in LAYERS),
+                     f"{r['lora']['step_ms_median'] / r['all']['step_ms_median']:.2f}",
+                     f"{r['lora-kernel']['step_ms_median'] / r['all']['step_ms_median']:.2f}"])
+    return _table(["block-compiled + graphs + bf16 + fused ops + fused AdamW, median step ms (p10–p90)", *LAYERS,
+                   "lora ÷ all", "lora-kernel ÷ all"], rows)
+
+
+# -- whole runs: wall time and accuracy -------------------------------------------------------------
+WHOLE = [
+    ("row10-h200", "row10-124M-all-random", "eager fp32 (book mode)"),
+    ("wall-124m-fastest-and-book-h200", "124M-lora-eager-fp32-5ep", "eager fp32 (book mode)"),
+    ("wall-124m-fastest-and-book-h200", "124M-lora-kernel-eager-fp32-5ep", "eager fp32 (book mode)"),
+    ("whole-eager-bf16-h200", "124M-lora-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
+    ("whole-eager-bf16-h200", "124M-lora-kernel-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
+    ("wall-124m-fastest-and-book-h200", "124M-all-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
+    ("wall-124m-fastest-and-book-h200", "124M-lora-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
+    ("wall-124m-fastest-and-book-h200", "124M-lora-kernel-graphs-bf16-fused-fopt-5ep",
+     "graphs + bf16 + fused ops + fused AdamW"),
+    ("whole-1558m-h200", "1558M-lora-eager-fp32-2ep", "eager fp32 (book mode)"),
+    ("whole-1558m-h200", "1558M-lora-kernel-eager-fp32-2ep", "eager fp32 (book mode)"),
+]
+
+
+def table_whole_runs() -> str:
+    rows = []
+    for folder, run_id, mode in WHOLE:
+        r = runs(folder).set_index("run_id").loc[run_id]
+        rows.append([f"{r['model_size']} {r['trainable_layers']}", mode, int(r["cfg_num_epochs"]),
+                     f"{r['training_time_s']:.1f}", f"{r['val_acc']:.2f}", f"{r['test_acc']:.2f}", f"`{folder}`"])
+    return _table(["run (random weights)", "mode", "epochs", "training s (incl. evaluation)", "val %", "test %",
+                   "results"], rows, align="---|---|---:|---:|---:|---:|---")
+
+
+KERNEL_NAMES = [  # (pattern in the profiler's kernel name, what it is), first match wins
+    ("_lora_mm_kernel", "LoRA GEMM, rank-r work folded in (Triton)"),
+    ("_lora_grad_ab_kernel", "adapter gradients (Triton)"),
+    ("bfloat16_copy", "cast to bf16"),
+    ("direct_copy", "copy"),
+    ("flash_bprop", "attention backward (cuDNN)"),
+    ("flash_fprop", "attention forward (cuDNN)"),
+    ("layer_norm_grad", "LayerNorm backward"),
+    ("layer_norm", "LayerNorm"),
+    ("GeluBackward", "GELU backward"),
+    ("Gelu", "GELU"),
+    ("CUDAFunctor_add", "add (residuals, gradients)"),
+    ("multi_tensor_apply", "AdamW (multi-tensor)"),
+]
+
+
+def _kernel_name(raw: str) -> str:
+    return next((name for pattern, name in KERNEL_NAMES if pattern in raw), raw.split("(")[0].split("<")[0][:40])
+
+
+def table_profile_1558m() -> str:
+    """Kernel time per step of a 1558M lora-kernel step (eager bf16), grouped by what the kernels do."""
+    folder = RESULTS / "profile-1558m-h200" / "1558M-eager-bf16-fused-lora-kernel"
+    top = pd.read_csv(folder / "top_kernels.csv")
+    top["what"] = top["kernel"].map(_kernel_name)
+    phases = pd.read_csv(folder / "kernels_by_phase.csv").set_index("phase")
+    rows = []
+    for phase in ("forward", "backward", "optimizer"):
+        total = phases.loc[phase]
+        rows.append([f"**{phase}**", "", f"**{total['launches_per_step']:,.0f}**", f"**{total['kernel_ms_per_step']:.1f}**"])
+        part = top[top["phase"] == phase].groupby("what", sort=False)[["calls_per_step", "ms_per_step"]].sum()
+        for what, r in part.sort_values("ms_per_step", ascending=False).head(5).iterrows():
+            rows.append(["", what, f"{r['calls_per_step']:,.0f}", f"{r['ms_per_step']:.2f}"])
+    return _table(["1558M lora-kernel, eager bf16", "kernels", "launches per step", "kernel ms per step"], rows,
+                  align="---|---|---:|---:")
+
+
+def table_timer_overhead() -> str:
+    """The summary lines of the committed timer-overhead log, verbatim."""
+    log = (RESULTS / "phase-timing-h200-pinned-omp1" / "overhead.log").read_text().splitlines()
+    lines = [line for line in log if line.startswith(("timer overhead", "timer cost"))]
+    return "```\n" + "\n".join(lines) + "\n```\n"
+
+
+TABLES = {
+    "answer": table_answer,
+    "study-eager": table_study_eager,
+    "study-graphs": table_study_graphs,
+    "study-phases": table_study_phases,
+    "phases-124m": table_phases_124m,
+    "profilers": table_profilers,
+    "modes-124m": table_modes_124m,
+    "block-compile": table_block_compile,
+    "whole-runs": table_whole_runs,
+    "timer-overhead": table_timer_overhead,
+    "profile-1558m": table_profile_1558m,
+}
+
+
+# -- docs/results-schema.md ------------------------------------------------------------------------
+def results_schema() -> str:
+    def cols(columns) -> list[list]:
+        return [[f"`{c.name}`", c.unit, c.help, c.better] for c in columns]
+
+    settings = [[f"`{SETTING_PREFIX}{name}`", f"`{value!r}`"] for name, value in TrainConfig().to_dict().items()]
+    lines = [
+        "# Results schema",
+        "",
+        "<!-- Generated by `python docs/generate.py` from lora_bench/results/schema.py; do not edit. -->",
+        "",
+        "A results folder (`--results-dir`, default `results/runs`) holds `runs.csv` (one row per run,",
+        "rewritten atomically), per run `<run_id>/steps.csv` (one row per training step), `<run_id>/run.json`",
+        "(the row, the printed log, the loss and accuracy curves) and profiler outputs, and `manifest.json`",
+        "(provenance: one entry per command that wrote into the folder). Units and which direction is better",
+        "come from `lora_bench/results/schema.py`, the one declaration the writer, `lora-bench report` and",
+        "this page share.",
+        "",
+        "## runs.csv: results",
+        "",
+        _table(["column", "unit", "meaning", "better"], cols(RUN_COLUMNS), align="---|---|---|---").rstrip(),
+        "",
+        f"The phase columns exist for each phase in {', '.join(PHASES)} (and `step`, their sum).",
+        "",
+        "## runs.csv: environment",
+        "",
+        _table(["column", "unit", "meaning", "better"], cols(ENV_COLUMNS), align="---|---|---|---").rstrip(),
+        "",
+        "## runs.csv: settings",
+        "",
+        f"Every setting of the run is a column `{SETTING_PREFIX}<name>`; the value here is the default. A column",
+        "an older row lacks, or leaves empty, holds the default.",
+        "",
+        _table(["column", "default"], settings, align="---|---").rstrip(),
+        "",
+        "## steps.csv",
+        "",
+        _table(["column", "unit", "meaning", "better"], cols(STEP_COLUMNS), align="---|---|---|---").rstrip(),
+        "",
+        "## manifest.json",
+        "",
+        "`{\"description\": str, \"invocations\": [entry, ...]}`, one entry per command that wrote into the folder",
+        "(`lora-bench train`, `sweep`, `kernel-bench`, the `benchmarks/` scripts); a sweep's runs in child",
+        "processes join their sweep's entry.",
+        "",
+        _table(["field", "meaning"], [
+            ["`id`", "launch time, host, process id and a random suffix"],
+            ["`source`", "`recorded at launch`, or `reconstructed from rows` for results older than their manifest"],
+            ["`command`", "the command line, the executable written as `lora-bench` or `python -m <module>`"],
+            ["`git_commit`", "the source commit when the command started, or `unknown`"],
+            ["`git_dirty`", "true when tracked files differed from that commit; null when it cannot be told"],
+            ["`commit_source`", "`git` (`git rev-parse` of the checkout), `LORA_BENCH_GIT_COMMIT` (passed in by a copy "
+                                "of the tree without git history), `git_commit column` (reconstructed) or `unknown`"],
+            ["`started_at`", "UTC start time (ISO 8601)"],
+            ["`lora_bench_version`", "package version"],
+            ["`environment`", "versions, GPUs (as `nvidia-smi` lists them), CPU, host"],
+            ["`run_ids`", "the runs the command produced in this folder"],
+            ["`outputs`", "other files it wrote, relative to the folder"],
+        ], align="---|---").rstrip(),
+        "",
+        "`lora-bench results index results` writes `results/README.md` from the manifests and rows;",
+        "`lora-bench results prune DIR --superseded` moves rows replaced by a newer run of the same sweep,",
+        "settings and repeat (and their run folders) to `DIR/superseded/`, numbers untouched.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- driver -----------------------------------------------------------------------------------------
+def render_blocks(text: str) -> str:
+    def fill(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise KeyError(f"unknown generated block {name!r}; known: {', '.join(TABLES)}")
+        return m.group(1) + TABLES[name]() + m.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def expected() -> dict[Path, str]:
+    """Every generated file (or file with generated blocks) and the content it should have."""
+    out = {ROOT / "docs" / "results-schema.md": results_schema()}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name == "results-schema.md" or not path.is_file():
+            continue
+        text = path.read_text()
+        if BLOCK.search(text):
+            out[path] = render_blocks(text)
+    return out
+
+
+def outdated() -> list[Path]:
+    return [p for p, text in expected().items() if not p.is_file() or p.read_text() != text]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is out of date")
+    args = ap.parse_args()
+    stale = outdated()
+    if args.check:
+        for p in stale:
+            print(f"out of date: {p.relative_to(ROOT)} (run `python docs/generate.py`)")
+        sys.exit(1 if stale else 0)
+    for path, text in expected().items():
+        if path in stale:
+            atomic_write_text(path, text)
+            print(f"written: {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

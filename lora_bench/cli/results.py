@@ -1,0 +1,112 @@
+"""``lora-bench results``: provenance of results folders — the generated index
+(``results/README.md``), superseded sweep runs, manifests rebuilt from rows, descriptions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+results_app = typer.Typer(no_args_is_help=True, help="Results folders: index, provenance, superseded runs.")
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+Folder = Annotated[Path, typer.Argument(help="A results folder (holding runs.csv and/or manifest.json).",
+                                        show_default=False)]
+
+
+def _folder(path: Path):
+    from lora_bench.errors import UsageError
+
+    if not path.is_dir():
+        raise UsageError(f"{path}: no such results folder")
+    return path
+
+
+@results_app.command("index")
+def index(
+    root: Annotated[Path, typer.Argument(help="The folder of results folders.")] = Path("results"),
+    check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 when README.md is not up to date.")] = False,
+) -> None:
+    """Generate ROOT/README.md from every folder's manifest.json and rows."""
+    from lora_bench.results.index import INDEX, render_index, write_index
+
+    _folder(root)
+    if check:
+        current = (root / INDEX).read_text() if (root / INDEX).is_file() else ""
+        if current != render_index(root):
+            console.print(f"{root / INDEX} is not up to date: run `lora-bench results index {root}`", highlight=False)
+            raise typer.Exit(1)
+        console.print(f"{root / INDEX} is up to date", highlight=False)
+        return
+    console.print(f"written: {write_index(root)}", highlight=False)
+
+
+@results_app.command("prune")
+def prune(
+    folder: Folder,
+    superseded: Annotated[bool, typer.Option("--superseded", help="Move rows replaced by a newer run of the same "
+                                             "sweep, settings and repeat (and their run folders) to superseded/.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would move; move nothing.")] = False,
+) -> None:
+    """Keep one row per (sweep, settings, repeat) in runs.csv: the newest. Numbers are not changed."""
+    from lora_bench.errors import UsageError
+    from lora_bench.results.prune import SUPERSEDED, prune_superseded
+
+    if not superseded:
+        raise UsageError("results prune: say what to prune; allowed: --superseded")
+    found = prune_superseded(_folder(folder), dry_run=dry_run)
+    for s in found:
+        console.print(f"{'would move' if dry_run else 'moved'} {s.run_id} (superseded by {s.superseded_by})",
+                      highlight=False)
+    where = folder / SUPERSEDED
+    console.print(f"{len(found)} superseded run(s)" + ("" if dry_run or not found else f" now in {where}"),
+                  highlight=False)
+
+
+@results_app.command("reconstruct")
+def reconstruct(
+    folders: Annotated[list[Path], typer.Argument(help="Results folders without a manifest.", show_default=False)],
+    description: Annotated[Optional[str], typer.Option(help="What the folder holds (one folder only).")] = None,
+) -> None:
+    """Write manifest.json for folders written before they had one, from the rows' own columns
+    (git_commit, versions, GPU, start time); marked 'reconstructed from rows'."""
+    from lora_bench.errors import UsageError
+    from lora_bench.results.manifest import MANIFEST, read_manifest, reconstruct_entries, update_manifest
+    from lora_bench.results.prune import SUPERSEDED
+    from lora_bench.results.store import result_rows
+
+    if description is not None and len(folders) != 1:
+        raise UsageError(f"--description applies to one folder; {len(folders)} given")
+    for folder in folders:
+        _folder(folder)
+        if read_manifest(folder)["invocations"]:
+            raise UsageError(f"{folder / MANIFEST} already has entries; reconstruct only folders without one")
+        rows = result_rows(folder)
+        run_dirs = {r["run_id"] for r in rows}
+        outputs = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+                   if p.is_file() and p.name not in (MANIFEST, "README.md", "runs.csv") and not p.name.endswith(".lock")
+                   and p.relative_to(folder).parts[0] not in (*run_dirs, SUPERSEDED)]
+        entries = reconstruct_entries(rows, outputs=outputs)
+
+        def change(data: dict, entries=entries) -> None:
+            data["invocations"] = entries
+            if description is not None:
+                data["description"] = description.strip()
+
+        update_manifest(folder, change)
+        console.print(f"{folder / MANIFEST}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
+                      f"reconstructed from {len(rows)} row(s)", highlight=False)
+
+
+@results_app.command("describe")
+def describe(folder: Folder,
+             text: Annotated[str, typer.Argument(help="What the folder holds, in a sentence or two.",
+                                                 show_default=False)]) -> None:
+    """Set the folder's description (the 'what' column of the index)."""
+    from lora_bench.results.manifest import set_description
+
+    set_description(_folder(folder), text)
+    console.print(f"described: {folder}", highlight=False)

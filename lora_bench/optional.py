@@ -1,0 +1,20 @@
+"""Optional dependencies: import one by name, or stop with the command that installs it."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from lora_bench.errors import UsageError
+
+PEERS_EXTRA = "peers"  # transformers, peft, safetensors, huggingface_hub (pyproject's extra)
+
+
+def require(module: str, *, purpose: str, extra: str = PEERS_EXTRA) -> ModuleType:
+    """``module`` imported, or a UsageError naming what needs it and the pip command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = module.split(".")[0]
+        raise UsageError(f"{purpose} needs the Python package {package!r}, which cannot be imported here "
+                         f"({exc}); install it with: pip install \"lora-bench[{extra}]\"") from exc

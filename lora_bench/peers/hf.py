@@ -1,0 +1,240 @@
+"""The classifier built with Hugging Face transformers (``GPT2ForSequenceClassification``) and, for
+LoRA, PEFT: a peer of the book model that the same harness trains (loop, loss, optimizer, timer).
+
+What maps, and how:
+
+* shape: ``GPT2Config`` from the book's sizes (n_positions 1024, vocab 50257, every dropout 0.0 as the
+  book's drop_rate, layer_norm_epsilon 1e-5); the harness's ``attention`` picks the attention
+  implementation (book -> "eager", sdpa -> "sdpa") and ``ops`` the activation (book -> "gelu_new", the
+  hand-written tanh GELU; fused -> "gelu_pytorch_tanh", ``F.gelu(approximate="tanh")``). The layer
+  norms are always ``nn.LayerNorm``.
+* weights: the book's seeded random model (``torch.manual_seed(seed)`` then ``GPTModel``) converted,
+  so ``weights=random`` starts from the same function as the book; or pretrained weights from the
+  OpenAI checkpoint (through the book loader) or from the Hugging Face safetensors.
+* head: the book's head, ``nn.Linear(emb_dim, 2)`` with a bias, drawn after ``torch.manual_seed(seed)``
+  exactly as the book draws it, replaces transformers' bias-free ``score``; so the trainable parameter
+  counts of all, last_layer, last_block and last_two_blocks equal the book's.
+* token position: the wrapper returns logits at every position, (B, T, 2), like the book model, and
+  the harness's ``select_logits`` picks last / first / flexible / the mean. (transformers' own forward
+  pools at the last non-pad token; the book's ``last`` is position -1, a pad for padded rows.) The
+  config's ``pad_token_id`` stays unset: with one set, every transformers forward looks for pads on the
+  host, a device sync that also forbids CUDA-graph capture.
+* LoRA: PEFT on every Conv1D (c_attn, c_proj, c_fc) with ``lora_alpha = alpha * r`` (PEFT scales by
+  lora_alpha / r, the book by alpha), no dropout, B zeros, and the head in ``modules_to_save``. The book
+  has separate query/key/value linears, each with its own A (in×r) and B (r×out); PEFT's c_attn is one
+  fused linear with one A (in×r) and one B (r×3·out). Per block that is 4·e·r attention adapter
+  parameters instead of the book's 6·e·r, and the head gets no adapter (the book wraps the new head
+  too: (e + 2)·r more). With the book's query/key/value A's equal, the two compute the same function
+  (tests/test_peers.py). PEFT draws A from kaiming_uniform(a=√5) over fan_in = in_features (bound
+  1/√in); the book over fan_in = r (its A is in×r: bound 1/√r); ``lora_init="book"`` redraws PEFT's A
+  with the book's bound.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from importlib import metadata
+
+import torch
+import torch.nn as nn
+
+from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
+from lora_bench.data.tokenizer import PAD_TOKEN_ID
+from lora_bench.errors import ConfigError
+from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
+from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
+from lora_bench.optional import require
+
+HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
+WEIGHTS_SOURCES = ("openai", "hf")
+ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
+ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: attention and MLP)
+LORA_INITS = ("peft", "book")
+PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
+ADAPTER = "default"  # PEFT's adapter name
+
+
+def unsupported_settings(cfg) -> list[str]:
+    """What in ``cfg`` (a TrainConfig, or any object with its attribute names) has no transformers/PEFT
+    peer, one message per setting; empty when everything maps."""
+    p: list[str] = []
+    if cfg.trainable_layers not in HF_TRAINABLE_LAYERS:
+        p.append(f"trainable_layers={cfg.trainable_layers!r} has no Hugging Face peer (PEFT trains unmerged "
+                 "adapters with its own layers); with implementation=hf choose one of: "
+                 + ", ".join(HF_TRAINABLE_LAYERS))
+    if cfg.disable_causal_mask:
+        p.append("disable_causal_mask has no Hugging Face peer: transformers' GPT-2 always applies the causal "
+                 "mask; use implementation=book")
+    if cfg.attention not in ATTN_IMPLEMENTATIONS:
+        p.append(f"attention={cfg.attention!r} has no Hugging Face peer; choose one of: "
+                 + ", ".join(ATTN_IMPLEMENTATIONS))
+    if cfg.ops not in ACTIVATIONS:
+        p.append(f"ops={cfg.ops!r} has no Hugging Face peer; choose one of: " + ", ".join(ACTIVATIONS))
+    source = getattr(cfg, "weights_source", "openai")
+    if source not in WEIGHTS_SOURCES:
+        p.append(f"weights_source={source!r} is not allowed; choose one of: " + ", ".join(WEIGHTS_SOURCES))
+    return p
+
+
+def gpt2_config(mcfg: GPTConfig, *, attn_implementation: str = "sdpa", activation: str = "gelu_new"):
+    """transformers' GPT2Config for the book model's shape, no dropout, no cache, 2 labels."""
+    transformers = require("transformers", purpose="implementation=hf")
+    in_vocab = PAD_TOKEN_ID if PAD_TOKEN_ID < mcfg.vocab_size else None  # <|endoftext|>, when it exists
+    return transformers.GPT2Config(
+        vocab_size=mcfg.vocab_size, n_positions=mcfg.context_length, n_embd=mcfg.emb_dim,
+        n_layer=mcfg.n_layers, n_head=mcfg.n_heads, n_inner=None, activation_function=activation,
+        resid_pdrop=mcfg.drop_rate, embd_pdrop=mcfg.drop_rate, attn_pdrop=mcfg.drop_rate,
+        layer_norm_epsilon=1e-5, num_labels=NUM_CLASSES, bos_token_id=in_vocab, eos_token_id=in_vocab,
+        pad_token_id=None, use_cache=False, attn_implementation=attn_implementation)
+
+
+def build_hf_model(mcfg: GPTConfig, state: dict[str, torch.Tensor], *, attn_implementation: str = "sdpa",
+                   activation: str = "gelu_new") -> nn.Module:
+    """``GPT2ForSequenceClassification`` with ``state`` (GPT2Model keys) as its body, built on the meta
+    device so no weight is initialised twice. Its ``score`` is still transformers' (on meta):
+    ``make_hf_trainable`` replaces it with the book's head."""
+    transformers = require("transformers", purpose="implementation=hf")
+    config = gpt2_config(mcfg, attn_implementation=attn_implementation, activation=activation)
+    with torch.device("meta"):
+        model = transformers.GPT2ForSequenceClassification(config)
+    load_hf_state(model.transformer, state)
+    return model
+
+
+def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lora_rank: int = 8,
+                      lora_alpha: float = 8.0, lora_init: str = "peft") -> nn.Module:
+    """Freeze, reseed, put the book's head in place of ``score``, and unfreeze the chosen layers (the
+    book's ``make_trainable``, in its RNG order); for ``lora`` returns the PEFT model around ``model``."""
+    if trainable_layers not in HF_TRAINABLE_LAYERS:
+        raise ConfigError([f"trainable_layers={trainable_layers!r} has no Hugging Face peer; choose one of: "
+                           + ", ".join(HF_TRAINABLE_LAYERS)])
+    if lora_init not in LORA_INITS:
+        raise ConfigError([f"lora_init={lora_init!r} is not allowed; choose one of: " + ", ".join(LORA_INITS)])
+    model.requires_grad_(False)
+    torch.manual_seed(seed)
+    model.score = nn.Linear(model.config.n_embd, NUM_CLASSES)
+    body = model.transformer
+    if trainable_layers in ("last_block", "last_two_blocks"):
+        blocks = list(body.h)[-1 if trainable_layers == "last_block" else -2:]
+        for module in blocks + [body.ln_f]:
+            module.requires_grad_(True)
+    elif trainable_layers == "all":
+        model.requires_grad_(True)
+    elif trainable_layers == "lora":
+        return _with_lora(model, rank=lora_rank, alpha=lora_alpha, init=lora_init)
+    return model  # last_layer: only the new head, trainable on creation
+
+
+def lora_config(*, rank: int, alpha: float):
+    """PEFT's LoraConfig computing the book's ``linear(x) + alpha * (x @ A @ B)`` on every Conv1D."""
+    peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
+    return peft.LoraConfig(r=rank, lora_alpha=alpha * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                           bias="none", use_rslora=False, use_dora=False, init_lora_weights=True,
+                           fan_in_fan_out=True, modules_to_save=["score"])
+
+
+def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str) -> nn.Module:
+    peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
+    with warnings.catch_warnings():  # PEFT asks transformers a question transformers renamed; no action here
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft.get_peft_model(model, lora_config(rank=rank, alpha=alpha))
+    if init == "book":
+        with torch.no_grad():
+            for a in lora_A_weights(peft_model):  # (r, in), registration order
+                book_a = torch.empty(a.shape[1], a.shape[0], dtype=a.dtype)  # the book's A is in×r
+                nn.init.kaiming_uniform_(book_a, a=math.sqrt(5))
+                a.copy_(book_a.t())
+    return peft_model
+
+
+def lora_A_weights(model: nn.Module) -> list[torch.Tensor]:
+    """PEFT's lora_A weights (r × in) in module registration order."""
+    out = []
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if isinstance(lora_a, nn.ModuleDict) and ADAPTER in lora_a:
+            out.append(lora_a[ADAPTER].weight)
+    return out
+
+
+class HFClassifier(nn.Module):
+    """transformers' GPT-2 behind the book model's call: (B, T) token ids -> (B, T, 2) logits at every
+    position, so the harness's loss and accuracy pick the token exactly as for the book model."""
+
+    implementation = "hf"
+
+    def __init__(self, model: nn.Module, *, mcfg: GPTConfig, peft: bool = False):
+        super().__init__()
+        self.model = model  # GPT2ForSequenceClassification, or the PEFT model around it
+        self.cfg = mcfg  # the book's description of the shape (FLOP counts, context length)
+        self.is_peft = peft
+
+    def classifier(self) -> nn.Module:
+        """The GPT2ForSequenceClassification (PEFT injects its layers into it in place)."""
+        return self.model.get_base_model() if self.is_peft else self.model
+
+    @property
+    def trf_blocks(self) -> nn.ModuleList:
+        """The transformer blocks, under the book model's name (``compile_scope=blocks`` compiles each)."""
+        return self.classifier().transformer.h
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        core = self.classifier()
+        hidden = core.transformer(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, E)
+        return core.score(hidden)  # (B, T, classes)
+
+
+def base_state(cfg, mcfg: GPTConfig, *, cache_dir, progress: bool = True) -> dict[str, torch.Tensor]:
+    """The body's weights in GPT2Model's layout: the book's seeded random model or OpenAI checkpoint
+    (converted from the book model), or the Hugging Face safetensors (read as they are)."""
+    if cfg.weights == "pretrained" and getattr(cfg, "weights_source", "openai") == "hf":
+        folder = ensure_hf_checkpoint(resolve_model_size(cfg.model_size), weights_dir=cfg.weights_dir,
+                                      progress=progress)
+        return read_hf_state(folder)
+    return hf_state_from_gpt(load_base_model(cfg, mcfg, cache_dir=cache_dir, progress=progress))
+
+
+def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str = "peft") -> HFClassifier:
+    """The transformers/PEFT classifier for ``cfg`` on the CPU (move it to the device after); what does
+    not map is refused up front with every reason (ConfigError)."""
+    problems = unsupported_settings(cfg)
+    if problems:
+        raise ConfigError(problems)
+    require("transformers", purpose="implementation=hf")
+    if cfg.trainable_layers == "lora":
+        require("peft", purpose="trainable_layers=lora with implementation=hf")
+    mcfg = model_config(cfg)
+    state = base_state(cfg, mcfg, cache_dir=cache_dir, progress=progress)
+    model = build_hf_model(mcfg, state, attn_implementation=ATTN_IMPLEMENTATIONS[cfg.attention],
+                           activation=ACTIVATIONS[cfg.ops])
+    trained = make_hf_trainable(model, trainable_layers=cfg.trainable_layers, seed=cfg.seed,
+                                lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_init=lora_init)
+    return HFClassifier(trained, mcfg=mcfg, peft=trained is not model)
+
+
+def cast_frozen_hf(model: nn.Module, dtype: torch.dtype) -> int:
+    """``classifier.cast_frozen`` for the transformers model: frozen weights and biases of the linear
+    layers (transformers' Conv1D and nn.Linear) stored in ``dtype`` once; trainable parameters,
+    embeddings and norms stay as they are. Returns how many tensors were cast."""
+    conv1d = require("transformers.pytorch_utils", purpose="implementation=hf").Conv1D
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, conv1d)):
+            for p in module.parameters(recurse=False):
+                if not p.requires_grad and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    n += 1
+    return n
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the peer packages (None when absent), for a run's provenance."""
+    out: dict[str, str | None] = {}
+    for name in PEER_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out

@@ -1,0 +1,288 @@
+"""The answer paragraph, generated from the study by explicit rules (never written by hand). Each
+rule is a small function of the measured groups and returns one clause or sentence:
+
+- ``verdict``: a group is 'slower' / 'faster' than its baseline by the ratio of median step times,
+  'as fast' when the difference is within the run-to-run spread (aggregate.within_spread);
+- ``crossover``: the two adjacent sizes between which a variant turns from slower to faster (it
+  must stay faster at every larger size);
+- ``host_bound_phases``: the phases every repeat recorded as host-bound (the run's bound_* column:
+  host time ≥ HOST_BOUND_RATIO × device time, the GPU waiting for Python to queue kernels), left out
+  when the phase takes less than MIN_SHARE of the step;
+- ``launches_and_work``: the change in kernels launched per step and in their summed device time
+  (torch.profiler counts, where a profile exists), else in analytic FLOPs per step;
+- ``phase_deltas``: the phases whose device time changes by at least MIN_CHANGE of the baseline's step;
+- ``why_slower`` / ``why_faster``: these clauses for the primary variant at the smallest size where
+  it is slower and the largest size where it is faster, in each mode;
+- ``accuracy_sentence``: the differences in accuracy from the baseline that lie outside the spread
+  over seeds (the same within-spread rule on accuracy), or the largest one when all lie within;
+- ``answer``: one bullet per mode and condition, explanations for the first condition, accuracy last."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lora_bench.report.names import count_text
+from lora_bench.report.study import Group, Line, Study
+from lora_bench.results.metrics import HOST_BOUND_RATIO
+from lora_bench.timing import PHASES
+
+MIN_SHARE = 0.05  # a phase under 5 % of the step is not worth naming as host-bound
+MIN_CHANGE = 0.02  # nor a change of a phase under 2 % of the baseline's step
+
+
+def ratio_text(g: Group) -> str:
+    mark = " (within run-to-run spread)" if g.within else ""
+    return f"{g.ratio:.2f}×{mark}"
+
+
+def verdict(g: Group) -> str:
+    if math.isnan(g.ratio):
+        return "unknown"
+    if g.within:
+        return "as fast"
+    return "slower" if g.ratio > 1 else "faster" if g.ratio < 1 else "as fast"
+
+
+def crossover(groups: list[Group]) -> str:
+    """'between 774M and 1558M'; 'faster at every size'; 'slower at every size'; '' when unknown."""
+    known = [g for g in groups if not math.isnan(g.ratio)]
+    if not known:
+        return ""
+    faster = [verdict(g) == "faster" for g in known]
+    first = next((i for i in range(len(known)) if all(faster[i:])), len(known))
+    if first == 0:
+        return "faster at every size" if len(known) > 1 else f"faster at {known[0].size}"
+    if first == len(known):
+        if not any(faster) and all(verdict(g) == "slower" for g in known):
+            return "slower at every size" if len(known) > 1 else f"slower at {known[0].size}"
+        return ""
+    return f"between {known[first - 1].size} and {known[first].size}"
+
+
+def crossover_sentence(line: Line, *, base: str) -> str:
+    """'lora takes 1.54× all's step time at 124M and 0.84× at 1558M: the crossover lies between
+    774M and 1558M'."""
+    gs = [g for g in line.groups if not math.isnan(g.ratio)]
+    if not gs:
+        return f"{line.variant}: no {base} runs to compare with"
+    where = crossover(gs)
+    if len(gs) == 1:
+        head = f"{line.variant} takes {ratio_text(gs[0])} {base}'s step time at {gs[0].size}"
+    else:
+        head = (f"{line.variant} takes {ratio_text(gs[0])} {base}'s step time at {gs[0].size} "
+                f"and {ratio_text(gs[-1])} at {gs[-1].size}")
+    unknown = " (one run per group: the spread is unknown)" if all(g.within is None for g in gs) else ""
+    if where.startswith("between"):
+        return f"{head}: the crossover lies {where}{unknown}"
+    if where and len(gs) > 1:
+        return f"{head}: {where}{unknown}"
+    mixed = ", ".join(f"{verdict(g)} at {g.size}" for g in gs)
+    return (f"{head} ({mixed})" if len(gs) > 1 else head) + unknown
+
+
+def host_bound_phases(g: Group) -> list[str]:
+    return g.host_bound_phases(min_share=MIN_SHARE)
+
+
+def pct(new: float, old: float) -> float:
+    return 100 * (new / old - 1)
+
+
+def launches_and_work(g: Group, b: Group) -> str:
+    """'lora launches 37 % more kernels per step (2,479 vs 1,807) while its kernels run 20 % less
+    device time (20.2 vs 25.2 ms)'; from analytic FLOPs when no profile covers both."""
+    kg, kb = g.kernels(), b.kernels()
+    if kg and kb and kb[0] and kb[1]:
+        dl, dw = pct(kg[0], kb[0]), pct(kg[1], kb[1])
+        return (f"{g.variant} launches {abs(dl):.0f} % {'more' if dl >= 0 else 'fewer'} kernels per step "
+                f"({count_text(kg[0])} vs {count_text(kb[0])}, torch.profiler) while its kernels run "
+                f"{abs(dw):.0f} % {'less' if dw < 0 else 'more'} device time ({kg[1]:.1f} vs {kb[1]:.1f} ms)")
+    if not (math.isnan(g.flops_per_step) or math.isnan(b.flops_per_step)) and b.flops_per_step:
+        dw = pct(g.flops_per_step, b.flops_per_step)
+        return (f"{g.variant}'s step does {abs(dw):.0f} % {'fewer' if dw < 0 else 'more'} FLOPs "
+                f"({g.flops_per_step / 1e12:.2f} vs {b.flops_per_step / 1e12:.2f} TFLOP, analytic; "
+                "no profile of these groups counts their kernel launches)")
+    return ""
+
+
+def phase_deltas(g: Group, b: Group) -> str:
+    """'saves 37.8 ms in backward and 25.1 ms in optimizer and spends 11.0 ms more in forward'."""
+    saves, spends = [], []
+    for ph in PHASES:
+        dg, db = g.phases[ph].device, b.phases[ph].device
+        if not (dg.known and db.known):
+            continue
+        d = dg.median - db.median
+        if abs(d) >= MIN_CHANGE * b.step.median:
+            (saves if d < 0 else spends).append((abs(d), ph))
+    parts = []
+    if saves:
+        parts.append("saves " + _and([f"{d:.1f} ms in {ph}" for d, ph in sorted(saves, reverse=True)]))
+    if spends:
+        parts.append("spends " + _and([f"{d:.1f} ms more in {ph}" for d, ph in sorted(spends, reverse=True)]))
+    return " and ".join(parts)
+
+
+def step_change(g: Group, b: Group) -> str:
+    d = pct(g.step.median, b.step.median)
+    return (f"its step is {abs(d):.0f} % {'longer' if d > 0 else 'shorter'} "
+            f"({g.step.median:.1f} vs {b.step.median:.1f} ms)")
+
+
+def why_slower(g: Group, b: Group) -> str:
+    where = f"At {g.size}"
+    hb = [ph for ph in host_bound_phases(b) if ph in host_bound_phases(g)]
+    if hb:
+        bound = (f"{_and(hb)} {'phase is' if len(hb) == 1 else 'phases are'} host-bound for both {b.variant} and "
+                 f"{g.variant} (host time ≥ {HOST_BOUND_RATIO} × device time in every repeat: the GPU waits for "
+                 "Python to queue kernels)")
+        work = launches_and_work(g, b)
+        return f"{where} the {bound}{', and ' + work if work else ''}: {step_change(g, b)}."
+    deltas = phase_deltas(g, b)
+    return (f"{where} no phase of both is host-bound; {g.variant} {deltas or 'changes no phase by much'}: "
+            f"{step_change(g, b)}.")
+
+
+def why_faster(g: Group, b: Group, *, smallest: Group | None) -> str:
+    deltas = phase_deltas(g, b)
+    out = f"At {g.size} {g.variant} {deltas or 'changes no phase by much'}: {step_change(g, b)}."
+    opt = b.phases.get("optimizer")
+    if opt is not None and opt.device.known and b.step.median:
+        out += f" The optimizer alone takes {100 * opt.device.median / b.step.median:.0f} % of {b.variant}'s step"
+        out += "." if smallest is None else ""
+    if smallest is not None and not (math.isnan(b.mfu) or math.isnan(smallest.mfu)) and b.size != smallest.size:
+        out += (f"{';' if out.endswith('step') else ''} {b.variant} reaches MFU {b.mfu:.2f} at {b.size} against "
+                f"{smallest.mfu:.2f} at {smallest.size}: more of its step is arithmetic, which LoRA reduces.")
+    elif out.endswith("step"):
+        out += "."
+    return out
+
+
+def host_bound_summary(groups: list[Group]) -> str:
+    """'no phase is host-bound at any size', or per smallest and largest size the phases host-bound
+    for every variant: 'at 124M forward and backward are host-bound for every variant; at 1558M no
+    phase is host-bound for every variant (backward for lora and lora-kernel)'."""
+    sizes = list(dict.fromkeys(g.size for g in groups))
+    if not any(host_bound_phases(g) for g in groups):
+        return "no phase is host-bound at any size" if len(sizes) > 1 else f"no phase is host-bound at {sizes[0]}"
+    parts = []
+    for size in dict.fromkeys([sizes[0], sizes[-1]]):
+        at = [g for g in groups if g.size == size]
+        common = [ph for ph in PHASES if all(ph in host_bound_phases(g) for g in at)]
+        if common:
+            parts.append(f"at {size} {_and(common)} {'is' if len(common) == 1 else 'are'} host-bound for every variant")
+            continue
+        some = {}
+        for g in at:
+            for ph in host_bound_phases(g):
+                some.setdefault(ph, []).append(g.variant)
+        detail = "; ".join(f"{ph} for {_and(v)}" for ph, v in some.items())
+        parts.append(f"at {size} no phase is host-bound for every variant" + (f" ({detail})" if detail else ""))
+    return "; ".join(parts)
+
+
+def accuracy_sentence(study: Study) -> str:
+    metric = study.accuracy_metric
+    pairs = [(g, *study.accuracy_vs_base(g)) for g in study.groups if not g.is_baseline]
+    pairs = [(g, d, w) for g, d, w in pairs if not math.isnan(d)]
+    if not pairs:
+        return ""
+    name = "test accuracy" if metric == "test_acc" else "validation accuracy"
+    n_seeds = max(len(g.seeds) for g in study.groups)
+    over = f"median over {n_seeds} seeds" if study.seeds_vary else "repeats share one seed, so the spread is run-to-run only"
+    outside = [(g, d) for g, d, w in pairs if w is False]
+    unknown = sum(1 for _, _, w in pairs if w is None)
+
+    def where(g: Group) -> str:
+        return " · ".join(p for p in (g.size, g.mode, g.condition) if p)
+
+    if outside:
+        listed = "; ".join(f"{g.variant} {d:+.2f} points at {where(g)}" for g, d in
+                           sorted(outside, key=lambda t: -abs(t[1]))[:3])
+        rest = len(pairs) - len(outside) - unknown
+        text = (f"{_cap(name)} ({over}): outside the spread over seeds: {listed}"
+                f"{f'; {rest} other difference(s) within it' if rest else ''}")
+    else:
+        g, d, _ = max(pairs, key=lambda t: abs(t[1]))
+        text = (f"{_cap(name)} ({over}): every difference from the baseline is within the spread over seeds"
+                if unknown < len(pairs) else f"{_cap(name)} ({over}): one run per group, so the spread is unknown")
+        text += f" (largest: {g.variant} {d:+.2f} points at {where(g)})"
+    return text + (f"; {unknown} group(s) with one run: spread unknown" if unknown and outside else "") + "."
+
+
+@dataclass
+class Point:
+    """One bullet of the answer: a bold heading (mode and condition) and its sentences."""
+    heading: str
+    sentences: list[str]
+
+
+def answer(study: Study) -> list[Point]:
+    """The answer as points: each mode of the first condition (e.g. batch 8) explained, the other
+    conditions summarised, accuracy last."""
+    if not study.lines:
+        return []
+    base = study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
+    out = []
+    conditions = study.conditions()
+    for ci, cond in enumerate(conditions):
+        for mode in study.modes():
+            lines = [ln for ln in study.lines if ln.condition == cond and ln.mode == mode
+                     and any(not math.isnan(g.ratio) for g in ln.groups)]
+            if not lines:  # no step times (timing off) or no baseline here: nothing to say
+                continue
+            tokens = next((g.tokens_per_step for ln in lines for g in ln.groups if not math.isnan(g.tokens_per_step)), math.nan)
+            where = " · ".join(p for p in (mode, cond, f"{tokens:,.0f} tokens per step" if not math.isnan(tokens) else "") if p)
+            sentences = [crossover_sentence(ln, base=base) + "." for ln in lines]
+            groups = [g for g in study.groups if g.condition == cond and g.mode == mode]
+            if ci == 0:
+                sentences.append(_cap(host_bound_summary(groups)) + ".")
+                sentences += _explain(study, lines[0])
+            else:
+                shift = _shift(study, lines, first=conditions[0])
+                if shift:
+                    sentences.append(shift)
+            out.append(Point(heading=where, sentences=sentences))
+    acc = accuracy_sentence(study)
+    if acc:
+        out.append(Point(heading="Accuracy", sentences=[acc]))
+    return out
+
+
+def _explain(study: Study, line: Line) -> list[str]:
+    """Why the primary variant is slower at the smallest size and faster at the largest."""
+    gs = [g for g in line.groups if not math.isnan(g.ratio)]
+    parts = []
+    slow = next((g for g in gs if verdict(g) == "slower"), None)
+    fast = next((g for g in reversed(gs) if verdict(g) == "faster"), None)
+    if slow is not None and (b := study.base_of(slow)) is not None:
+        parts.append(why_slower(slow, b))
+    if fast is not None and (b := study.base_of(fast)) is not None:
+        smallest = study.base_of(gs[0]) if gs else None
+        parts.append(why_faster(fast, b, smallest=smallest))
+    return parts
+
+
+def _shift(study: Study, lines: list[Line], *, first: str) -> str:
+    """How the crossovers compare with the first condition's (e.g. more tokens per step move them)."""
+    parts = []
+    for ln in lines:
+        other = next((o for o in study.lines if o.condition == first and o.mode == ln.mode and o.variant == ln.variant), None)
+        if other is None or not crossover(ln.groups):
+            continue
+        was, now = crossover(other.groups), crossover(ln.groups)
+        if was and was != now:
+            parts.append(f"{ln.variant} {was}")
+    return f"At {first} the crossovers were: {'; '.join(parts)}." if parts else ""
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _and(items: list[str]) -> str:
+    items = list(items)
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]

@@ -1,0 +1,91 @@
+"""What a study report says, in reading order, independent of the output format: the title and
+question, a one-line setting, the generated answer, the crossover, then the details (where the
+time goes, kernel profiles, accuracy, the setup, every group). Each renderer walks this list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from lora_bench.report.aggregate import Report
+from lora_bench.report.answer import MIN_SHARE, Point, answer
+from lora_bench.report.empty import why_empty
+from lora_bench.report.study import Study
+from lora_bench.report.tables import (
+    Table,
+    accuracy_table,
+    crossover_table,
+    groups_table,
+    header_facts,
+    profiles_table,
+    why_tables,
+)
+
+RULES_AT = "lora_bench/report/answer.py"
+
+
+@dataclass
+class Section:
+    title: str
+    text: list[str] = field(default_factory=list)  # paragraphs (Markdown-style **bold** allowed)
+    points: list[Point] = field(default_factory=list)  # bullets with a bold heading and sub-bullets
+    tables: list[Table] = field(default_factory=list)
+    figure: str = ""  # key of a figure: 'crossover' or 'phases'
+    figure_first: bool = False  # the figure before the tables (it reads faster than they do)
+    facts: list[tuple[str, str]] = field(default_factory=list)
+    first_screen: bool = False
+    terminal: bool = True  # shown on the terminal too (the long table of every group is for files)
+
+
+@dataclass
+class Document:
+    title: str
+    question: str
+    setting: str  # one line: device, software, dates
+    sections: list[Section]
+
+
+def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Document:
+    """The report's sections; ``figures`` names the figures that exist (they are referenced)."""
+    facts = dict(header_facts(study))
+    setting = " · ".join(v for v in (facts.get("device"), facts.get("software"), facts.get("runs started")) if v)
+    sections = []
+    points = answer(study)
+    if points:
+        sections.append(Section("Answer", points=points, first_screen=True,
+                                text=[(f"On {study.device}, median step time over repeats; a ratio below 1.0 is "
+                                      f"faster than {study.baseline_text}. Generated from the runs by the rules in "
+                                      f"`{RULES_AT}`.")]))
+        sections.append(Section("The crossover", tables=[crossover_table(study)], first_screen=True,
+                                figure="crossover" if "crossover" in figures else ""))
+    else:
+        why = ("the runs hold a single trainable-layer choice, so there is nothing to compare; "
+               "pick a baseline with --baseline key=value" if not study.baseline else
+               "no group has a baseline group of the same size, mode and condition")
+        sections.append(Section("Answer", text=[f"No comparison: {why}."], first_screen=True))
+    sections.append(Section("Where the time goes", tables=why_tables(study, min_share=MIN_SHARE),
+                            figure="phases" if "phases" in figures else "", figure_first=True))
+    prof = profiles_table(study)
+    if prof is not None:
+        sections.append(Section("Kernel profiles", tables=[prof]))
+    acc = accuracy_table(study)
+    if acc is not None:
+        sections.append(Section("Accuracy next to speed", tables=[acc]))
+    else:
+        sections.append(Section("Accuracy next to speed", text=[why_empty(study_runs(study), "test_acc") + "."]))
+    setup = [(k, v) for k, v in header_facts(study) if k not in ("device", "software")]
+    sections.append(Section("Setup", facts=setup, text=study.notes))
+    if rep is not None:
+        sections.append(Section("Every group", tables=[groups_table(rep)], terminal=False))
+    return Document(title=f"Study report: {study.header.title}", question=study.header.question, setting=setting,
+                    sections=sections)
+
+
+def table_document(rep: Report, *, title: str) -> Document:
+    """Only the table of groups (what ``--metrics`` or ``--group-by`` ask for)."""
+    return Document(title=title, question="", setting="", sections=[Section("", tables=[groups_table(rep)], first_screen=True)])
+
+
+def study_runs(study: Study) -> pd.DataFrame:
+    return pd.concat([g.runs for g in study.groups]) if study.groups else pd.DataFrame()

@@ -1,0 +1,195 @@
+"""Report figures with matplotlib's Agg backend (files only: works on headless GPU hosts):
+
+- the crossover: step time relative to the baseline against model size (log axis labelled with
+  the sizes), one line per variant and execution mode, error bars from the repeats, the 1.0 line
+  labelled, one panel per condition (e.g. batch size) when each panel has two sizes or more;
+- the phases: per execution mode, at the smallest and largest size, device and host time of each
+  phase for every variant, side by side (host-bound phases have host bars as long as device bars).
+
+Titles name the device; legends sit outside the data."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from pathlib import Path
+
+from lora_bench.report.study import Group, Study
+
+PHASE_COLOURS = {"data": "#9e9e9e", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+MODE_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+VARIANT_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
+MAX_MODES = 3  # rows of the phase figure
+# data last: a host's data phase holds its wait for the GPU (the next batch's copy queues behind the
+# previous step), so the phases the GPU runs line up on the device and host bars
+BAR_ORDER = ("forward", "backward", "optimizer", "data")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def crossover_figure(study: Study):
+    """The Figure, or None when there is nothing to draw (no baseline, or a single model size)."""
+    lines = [ln for ln in study.lines if sum(not math.isnan(g.ratio) for g in ln.groups) >= 1]
+    if not lines or len(study.sizes) < 2:
+        return None
+    conditions = list(dict.fromkeys(ln.condition for ln in lines))
+    panels = conditions if all(_n_sizes(study, c) >= 2 for c in conditions) else [None]
+    plt = _pyplot()
+    cols = min(len(panels), 2)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.6 * rows + 1.4), sharey=True, squeeze=False)
+    modes = list(dict.fromkeys(ln.mode for ln in study.lines))
+    variants = list(dict.fromkeys(ln.variant for ln in study.lines))
+    handles = {}
+    base = study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
+    for ax, cond in zip(axes.flat, panels):
+        mine = [ln for ln in lines if cond is None or ln.condition == cond]
+        for ln in mine:
+            gs = [g for g in ln.groups if not math.isnan(g.ratio) and not math.isnan(g.params)]
+            colour = MODE_COLOURS[modes.index(ln.mode) % len(MODE_COLOURS)]
+            style, marker = VARIANT_STYLES[variants.index(ln.variant) % len(VARIANT_STYLES)]
+            label = ln.label + (f" · {ln.condition}" if cond is None and ln.condition else "")
+            yerr = [[g.ratio - g.ratio_lo if g.n > 1 else 0 for g in gs], [g.ratio_hi - g.ratio if g.n > 1 else 0 for g in gs]]
+            hollow = cond is None and conditions.index(ln.condition) % 2 == 1  # one panel: conditions by fill
+            h = ax.errorbar([g.params for g in gs], [g.ratio for g in gs], yerr=yerr, color=colour, ls=style,
+                            marker=marker, capsize=3, lw=1.2 if hollow else 1.6, ms=7 if hollow else 6,
+                            mfc="white" if hollow else colour, label=label)
+            handles[label] = h
+        _size_axis(ax, study)
+        ax.axhline(1.0, color="black", lw=0.9, ls="--", zorder=0)
+        ax.annotate(f"1.0 = as fast as {base}", xy=(1.0, 1.0), xycoords=("axes fraction", "data"),
+                    xytext=(-4, 4), textcoords="offset points", ha="right", va="bottom", fontsize=8)
+        tokens = _tokens(study, cond)
+        ax.set_title(" · ".join(p for p in (cond, tokens) if p) or "conditions as in the legend", fontsize=10)
+        ax.set_xlabel("model size (parameters, log scale)")
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"step time / {base}'s\n(median over repeats; bars: range)")
+    fig.suptitle(f"{_on(study)}step time relative to {study.baseline_text} by model size\n"
+                 f"below 1.0: faster than {base}", fontsize=11)
+    ncol = cols if max(len(k) for k in handles) > 45 else cols + 1  # long labels: one column per panel
+    ncol = min(ncol, len(handles))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    legend_in = 0.19 * math.ceil(len(handles) / ncol) + 0.25
+    fig.set_figheight(fig.get_figheight() + legend_in - 1.4 if legend_in > 1.4 else fig.get_figheight())
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
+    return fig
+
+
+def _on(study: Study) -> str:
+    """'NVIDIA H200: ' to open a title; nothing where the runs did not record their device."""
+    return f"{study.device}: " if study.header.gpus or study.header.devices else ""
+
+
+def _n_sizes(study: Study, cond: str) -> int:
+    return len({g.size for ln in study.lines if ln.condition == cond for g in ln.groups if not math.isnan(g.ratio)})
+
+
+def _tokens(study: Study, cond: str | None) -> str:
+    if cond is None:
+        return ""
+    t = {g.tokens_per_step for g in study.groups if g.condition == cond and not math.isnan(g.tokens_per_step)}
+    return f"{int(next(iter(t))):,} tokens per step" if len(t) == 1 else ""
+
+
+def _size_axis(ax, study: Study) -> None:
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ticks = {}
+    for g in study.groups:
+        if not math.isnan(g.params):
+            ticks[g.size] = g.params
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(list(ticks.values())))
+    ax.set_xticklabels(list(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    lo, hi = min(ticks.values()), max(ticks.values())
+    ax.set_xlim(lo / 1.35, hi * 1.35)
+
+
+def phase_figure(study: Study):
+    """Device and host ms per phase for every variant, at the smallest and largest size of up to
+    MAX_MODES execution modes (the first condition); None when no phase was timed."""
+    if not study.groups:
+        return None
+    cond = study.conditions()[0]
+    modes = [m for m in study.modes() if any(g.phases["forward"].device.known for g in study.groups
+                                              if g.mode == m and g.condition == cond)][:MAX_MODES]
+    if not modes:
+        return None
+    sizes = list(dict.fromkeys([study.sizes[0], study.sizes[-1]]))
+    plt = _pyplot()
+    n_var = len({g.variant for g in study.groups})
+    fig, axes = plt.subplots(len(modes), len(sizes), figsize=(6.6 * len(sizes), (0.62 * n_var + 1.5) * len(modes) + 1.2),
+                             squeeze=False)
+    for r, mode in enumerate(modes):
+        for c, size in enumerate(sizes):
+            gs = [g for g in study.groups if g.mode == mode and g.condition == cond and g.size == size]
+            _phase_panel(axes[r][c], gs, title=" · ".join(p for p in (mode, size) if p))
+    two = any(g.two_clocks for g in study.groups if g.mode in modes and g.condition == cond)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLOURS[p]) for p in BAR_ORDER]
+    names = list(BAR_ORDER)
+    if two:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
+        names = [*BAR_ORDER[:-1], "data (on the host: incl. waiting for the GPU)", "hatched: host time"]
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    title = (f"{_on(study)}where a step's time goes{', device vs host' if two else ''}"
+             f"{' (' + cond + ')' if cond else ''}, median ms over repeats")
+    if two:
+        title += "\na host segment as long as its device segment: that phase is host-bound (the GPU waits for Python)"
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
+    names, y = [], 0.0
+    ticks = []
+    for g in groups:
+        for clock in ("device", "host") if g.two_clocks else ("device",):
+            left = 0.0
+            for ph in BAR_ORDER:
+                s = getattr(g.phases[ph], clock)
+                v = 0.0 if not s.known else s.median
+                ax.barh(y, v, left=left, height=0.8, color=PHASE_COLOURS[ph], alpha=1.0 if clock == "device" else 0.55,
+                        hatch="//" if clock == "host" else None, edgecolor="white" if clock == "device" else "black",
+                        linewidth=0.4)
+                left += v
+            ax.text(left, y, f" {left:.1f}", va="center", fontsize=7)
+            ticks.append(y)
+            names.append(f"{g.variant} · {clock}" if g.two_clocks else g.variant)
+            y += 1
+        y += 0.5
+    ax.set_yticks(ticks, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.set_title(title, fontsize=9)
+    ax.margins(x=0.15)
+
+
+def save(fig, path: Path) -> Path:
+    """Write ``fig`` (format by the file's suffix); the figure stays open for another format."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def png_base64(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def close(fig) -> None:
+    _pyplot().close(fig)

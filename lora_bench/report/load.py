@@ -1,0 +1,80 @@
+"""Reading results for a report: every run under the given folders merged by run id, with two
+derived columns — ``run_dir`` (the folder holding the run's own files) and ``mode`` (the human name
+of its execution mode) — and the kernel counts a profiled run wrote."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pandas as pd
+
+from lora_bench.errors import UsageError
+from lora_bench.report.names import mode_name
+from lora_bench.results.store import read_runs, result_rows
+
+RUN_DIR = "run_dir"
+MODE = "mode"
+KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launches and kernel ms per phase
+
+
+def result_dirs(path: Path) -> list[Path]:
+    """The results folders at ``path``: itself (a folder with runs.csv or run folders, or a runs.csv
+    file's folder), else its sub-folders that are results folders."""
+    if path.is_file():
+        return [path.parent]
+    if not path.is_dir():
+        raise UsageError(f"no such results folder: {path}")
+
+    def holds(d: Path) -> bool:
+        return (d / "runs.csv").is_file() or any(d.glob("*/run.json"))
+
+    if holds(path):
+        return [path]
+    return sorted(d for d in path.iterdir() if d.is_dir() and holds(d))
+
+
+def load_results(paths: list[Path]) -> pd.DataFrame:
+    """Every run under ``paths`` (folders, runs.csv files, or a folder of result folders), merged
+    by run id (a done row beats a failed one; otherwise the later start wins), schema dtypes."""
+    merged: dict[str, dict] = {}
+    header: dict[str, None] = {}  # every column the folders' runs.csv files write
+    for path in paths:
+        for d in result_dirs(Path(path)):
+            if (d / "runs.csv").is_file():
+                header.update(dict.fromkeys(pd.read_csv(d / "runs.csv", nrows=0).columns))
+            for row in result_rows(d):
+                old = merged.get(row["run_id"])
+                if old is None or _rank(row) >= _rank(old):
+                    merged[row["run_id"]] = row | {RUN_DIR: str(d / row["run_id"])}
+    if not merged:
+        shown = " ".join(str(p) for p in paths)
+        raise UsageError(f"nothing to report: no results under {shown} "
+                         "(run `lora-bench sweep FILE` or `lora-bench train` first)")
+    rows = pd.DataFrame(list(merged.values()))
+    # a run.json holds only the keys its run set (no test_acc when the final evaluation was skipped);
+    # the columns of runs.csv stay, blank where unset
+    missing = [c for c in header if c not in rows.columns]
+    rows = pd.concat([rows, pd.DataFrame("", index=rows.index, columns=missing)], axis=1)
+    buf = io.StringIO()
+    rows.to_csv(buf, index=False)
+    buf.seek(0)
+    df = read_runs(buf)
+    df[MODE] = [mode_name(r) for r in df.to_dict("records")]
+    return df
+
+
+def _rank(row: dict) -> tuple:
+    return (row.get("status") == "done", row.get("started_at") or "")
+
+
+def kernel_counts(run_dir: str | Path) -> dict[str, tuple[float, float]]:
+    """{phase: (kernel launches per step, kernel device ms per step)} from a profiled run's folder;
+    empty when the run wrote no profile."""
+    path = Path(run_dir) / KERNELS_FILE
+    if not path.is_file():
+        return {}
+    df = pd.read_csv(path)
+    if not {"phase", "launches_per_step", "kernel_ms_per_step"} <= set(df.columns):
+        return {}
+    return {str(r.phase): (float(r.launches_per_step), float(r.kernel_ms_per_step)) for r in df.itertuples()}

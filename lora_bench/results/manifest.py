@@ -1,0 +1,204 @@
+"""Provenance of a results folder: ``manifest.json``, one entry per invocation of the harness that
+wrote into the folder (the command line, the source commit taken at launch, the environment, the
+date, the lora-bench version, and the run ids and files it produced).
+
+An invocation spans processes: the first ``record_invocation`` of a command stores its launch
+record in the ``LORA_BENCH_INVOCATION`` environment variable, so the child processes a sweep
+starts add their run ids to the same entry (or, in another folder, to an entry with the same launch
+record) instead of describing themselves. Entries written afterwards from a folder's own rows say
+so in ``source`` and leave what the rows cannot tell as ``unknown``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shlex
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from lora_bench import __version__
+from lora_bench.fileio import atomic_write_text
+from lora_bench.results.environment import host_environment, source_commit
+from lora_bench.results.store import locked
+
+MANIFEST = "manifest.json"
+INVOCATION_ENV = "LORA_BENCH_INVOCATION"
+RECORDED = "recorded at launch"
+RECONSTRUCTED = "reconstructed from rows"
+UNKNOWN = "unknown"
+
+
+def command_argv(argv: list[str] | None = None) -> list[str]:
+    """``sys.argv`` with the executable normalised: the console script and ``python -m lora_bench``
+    become ``lora-bench``, a module run with ``-m`` becomes ``python -m <module>``, any other
+    script its file name, so that the command reads the same on every machine."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return ["python"]
+    exe = Path(argv[0])
+    if exe.name in ("lora-bench", "__main__.py") and (exe.name == "lora-bench" or exe.parent.name == "lora_bench"):
+        return ["lora-bench", *argv[1:]]
+    module = _module_of(exe)
+    if module:
+        return ["python", "-m", module, *argv[1:]]
+    return [exe.name, *argv[1:]]
+
+
+def _module_of(path: Path) -> str:
+    """The dotted module name of a file of this repository's packages (``benchmarks.modes``), or ''."""
+    if path.suffix != ".py":
+        return ""
+    parts = [path.stem]
+    parent = path.resolve().parent
+    while (parent / "__init__.py").is_file():
+        parts.insert(0, parent.name)
+        parent = parent.parent
+    return ".".join(parts) if len(parts) > 1 else ""
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _launch() -> dict:
+    """This command's launch record: inherited from a parent process that started it, or made now
+    (and exported, so that the processes it starts inherit it)."""
+    argv = command_argv()
+    inherited = os.environ.get(INVOCATION_ENV)
+    if inherited:
+        try:
+            launch = json.loads(inherited)
+        except ValueError:
+            launch = None
+        # a child process joins its parent's invocation; in the same process, a new command line
+        # (a command called again in-process) is a new invocation
+        if isinstance(launch, dict) and (launch.get("pid") != os.getpid() or launch.get("argv") == argv):
+            return launch
+    commit = source_commit()
+    started = _now()
+    launch = {
+        "id": f"{started}/{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
+        "pid": os.getpid(),
+        "argv": argv,
+        "started_at": started,
+        "git_commit": commit.sha or UNKNOWN,
+        "git_dirty": commit.dirty,
+        "commit_source": commit.source,
+    }
+    os.environ[INVOCATION_ENV] = json.dumps(launch)
+    return launch
+
+
+def read_manifest(results_dir: Path) -> dict:
+    """The folder's manifest: ``{"description": str, "invocations": [entry, ...]}`` (empty when none)."""
+    path = Path(results_dir) / MANIFEST
+    if not path.is_file():
+        return {"description": "", "invocations": []}
+    data = json.loads(path.read_text())
+    data.setdefault("description", "")
+    data.setdefault("invocations", [])
+    return data
+
+
+def _write(results_dir: Path, data: dict) -> None:
+    atomic_write_text(Path(results_dir) / MANIFEST, json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def update_manifest(results_dir: Path, change) -> dict:
+    """Read-modify-write the manifest under the folder's lock (sweep shards share folders)."""
+    results_dir = Path(results_dir)
+    with locked(results_dir / MANIFEST):
+        data = read_manifest(results_dir)
+        change(data)
+        _write(results_dir, data)
+    return data
+
+
+def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs: Iterable[str] = ()) -> dict:
+    """Record that the running command writes into ``results_dir``: its entry is added on the first
+    call (command line, commit, environment, date, version) and the run ids and output files (paths
+    relative to the folder) given now and later are added to it. Returns the entry."""
+    launch = _launch()
+    run_ids, outputs = list(run_ids), [str(o) for o in outputs]
+    entry: dict = {}
+
+    def change(data: dict) -> None:
+        nonlocal entry
+        for e in data["invocations"]:
+            if e.get("id") == launch["id"]:
+                entry = e
+                break
+        else:
+            entry = {
+                "id": launch["id"],
+                "source": RECORDED,
+                "command": shlex.join(launch["argv"]),
+                "git_commit": launch["git_commit"],
+                "git_dirty": launch["git_dirty"],
+                "commit_source": launch["commit_source"],
+                "started_at": launch["started_at"],
+                "lora_bench_version": __version__,
+                "environment": host_environment(),
+                "run_ids": [],
+                "outputs": [],
+            }
+            data["invocations"].append(entry)
+        entry["run_ids"] += [r for r in run_ids if r not in entry["run_ids"]]
+        entry["outputs"] += [o for o in outputs if o not in entry["outputs"]]
+
+    update_manifest(results_dir, change)
+    return entry
+
+
+def set_description(results_dir: Path, text: str) -> None:
+    """What the folder holds, in one or two sentences (shown by ``lora-bench results index``)."""
+    update_manifest(results_dir, lambda data: data.update(description=text.strip()))
+
+
+# Row columns that describe where a run ran; a reconstructed entry takes them from the rows.
+ROW_ENVIRONMENT = ("gpu_name", "gpu_driver", "torch_version", "cuda_version", "triton_version",
+                   "python_version", "platform", "cpu", "hostname")
+
+
+def reconstruct_entries(rows: list[dict], *, outputs: Iterable[str] = ()) -> list[dict]:
+    """Manifest entries rebuilt from a folder's own rows, for results written before the harness
+    kept a manifest: one entry per (git_commit, environment, version) group, dated by its earliest
+    run. The command line was not recorded; a blank ``git_commit`` stays ``unknown``. Other files
+    (``outputs``) are listed only in a folder without rows, in one entry that knows nothing else:
+    beside rows, nothing tells which group wrote them."""
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        env = {k: str(row.get(k) or "") for k in ROW_ENVIRONMENT}
+        commit = str(row.get("git_commit") or "")
+        version = str(row.get("lora_bench_version") or "") or UNKNOWN
+        key = (commit, version, tuple(env.items()))
+        g = groups.setdefault(key, {"commit": commit, "version": version, "env": env, "ids": [], "dates": []})
+        g["ids"].append(str(row["run_id"]))
+        if row.get("started_at"):
+            g["dates"].append(str(row["started_at"]))
+    entries = []
+    for g in sorted(groups.values(), key=lambda g: min(g["dates"], default="")):
+        sha = g["commit"].removesuffix("+dirty")
+        entries.append({
+            "id": f"rows/{len(entries)}",
+            "source": RECONSTRUCTED,
+            "command": UNKNOWN,
+            "git_commit": sha or UNKNOWN,
+            "git_dirty": g["commit"].endswith("+dirty") if sha else None,
+            "commit_source": "git_commit column" if sha else UNKNOWN,
+            "started_at": min(g["dates"], default=UNKNOWN),
+            "lora_bench_version": g["version"],
+            "environment": g["env"],
+            "run_ids": g["ids"],
+            "outputs": [],
+        })
+    outputs = [str(o) for o in outputs]
+    if outputs and not entries:  # files without rows (a kernel bench's CSV): nothing tells their origin
+        entries.append({"id": "rows/0", "source": RECONSTRUCTED, "command": UNKNOWN, "git_commit": UNKNOWN,
+                        "git_dirty": None, "commit_source": UNKNOWN, "started_at": UNKNOWN,
+                        "lora_bench_version": UNKNOWN, "environment": {}, "run_ids": [], "outputs": outputs})
+    return entries

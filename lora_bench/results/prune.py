@@ -1,0 +1,89 @@
+"""Superseded sweep runs: when a sweep ran the same settings and repeat more than once (a rerun
+under another run id), the newest finished row is the result and the older ones are superseded.
+``prune_superseded`` moves them, numbers untouched, to ``superseded/`` inside the folder:
+their rows to ``superseded/runs.csv`` with a ``superseded_by`` column naming the row that replaced
+each, their run folders beside it. ``runs.csv`` then holds one row per (sweep, settings, repeat)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from lora_bench.config import TrainConfig
+from lora_bench.results.schema import SETTING_PREFIX, run_column_names
+from lora_bench.results.store import locked, text_value, write_csv
+
+SUPERSEDED = "superseded"
+# Settings that name paths or the device: they may differ between machines for the same run.
+NOT_COMPARED = ("data_file", "weights_dir", "device")
+
+
+def settings_key(row: dict, defaults: dict[str, str]) -> tuple:
+    """A row's settings as comparable text: a ``cfg_`` column the row lacks or leaves empty (a
+    setting added after the row was written) holds the setting's default; numbers compare by value."""
+    out = []
+    for name, default in defaults.items():
+        if name in NOT_COMPARED:
+            continue
+        value = str(row.get(SETTING_PREFIX + name) or default)
+        try:
+            value = repr(float(value))
+        except ValueError:
+            pass
+        out.append((name, value))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Superseded:
+    run_id: str
+    superseded_by: str
+
+
+def find_superseded(rows: list[dict]) -> list[Superseded]:
+    """Finished sweep rows replaced by a newer finished row of the same sweep, repeat and settings
+    (newest by ``started_at``). Rows outside a sweep, and unfinished rows, are left alone."""
+    defaults = {k: text_value(v) for k, v in TrainConfig().to_dict().items()}
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row.get("status") != "done" or not row.get("sweep_name"):
+            continue
+        key = (row["sweep_name"], str(row.get("repeat", "")), settings_key(row, defaults))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda r: (str(r.get("started_at", "")), r["run_id"]))
+        newest = group[-1]["run_id"]
+        out += [Superseded(r["run_id"], newest) for r in group[:-1]]
+    return sorted(out, key=lambda s: s.run_id)
+
+
+def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Superseded]:
+    """Move the superseded rows of ``results_dir/runs.csv`` and their run folders into
+    ``results_dir/superseded/``; returns what was (or, with ``dry_run``, would be) moved."""
+    results_dir = Path(results_dir)
+    csv = results_dir / "runs.csv"
+    if not csv.is_file():
+        return []
+    with locked(csv):
+        rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
+        found = find_superseded(rows)
+        if dry_run or not found:
+            return found
+        by = {s.run_id: s.superseded_by for s in found}
+        keep = [r for r in rows if r["run_id"] not in by]
+        moved = [{**r, "superseded_by": by[r["run_id"]]} for r in rows if r["run_id"] in by]
+        dest = results_dir / SUPERSEDED
+        old = dest / "runs.csv"
+        if old.is_file():
+            earlier = pd.read_csv(old, dtype=str, keep_default_na=False).to_dict("records")
+            moved = [r for r in earlier if r["run_id"] not in by] + moved
+        write_csv(old, moved, run_column_names() + ["superseded_by"])
+        for s in found:
+            if (results_dir / s.run_id).is_dir():
+                shutil.move(str(results_dir / s.run_id), str(dest / s.run_id))
+        write_csv(csv, keep, run_column_names())
+    return found

@@ -1,0 +1,242 @@
+"""How one run of a sweep is isolated: in a child process (``python -m lora_bench.sweep.child
+JOB.json``, the default) or inline, and the signals that stop a sweep without losing or tearing a
+result.
+
+Process mode: the parent claims the run's folder (lora_bench.results.claims) and passes the claim
+to the child, which runs ``execute_run`` and records done / failed / interrupted itself. When the
+child dies without recording (segfault, CUDA fatal error, OOM kill), the parent records the run as
+failed with the exit code or signal and the tail of the child's log. The child runs in its own
+session, so a terminal's Ctrl-C reaches only the parent, which forwards exactly one signal (a
+second one kills the child) and records 'interrupted' if the child could not. The child dies with
+its parent (``die_with_parent``): a sweep killed by SIGKILL leaves no worker behind."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from lora_bench.config import TrainConfig
+from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
+from lora_bench.fileio import atomic_write_text
+from lora_bench.results.claims import RunClaim
+from lora_bench.results.schema import settings_columns
+from lora_bench.results.store import RUN_RECORD, run_record, upsert_run
+from lora_bench.train import run as train_run
+
+ISOLATION = ("process", "inline")
+GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
+CHILD_MODULE = "lora_bench.sweep.child"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+WATCHDOG_S = 1.0
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: TrainConfig
+    run_id: str
+    results_dir: Path
+    extra: dict
+    cache_dir: Path | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.results_dir / self.run_id
+
+
+def signal_name(signum: int | None) -> str:
+    try:
+        return signal.Signals(signum).name
+    except (TypeError, ValueError):
+        return f"signal {signum}"
+
+
+class Interrupts:
+    """SIGINT / SIGTERM / SIGHUP while a sweep runs. The first signal is remembered and forwarded
+    to the running child (process mode) or raised as Interrupted (inline mode, as Ctrl-C would);
+    a second one kills the child at once."""
+
+    def __init__(self, *, inline: bool = False) -> None:
+        self.signum: int | None = None
+        self.child: subprocess.Popen | None = None
+        self.forwarded = False
+        self.inline = inline
+        self._old: dict = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for s in train_run.TERMINATING_SIGNALS:
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.child is not None and self.child.poll() is None:
+            if first:
+                self.forward()
+            else:
+                self.child.kill()
+        elif self.inline and first:
+            raise Interrupted(signum)
+
+    def forward(self) -> None:
+        if self.child is not None and not self.forwarded:
+            self.forwarded = True
+            self.child.send_signal(self.signum)
+
+    @property
+    def stopped(self) -> bool:
+        return self.signum is not None
+
+
+def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim) -> dict:
+    """Run one job whose folder the caller has claimed and return its recorded row (status done,
+    failed or interrupted). Never raises for a failed run: the failure is in the row."""
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    # a stale run.json from an earlier attempt must not be mistaken for this attempt's record
+    (job.run_dir / RUN_RECORD).unlink(missing_ok=True)
+    log = job.run_dir / "worker.log"
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    if isolation == "inline":
+        rc = _run_inline(job, log, interrupts, claim)
+    else:
+        rc = _run_process(job, log, interrupts, claim)
+    row = run_record(job.run_dir)
+    if row is None or row.get("status") not in ("done", "failed", "interrupted"):
+        # the run never reached its own bookkeeping: record it here
+        status = "interrupted" if interrupts.stopped else "failed"
+        row = {**_base_row(job), "started_at": started, "status": status, "error": _exit_text(rc, log)}
+        _rewrite_record(job.run_dir / RUN_RECORD, row)
+    elif interrupts.stopped and row["status"] != "done":
+        # an exception raised while the signal unwound the run is the interruption, not a bug
+        error = str(row.get("error") or "")
+        cause = "" if error.startswith("interrupted by") else f" ({error})"
+        row = {**row, "status": "interrupted", "error": f"interrupted by {signal_name(interrupts.signum)}{cause}"}
+        _rewrite_record(job.run_dir / RUN_RECORD, row)
+    # idempotent; also repairs runs.csv when the child died between run.json and runs.csv
+    upsert_run(job.results_dir / "runs.csv", row)
+    return row
+
+
+def _run_inline(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) -> int:
+    with open(log, "w") as f:
+        console = Console(file=f, width=120, force_terminal=False)
+        try:
+            train_run.execute_run(job.cfg, results_dir=job.results_dir, run_id=job.run_id, console=console, progress=False,
+                        cache_dir=job.cache_dir, extra=job.extra, overwrite=True, claim=claim, handle_signals=False)
+            return 0
+        except KeyboardInterrupt as e:
+            interrupts.signum = interrupts.signum or getattr(e, "signum", signal.SIGINT)
+            return EXIT_INTERRUPTED
+        except Exception:  # recorded by execute_run; the traceback goes to the run's log
+            traceback.print_exc(file=f)
+            return 1
+
+
+def _run_process(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) -> int:
+    spec = job.run_dir / "job.json"
+    atomic_write_text(spec, json.dumps({"config": job.cfg.to_dict(), "run_id": job.run_id,
+                                        "results_dir": str(job.results_dir), "extra": job.extra,
+                                        "cache_dir": str(job.cache_dir) if job.cache_dir else None,
+                                        "claim_fd": claim.fd, "parent_pid": os.getpid()}, indent=1))
+    with open(log, "w") as f:
+        # own session: Ctrl-C in a terminal goes to the parent only, which forwards it once;
+        # the claim's descriptor goes along, so the child holds the run's folder too
+        proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(spec)], stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                pass_fds=(claim.fd,))
+        interrupts.child = proc
+        try:
+            return _wait(proc, interrupts)
+        finally:
+            interrupts.child = None
+
+
+def _wait(proc: subprocess.Popen, interrupts: Interrupts) -> int:
+    stop_seen = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if interrupts.stopped:
+                interrupts.forward()  # the signal may have come between Popen and registering the child
+                stop_seen = stop_seen or time.monotonic()
+                if time.monotonic() - stop_seen > GRACE_S:
+                    proc.kill()
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
+    """In a child process: get ``signum`` when the parent process dies, so that a sweep killed
+    outright (SIGKILL, OOM killer) leaves no worker running on. Linux delivers it through
+    prctl(PR_SET_PDEATHSIG); a watchdog thread that polls the parent's pid covers other systems
+    and the case where the thread that started the child ends before the parent."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog alone
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signum)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_S)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _rewrite_record(path: Path, row: dict) -> None:
+    """Replace the row in run.json, keeping the log and curves the run wrote."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {"log": []}
+    atomic_write_text(path, json.dumps({**record, "row": row}, indent=1, default=str))
+
+
+def _base_row(job: Job) -> dict:
+    cfg = job.cfg
+    return {"run_id": job.run_id, "model_size": cfg.model_size, "weights": cfg.weights,
+            "trainable_layers": cfg.trainable_layers, "lora_rank": cfg.lora_rank if cfg.is_lora else None,
+            "lora_alpha": cfg.lora_alpha if cfg.is_lora else None, "warmup_steps": cfg.warmup_steps,
+            **settings_columns(cfg), **job.extra}
+
+
+def _exit_text(rc: int, log: Path) -> str:
+    if rc < 0:
+        what = f"worker killed by {signal_name(-rc)} (exit code {rc})"
+        if -rc == signal.SIGKILL:
+            what += "; killed from outside, often the out-of-memory killer"
+    else:
+        what = f"worker exited with code {rc} before recording the run"
+    tail = [line.strip() for line in _tail(log) if line.strip()]
+    return (what + (": " + " | ".join(tail[-4:]) if tail else ""))[:2000]
+
+
+def _tail(path: Path, size: int = 4000) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
