@@ -12,8 +12,8 @@ from rich.markup import escape
 
 from lora_bench import __version__
 from lora_bench.cli import bench, data, report, show, sweep, train
-from lora_bench.cli.results import results_app
 from lora_bench.cli.options import CONTEXT, console, err_console
+from lora_bench.cli.results import results_app
 from lora_bench.errors import LoraBenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", context_settings=CONTEXT,

@@ -64,9 +64,11 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _launch() -> dict:
-    """This command's launch record: inherited from a parent process that started it, or made now
-    (and exported, so that the processes it starts inherit it)."""
+def start_invocation() -> dict:
+    """This command's launch record (command line, source commit, start time): inherited from a
+    parent process that started it, or made now and exported, so that the processes it starts
+    inherit it. Writes nothing: a command that may stop before its first run (a usage error) calls
+    this at launch, and its runs record the invocation where they write."""
     argv = command_argv()
     inherited = os.environ.get(INVOCATION_ENV)
     if inherited:
@@ -122,7 +124,7 @@ def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs
     """Record that the running command writes into ``results_dir``: its entry is added on the first
     call (command line, commit, environment, date, version) and the run ids and output files (paths
     relative to the folder) given now and later are added to it. Returns the entry."""
-    launch = _launch()
+    launch = start_invocation()
     run_ids, outputs = list(run_ids), [str(o) for o in outputs]
     entry: dict = {}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from lora_bench.results.manifest import record_invocation
+from lora_bench.results.manifest import start_invocation
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
@@ -63,7 +63,7 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
     if dry_run:
         print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
         return 0
-    record_invocation(results_dir)
+    start_invocation()  # its runs, also in child processes, record this command line and commit
     result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
                        shard=selected, progress=progress, cache_dir=cache_dir)
     print_summary(sw, result, results_dir=results_dir, console=console)
