@@ -6,13 +6,20 @@ layer on a fast GPU is host-bound, and the Python Function costs tens of microse
 apply/ctx work each way (docs/kernel-design.md).
 
 Built on first use with ``torch.utils.cpp_extension.load`` (ninja; host C++ only, so one build
-serves CPU and CUDA tensors) into torch's extension cache, or into ``$LORA_BENCH_EXT_DIR`` when
-set; later processes load the cached build. A failed build (no C++ compiler, no ninja) warns once
-and ``module()`` returns None: callers fall back to the Python Function.
+serves CPU and CUDA tensors) into ``$LORA_BENCH_EXT_DIR`` when set, else into lora-bench's cache
+(``$LORA_BENCH_CACHE`` or ``~/.cache/lora-bench``) under ``extensions/torch-<version>``; later
+processes load the cached build. A failed build (no C++ compiler, no ninja) warns once and
+``module()`` returns None: callers fall back to the Python Function.
+
+torch guards a build with a ``lock`` file that a killed build leaves behind, and every later
+process then waits on it forever. A build here also holds an advisory lock (``flock``) that the
+operating system releases when its process dies; whoever holds it knows that a ``lock`` file
+left in the folder belongs to no live lora-bench build and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -26,12 +33,45 @@ SOURCE = Path(__file__).with_name("lora_op.cpp")
 GRAD_FN_NAME = "torch::autograd::CppNode<lora_bench::LoRALinearCpp>"  # y.grad_fn.name() of its outputs
 
 
-def _build_dir() -> str | None:
+TORCH_LOCK = "lock"  # torch.utils.file_baton's file in the build folder
+OUR_LOCK = ".lora-bench-build.lock"
+
+
+def build_dir() -> Path:
+    """Where the op is built: ``$LORA_BENCH_EXT_DIR``, else the cache's folder for this torch."""
     path = os.environ.get("LORA_BENCH_EXT_DIR")
-    if not path:
-        return None  # torch's cache: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/...
-    os.makedirs(path, exist_ok=True)
-    return path
+    if path:
+        return Path(path)
+    cache = os.environ.get("LORA_BENCH_CACHE")
+    root = Path(cache) if cache else Path.home() / ".cache" / "lora-bench"
+    version = torch.__version__.replace("+", "-")
+    return root / "extensions" / f"torch-{version}" / NAME
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Hold an exclusive ``flock`` on the build folder; inside it, remove torch's stale ``lock``.
+
+    A second process waits here while the first builds, then loads the first one's build. Where
+    ``fcntl`` is missing (Windows) nothing is locked and torch's own lock file is left alone.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield
+        return
+    with open(folder / OUR_LOCK, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            stale = folder / TORCH_LOCK
+            if stale.exists():
+                warnings.warn(f"lora-kernel: removing {stale}, left by a build that did not finish",
+                              RuntimeWarning, stacklevel=3)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def compile_op():
@@ -46,9 +86,11 @@ def compile_op():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
         except ImportError:
             pass
+    folder = build_dir()
     try:
-        return cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=["-O3"],
-                                  build_directory=_build_dir(), verbose=False)
+        with build_lock(folder):
+            return cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=["-O3"],
+                                      build_directory=str(folder), verbose=False)
     finally:
         os.environ["PATH"] = path
 
@@ -98,5 +140,5 @@ def lora_linear_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return mod.lora_linear(x, weight, bias, A, B, float(scale))
 
 
-__all__ = ["GRAD_FN_NAME", "NAME", "SOURCE", "build_error", "compile_op", "cpp_available", "forget_build",
+__all__ = ["GRAD_FN_NAME", "NAME", "SOURCE", "build_dir", "build_error", "build_lock", "compile_op", "cpp_available", "forget_build",
            "lora_linear_cpp", "module"]
