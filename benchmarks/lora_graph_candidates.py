@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from lora_bench.bench.kernel_bench import Shape, resolve_shapes  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
+from lora_bench.results.manifest import record_invocation  # noqa: E402
 from lora_bench.results.metrics import median_p10_p90  # noqa: E402
 
 ALPHA = 2.0  # the layer's s (kernel-bench's value)
@@ -122,7 +123,8 @@ def project_layer() -> tuple[Callable, Callable]:
     ``graph_plan`` context manager: inside it calls choose the plan a CUDA-graph capture uses, so
     warm-ups compile and launch what the capture records). The only place this script names the
     project's layer module."""
-    from lora_bench.kernels.autograd import graph_plan, lora_linear
+    from lora_bench.kernels.autograd import lora_linear
+    from lora_bench.kernels.policy import graph_plan
 
     return lora_linear, graph_plan
 
@@ -958,7 +960,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(rows: list[dict], kernel_log: list[str]) -> None:
         write_csv(rows, args.out)
-        atomic_write_text(Path(str(args.out) + ".kernels.txt"), "\n".join(kernel_log) + "\n")
+        kernels = Path(str(args.out) + ".kernels.txt")
+        atomic_write_text(kernels, "\n".join(kernel_log) + "\n")
+        # the folder's manifest.json: this command line, the source commit, the environment
+        record_invocation(args.out.parent, outputs=[args.out.name, kernels.name])
 
     if args.cpu_check:
         rows = run_cpu_check(shapes, dtypes, names)

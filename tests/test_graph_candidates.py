@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -213,7 +214,7 @@ def test_minus_is_a_multiset_difference():
 
 
 def test_ratio_to_frozen_is_the_median_of_per_round_ratios():
-    # the clock halves in round 2: per-round ratios 1.5, 1.5, 0.5 -> 1.5; the ratio of overall medians would be 1.0
+    # the clock halves in the second round: per-round ratios 1.5, 1.5, 0.5 -> 1.5; the ratio of overall medians would be 1.0
     ms = {"frozen": [[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]], "cand": [[1.5, 1.5], [3.0, 3.0], [2.0, 2.0]]}
     stats = lgc.summarize(ms, "frozen")
     assert stats["cand"]["x"] == pytest.approx(1.5)
@@ -353,3 +354,7 @@ def test_gpu_checks_and_graph_counts(tmp_path):
                 assert int(r["kernels_fwd"]) >= int(frozen["kernels_fwd"]), r
                 assert int(r["kernels_fwd"]) + int(r["kernels_bwd"]) > 2 or r["candidate"] == "frozen", r
     assert Path(str(out) + ".kernels.txt").read_text().count(" fwd: ") == len(rows)
+    # the folder's manifest names this command and both files it wrote
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    entry = manifest["invocations"][-1]
+    assert "--count-only" in entry["command"] and {"g.csv", "g.csv.kernels.txt"} <= set(entry["outputs"])

@@ -35,7 +35,7 @@ HF_REPOS = {
 }
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-# Saved by transformers (v5: every key under "transformer."; the Hub's files: no prefix).
+# Saved by transformers (5.x: every key under "transformer."; the Hub's files: no prefix).
 PREFIX = "transformer."
 # Not weights of the GPT-2 body: the tied LM head (the book model copies wte into its head, and the
 # classifier replaces the head anyway) and the causal-mask buffers older transformers saved.

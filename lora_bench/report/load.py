@@ -11,7 +11,7 @@ import pandas as pd
 
 from lora_bench.errors import UsageError
 from lora_bench.report.names import mode_name
-from lora_bench.results.store import read_runs, result_rows
+from lora_bench.results.store import read_run_table, read_runs, result_rows
 
 RUN_DIR = "run_dir"
 MODE = "mode"
@@ -41,8 +41,8 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     header: dict[str, None] = {}  # every column the folders' runs.csv files write
     for path in paths:
         for d in result_dirs(Path(path)):
-            if (d / "runs.csv").is_file():
-                header.update(dict.fromkeys(pd.read_csv(d / "runs.csv", nrows=0).columns))
+            if (d / "runs.csv").is_file():  # an unreadable runs.csv is one clear error
+                header.update(dict.fromkeys(read_run_table(d / "runs.csv").header))
             for row in result_rows(d):
                 old = merged.get(row["run_id"])
                 if old is None or _rank(row) >= _rank(old):
