@@ -19,6 +19,8 @@ from lora_bench.classifier.book import load_base_model
 from lora_bench.config import HF_TRAINABLE_LAYERS, TRAINABLE_LAYERS, TrainConfig, render
 from lora_bench.errors import ConfigError
 from lora_bench.model.gpt2 import MODEL_SIZES, GPTConfig, build_random_model, gpt_config
+from lora_bench.report.load import load_results
+from lora_bench.report.study import build_study
 from lora_bench.results.metrics import flops_per_step
 from lora_bench.results.schema import run_column_names
 from lora_bench.results.store import read_runs, write_csv
@@ -204,7 +206,8 @@ def test_report_divides_each_row_by_the_peft_row_of_its_size_and_mode(run_cli, t
         rows.append({"run_id": f"r{i}", "status": "done", "sweep_label": label, "step_ms_median": ms,
                      "cfg_model_size": size, "cfg_implementation": impl, "cfg_trainable_layers": layers,
                      "cfg_cuda_graphs": graphs, "cfg_compile": label == "best" and impl == "hf",
-                     "cfg_precision": "bf16" if label == "best" else "fp32"})
+                     "cfg_precision": "bf16" if label == "best" else "fp32",
+                     "transformers_version": "5.17.0" if impl == "hf" else ""})
     write_csv(tmp_path / "runs.csv", rows, run_column_names())
     code, out = run_cli("report", tmp_path, "--group-by", "sweep_label,model_size,implementation,trainable_layers",
                         "--baseline", "implementation=hf,trainable_layers=lora", "--metrics", "step_ms_median",
@@ -217,3 +220,4 @@ def test_report_divides_each_row_by_the_peft_row_of_its_size_and_mode(run_cli, t
     assert ratio[("eager", "124M", "hf", "lora")] == pytest.approx(1.0)
     assert ratio[("best", "124M", "book", "lora-kernel")] == pytest.approx(4 / 19, rel=1e-5)
     assert ratio[("eager", "1558M", "book", "lora")] == pytest.approx(220 / 200, rel=1e-5)
+    assert build_study(load_results([tmp_path])).header.versions["transformers"] == "5.17.0"
