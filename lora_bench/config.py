@@ -28,6 +28,8 @@ from lora_bench.safe_yaml import parse_scalar, short_repr
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
 MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)
 WEIGHTS = ("pretrained", "random")
+WEIGHTS_SOURCES = ("openai", "hf")
+IMPLEMENTATIONS = ("book", "hf")
 TRAINABLE_LAYERS = ("last_layer", "last_block", "last_two_blocks", "all", "lora", "lora-merged", "lora-kernel")
 LORA_LAYERS = ("lora", "lora-merged", "lora-kernel")
 TOKEN_POSITIONS = ("last", "first", "flexible")
@@ -40,6 +42,9 @@ ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
 OPTIMIZERS = ("book", "fused")
 COMPILE_SCOPES = ("model", "blocks")
+# What the Hugging Face implementation (transformers' GPT-2, PEFT's LoRA) can run: the trainable-layer
+# choices it maps (PEFT trains unmerged adapters with its own layers: no merged or fused-kernel peer).
+HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
 
 # Help panels of ``lora-bench train --help``, in the order they are shown.
 MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT = (
@@ -85,8 +90,15 @@ class TrainConfig:
                              MODEL, minimum=1)
     weights: str = _s("pretrained", "pretrained: the OpenAI checkpoint; random: the reference's random "
                       "initialisation.", MODEL, choices=WEIGHTS)
-    weights_dir: str | None = _s(None, "Local folder with the OpenAI TF checkpoint files (skips the download).",
-                                 MODEL, path=True)
+    weights_source: str = _s("openai", "Where pretrained weights come from: openai, the OpenAI TensorFlow "
+                             "checkpoint; hf, the Hugging Face safetensors (openai-community/gpt2*, through the Hub's "
+                             "cache).", MODEL, choices=WEIGHTS_SOURCES)
+    weights_dir: str | None = _s(None, "Local folder with the checkpoint files, which skips the download: the "
+                                 "OpenAI TF files (checkpoint, hparams.json, model.ckpt.*), or model.safetensors "
+                                 "with weights_source=hf.", MODEL, path=True)
+    implementation: str = _s("book", "The model's code: book, the reference's GPT-2; hf, transformers' GPT-2 "
+                             "(GPT2ForSequenceClassification) with PEFT for LoRA, trained by the same loop (needs "
+                             'pip install "lora-bench[peers]").', MODEL, choices=IMPLEMENTATIONS)
     # what is trained and how
     trainable_layers: str = _s("last_block", "Which parameters train: a slice of the model, all of it, or "
                                "LoRA adapters (lora: the reference's layer; lora-merged: one merged weight; "
@@ -323,6 +335,8 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
                                                  "exclude each other"))
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
+    if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":
+        out.append(problem("weights_source", "{weights_source} is only used with {weights}=pretrained"))
     if ok("max_steps", "warmup_steps", "timing") and v["max_steps"] is not None and v["timing"] != "off" \
             and v["max_steps"] <= v["warmup_steps"]:
         out.append(problem("max_steps", "{max_steps}={m} with {warmup_steps}={w}: no step would be measured "
@@ -330,6 +344,27 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
                            m=raw(v["max_steps"]), w=raw(v["warmup_steps"])))
     if ok("cuda_graphs") and v["cuda_graphs"]:
         out += _cuda_graph_problems(v, ok)
+    if ok("implementation") and v["implementation"] == "hf":
+        out += hf_problems(v, ok)
+    return out
+
+
+def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
+    """What has no peer in the Hugging Face implementation, each with its reason."""
+    out = []
+    if ok("trainable_layers") and v["trainable_layers"] not in HF_TRAINABLE_LAYERS:
+        out.append(problem("trainable_layers", "{trainable_layers}={t} has no Hugging Face peer (PEFT trains "
+                                               "unmerged adapters with its own layers); with {implementation}=hf "
+                                               "choose one of: {allowed}", t=v["trainable_layers"],
+                           allowed=raw(", ".join(HF_TRAINABLE_LAYERS))))
+    if ok("disable_causal_mask") and v["disable_causal_mask"]:
+        out.append(problem("disable_causal_mask", "{disable_causal_mask} has no Hugging Face peer: transformers' "
+                                                  "GPT-2 always applies the causal mask; use {implementation}=book"))
+    if ok("cuda_graphs") and v["cuda_graphs"]:
+        out.append(problem("cuda_graphs", "{cuda_graphs} with {implementation}=hf is refused: transformers' GPT-2 "
+                                          "captured and replayed as CUDA graphs does not compute what it computes "
+                                          "eagerly (the losses differ); use torch.compile ({compile}) for its "
+                                          "fastest mode"))
     return out
 
 

@@ -13,6 +13,7 @@ from lora_bench.errors import UsageError
 from lora_bench.lora import inject_lora, lora_class
 from lora_bench.model import checkpoints as weights
 from lora_bench.model.gpt2 import GPTConfig, GPTModel, build_random_model, gpt_config, resolve_model_size
+from lora_bench.model.hf_checkpoint import load_gpt_from_hf
 
 NUM_CLASSES = 2
 
@@ -58,12 +59,16 @@ def _random_base(mcfg: GPTConfig, seed: int) -> GPTModel:
 
 
 def load_base_model(cfg: TrainConfig, mcfg: GPTConfig, *, cache_dir: Path, progress: bool = True) -> GPTModel:
+    """The base GPT-2: the seeded random model, or the pretrained weights from the OpenAI checkpoint
+    (``cache_dir``, or ``weights_dir``) or the Hugging Face safetensors (``weights_source=hf``)."""
     if cfg.weights == "random":
         return _random_base(mcfg, cfg.seed)
 
     size = resolve_model_size(cfg.model_size)
     if size == "tiny":
         raise UsageError("model_size=tiny has no pretrained checkpoint; use --weights random")
+    if cfg.weights_source == "hf":  # the Hugging Face safetensors, from the Hub's cache (not cache_dir)
+        return load_gpt_from_hf(mcfg, model_size=size, weights_dir=cfg.weights_dir, progress=progress)
     folder = Path(cfg.weights_dir) if cfg.weights_dir else weights.ensure_checkpoint(
         size, cache_dir=cache_dir, progress=progress)
     model = GPTModel(mcfg)

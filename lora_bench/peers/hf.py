@@ -40,14 +40,13 @@ import torch
 import torch.nn as nn
 
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
+from lora_bench.config import HF_TRAINABLE_LAYERS, TrainConfig, hf_problems, render
 from lora_bench.data.tokenizer import PAD_TOKEN_ID
 from lora_bench.errors import ConfigError
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
 from lora_bench.optional import require
 
-HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
-WEIGHTS_SOURCES = ("openai", "hf")
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: attention and MLP)
@@ -56,26 +55,10 @@ PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
 ADAPTER = "default"  # PEFT's adapter name
 
 
-def unsupported_settings(cfg) -> list[str]:
-    """What in ``cfg`` (a TrainConfig, or any object with its attribute names) has no transformers/PEFT
-    peer, one message per setting; empty when everything maps."""
-    p: list[str] = []
-    if cfg.trainable_layers not in HF_TRAINABLE_LAYERS:
-        p.append(f"trainable_layers={cfg.trainable_layers!r} has no Hugging Face peer (PEFT trains unmerged "
-                 "adapters with its own layers); with implementation=hf choose one of: "
-                 + ", ".join(HF_TRAINABLE_LAYERS))
-    if cfg.disable_causal_mask:
-        p.append("disable_causal_mask has no Hugging Face peer: transformers' GPT-2 always applies the causal "
-                 "mask; use implementation=book")
-    if cfg.attention not in ATTN_IMPLEMENTATIONS:
-        p.append(f"attention={cfg.attention!r} has no Hugging Face peer; choose one of: "
-                 + ", ".join(ATTN_IMPLEMENTATIONS))
-    if cfg.ops not in ACTIVATIONS:
-        p.append(f"ops={cfg.ops!r} has no Hugging Face peer; choose one of: " + ", ".join(ACTIVATIONS))
-    source = getattr(cfg, "weights_source", "openai")
-    if source not in WEIGHTS_SOURCES:
-        p.append(f"weights_source={source!r} is not allowed; choose one of: " + ", ".join(WEIGHTS_SOURCES))
-    return p
+def unsupported_settings(cfg: TrainConfig) -> list[str]:
+    """What in ``cfg`` has no transformers/PEFT peer, one message per setting (the rules are
+    ``config.hf_problems``'s); empty when everything maps."""
+    return render(hf_problems(cfg.to_dict()))
 
 
 def gpt2_config(mcfg: GPTConfig, *, attn_implementation: str = "sdpa", activation: str = "gelu_new"):
@@ -189,7 +172,7 @@ class HFClassifier(nn.Module):
 def base_state(cfg, mcfg: GPTConfig, *, cache_dir, progress: bool = True) -> dict[str, torch.Tensor]:
     """The body's weights in GPT2Model's layout: the book's seeded random model or OpenAI checkpoint
     (converted from the book model), or the Hugging Face safetensors (read as they are)."""
-    if cfg.weights == "pretrained" and getattr(cfg, "weights_source", "openai") == "hf":
+    if cfg.weights == "pretrained" and cfg.weights_source == "hf":
         folder = ensure_hf_checkpoint(resolve_model_size(cfg.model_size), weights_dir=cfg.weights_dir,
                                       progress=progress)
         return read_hf_state(folder)

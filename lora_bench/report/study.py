@@ -405,7 +405,8 @@ def _attach_profiles(study: Study, profiled: pd.DataFrame) -> list[Profile]:
 
 # -- header --------------------------------------------------------------------------------------
 ENV = (("torch", "torch_version"), ("CUDA", "cuda_version"), ("driver", "gpu_driver"), ("cuDNN", "cudnn_version"),
-       ("Triton", "triton_version"), ("Python", "python_version"), ("TF32 matmul", "tf32_matmul"))
+       ("Triton", "triton_version"), ("Python", "python_version"), ("TF32 matmul", "tf32_matmul"),
+       ("transformers", "transformers_version"), ("PEFT", "peft_version"))
 
 
 def _values(df: pd.DataFrame, col: str) -> list[str]:

@@ -28,10 +28,14 @@ def peak_tflops(gpu_name: str, precision: str) -> float | None:
 
 
 def flops_per_step(mcfg: GPTConfig, *, trainable_layers: str, tokens: float, rank: int = 0,
-                   n_classes: int = 2) -> float:
+                   n_classes: int = 2, implementation: str = "book") -> float:
     """Analytic matmul FLOPs of one step: forward 2·P·T; backward input gradients 2·P·T for the
     blocks at and above the lowest trainable block, plus weight gradients 2·P_w·T for trainable
-    matrices; LoRA adds its rank-r products (forward, input- and adapter-gradient)."""
+    matrices; LoRA adds its rank-r products (forward, input- and adapter-gradient).
+
+    LoRA's adapters per block: the book's 6 linears, (in + out)·r each, 18·e·r, and the head's
+    (e + classes)·r; PEFT's (``implementation="hf"``) 4 Conv1D layers, one adapter on the fused
+    query/key/value (e + 3e)·r, 16·e·r, and a fully trained head instead of an adapted one."""
     L, e = mcfg.n_layers, mcfg.emb_dim
     per_block = matmul_params(mcfg) / max(L, 1)
     P = matmul_params(mcfg)
@@ -40,7 +44,10 @@ def flops_per_step(mcfg: GPTConfig, *, trainable_layers: str, tokens: float, ran
     if trainable_layers == "all":
         return fwd + 4 * (P + head) * tokens
     if trainable_layers in ("lora", "lora-merged", "lora-kernel"):
-        # every linear gets (in + out)·r adapter params: forward 2·(in+out)·r, backward 4·(in+out)·r
+        # every adapted linear gets (in + out)·r adapter params: forward 2·(in+out)·r, backward 4·(in+out)·r
+        if implementation == "hf":  # c_attn (e -> 3e), attention c_proj, c_fc, MLP c_proj; the head trains
+            adapter = L * ((e + 3 * e) + (e + e) + (e + 4 * e) + (4 * e + e)) * rank
+            return fwd + 2 * P * tokens + 4 * head * tokens + 6 * adapter * tokens
         adapter = L * (4 * (e + e) + (e + 4 * e) + (4 * e + e)) * rank + (e + n_classes) * rank
         return fwd + 2 * P * tokens + 2 * head * tokens + 6 * adapter * tokens
     blocks = {"last_layer": 0, "last_block": 1, "last_two_blocks": 2}.get(trainable_layers, 0)

@@ -83,6 +83,10 @@ ENV_COLUMNS: list[Column] = [
         ("git_commit", "lora-bench git commit (+dirty)"), ("lora_bench_version", "package version"),
         ("tf32_matmul", "torch.backends.cuda.matmul.allow_tf32"), ("tf32_cudnn", "torch.backends.cudnn.allow_tf32"),
         ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
+        ("transformers_version", "transformers version (runs with implementation=hf or weights_source=hf)"),
+        ("peft_version", "PEFT version (the same runs)"),
+        ("safetensors_version", "safetensors version (the same runs)"),
+        ("huggingface_hub_version", "huggingface_hub version (the same runs)"),
     ]
 ]
 SETTING_PREFIX = "cfg_"  # every setting is a column cfg_<name>

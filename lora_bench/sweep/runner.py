@@ -22,7 +22,7 @@ from lora_bench.results.store import check_results_dir, result_rows, run_record
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
-from lora_bench.train.preflight import device_problems
+from lora_bench.train.preflight import device_problems, require_packages
 
 
 @dataclass
@@ -123,6 +123,10 @@ def _preflight(runs: list[PlannedRun], console) -> None:
     problems = sorted({p for cfg in machines.values() for p in render(device_problems(cfg))})
     if problems:
         raise UsageError("; ".join(problems))
+    needs = {(r.cfg.implementation, r.cfg.is_lora, r.cfg.weights, r.cfg.weights_source, bool(r.cfg.weights_dir)): r.cfg
+             for r in runs}
+    for cfg in needs.values():  # a missing optional package stops the sweep before its first row
+        require_packages(cfg)
     for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
         if not Path(path).is_file():
             console.print(f"[yellow]warning:[/yellow] data_file {path} does not exist; runs using it will fail",

@@ -1,5 +1,6 @@
 """What only this machine can tell about a run's settings: whether its device exists (and is a
-CUDA device where CUDA graphs need one), whether its data file and checkpoint folder are there.
+CUDA device where CUDA graphs need one), whether its data file and checkpoint folder are there, and
+whether the optional packages the settings need (transformers, PEFT, …) can be imported.
 ``train`` and ``sweep`` ask before the first run starts, so that a mistake leaves no failed row
 behind. The rules between settings themselves are ``lora_bench.config``'s."""
 
@@ -12,6 +13,7 @@ import torch
 
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.errors import UsageError
+from lora_bench.optional import require
 
 
 def device_problems(cfg: TrainConfig) -> list[Problem]:
@@ -40,15 +42,31 @@ def input_problems(cfg: TrainConfig) -> list[Problem]:
         elif not path.is_file():
             out.append(problem("data_file", "{data_file} {p}: no such file", p=str(path)))
     if cfg.weights_dir and not Path(cfg.weights_dir).is_dir():
-        out.append(problem("weights_dir", "{weights_dir} {p}: no such folder (it should hold the OpenAI GPT-2 "
-                                          "checkpoint files: checkpoint, hparams.json, model.ckpt.*)",
-                           p=cfg.weights_dir))
+        what = ("the Hugging Face GPT-2 checkpoint: model.safetensors" if cfg.weights_source == "hf" else
+                "the OpenAI GPT-2 checkpoint files: checkpoint, hparams.json, model.ckpt.*")
+        out.append(problem("weights_dir", "{weights_dir} {p}: no such folder (it should hold {what})",
+                           p=cfg.weights_dir, what=raw(what)))
     return out
 
 
+def require_packages(cfg: TrainConfig) -> None:
+    """Import the optional packages the settings need, or stop (UsageError) with the command that
+    installs them. The book implementation with the OpenAI weights needs none, and imports none."""
+    if cfg.implementation == "hf":
+        require("transformers", purpose="implementation=hf")
+        if cfg.is_lora:
+            require("peft", purpose=f"trainable_layers={cfg.trainable_layers} with implementation=hf")
+    if cfg.weights == "pretrained" and cfg.weights_source == "hf":
+        require("safetensors", purpose="weights_source=hf")
+        if not cfg.weights_dir:
+            require("huggingface_hub", purpose="weights_source=hf without weights_dir (the download)")
+
+
 def check_machine(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:
-    """UsageError listing every machine problem of a run's settings (named by ``name_of``)."""
+    """UsageError listing every machine problem of a run's settings (named by ``name_of``), or
+    naming the optional package they need that is missing."""
     problems = render(device_problems(cfg) + input_problems(cfg), name_of)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else
                          f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    require_packages(cfg)

@@ -26,6 +26,7 @@ from lora_bench.fileio import atomic_write_text, check_writable_dir
 from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
+from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, package_versions
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
@@ -37,6 +38,7 @@ from lora_bench.timing import PhaseTimer
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedEval, GraphedStep
 from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier
+from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -68,6 +70,8 @@ def settings_hash(cfg: TrainConfig) -> str:
 def make_run_id(cfg: TrainConfig, *, repeat: int | None = None) -> str:
     """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs."""
     slug = f"{cfg.model_size}-{cfg.trainable_layers}".replace(" ", "").replace("(", "").replace(")", "")
+    if cfg.implementation != "book":
+        slug += f"-{cfg.implementation}"
     base = f"{slug}-{settings_hash(cfg)}"
     if repeat is not None:
         return f"{base}-r{repeat}"
@@ -115,11 +119,16 @@ class RunContext:
         mcfg = model_config(cfg)
         raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
         splits = cached_splits(raw, cache_dir)
-        self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
+        if cfg.implementation == "hf":  # transformers' GPT-2 (and PEFT): its Conv1D layers are not nn.Linear
+            self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress)
+            cast = cast_frozen_hf
+        else:
+            self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
+            cast = cast_frozen
         self.trainable_params = count_params(self.model, trainable_only=True)
         self.total_params = count_params(self.model)
         if cfg.precision == "bf16":
-            cast_frozen(self.model, torch.bfloat16)
+            cast(self.model, torch.bfloat16)
         self.model.to(self.device)
         self.loaders = build_loaders(splits, gpt2_tokenizer(), context_length=cfg.context_length,
                                      model_context=mcfg.context_length, batch_size=cfg.batch_size,
@@ -223,6 +232,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     holds). ``handle_signals``: SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal);
     a caller with its own signal handling passes False."""
     cfg.validate()
+    require_packages(cfg)  # before any row: a missing optional package is a usage error, not a failed run
     console = console or Console()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     results_dir = Path(results_dir)
@@ -258,7 +268,8 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
     record_invocation(results_dir, run_ids=[run_id])
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg), **(extra or {})}
+    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg),
+                 **_peer_versions(cfg), **(extra or {})}
     ctx = None
     timer = None
     steps: list[dict] | None = None  # the per-step rows, built once
@@ -347,6 +358,13 @@ def _cfg_columns(cfg: TrainConfig) -> dict:
     }
 
 
+def _peer_versions(cfg: TrainConfig) -> dict:
+    """The versions of transformers, PEFT, safetensors and huggingface_hub, for a run that uses them."""
+    if cfg.implementation == "book" and cfg.weights_source == "openai":
+        return {}
+    return {f"{name}_version": version for name, version in package_versions().items()}
+
+
 def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:
     out: dict = {"timing_clock": timer.clock, "eval_s": timer.eval_ms / 1e3 if timer.enabled else None}
     if ctx.device.type == "cuda":
@@ -359,7 +377,8 @@ def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[d
     if "step_ms_median" in s:
         tokens = s["tokens_per_step"]
         step_s = s["step_ms_median"] / 1e3
-        flops = flops_per_step(ctx.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank)
+        flops = flops_per_step(ctx.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank,
+                               implementation=cfg.implementation)
         out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
         if ctx.device.type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device), cfg.precision)
