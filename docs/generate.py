@@ -252,6 +252,29 @@ def table_timer_overhead() -> str:
     return "```\n" + "\n".join(lines) + "\n```\n"
 
 
+# -- the peer rows (results/peers) ------------------------------------------------------------------
+PEER_MODES = (("eager-fp32", "eager fp32"), ("eager-bf16-fused", "eager bf16 + SDPA + fused ops"),
+              ("best", "best mode"))
+
+
+def table_peers() -> str:
+    """Median step ms of book and hf rows per size and mode, and LoRA over all within each implementation."""
+    df = runs("peers")
+    df = df[df["status"] == "done"]
+    step = {(r.sweep_label, r.model_size, r.cfg_implementation, r.trainable_layers): r.step_ms_median
+            for r in df.itertuples()}
+    rows = []
+    for size in ("124M", "1558M"):
+        for label, mode in PEER_MODES:
+            b = {k: step[(label, size, "book", k)] for k in LAYERS}
+            h = {k: step[(label, size, "hf", k)] for k in ("all", "lora")}
+            rows.append([f"{size}, {mode}", _ms(b["all"]), _ms(b["lora"]), _ms(b["lora-kernel"]), _ms(h["all"]),
+                         _ms(h["lora"]), f"{b['lora'] / b['all']:.2f}", f"{h['lora'] / h['all']:.2f}",
+                         f"{b['lora-kernel'] / h['lora']:.2f}"])
+    return _table(["median step ms, batch 8, one H200", "book all", "book lora", "book lora-kernel", "PEFT all",
+                   "PEFT lora", "lora ÷ all (book)", "lora ÷ all (PEFT)", "lora-kernel ÷ PEFT lora"], rows)
+
+
 TABLES = {
     "answer": table_answer,
     "study-eager": table_study_eager,
@@ -264,6 +287,7 @@ TABLES = {
     "whole-runs": table_whole_runs,
     "timer-overhead": table_timer_overhead,
     "profile-1558m": table_profile_1558m,
+    "peers": table_peers,
 }
 
 
