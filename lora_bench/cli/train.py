@@ -6,6 +6,7 @@ and prints the phase table."""
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -98,19 +99,33 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
           results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool) -> None:
-    """What ``lora-bench train`` does, with ``given`` the setting options' values."""
+    """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
+    it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
+    torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
     from lora_bench.report.phase_table import phase_table
+    from lora_bench.train.distributed import rank_device, rank_env, rank_errors
     from lora_bench.train.preflight import check_machine
-    from lora_bench.train.run import execute_run
+    from lora_bench.train.run import execute_run, make_run_id
 
+    env = rank_env()
     cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
+    if env is not None:
+        rank_device(env, cfg.device)
     check_machine(cfg, name_of=name_of)
     output_dir(results_dir, "--results-dir")
+    if cfg.nproc > 1 and env is None:
+        from lora_bench.train.launch import launch_train
+
+        raise typer.Exit(launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
+                                      run_id=run_id or make_run_id(cfg), console=console))
     try:
-        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
-                          cache_dir=cache_dir, overwrite=overwrite)
+        with rank_errors(env):
+            row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console,
+                              progress=not no_progress, cache_dir=cache_dir, overwrite=overwrite)
     except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
         raise typer.Exit(e.exit_code) from None
+    if env is not None and not env.is_main:  # rank 0 reports
+        return
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
