@@ -20,6 +20,7 @@ WHEELS=${3:-}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-500}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}  # the same CPU threads for one-GPU runs and for each rank
 mkdir -p "$RESULTS"
 START=$(date +%s)
 

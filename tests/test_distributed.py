@@ -302,3 +302,59 @@ def test_nproc_2_on_two_gpus_trains_as_one_gpu_and_times_the_allreduce(tmp_path,
     assert (two["allreduce_ms"] <= two["backward_ms"] + 1e-3).all()
     row = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id").loc["two"]
     assert row["world_size"] == 2 and row["device"] == "cuda:0" and row["timing_clock"] == "cuda_events"
+
+
+# -- nproc as a setting, the launcher's run-id check, sweeps --------------------------------------
+def test_nproc_setting_rules_and_run_ids():
+    from lora_bench.config import render
+    from lora_bench.train.run import settings_hash
+
+    assert settings_hash(TrainConfig(nproc=1)) == settings_hash(TrainConfig())  # one process: ids unchanged
+    assert settings_hash(TrainConfig(nproc=2)) != settings_hash(TrainConfig())  # the measurement differs
+    text = " | ".join(render(TrainConfig(nproc=3, batch_size=8, device="cuda:1", cuda_graphs=True).problems()))
+    assert "batch_size 8 does not split over 3 processes (nproc=3)" in text and "nproc one of 1, 2, 4, 8" in text
+    assert "device='cuda:1' with nproc=3" in text and "nproc=3 cannot be combined with cuda_graphs" in text
+    assert TrainConfig(nproc=2, batch_size=8).problems() == []
+
+
+def test_rank_settings_take_the_world_size():
+    from lora_bench.train.run import rank_settings
+
+    env = RankEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="x", master_port=1)
+    assert rank_settings(TrainConfig(), env).nproc == 2  # a job started by torchrun itself records its size
+    assert rank_settings(TrainConfig(nproc=2), env).nproc == 2
+    with pytest.raises(UsageError, match="nproc=3 but torchrun started 2 processes"):
+        rank_settings(TrainConfig(nproc=3, batch_size=6), env)
+    with pytest.raises(UsageError, match="lora-bench train --nproc 2"):
+        rank_settings(TrainConfig(nproc=2), None)
+
+
+def test_launcher_checks_the_run_id_and_follows_overwrite(tmp_path):
+    from lora_bench.results.claims import try_claim
+    from lora_bench.train.launch import check_run_id
+
+    run_dir = tmp_path / "x"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"row": {"run_id": "x", "status": "done", "started_at": "t"}}))
+    with pytest.raises(UsageError, match="run id 'x' already exists.*--overwrite"):
+        check_run_id(tmp_path, "x", overwrite=False)
+    assert (run_dir / "run.json").exists()
+    check_run_id(tmp_path, "x", overwrite=True)  # replaced: the old record goes before any rank starts
+    assert not (run_dir / "run.json").exists()
+    with try_claim(run_dir):
+        with pytest.raises(UsageError, match="running in another process"):
+            check_run_id(tmp_path, "x", overwrite=True)
+
+
+def test_a_sweep_refuses_data_parallel_runs(tmp_path):
+    from rich.console import Console
+
+    from lora_bench.sweep.runner import run_sweep
+    from lora_bench.sweep.spec import load_sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: p\nbase:\n  model_size: tiny\n  weights: random\n  device: cpu\n  data_file: {SAMPLE}\n"
+                    "  max_steps: 2\n  warmup_steps: 1\ngrid:\n  nproc: [1, 2]\n")
+    with pytest.raises(UsageError, match="nproc=2: a sweep runs each run in one process"):
+        run_sweep(load_sweep(path), results_dir=tmp_path / "r", console=Console(), progress=False)
+    assert not (tmp_path / "r" / "runs.csv").exists()
