@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import inspect
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
@@ -18,6 +20,7 @@ from lora_bench.cli.options import (
     NoProgress,
     Overrides,
     console,
+    err_console,
     output_dir,
     results_dir_option,
     setting_parameters,
@@ -36,7 +39,7 @@ from lora_bench.config import (
     render,
     settings_problems,
 )
-from lora_bench.errors import ConfigError, Interrupted
+from lora_bench.errors import ConfigError, Interrupted, LoraBenchError
 
 HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
 
@@ -102,8 +105,12 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
     it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
     torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
-    from lora_bench.report.phase_table import phase_table
-    from lora_bench.train.distributed import rank_device, rank_env, rank_errors
+    from lora_bench.train.distributed import (
+        exit_rank,
+        rank_device,
+        rank_env,
+        rank_errors,
+    )
     from lora_bench.train.preflight import check_machine
     from lora_bench.train.run import execute_run, make_run_id
 
@@ -118,14 +125,35 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
 
         raise typer.Exit(launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
                                       run_id=run_id or make_run_id(cfg), console=console))
+    if env is not None:  # a rank: it ends its process itself (see distributed.exit_rank)
+        code = 0
+        try:
+            with rank_errors(env):
+                row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console,
+                                  progress=not no_progress, cache_dir=cache_dir, overwrite=overwrite)
+            if env.is_main:
+                _report(row, results_dir)
+        except Interrupted as e:
+            code = e.exit_code
+        except LoraBenchError as e:
+            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {escape(str(e))}", highlight=False)
+            code = e.exit_code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        exit_rank(code)
     try:
-        with rank_errors(env):
-            row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console,
-                              progress=not no_progress, cache_dir=cache_dir, overwrite=overwrite)
+        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
+                          cache_dir=cache_dir, overwrite=overwrite)
     except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
         raise typer.Exit(e.exit_code) from None
-    if env is not None and not env.is_main:  # rank 0 reports
-        return
+    _report(row, results_dir)
+
+
+def _report(row: dict, results_dir: Path) -> None:
+    """The run's phase table and where its results are."""
+    from lora_bench.report.phase_table import phase_table
+
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")

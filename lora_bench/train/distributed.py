@@ -40,11 +40,12 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from lora_bench.timing import PhaseTimer
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 RANK_ERRORS_ENV = "LORA_BENCH_RANK_ERRORS"  # folder where a failing rank leaves rank<R>.json
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+QUIESCE_S = 0.5  # how long ``close`` lets gloo's worker threads finish before destroying the group
 DEFAULT_TIMEOUT_S = 600.0  # a collective waiting longer than this fails (torch's NCCL default)
 
 
@@ -307,6 +309,9 @@ class DataParallel:
     def gather(self, timer: PhaseTimer) -> dict:
         """Collective, on every rank after the loop: the recorded step losses become the global
         batch's (mean over ranks); returns rank 0's extra result columns."""
+        return self._gather(timer)
+
+    def _gather(self, timer: PhaseTimer) -> dict:
         out: dict = {"world_size": self.env.world_size}
         if not timer.enabled:
             return out
@@ -335,5 +340,23 @@ class DataParallel:
         return out
 
     def close(self) -> None:
+        """Leave the process group (library use; a rank of ``lora-bench train`` ends with
+        ``exit_rank`` instead). gloo's worker threads release a finished collective's tensors,
+        which takes the GIL, and a process group's destructor joins those threads holding the
+        GIL: a group torn down while a worker still releases one deadlocks. So the references
+        go first and the GIL is let go for a moment before the group is destroyed."""
+        self.ddp = None
+        self.allreduce = None
+        time.sleep(QUIESCE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process now, with ``code``, skipping the interpreter's teardown: the process
+    group's destructor can deadlock there (see ``DataParallel.close``), and the process only
+    has its output left to flush."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

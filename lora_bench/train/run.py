@@ -381,8 +381,8 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
         if main:
             _record(row, ctx=ctx, timer=timer, steps=steps, cfg=cfg, run_id=run_id, run_dir=run_dir,
                     results_dir=results_dir, log=log, curves=curves, console=console)
-        if dp is not None:
-            dp.close()
+        # a data-parallel run keeps its process group: the rank's process ends without tearing it
+        # down (distributed.exit_rank), and a later run in this process joins the same group
 
 
 def _record(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, steps: list[dict] | None,
