@@ -145,6 +145,8 @@ class TrainConfig:
                            "replay them.", MODES)
     optimizer: str = _s("book", "book: torch.optim.AdamW's default multi-tensor update; fused: "
                         "AdamW(fused=True), the whole update in a few kernels.", MODES, choices=OPTIMIZERS)
+    nproc: int = _s(1, "Data-parallel processes (DDP, one per GPU, started under torchrun on this host); "
+                    "batch_size stays the global batch, split evenly over them.", MODES, minimum=1)
     # measurement
     timing: str = _s("events", "Phase timing: events (CUDA events), sync (synchronises after each phase, which "
                      "perturbs the step), off.", MEASUREMENT, choices=TIMING)
@@ -346,6 +348,8 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
         out += _cuda_graph_problems(v, ok)
     if ok("implementation") and v["implementation"] == "hf":
         out += hf_problems(v, ok)
+    if ok("nproc") and v["nproc"] > 1:
+        out += _data_parallel_problems(v, ok)
     return out
 
 
@@ -365,6 +369,26 @@ def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: T
                                           "captured and replayed as CUDA graphs does not compute what it computes "
                                           "eagerly (the losses differ); use torch.compile ({compile}) for its "
                                           "fastest mode"))
+    return out
+
+
+def _data_parallel_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[Problem]:
+    """What several data-parallel processes rule out: a global batch they cannot share equally, one
+    GPU named for all of them, a captured step (DDP's all-reduces are not captured)."""
+    out = []
+    n = v["nproc"]
+    if ok("batch_size") and v["batch_size"] % n:
+        fits = ", ".join(str(k) for k in range(1, v["batch_size"] + 1) if v["batch_size"] % k == 0)
+        out.append(problem("batch_size", "{batch_size} {b} does not split over {n} processes ({nproc}={n}): the "
+                                         "batch size is the global batch and each process takes an equal slice; "
+                                         "use a batch size divisible by {n}, or {nproc} one of {fits}",
+                           b=raw(v["batch_size"]), n=raw(n), fits=raw(fits)))
+    if ok("device") and v["device"].startswith("cuda:"):
+        out.append(problem("device", "{device}={d} with {nproc}={n}: each process uses the GPU of its rank; use "
+                                     "{device}=cuda or auto", d=v["device"], n=raw(n)))
+    if ok("cuda_graphs") and v["cuda_graphs"]:
+        out.append(problem("nproc", "{nproc}={n} cannot be combined with {cuda_graphs} (DDP's all-reduces are not "
+                                    "captured); drop one of them", n=raw(n)))
     return out
 
 

@@ -9,7 +9,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lora_bench.cli.options import PRECEDENCE, CacheDir, NoProgress, Overrides, console, results_dir_option
+from lora_bench.cli.options import (
+    PRECEDENCE,
+    CacheDir,
+    NoProgress,
+    Overrides,
+    console,
+    results_dir_option,
+)
 from lora_bench.config import (
     PATH_SETTINGS,
     TrainConfig,
@@ -86,6 +93,12 @@ def sweep(
     fresh: Annotated[bool, typer.Option("--fresh", help="Forget earlier results of these runs and start over.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs; run nothing.")] = False,
     shard: Annotated[Optional[str], typer.Option(help="Run only shard I of N (I/N, 1-based), e.g. 2/4.")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        help="Runs at once on a local Dask cluster, worker i on GPU i (default: one per GPU where there are "
+             "several; 0: one run at a time, here).", show_default=False)] = None,
+    scheduler: Annotated[Optional[str], typer.Option(
+        metavar="tcp://HOST:PORT", help="Run on an existing Dask cluster, through its scheduler (its workers: one "
+                                        "thread and one GPU each).", show_default=False)] = None,
     no_progress: NoProgress = False,
 ) -> None:
     from lora_bench.sweep.command import sweep_command
@@ -103,4 +116,5 @@ def sweep(
         raise UsageError(f"--results-dir {results_dir}: a file is in the way of this folder")
     raise typer.Exit(sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
-                                   progress=not no_progress, console=console))
+                                   progress=not no_progress, console=console, workers=workers,
+                                   scheduler=scheduler))

@@ -6,10 +6,13 @@ and prints the phase table."""
 from __future__ import annotations
 
 import inspect
+import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
@@ -17,6 +20,7 @@ from lora_bench.cli.options import (
     NoProgress,
     Overrides,
     console,
+    err_console,
     output_dir,
     results_dir_option,
     setting_parameters,
@@ -35,7 +39,7 @@ from lora_bench.config import (
     render,
     settings_problems,
 )
-from lora_bench.errors import ConfigError, Interrupted
+from lora_bench.errors import ConfigError, Interrupted, LoraBenchError
 
 HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
 
@@ -98,19 +102,58 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
           results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool) -> None:
-    """What ``lora-bench train`` does, with ``given`` the setting options' values."""
-    from lora_bench.report.phase_table import phase_table
+    """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
+    it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
+    torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
+    from lora_bench.train.distributed import (
+        exit_rank,
+        rank_device,
+        rank_env,
+        rank_errors,
+    )
     from lora_bench.train.preflight import check_machine
-    from lora_bench.train.run import execute_run
+    from lora_bench.train.run import execute_run, make_run_id
 
+    env = rank_env()
     cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
+    if env is not None:
+        rank_device(env, cfg.device)
     check_machine(cfg, name_of=name_of)
     output_dir(results_dir, "--results-dir")
+    if cfg.nproc > 1 and env is None:
+        from lora_bench.train.launch import launch_train
+
+        raise typer.Exit(launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
+                                      run_id=run_id or make_run_id(cfg), console=console))
+    if env is not None:  # a rank: it ends its process itself (see distributed.exit_rank)
+        code = 0
+        try:
+            with rank_errors(env):
+                row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console,
+                                  progress=not no_progress, cache_dir=cache_dir, overwrite=overwrite)
+            if env.is_main:
+                _report(row, results_dir)
+        except Interrupted as e:
+            code = e.exit_code
+        except LoraBenchError as e:
+            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {escape(str(e))}", highlight=False)
+            code = e.exit_code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        exit_rank(code)
     try:
         row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
                           cache_dir=cache_dir, overwrite=overwrite)
     except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
         raise typer.Exit(e.exit_code) from None
+    _report(row, results_dir)
+
+
+def _report(row: dict, results_dir: Path) -> None:
+    """The run's phase table and where its results are."""
+    from lora_bench.report.phase_table import phase_table
+
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")

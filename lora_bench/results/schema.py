@@ -67,6 +67,14 @@ RUN_COLUMNS: list[Column] = [
     Column("peak_mem_allocated_mib", "float64", "MiB", "peak CUDA memory allocated", "lower"),
     Column("peak_mem_reserved_mib", "float64", "MiB", "peak CUDA memory reserved", "lower"),
     Column("peak_rss_mib", "float64", "MiB", "peak host resident memory of the process", "lower"),
+    # data parallelism (`nproc` > 1: one process per GPU under torchrun; the step times are the global step's)
+    Column("world_size", "Int64", "processes", "processes that ran the step together (1: one process)"),
+    Column("rank_step_ms_min", "float64", "ms", "smallest per-rank median step time", "lower"),
+    Column("rank_step_ms_max", "float64", "ms", "largest per-rank median step time (the ranks wait for the slowest)", "lower"),
+    Column("rank_step_spread_pct", "float64", "%", "(max - min) / min of the per-rank median step times", "lower"),
+    Column("allreduce_ms_median", "float64", "ms", "per step, time during which a gradient bucket's all-reduce was pending or running (rank 0)", "lower"),
+    Column("allreduce_exposed_ms_median", "float64", "ms", "per step, all-reduce time after backward's compute ended: what backward did not hide", "lower"),
+    Column("allreduce_buckets", "Int64", "buckets", "DDP gradient buckets all-reduced per step"),
     # sweep provenance (blank for one-off `lora-bench train` runs)
     Column("sweep_name", "string", "", "name of the sweep the run belongs to"),
     Column("sweep_file", "string", "", "sweep YAML file the run was expanded from"),
@@ -103,7 +111,10 @@ STEP_COLUMNS: list[Column] = [
     Column("warmup", "boolean", "", "excluded from summaries"),
     *[Column(f"{p}_ms", "float64", "ms", f"device time of the {p} phase") for p in (*PHASES, "step")],
     *[Column(f"host_{p}_ms", "float64", "ms", f"host time of the {p} phase") for p in (*PHASES, "step")],
-    Column("tokens", "Int64", "tokens", "tokens in the batch"),
+    Column("allreduce_ms", "float64", "ms", "data-parallel runs: union of the buckets' all-reduce intervals (inside backward)"),
+    Column("allreduce_exposed_ms", "float64", "ms", "data-parallel runs: all-reduce time after the last bucket was ready"),
+    Column("allreduce_buckets", "Int64", "buckets", "data-parallel runs: buckets all-reduced in the step"),
+    Column("tokens", "Int64", "tokens", "tokens in the (global) batch"),
     Column("loss", "float64", "", "training loss of the batch (after division by accumulation steps)"),
 ]
 

@@ -3,14 +3,24 @@ print the summary."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import torch
 from rich.table import Table
 
+from lora_bench.errors import UsageError
+from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
-from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
+from lora_bench.sweep.spec import (
+    PlannedRun,
+    Sweep,
+    load_sweep,
+    parse_shard,
+    select_shard,
+)
 
 
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
@@ -55,16 +65,52 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
 
 
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,
-                  isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console) -> int:
-    """What ``lora-bench sweep`` does: validate, then list (dry run) or run; returns the exit code."""
+                  isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console,
+                  workers: int | None = None, scheduler: str | None = None) -> int:
+    """What ``lora-bench sweep`` does: validate, then list (dry run) or run, here or on a Dask
+    cluster (see ``use_dask``); returns the exit code."""
     sw = load_sweep(file, overrides=overrides)
     results_dir = Path(results_dir) if results_dir else Path("results") / sw.name
     selected = parse_shard(shard)
     if dry_run:
         print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
         return 0
+    dask = use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)
     start_invocation()  # its runs, also in child processes, record this command line and commit
-    result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
-                       shard=selected, progress=progress, cache_dir=cache_dir)
+    if dask:
+        require("distributed", purpose="lora-bench sweep --workers / --scheduler", extra="distributed")
+        from lora_bench.sweep.dask_runner import (
+            run_sweep_dask,  # dask: an optional dependency
+        )
+
+        result = run_sweep_dask(sw, results_dir=results_dir, console=console, workers=workers or None,
+                                scheduler=scheduler, fresh=fresh, shard=selected, progress=progress,
+                                cache_dir=cache_dir)
+    else:
+        result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
+                           shard=selected, progress=progress, cache_dir=cache_dir)
     print_summary(sw, result, results_dir=results_dir, console=console)
     return result.exit_code
+
+
+def use_dask(sw: Sweep, *, workers: int | None, scheduler: str | None, isolation: str, console) -> bool:
+    """--scheduler or --workers N >= 1: Dask; --workers 0: here, one run at a time; unset: Dask with
+    one worker per GPU when this machine has several, every run is for a GPU (device auto or cuda)
+    and dask is installed, else here."""
+    if workers is not None and workers < 0:
+        raise UsageError(f"--workers {workers}: use 0 (one run at a time, here) or more")
+    if scheduler is not None and workers is not None:
+        raise UsageError("--workers and --scheduler exclude each other: the scheduler's cluster has its own workers")
+    if (scheduler is not None or workers) and isolation != "process":
+        raise UsageError("--workers / --scheduler run each run in a child process; drop --isolation inline")
+    if scheduler is not None or workers:
+        return True
+    if workers == 0 or isolation != "process":
+        return False
+    if torch.cuda.device_count() < 2 or any(r.cfg.device not in ("auto", "cuda") for r in sw.runs):
+        return False
+    if importlib.util.find_spec("distributed") is None:
+        console.print(f"{torch.cuda.device_count()} GPUs, but dask[distributed] is not installed: running one run "
+                      "at a time (pip install 'lora-bench[distributed]' to use them all)", highlight=False)
+        return False
+    return True

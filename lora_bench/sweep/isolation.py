@@ -122,14 +122,14 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim
     if row is None or row.get("status") not in ("done", "failed", "interrupted"):
         # the run never reached its own bookkeeping: record it here
         status = "interrupted" if interrupts.stopped else "failed"
-        row = {**_base_row(job), "started_at": started, "status": status, "error": _exit_text(rc, log)}
-        _rewrite_record(job.run_dir / RUN_RECORD, row)
+        row = {**base_row(job), "started_at": started, "status": status, "error": _exit_text(rc, log)}
+        rewrite_record(job.run_dir / RUN_RECORD, row)
     elif interrupts.stopped and row["status"] != "done":
         # an exception raised while the signal unwound the run is the interruption, not a bug
         error = str(row.get("error") or "")
         cause = "" if error.startswith("interrupted by") else f" ({error})"
         row = {**row, "status": "interrupted", "error": f"interrupted by {signal_name(interrupts.signum)}{cause}"}
-        _rewrite_record(job.run_dir / RUN_RECORD, row)
+        rewrite_record(job.run_dir / RUN_RECORD, row)
     # idempotent; also repairs runs.csv when the child died between run.json and runs.csv
     upsert_run(job.results_dir / "runs.csv", row)
     return row
@@ -204,7 +204,7 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _rewrite_record(path: Path, row: dict) -> None:
+def rewrite_record(path: Path, row: dict) -> None:
     """Replace the row in run.json, keeping the log and curves the run wrote."""
     try:
         record = json.loads(path.read_text())
@@ -213,7 +213,8 @@ def _rewrite_record(path: Path, row: dict) -> None:
     atomic_write_text(path, json.dumps({**record, "row": row}, indent=1, default=str))
 
 
-def _base_row(job: Job) -> dict:
+def base_row(job: Job) -> dict:
+    """The row of a run recorded by someone other than the run itself: its settings and provenance."""
     cfg = job.cfg
     return {"run_id": job.run_id, "model_size": cfg.model_size, "weights": cfg.weights,
             "trainable_layers": cfg.trainable_layers, "lora_rank": cfg.lora_rank if cfg.is_lora else None,

@@ -13,7 +13,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from lora_bench.config import render
 from lora_bench.errors import EXIT_INTERRUPTED, Interrupted, UsageError
@@ -55,7 +62,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
     results_dir = Path(results_dir)
     runs = select_shard(sweep.runs, shard)
-    _preflight(runs, console)
+    preflight(runs, console)
     check_results_dir(results_dir)  # a place to record, before the first run
     if fresh:
         forget_runs(results_dir, [r.run_id for r in runs])
@@ -86,7 +93,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                 t0 = time.monotonic()
                 row = run_job(job, isolation=isolation, interrupts=stop, claim=claim)
                 result.rows.append(row)
-                _print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
+                print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
 
         try:
             later = []
@@ -117,8 +124,13 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     return result
 
 
-def _preflight(runs: list[PlannedRun], console) -> None:
-    """Environment checks that `validate` cannot do on another machine: fail before the first run."""
+def preflight(runs: list[PlannedRun], console) -> None:
+    """Environment checks that `validate` cannot do on another machine: fail before the first run.
+    A sweep runs each run in one process: data-parallel runs (nproc > 1) are `train --nproc`'s."""
+    parallel = sorted({r.cfg.nproc for r in runs if r.cfg.nproc > 1})
+    if parallel:
+        raise UsageError(f"nproc={parallel[0]}: a sweep runs each run in one process; run data-parallel runs with "
+                         f"lora-bench train --nproc {parallel[0]} (spread a sweep over GPUs with --workers)")
     machines = {(r.cfg.device, r.cfg.cuda_graphs): r.cfg for r in runs}
     problems = sorted({p for cfg in machines.values() for p in render(device_problems(cfg))})
     if problems:
@@ -133,7 +145,7 @@ def _preflight(runs: list[PlannedRun], console) -> None:
                           highlight=False)
 
 
-def _print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> None:
+def print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> None:
     st = str(row.get("status"))
     mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]"}.get(st, "[yellow]![/yellow]")
     step = row.get("step_ms_median")

@@ -11,7 +11,12 @@ from typing import Callable
 import torch
 
 from lora_bench.timing import PhaseTimer
-from lora_bench.train.evaluate import AmpContext, calc_accuracy_loader, calc_loss_batch, evaluate_model
+from lora_bench.train.evaluate import (
+    AmpContext,
+    calc_accuracy_loader,
+    calc_loss_batch,
+    evaluate_model,
+)
 
 
 @dataclass
@@ -41,11 +46,13 @@ class LoopSettings:
 def train_classifier(model, train_loader, val_loader, optimizer, device, *, settings: LoopSettings,
                      timer: PhaseTimer, amp: AmpContext = contextlib.nullcontext,
                      step_fn: Callable | None = None, on_step: Callable | None = None,
-                     eval_model: Callable | None = None, say: Callable[[str], None] = print) -> TrainResult:
+                     eval_model: Callable | None = None, shard: Callable | None = None,
+                     say: Callable[[str], None] = print) -> TrainResult:
     """Run the loop. ``step_fn(inputs, targets, update) -> loss`` replaces the eager forward /
     backward / optimizer phases when given (CUDA-graph replay); ``eval_model`` replaces the model
     in evaluations (graph-replayed forwards); ``on_step(step, epoch, loss)`` is called after every
-    step (progress display, profiler window)."""
+    step (progress display, profiler window); ``shard(inputs, targets)`` picks this process's part
+    of the global batch (data-parallel runs; tokens and examples still count the global batch)."""
     s = settings
     res = TrainResult()
     ev = model if eval_model is None else eval_model
@@ -61,6 +68,9 @@ def train_classifier(model, train_loader, val_loader, optimizer, device, *, sett
         for batch_idx in range(n_batches):
             timer.begin(step=global_step + 1, epoch=epoch + 1)
             inputs, targets = next(batches)
+            tokens, examples = inputs.numel(), inputs.shape[0]
+            if shard is not None:
+                inputs, targets = shard(inputs, targets)
             inputs, targets = inputs.to(device), targets.to(device)
             timer.mark("data")
             update = (batch_idx + 1) % s.accumulation_steps == 0 or (batch_idx + 1) == n_batches
@@ -77,8 +87,8 @@ def train_classifier(model, train_loader, val_loader, optimizer, device, *, sett
                     optimizer.step()
                     optimizer.zero_grad()
                 timer.mark("optimizer")
-            timer.end(loss, tokens=inputs.numel())
-            res.examples_seen += inputs.shape[0]
+            timer.end(loss, tokens=tokens)
+            res.examples_seen += examples
             global_step += 1
             if on_step is not None:
                 on_step(global_step, epoch + 1, loss)

@@ -28,6 +28,9 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
                                          "or auto", d=cfg.device, n=raw(count)))
     elif cfg.cuda_graphs and cfg.device == "auto" and count == 0:
         out.append(problem("cuda_graphs", "{cuda_graphs} needs a CUDA device, and none is available here"))
+    if cfg.nproc > 1 and count and cfg.device in ("auto", "cuda") and count < cfg.nproc:
+        out.append(problem("nproc", "{nproc}={n} needs {n} GPUs (one per process); this machine has {c}",
+                           n=raw(cfg.nproc), c=raw(count)))
     return out
 
 

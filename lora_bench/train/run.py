@@ -23,7 +23,13 @@ from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_sp
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import Interrupted, UsageError
 from lora_bench.fileio import atomic_write_text, check_writable_dir
-from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
+from lora_bench.kernels.policy import (
+    PlanLog,
+    current_policy,
+    policy_from_env,
+    record_plans,
+    use_policy,
+)
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, package_versions
@@ -33,8 +39,16 @@ from lora_bench.results.environment import environment
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.schema import STEP_COLUMNS, settings_columns
-from lora_bench.results.store import RUN_RECORD, check_results_dir, read_run_table, run_record, upsert_run, write_csv
+from lora_bench.results.store import (
+    RUN_RECORD,
+    check_results_dir,
+    read_run_table,
+    run_record,
+    upsert_run,
+    write_csv,
+)
 from lora_bench.timing import PhaseTimer
+from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedEval, GraphedStep
 from lora_bench.train.loop import LoopSettings, TrainResult, train_classifier
@@ -108,13 +122,14 @@ def compile_model(model: torch.nn.Module, scope: str, **compile_kw) -> torch.nn.
 class RunContext:
     """What a run builds before its loop; kept for the profilers and CUDA graphs."""
 
-    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool):
+    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool, dp: DataParallel | None = None):
         self.cfg = cfg
+        self.dp = dp  # data-parallel runs: this rank's part (its device, the DDP wrapper)
         # lora-kernel: the plan policy of this run (LORA_BENCH_KERNEL_MODE may force a plan), and
         # the plans its layers run, noted while the loop runs
         self.kernel_policy = policy_from_env(current_policy())
         self.kernel_plans = PlanLog()
-        self.device = resolve_device(cfg.device)
+        self.device = dp.device if dp is not None else resolve_device(cfg.device)
         set_precision(cfg)
         mcfg = model_config(cfg)
         raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
@@ -145,7 +160,14 @@ class RunContext:
             # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
             # models would pile up to the recompile limit, after which dynamo silently runs eager.
             torch._dynamo.reset()
-        self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
+        if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
+            if cfg.compile and cfg.compile_scope == "blocks":
+                compile_model(self.model, "blocks")
+            wrapped = dp.wrap(self.model, timed=cfg.timing != "off")
+            self.forward_model = (compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model"
+                                  else wrapped)
+        else:
+            self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
         self.eval_model = self.forward_model
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.eval_model = GraphedEval(self.forward_model)
@@ -203,7 +225,7 @@ class RaiseOnSignal:
             signal.signal(s, h)
 
 
-def _existing_run(results_dir: Path, run_id: str) -> dict | None:
+def existing_run(results_dir: Path, run_id: str) -> dict | None:
     """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
     row = run_record(results_dir / run_id)
     if row is not None:
@@ -219,6 +241,22 @@ def _existing_run(results_dir: Path, run_id: str) -> dict | None:
     return None
 
 
+def rank_settings(cfg: TrainConfig, env: RankEnv | None) -> TrainConfig:
+    """The settings a rank of a data-parallel job runs: ``nproc`` is the job's world size (a job
+    started by torchrun itself, leaving ``nproc`` at 1, records it too); any other value is refused."""
+    if env is None:
+        if cfg.nproc > 1:
+            raise UsageError(f"nproc={cfg.nproc}: a data-parallel run starts under torchrun; run it with "
+                             f"lora-bench train --nproc {cfg.nproc} (a sweep runs each run in one process)")
+        return cfg
+    if cfg.nproc == 1:
+        return cfg.replace(nproc=env.world_size)
+    if cfg.nproc != env.world_size:
+        raise UsageError(f"nproc={cfg.nproc} but torchrun started {env.world_size} processes (WORLD_SIZE); "
+                         "leave nproc unset under torchrun, or set it to the world size")
+    return cfg
+
+
 def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
                 progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None,
                 overwrite: bool = False, claim: RunClaim | None = None, handle_signals: bool = True) -> dict:
@@ -230,46 +268,60 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     new (``overwrite`` replaces an earlier run of that id) and the run's folder is claimed, so no
     other process executes the same run at the same time (``claim``: one the caller already
     holds). ``handle_signals``: SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal);
-    a caller with its own signal handling passes False."""
-    cfg.validate()
+    a caller with its own signal handling passes False.
+
+    Under torchrun (a data-parallel run, see lora_bench.train.distributed) every rank executes the
+    run and rank 0 alone checks, claims and writes; the others run quietly. torchrun stops the
+    ranks with SIGTERM when one fails, which records rank 0's run as interrupted until the
+    launcher names the rank that failed first."""
+    env = rank_env()
+    cfg = rank_settings(cfg, env).validate()
     require_packages(cfg)  # before any row: a missing optional package is a usage error, not a failed run
+    main = env is None or env.is_main
     console = console or Console()
+    if not main:
+        console, progress = Console(quiet=True), False
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     results_dir = Path(results_dir)
     run_id = run_id or make_run_id(cfg)
     if not RUN_ID_RE.match(run_id):
         raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
                          "digit (it names a folder inside the results folder)")
-    check_results_dir(results_dir)
     why = check_writable_dir(cache_dir)
     if why:
         raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
     run_dir = results_dir / run_id
-    held = claim if claim is not None else claim_run(run_dir)
+    held = None
+    if main:
+        check_results_dir(results_dir)
+        held = claim if claim is not None else claim_run(run_dir)
     try:
-        if not overwrite:
-            old = _existing_run(results_dir, run_id)
+        if main and not overwrite:
+            old = existing_run(results_dir, run_id)
             if old is not None:
                 raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
                                  f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
                                  "--overwrite to replace it")
-        # a stale record of an earlier attempt must not be mistaken for this attempt's
-        (run_dir / RUN_RECORD).unlink(missing_ok=True)
+        if main:  # a stale record of an earlier attempt must not be mistaken for this attempt's
+            (run_dir / RUN_RECORD).unlink(missing_ok=True)
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
             return _execute(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
-                            cache_dir=cache_dir, extra=extra)
+                            cache_dir=cache_dir, extra=extra, env=env)
     finally:
-        if claim is None:
+        if held is not None and claim is None:
             held.release()
 
 
 def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Console, progress: bool,
-             cache_dir: Path, extra: dict | None) -> dict:
-    record_invocation(results_dir, run_ids=[run_id])
+             cache_dir: Path, extra: dict | None, env: RankEnv | None = None) -> dict:
+    main = env is None or env.is_main
+    if main:
+        record_invocation(results_dir, run_ids=[run_id])
     run_dir = results_dir / run_id
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **_cfg_columns(cfg),
-                 **_peer_versions(cfg), **(extra or {})}
+    row: dict = {"run_id": run_id, "status": "running", "started_at": started, **cfg_columns(cfg),
+                 **_peer_versions(cfg), **(extra or {}), "world_size": env.world_size if env is not None else 1}
+    dp = None
     ctx = None
     timer = None
     steps: list[dict] | None = None  # the per-step rows, built once
@@ -281,13 +333,17 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
         console.print(msg, highlight=False)
 
     try:
-        ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress)
+        if env is not None:
+            dp = DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size)
+        ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress, dp=dp)
         row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
                    **environment(ctx.device))
-        timer = PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps)
+        timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
+                 else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        profiler = Profiler(cfg.profile, run_dir=run_dir, warmup_steps=cfg.warmup_steps, device=ctx.device)
+        profiler = Profiler(cfg.profile if main else "none", run_dir=run_dir, warmup_steps=cfg.warmup_steps,
+                            device=ctx.device)
         step_fn = None
         if cfg.cuda_graphs:
             step_fn = GraphedStep(ctx, timer=timer)
@@ -299,7 +355,9 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
             result: TrainResult = profiler.run(
                 train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
                 settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=on_step,
-                eval_model=ctx.eval_model, say=say)
+                eval_model=ctx.eval_model, shard=dp.shard if dp is not None else None, say=say)
+        if dp is not None:  # collective: every rank, right after the loop
+            row.update(dp.gather(timer))
         row["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
         curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
                       train_accs=result.train_accs, val_accs=result.val_accs)
@@ -330,26 +388,37 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise
     finally:
-        if timer is not None and timer.enabled:
-            try:
-                if steps is None:  # the run stopped before its summary
-                    steps = timer.step_rows(run_id)
-                    if row["status"] == "interrupted" and ctx is not None:
-                        row.setdefault("steps", len(steps))
-                        row.update(_summary(ctx, timer, cfg, steps))  # what was measured so far
-                write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
-            except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
-                row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
-        row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        atomic_write_text(run_dir / RUN_RECORD, json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
-        upsert_run(results_dir / "runs.csv", row)
-        if row["status"] == "interrupted":
-            console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
-                          f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
-                          highlight=False)
+        if main:
+            _record(row, ctx=ctx, timer=timer, steps=steps, cfg=cfg, run_id=run_id, run_dir=run_dir,
+                    results_dir=results_dir, log=log, curves=curves, console=console)
+        # a data-parallel run keeps its process group: the rank's process ends without tearing it
+        # down (distributed.exit_rank), and a later run in this process joins the same group
 
 
-def _cfg_columns(cfg: TrainConfig) -> dict:
+def _record(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, steps: list[dict] | None,
+            cfg: TrainConfig, run_id: str, run_dir: Path, results_dir: Path, log: list[str], curves: dict,
+            console: Console) -> None:
+    """Write the run's steps.csv, run.json and runs.csv row, whatever state the run ended in."""
+    if timer is not None and timer.enabled:
+        try:
+            if steps is None:  # the run stopped before its summary
+                steps = timer.step_rows(run_id)
+                if row["status"] == "interrupted" and ctx is not None:
+                    row.setdefault("steps", len(steps))
+                    row.update(_summary(ctx, timer, cfg, steps))  # what was measured so far
+            write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
+        except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
+            row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    atomic_write_text(run_dir / RUN_RECORD, json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
+    upsert_run(results_dir / "runs.csv", row)
+    if row["status"] == "interrupted":
+        console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
+                      f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
+                      highlight=False)
+
+
+def cfg_columns(cfg: TrainConfig) -> dict:
     return {
         "model_size": cfg.model_size, "weights": cfg.weights, "trainable_layers": cfg.trainable_layers,
         "lora_rank": cfg.lora_rank if cfg.is_lora else None,
@@ -382,7 +451,8 @@ def _summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[d
         out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
         if ctx.device.type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(ctx.device), cfg.precision)
+            gpus = ctx.dp.env.world_size if ctx.dp is not None else 1  # the global step ran on every rank's GPU
             if peak:
-                out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / peak)
+                out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / (peak * gpus))
     return out
 
