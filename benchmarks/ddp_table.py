@@ -30,15 +30,17 @@ def table(results: Path) -> pd.DataFrame:
     one = pd.concat([_done(results / "w1" / "runs.csv"), _done(results / "w2" / "runs.csv")])
     one = one.drop_duplicates(KEYS, keep="first").set_index(KEYS)
     ddp = _done(results / "ddp" / "runs.csv")
+    batch_size = pd.to_numeric(ddp["cfg_batch_size"], errors="coerce")  # runs.csv settings are text
     rows = []
     for key, base in one.iterrows():
         row = dict(zip(["size", "layers", "precision"], key), one_gpu_tok_s=base["tokens_per_s"])
         for batch in (16, 8):
-            m = ddp[(ddp[KEYS] == list(key)).all(axis=1) & (ddp["cfg_batch_size"] == batch)]
+            m = ddp[(ddp[KEYS] == list(key)).all(axis=1) & (batch_size == batch)]
             if m.empty:
                 continue
             r = m.iloc[-1]
-            row.update({f"b{batch}_tok_s": r["tokens_per_s"], f"b{batch}_x": r["tokens_per_s"] / base["tokens_per_s"],
+            tok_s = float(r["tokens_per_s"])
+            row.update({f"b{batch}_tok_s": tok_s, f"b{batch}_x": tok_s / float(base["tokens_per_s"]),
                         f"b{batch}_allreduce_ms": r["allreduce_ms_median"],
                         f"b{batch}_exposed_ms": r["allreduce_exposed_ms_median"],
                         f"b{batch}_spread_pct": r["rank_step_spread_pct"]})

@@ -275,6 +275,29 @@ def table_peers() -> str:
                    "PEFT lora", "lora ÷ all (book)", "lora ÷ all (PEFT)", "lora-kernel ÷ PEFT lora"], rows)
 
 
+# -- data parallelism on two GPUs (results/ddp-2gpu-h200) -------------------------------------------
+def table_ddp() -> str:
+    """1558M tokens/s on one GPU (the sweep's runs) and under DDP on two, with the all-reduce time."""
+    one = runs("ddp-2gpu-h200/w2")
+    two = runs("ddp-2gpu-h200/ddp")
+    one, two = one[one["status"] == "done"], two[two["status"] == "done"]
+    key = ["cfg_model_size", "cfg_trainable_layers", "cfg_precision"]
+    rows = []
+    for precision, mode in (("fp32", "eager fp32"), ("bf16", "eager bf16 + SDPA + fused ops + fused AdamW")):
+        for layers in ("all", "lora"):
+            want = ("1558M", layers, precision)
+            base = one[(one[key] == list(want)).all(axis=1)].iloc[-1]
+            pair = two[(two[key] == list(want)).all(axis=1)]
+            b16 = pair[pd.to_numeric(pair["cfg_batch_size"]) == 16].iloc[-1]
+            b8 = pair[pd.to_numeric(pair["cfg_batch_size"]) == 8].iloc[-1]
+            t1, t16, t8 = float(base.tokens_per_s), float(b16.tokens_per_s), float(b8.tokens_per_s)
+            rows.append([f"1558M {layers}, {mode}", f"{t1:,.0f}", f"{t16:,.0f}", f"**{t16 / t1:.2f}×**",
+                         f"{float(b16.allreduce_ms_median):.1f} / {float(b16.allreduce_exposed_ms_median):.1f}",
+                         f"{t8:,.0f}", f"{t8 / t1:.2f}×"])
+    return _table(["tokens/s, one H200 vs two (DDP, NCCL)", "1 GPU, batch 8", "2 GPUs, 8 per GPU", "speed-up",
+                   "all-reduce / not hidden, ms per step", "2 GPUs, global batch 8", "speed-up"], rows)
+
+
 TABLES = {
     "answer": table_answer,
     "study-eager": table_study_eager,
@@ -288,6 +311,7 @@ TABLES = {
     "timer-overhead": table_timer_overhead,
     "profile-1558m": table_profile_1558m,
     "peers": table_peers,
+    "ddp": table_ddp,
 }
 
 

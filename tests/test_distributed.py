@@ -358,3 +358,18 @@ def test_a_sweep_refuses_data_parallel_runs(tmp_path):
     with pytest.raises(UsageError, match="nproc=2: a sweep runs each run in one process"):
         run_sweep(load_sweep(path), results_dir=tmp_path / "r", console=Console(), progress=False)
     assert not (tmp_path / "r" / "runs.csv").exists()
+
+
+def test_the_scaling_table_joins_each_one_gpu_run_with_its_data_parallel_runs():
+    """benchmarks/ddp_table.py on the committed two-GPU study: every 1558M row finds its 2-GPU runs at
+    both global batches (settings are text in runs.csv), and the speed-up is the ratio of tokens/s."""
+    from benchmarks import ddp_table
+
+    results = Path(__file__).resolve().parents[1] / "results" / "ddp-2gpu-h200"
+    if not (results / "ddp" / "runs.csv").is_file():
+        pytest.skip("the committed two-GPU study is not in this checkout")
+    t = ddp_table.table(results)
+    big = t[t["size"] == "1558M"]
+    assert len(big) == 4 and big[["b16_tok_s", "b8_tok_s"]].notna().all().all()
+    for batch in (16, 8):
+        assert (abs(big[f"b{batch}_x"] - big[f"b{batch}_tok_s"] / big["one_gpu_tok_s"].astype(float)) < 1e-9).all()
