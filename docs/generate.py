@@ -298,6 +298,27 @@ def table_ddp() -> str:
                    "all-reduce / not hidden, ms per step", "2 GPUs, global batch 8", "speed-up"], rows)
 
 
+# -- one layer's candidate plans under CUDA-graph replay (results/lora-graph-candidates-h200) -------
+CANDIDATE_SHAPES = ("960:768->768:r16", "960:768->3072:r16", "960:3072->768:r16",
+                    "960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16")
+
+
+def table_graph_candidates() -> str:
+    """bf16 device time of forward+backward replayed from a CUDA graph, × the frozen layer, and kernels."""
+    df = pd.read_csv(RESULTS / "lora-graph-candidates-h200" / "graph_candidates.csv")
+    df = df[(df["dtype"] == "bf16") & (df["check"] == "ok")]
+    rows = []
+    for cand in df["candidate"].drop_duplicates():
+        sub = df[df["candidate"] == cand].set_index("shape")
+        k = sub.iloc[0]
+        rows.append([f"`{cand}`", f"{int(k.kernels_fwd)} + {int(k.kernels_bwd)}",
+                     *(f"{sub.loc[sh, 'graph_x_frozen']:.2f}" for sh in CANDIDATE_SHAPES)])
+    frozen = df[df["candidate"] == "frozen"].set_index("shape")
+    rows.append(["frozen µs", "", *(f"{frozen.loc[sh, 'graph_us']:.1f}" for sh in CANDIDATE_SHAPES)])
+    names = [sh.split(":")[1].replace("->", "→") for sh in CANDIDATE_SHAPES]
+    return _table(["bf16, × frozen (graph replay)", "kernels fwd + bwd", *names], rows)
+
+
 TABLES = {
     "answer": table_answer,
     "study-eager": table_study_eager,
@@ -312,6 +333,7 @@ TABLES = {
     "profile-1558m": table_profile_1558m,
     "peers": table_peers,
     "ddp": table_ddp,
+    "graph-candidates": table_graph_candidates,
 }
 
 
