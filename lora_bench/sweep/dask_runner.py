@@ -58,14 +58,6 @@ from distributed import (
     wait,
 )
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
@@ -93,7 +85,7 @@ from lora_bench.sweep.isolation import (
     run_job,
 )
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
-from lora_bench.sweep.runner import SweepResult, preflight, print_run
+from lora_bench.sweep.runner import SweepResult, preflight, print_run, sweep_progress
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.distributed import NO_MULTICAST_ENV
 
@@ -303,8 +295,6 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
     if not todo:
         return result
     token = uuid.uuid4().hex[:12]
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn())
     claims = claim_runs(todo, results_dir=results_dir, result=result, console=console)
     todo = [r for r in todo if r.run_id in claims]
     with _Stop() as stop:
@@ -322,7 +312,7 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
                             "cache_dir": str(cache_dir) if cache_dir else None}
                     fut = _submit(client, spec, key=f"lora-bench-{run.index:05d}-{run.run_id}-{token}")
                     jobs[fut.key] = (fut, run, job, spec)
-                with Progress(*columns, console=console, transient=True, disable=not progress) as bar:
+                with sweep_progress(console, progress=progress) as bar:
                     task = bar.add_task(sweep.name, total=len(todo))
                     _collect(client, jobs, result, stop=stop, token=token, bar=bar, task=task,
                              results_dir=results_dir, claims=claims)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -30,6 +31,16 @@ from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.preflight import device_problems, require_packages
+
+
+def sweep_progress(console: Console, *, progress: bool, current: bool = False) -> Progress:
+    """The sweep's progress bar: runs done of the total, elapsed, ETA, and (``current``) the run now
+    running; transient, and off with ``progress=False``."""
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn()]
+    if current:
+        columns.append(TextColumn("{task.fields[current]}"))
+    return Progress(*columns, console=console, transient=True, disable=not progress)
 
 
 @dataclass
@@ -73,10 +84,8 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     # written by another process sharing this folder
     seen = {r["run_id"]: r.get("started_at") for r in result_rows(results_dir, warn=None)}
     result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[current]}"))
     with Interrupts(inline=isolation == "inline") as stop, \
-            Progress(*columns, console=console, transient=True, disable=not progress) as bar:
+            sweep_progress(console, progress=progress, current=True) as bar:
         task = bar.add_task(sweep.name, total=len(todo), current="")
 
         def execute(run: PlannedRun, claim: RunClaim) -> None:
