@@ -181,6 +181,24 @@ def test_index_lists_commands_commits_and_counts(tmp_path, monkeypatch, run_cli,
     assert code == 2 and "--superseded" in out
 
 
+def test_index_leaves_out_process_state_and_the_files_of_runs_in_nested_folders(tmp_path):
+    """A study of studies (one-GPU and two-GPU runs in sub-folders): the index lists each sub-folder's
+    runs.csv and the study's own files, not run folders' files, claims or write locks."""
+    study = tmp_path / "study"
+    for sub, rid in (("one", "r1"), ("two", "r2")):
+        write_csv(study / sub / "runs.csv", [_row(rid, started="2026-01-01T00:00:00+00:00")], run_column_names())
+        (study / sub / rid).mkdir()
+        for name in ("run.json", "steps.csv", "job.json", ".claim"):
+            (study / sub / rid / name).write_text("{}\n")
+        (study / sub / "runs.csv.lock").write_text("")
+    (study / "wall.log").write_text("part wall_s 1.0 exit 0\n")
+    (study / ".claim").write_text("1")
+    text = render_index(tmp_path)
+    assert "`one/runs.csv` (1 row)" in text and "`two/runs.csv` (1 row)" in text and "`wall.log`" in text
+    for left_out in ("run.json", "steps.csv", "job.json", ".claim", ".lock"):
+        assert left_out not in text, left_out
+
+
 def test_committed_results_have_manifests_and_an_up_to_date_index():
     """results/README.md is generated: `lora-bench results index results` reproduces it from the
     committed folders (runs of this checkout's own, e.g. results/runs/, are not committed)."""

@@ -269,5 +269,5 @@ def test_die_with_parent_delivers_the_signal(tmp_path):
     assert parent.stdout.readline().strip() == "ready"
     parent.kill()
     parent.wait()
-    _wait_for(marker.exists, 30, "the child to get SIGTERM")
-    assert marker.read_text() == "TERM"
+    # the file exists from open() on, before "TERM" is written: wait for the content
+    _wait_for(lambda: marker.exists() and marker.read_text() == "TERM", 30, "the child to get SIGTERM")

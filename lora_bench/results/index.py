@@ -10,13 +10,14 @@ from pathlib import Path
 import pandas as pd
 
 from lora_bench.fileio import atomic_write_text
+from lora_bench.results.claims import CLAIM_NAME
 from lora_bench.results.manifest import MANIFEST, RECONSTRUCTED, UNKNOWN, read_manifest
 from lora_bench.results.prune import SUPERSEDED
 from lora_bench.results.store import result_rows
 
 INDEX = "README.md"
 # files every run folder has; the index counts runs, not these
-PER_RUN_FILES = ("steps.csv", "run.json", "worker.log")
+PER_RUN_FILES = ("steps.csv", "run.json", "worker.log", "job.json")
 
 
 @dataclass
@@ -98,9 +99,10 @@ def summarise(folder: Path) -> FolderSummary:
     run_dirs = {r["run_id"] for r in rows}
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
-        if not path.is_file() or path.name in (MANIFEST, INDEX) or path.name.endswith(".lock"):
-            continue
-        if rel.parts[0] == SUPERSEDED or (len(rel.parts) > 1 and rel.parts[0] in run_dirs and path.name in PER_RUN_FILES):
+        if not path.is_file() or path.name in (MANIFEST, INDEX, CLAIM_NAME) or path.name.endswith(".lock"):
+            continue  # the manifest is summarised above; claims and write locks are process state
+        in_run_dir = rel.parts[0] in run_dirs or (path.parent / "run.json").is_file()  # also in nested folders
+        if rel.parts[0] == SUPERSEDED or (len(rel.parts) > 1 and in_run_dir and path.name in PER_RUN_FILES):
             continue
         what = _rows(_csv_rows(path)) if path.suffix == ".csv" else _size(path)
         summary.files.append((rel.as_posix(), what))
