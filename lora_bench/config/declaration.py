@@ -1,0 +1,217 @@
+"""The declaration of every run setting: its type and default (a field of ``Settings``), and its
+``Spec``: allowed values, bounds, help text, extra command-line spellings and help panel. From it
+come the ``train`` flags (``--lora-rank``), the keys of settings and sweep files (``lora_rank``)
+and the ``cfg_*`` columns of the results tables; ``SETTINGS`` reads it back, one ``Setting`` each."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES
+
+# Allowed values: one place. The CLI, sweep validation, reports and docs read these.
+MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)
+WEIGHTS = ("pretrained", "random")
+WEIGHTS_SOURCES = ("openai", "hf")
+IMPLEMENTATIONS = ("book", "hf")
+TRAINABLE_LAYERS = ("last_layer", "last_block", "last_two_blocks", "all", "lora", "lora-merged", "lora-kernel")
+LORA_LAYERS = ("lora", "lora-merged", "lora-kernel")
+TOKEN_POSITIONS = ("last", "first", "flexible")
+CONTEXT_LENGTHS = ("longest_training_example", "model_context_length")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+TIMING = ("events", "sync", "off")
+PROFILES = ("none", "line", "torch")
+PRECISIONS = ("fp32", "tf32", "bf16")
+ATTENTION = ("book", "sdpa")
+OPS = ("book", "fused")
+OPTIMIZERS = ("book", "fused")
+COMPILE_SCOPES = ("model", "blocks")
+# What the Hugging Face implementation (transformers' GPT-2, PEFT's LoRA) can run: the trainable-layer
+# choices it maps (PEFT trains unmerged adapters with its own layers: no merged or fused-kernel peer).
+HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
+
+# Help panels of ``lora-bench train --help``, in the order they are shown.
+MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT = (
+    "Model", "Data", "LoRA", "Training", "Execution modes", "Measurement", "Output")
+PANELS = (MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT)
+
+MAX_INT = 2**63 - 1  # what torch and the results tables hold
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a setting allows and how people see it; its type and default are the field's."""
+
+    help: str
+    panel: str
+    choices: tuple[str, ...] = ()  # allowed values of a text setting
+    pattern: str = ""  # a regular expression that also allows a value (cuda:N, an integer)
+    pattern_text: str = ""  # how the pattern reads in messages and help ("cuda:N")
+    minimum: float | None = None
+    exclusive: bool = False  # the minimum itself is not allowed
+    aliases: tuple[str, ...] = ()  # further command-line spellings (--rank for --lora-rank)
+    path: bool = False  # a file or folder: relative values in a file are resolved against its folder
+
+    def allowed_text(self) -> str:
+        return ", ".join((*self.choices, *([self.pattern_text] if self.pattern_text else [])))
+
+
+def _s(default: Any, help: str, panel: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"spec": Spec(help=help, panel=panel, **kw)})
+
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of one training run, declared: type and default (the field), allowed values,
+    help and panel (its ``Spec``). Defaults are the reference's (book mode)."""
+
+    # model
+    model_size: str = _s("124M", "GPT-2 size, by its short or its reference name; tiny is a 2-block model for "
+                         "smoke runs and tests.", MODEL, choices=MODEL_SIZE_NAMES)
+    emb_dim: int | None = _s(None, "Embedding width instead of the size's (random weights only).", MODEL, minimum=1)
+    n_layers: int | None = _s(None, "Number of transformer blocks instead of the size's (random weights only).",
+                              MODEL, minimum=1)
+    n_heads: int | None = _s(None, "Number of attention heads instead of the size's (random weights only).",
+                             MODEL, minimum=1)
+    weights: str = _s("pretrained", "pretrained: the OpenAI checkpoint; random: the reference's random "
+                      "initialisation.", MODEL, choices=WEIGHTS)
+    weights_source: str = _s("openai", "Where pretrained weights come from: openai, the OpenAI TensorFlow "
+                             "checkpoint; hf, the Hugging Face safetensors (openai-community/gpt2*, through the Hub's "
+                             "cache).", MODEL, choices=WEIGHTS_SOURCES)
+    weights_dir: str | None = _s(None, "Local folder with the checkpoint files, which skips the download: the "
+                                 "OpenAI TF files (checkpoint, hparams.json, model.ckpt.*), or model.safetensors "
+                                 "with weights_source=hf.", MODEL, path=True)
+    implementation: str = _s("book", "The model's code: book, the reference's GPT-2; hf, transformers' GPT-2 "
+                             "(GPT2ForSequenceClassification) with PEFT for LoRA, trained by the same loop (needs "
+                             'pip install "lora-bench[peers]").', MODEL, choices=IMPLEMENTATIONS)
+    # what is trained and how
+    trainable_layers: str = _s("last_block", "Which parameters train: a slice of the model, all of it, or "
+                               "LoRA adapters (lora: the reference's layer; lora-merged: one merged weight; "
+                               "lora-kernel: the fused kernels).", TRAINING, choices=TRAINABLE_LAYERS)
+    lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, aliases=("--rank",))
+    lora_alpha: float = _s(8.0, "LoRA alpha; the update is alpha * A @ B, NOT divided by the rank (as in the "
+                           "reference).", LORA, aliases=("--alpha",))
+    trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
+                                  "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,
+                                  aliases=("--token-position",))
+    average_embeddings: bool = _s(False, "Classify from the mean of the outputs over all positions.", TRAINING)
+    context_length: str = _s("longest_training_example", "Padded sequence length: the longest training text, "
+                             "the model's context length, or a number of tokens.", DATA,
+                             choices=CONTEXT_LENGTHS, pattern=r"[1-9][0-9]{0,8}", pattern_text="a positive integer")
+    no_padding: bool = _s(False, "No padding: every text keeps its own length (needs batch size 1).", DATA)
+    batch_size: int = _s(8, "Training batch size.", DATA, minimum=1)
+    accumulation_steps: int = _s(1, "Gradient accumulation steps per optimizer update.", TRAINING, minimum=1)
+    num_epochs: int = _s(5, "Epochs.", TRAINING, minimum=1, aliases=("--epochs",))
+    learning_rate: float = _s(5e-5, "AdamW learning rate.", TRAINING, minimum=0, exclusive=True, aliases=("--lr",))
+    weight_decay: float = _s(0.1, "AdamW weight decay.", TRAINING, minimum=0)
+    disable_causal_mask: bool = _s(False, "Let every token attend to the tokens after it.", MODEL)
+    ignore_index: int = _s(-100, "Target value the cross-entropy ignores.", TRAINING)
+    seed: int = _s(123, "Random seed, set before the model, the head and the optimizer are built (the "
+                   "reference uses 123).", TRAINING)
+    eval_freq: int = _s(50, "Periodic loss evaluation every N global steps (0: never).", TRAINING, minimum=0)
+    eval_iter: int = _s(5, "Batches per periodic evaluation.", TRAINING, minimum=1)
+    max_steps: int | None = _s(None, "Stop after N training steps (timing runs).", TRAINING, minimum=1)
+    skip_final_eval: bool = _s(False, "Skip the final accuracies over the whole train, validation and test "
+                               "sets.", TRAINING)
+    # execution
+    device: str = _s("auto", "Where to run (auto: the first GPU if there is one, else the CPU).", MODES,
+                     choices=("auto", "cpu", "cuda"), pattern=r"cuda:[0-9]{1,4}", pattern_text="cuda:N")
+    precision: str = _s("fp32", "fp32: the reference; tf32: TF32 matrix products; bf16: autocast to bfloat16 "
+                        "with fp32 master weights.", MODES, choices=PRECISIONS)
+    attention: str = _s("book", "book: the hand-written attention; sdpa: scaled_dot_product_attention.", MODES,
+                        choices=ATTENTION)
+    ops: str = _s("book", "book: the hand-written LayerNorm and GELU; fused: torch's built-in ones.", MODES,
+                  choices=OPS)
+    compile: bool = _s(False, "torch.compile the model.", MODES)
+    compile_scope: str = _s("model", "What torch.compile compiles: the whole model, or each transformer block "
+                            "(one compiled graph serves every block, so compiling does not take longer for "
+                            "deeper models).", MODES, choices=COMPILE_SCOPES)
+    cuda_graphs: bool = _s(False, "Capture the training step (and the evaluation forwards) as CUDA graphs and "
+                           "replay them.", MODES)
+    optimizer: str = _s("book", "book: torch.optim.AdamW's default multi-tensor update; fused: "
+                        "AdamW(fused=True), the whole update in a few kernels.", MODES, choices=OPTIMIZERS)
+    nproc: int = _s(1, "Data-parallel processes (DDP, one per GPU, started under torchrun on this host); "
+                    "batch_size stays the global batch, split evenly over them.", MODES, minimum=1)
+    # measurement
+    timing: str = _s("events", "Phase timing: events (CUDA events), sync (synchronises after each phase, which "
+                     "perturbs the step), off.", MEASUREMENT, choices=TIMING)
+    warmup_steps: int = _s(5, "Steps left out of the timing summaries.", MEASUREMENT, minimum=0)
+    profile: str = _s("none", "line: line_profiler over the step; torch: a torch.profiler trace.", MEASUREMENT,
+                      choices=PROFILES)
+    # inputs
+    data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (skips the download).", DATA, path=True)
+
+    # -- helpers -----------------------------------------------------------------------------
+    @property
+    def is_lora(self) -> bool:
+        return self.trainable_layers in LORA_LAYERS
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+# -- the declaration, read back ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its name (the YAML key), type, default and spec."""
+
+    name: str
+    type: type  # str, int, float or bool
+    optional: bool  # None (unset) is allowed
+    default: Any
+    spec: Spec
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return (flag_name(self.name), *self.spec.aliases)
+
+
+def key_name(name: str) -> str:
+    """A setting as YAML files and ``key=value`` overrides spell it."""
+    return name
+
+
+def flag_name(name: str) -> str:
+    """A setting as the ``train`` command line spells it (its first flag)."""
+    return "--" + name.replace("_", "-")
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _setting(f: dataclasses.Field) -> Setting:
+    base, _, rest = str(f.type).partition(" |")
+    return Setting(name=f.name, type=_TYPES[base], optional="None" in rest, default=f.default,
+                   spec=f.metadata["spec"])
+
+
+SETTINGS: dict[str, Setting] = {f.name: _setting(f) for f in fields(Settings)}
+DEFAULTS: dict[str, Any] = {name: s.default for name, s in SETTINGS.items()}
+BY_FLAG = {flag.removeprefix("--"): name for name, s in SETTINGS.items() for flag in s.flags}
+PATH_SETTINGS = tuple(name for name, s in SETTINGS.items() if s.spec.path)
+
+
+
+# -- values -----------------------------------------------------------------------------------
+def coerce(name: str, value: Any) -> Any:
+    """The field's own type for a valid value: YAML and JSON give ints where floats are meant
+    (alpha: 16) and for a context length (1024)."""
+    s = SETTINGS.get(name)
+    if s is None or value is None or isinstance(value, bool):
+        return value
+    if s.type is float and isinstance(value, int):
+        return float(value)
+    if s.type is str and isinstance(value, int):
+        return str(value)
+    return value
+

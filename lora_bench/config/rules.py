@@ -1,0 +1,238 @@
+"""Every rule about settings, checked once (``settings_problems``): each value on its own (type,
+finiteness, size, allowed values, bounds; nothing formats a value before it is known to be a small
+scalar, and values are shown cut to a few dozen characters), then the rules between settings. A
+``Problem`` names the settings it is about by placeholder, and each surface spells them its own way
+when it renders the message (``flag_name`` for the command line, ``key_name`` for YAML)."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import string
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lora_bench.config.declaration import BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name
+from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
+from lora_bench.safe_yaml import short_repr
+
+
+# -- problems ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """One problem with settings. ``text`` names settings by placeholder, spelled by the renderer:
+    ``{setting}`` for the one it is about, ``{lora_rank}`` for any other; other placeholders are
+    values, already shown (``args``)."""
+
+    setting: str | None  # the setting it is mainly about (None: not one setting's, e.g. an unknown key)
+    text: str
+    args: tuple[tuple[str, str], ...] = ()
+
+    def render(self, name_of: Callable[[str], str] | None = None) -> str:
+        name_of = name_of or key_name
+        used = {f for _, f, _, _ in string.Formatter().parse(self.text) if f}
+        names = {n: name_of(n) for n in used if n in SETTINGS}
+        if "setting" in used and self.setting is not None:
+            names["setting"] = name_of(self.setting)
+        return self.text.format_map({**names, **dict(self.args)})
+
+
+class _Raw(str):
+    """A value shown as it is (a number, a choice already checked)."""
+
+
+def raw(text: Any) -> _Raw:
+    return _Raw(str(text))
+
+
+def problem(setting: str | None, text: str, **values: Any) -> Problem:
+    """A Problem whose ``values`` are shown as reprs cut to 80 characters, or as they are when
+    wrapped in ``raw``."""
+    return Problem(setting, text, tuple((k, v if isinstance(v, _Raw) else short_repr(v)) for k, v in values.items()))
+
+
+def render(problems: Iterable[Problem], name_of: Callable[[str], str] | None = None) -> list[str]:
+    return [p.render(name_of) for p in problems]
+
+
+SCALARS = (str, int, float, bool, type(None))
+_KIND = {str: "text", int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def value_problems(name: str, value: Any) -> list[Problem]:
+    """The problems of one setting's value on its own: type, finiteness, size, allowed values,
+    bounds. Nothing formats the value before it is known to be a small scalar."""
+    s = SETTINGS[name]
+    t = s.type
+    if value is None:
+        return [] if s.optional else [problem(name, "{setting} needs a value (null/empty is not allowed)")]
+    if not isinstance(value, SCALARS):
+        kind = "mapping" if isinstance(value, Mapping) else "list" if isinstance(value, (list, tuple)) else \
+            type(value).__name__
+        return [problem(name, "{setting} takes one value, not a {kind}", kind=raw(kind))]
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    numeric = is_int or (isinstance(value, float) and not isinstance(value, bool))
+    ok = {str: isinstance(value, str) or (bool(s.spec.pattern) and is_int), int: is_int, float: numeric,
+          bool: isinstance(value, bool)}[t]
+    if not ok:
+        return [problem(name, "{setting}={v} should be {kind}", v=value, kind=raw(_KIND[t]))]
+    if is_int and abs(value) > MAX_INT:
+        return [problem(name, "{setting}={v} is too large", v=value)]
+    if t is float and not math.isfinite(value):
+        return [problem(name, "{setting}={v} must be a finite number", v=raw(value))]
+    if t is str and (s.spec.choices or s.spec.pattern):
+        text = str(value)
+        if text not in s.spec.choices and not (s.spec.pattern and re.fullmatch(s.spec.pattern, text[:64])):
+            return [problem(name, "{setting}={v} is not allowed; choose one of: {allowed}", v=value,
+                            allowed=raw(s.spec.allowed_text()))]
+    if s.spec.minimum is not None and (value <= s.spec.minimum if s.spec.exclusive else value < s.spec.minimum):
+        low = s.spec.minimum
+        need = ("must be positive" if s.spec.exclusive and low == 0 else
+                f"must be above {low:g}" if s.spec.exclusive else
+                "must be 0 or more" if low == 0 else f"must be at least {low:g}")
+        unset = " (or unset)" if s.optional else ""
+        return [problem(name, "{setting}={v} {need}", v=raw(value), need=raw(need + unset))]
+    return []
+
+
+def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """Every problem of a full set of settings (``values`` maps every setting name to a value):
+    each value on its own, then the rules between settings whose values are valid."""
+    out = [p for name in SETTINGS for p in value_problems(name, values[name])]
+    bad = {p.setting for p in out}
+    v = {k: coerce(k, x) for k, x in values.items() if k not in bad}
+
+    def ok(*names: str) -> bool:
+        return not bad.intersection(names)
+
+    if ok("compile_scope", "compile") and v["compile_scope"] != "model" and not v["compile"]:
+        out.append(problem("compile_scope", "{compile_scope}={v} needs {compile} (it says what torch.compile "
+                                            "compiles)", v=v["compile_scope"]))
+    if ok("no_padding", "batch_size") and v["no_padding"] and v["batch_size"] != 1:
+        out.append(problem("no_padding", "{no_padding} needs {batch_size}=1 (got {batch_size}={v}): unpadded texts "
+                                         "of different lengths cannot be stacked", v=raw(v["batch_size"])))
+    out += _model_shape_problems(v, ok)
+    if ok("trainable_token_pos", "average_embeddings") and v["trainable_token_pos"] == "flexible" \
+            and v["average_embeddings"]:
+        out.append(problem("average_embeddings", "{trainable_token_pos}=flexible and {average_embeddings} "
+                                                 "exclude each other"))
+    if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
+        out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
+    if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":
+        out.append(problem("weights_source", "{weights_source} is only used with {weights}=pretrained"))
+    if ok("max_steps", "warmup_steps", "timing") and v["max_steps"] is not None and v["timing"] != "off" \
+            and v["max_steps"] <= v["warmup_steps"]:
+        out.append(problem("max_steps", "{max_steps}={m} with {warmup_steps}={w}: no step would be measured "
+                                        "(lower {warmup_steps}, or use {timing}=off)",
+                           m=raw(v["max_steps"]), w=raw(v["warmup_steps"])))
+    if ok("cuda_graphs") and v["cuda_graphs"]:
+        out += _cuda_graph_problems(v, ok)
+    if ok("implementation") and v["implementation"] == "hf":
+        out += hf_problems(v, ok)
+    if ok("nproc") and v["nproc"] > 1:
+        out += _data_parallel_problems(v, ok)
+    return out
+
+
+def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
+    """What has no peer in the Hugging Face implementation, each with its reason."""
+    out = []
+    if ok("trainable_layers") and v["trainable_layers"] not in HF_TRAINABLE_LAYERS:
+        out.append(problem("trainable_layers", "{trainable_layers}={t} has no Hugging Face peer (PEFT trains "
+                                               "unmerged adapters with its own layers); with {implementation}=hf "
+                                               "choose one of: {allowed}", t=v["trainable_layers"],
+                           allowed=raw(", ".join(HF_TRAINABLE_LAYERS))))
+    if ok("disable_causal_mask") and v["disable_causal_mask"]:
+        out.append(problem("disable_causal_mask", "{disable_causal_mask} has no Hugging Face peer: transformers' "
+                                                  "GPT-2 always applies the causal mask; use {implementation}=book"))
+    if ok("cuda_graphs") and v["cuda_graphs"]:
+        out.append(problem("cuda_graphs", "{cuda_graphs} with {implementation}=hf is refused: transformers' GPT-2 "
+                                          "captured and replayed as CUDA graphs does not compute what it computes "
+                                          "eagerly (the losses differ); use torch.compile ({compile}) for its "
+                                          "fastest mode"))
+    return out
+
+
+def _data_parallel_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[Problem]:
+    """What several data-parallel processes rule out: a global batch they cannot share equally, one
+    GPU named for all of them, a captured step (DDP's all-reduces are not captured)."""
+    out = []
+    n = v["nproc"]
+    if ok("batch_size") and v["batch_size"] % n:
+        fits = ", ".join(str(k) for k in range(1, v["batch_size"] + 1) if v["batch_size"] % k == 0)
+        out.append(problem("batch_size", "{batch_size} {b} does not split over {n} processes ({nproc}={n}): the "
+                                         "batch size is the global batch and each process takes an equal slice; "
+                                         "use a batch size divisible by {n}, or {nproc} one of {fits}",
+                           b=raw(v["batch_size"]), n=raw(n), fits=raw(fits)))
+    if ok("device") and v["device"].startswith("cuda:"):
+        out.append(problem("device", "{device}={d} with {nproc}={n}: each process uses the GPU of its rank; use "
+                                     "{device}=cuda or auto", d=v["device"], n=raw(n)))
+    if ok("cuda_graphs") and v["cuda_graphs"]:
+        out.append(problem("nproc", "{nproc}={n} cannot be combined with {cuda_graphs} (DDP's all-reduces are not "
+                                    "captured); drop one of them", n=raw(n)))
+    return out
+
+
+def _cuda_graph_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[Problem]:
+    """What a captured and replayed training step rules out (whether a CUDA device is there to
+    capture on is the machine's question: ``lora_bench.train.preflight``)."""
+    out = []
+    if ok("device") and v["device"] == "cpu":
+        out.append(problem("cuda_graphs", "{cuda_graphs} needs a CUDA device ({device}=cpu given)"))
+    if ok("no_padding") and v["no_padding"]:
+        out.append(problem("cuda_graphs", "{cuda_graphs} needs static shapes; {no_padding} gives every batch "
+                                          "its own length"))
+    if ok("accumulation_steps") and v["accumulation_steps"] > 1:
+        out.append(problem("cuda_graphs", "{cuda_graphs} needs {accumulation_steps}=1 (got {n}): a replayed "
+                                          "backward overwrites the gradients instead of accumulating them",
+                           n=raw(v["accumulation_steps"])))
+    if ok("profile") and v["profile"] != "none":
+        out.append(problem("profile", "{profile}={p} cannot see inside a replayed CUDA graph (line_profiler finds "
+                                      "no Python lines, torch.profiler no kernels); profile the same settings "
+                                      "without {cuda_graphs}", p=raw(v["profile"])))
+    return out
+
+
+def _model_shape_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[Problem]:
+    """What the model's shape rules out: a size without a checkpoint, a width the heads don't
+    divide, a context length the model doesn't have."""
+    out = []
+    overrides = [n for n in ("emb_dim", "n_layers", "n_heads") if ok(n) and v[n] is not None]
+    if ok("weights") and v["weights"] == "pretrained":
+        out += [problem(n, "{setting}={v} needs {weights}=random (a checkpoint fixes the model's shape)",
+                        v=raw(v[n])) for n in overrides]
+    if not ok("model_size", "emb_dim", "n_heads"):
+        return out
+    size = REFERENCE_NAMES.get(v["model_size"], v["model_size"])
+    if size == "tiny" and ok("weights") and v["weights"] == "pretrained":
+        out.append(problem("model_size", "{model_size}={s} has no pretrained checkpoint; use {weights}=random",
+                           s=raw(v["model_size"])))
+    width, _, heads = MODEL_SIZES[size]
+    width, heads = v["emb_dim"] or width, v["n_heads"] or heads
+    if width % heads:
+        what = "{emb_dim}={w}" if v["emb_dim"] else "the width {w} of {size}"
+        out.append(problem("n_heads", what + " is not divisible by {n_heads}={h}", w=raw(width), size=raw(size),
+                           h=raw(heads)))
+    ctx = v.get("context_length") if ok("context_length") else None
+    if ctx and ctx.isdigit() and int(ctx) > GPTConfig.context_length:
+        out.append(problem("context_length", "{context_length}={c} exceeds the model's context length {n}",
+                           c=raw(ctx), n=raw(GPTConfig.context_length)))
+    return out
+
+
+def unknown_key_problems(data: Iterable[Any]) -> list[Problem]:
+    """A problem for each key that is not a setting, with the closest setting as a suggestion (a
+    flag's spelling, such as lr or lora-rank, suggests its setting)."""
+    out = []
+    for key in data:
+        if key in SETTINGS:
+            continue
+        text = str(key)[:100]
+        close = [BY_FLAG[text]] if text in BY_FLAG else difflib.get_close_matches(text, list(SETTINGS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        out.append(problem(None, "unknown setting {k}" + hint, k=key))
+    return out
+
+
