@@ -21,6 +21,7 @@ pytest.importorskip("distributed")
 psutil = pytest.importorskip("psutil")
 
 from rich.console import Console  # noqa: E402
+from tiny import TINY_BASE
 
 from lora_bench.errors import UsageError  # noqa: E402
 from lora_bench.sweep.dask_runner import (  # noqa: E402
@@ -30,18 +31,7 @@ from lora_bench.sweep.dask_runner import (  # noqa: E402
 )
 from lora_bench.sweep.spec import load_sweep  # noqa: E402
 
-SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
-TINY = f"""\
-  model_size: tiny
-  weights: random
-  device: cpu
-  data_file: {SAMPLE}
-  num_epochs: 1
-  max_steps: 2
-  warmup_steps: 1
-  eval_freq: 0
-  skip_final_eval: true
-"""
+TINY = TINY_BASE
 SLOW = "max_steps: 5000, num_epochs: 1000"
 
 

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from checkpoints import write_tf_checkpoint
 
 from lora_bench.errors import CheckpointError, DownloadError
 from lora_bench.model import checkpoints as weights
@@ -81,19 +82,8 @@ def arrays():
 
 @pytest.fixture(scope="module")
 def tf_folder(tmp_path_factory, arrays):
-    tf = pytest.importorskip("tensorflow")
-    folder = tmp_path_factory.mktemp("tf")
-    graph = tf.Graph()
-    with graph.as_default():
-        for name, value in arrays.items():
-            tf.compat.v1.Variable(value, name=name)
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            saver.save(sess, str(folder / "model.ckpt"))
-    (folder / "hparams.json").write_text(json.dumps({"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB,
-                                                     "n_head": HEADS, "n_layer": LAYERS}))
-    return folder
+    return write_tf_checkpoint(tmp_path_factory.mktemp("tf"), arrays, {"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB,
+                                                                       "n_head": HEADS, "n_layer": LAYERS})
 
 
 @pytest.fixture(scope="module")

@@ -16,24 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import TINY_BASE
 
 from lora_bench.results.claims import claimant, try_claim
 from lora_bench.results.store import run_record
 from lora_bench.sweep.spec import load_sweep
 
-SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
-BASE = f"""\
-base:
-  model_size: tiny
-  weights: random
-  device: cpu
-  data_file: {SAMPLE}
-  num_epochs: 1
-  max_steps: 2
-  warmup_steps: 1
-  eval_freq: 0
-  skip_final_eval: true
-"""
+BASE = "base:\n" + TINY_BASE
 
 
 def _sweep(tmp_path: Path, runs: str, name: str = "c") -> Path:

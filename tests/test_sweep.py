@@ -14,22 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from tiny import SAMPLE, TINY_BASE
 
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.sweep.spec import load_sweep, parse_shard, select_shard
 
-SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
-TINY = f"""\
-  model_size: tiny
-  weights: random
-  device: cpu
-  data_file: {SAMPLE}
-  num_epochs: 1
-  max_steps: 2
-  warmup_steps: 1
-  eval_freq: 0
-  skip_final_eval: true
-"""
+TINY = TINY_BASE
 
 
 def write(tmp_path: Path, body: str, name: str = "s.yaml") -> Path:

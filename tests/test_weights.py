@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from checkpoints import write_tf_checkpoint
 from conftest import refused_url
 
 from lora_bench.errors import CheckpointError, DownloadError
@@ -57,18 +58,9 @@ def _openai_like_arrays() -> dict[str, np.ndarray]:
 def tf_ckpt(tmp_path_factory):
     """(folder, arrays): a TF1 Saver checkpoint, as OpenAI's files are, plus hparams.json."""
     tf = pytest.importorskip("tensorflow")
-    folder = tmp_path_factory.mktemp("ckpt")
     arrays = _openai_like_arrays()
-    graph = tf.Graph()
-    with graph.as_default():
-        for name, value in arrays.items():
-            tf.compat.v1.Variable(value, name=name)
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            saver.save(sess, str(folder / "model.ckpt"))
     hparams = {"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB, "n_head": HEADS, "n_layer": LAYERS}
-    (folder / "hparams.json").write_text(json.dumps(hparams))
+    folder = write_tf_checkpoint(tmp_path_factory.mktemp("ckpt"), arrays, hparams)
     assert sorted(n for n, _ in tf.train.list_variables(str(folder / "model.ckpt"))) == sorted(arrays)
     return folder, arrays
 
