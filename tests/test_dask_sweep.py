@@ -24,11 +24,7 @@ from rich.console import Console  # noqa: E402
 from tiny import TINY_BASE
 
 from lora_bench.errors import UsageError  # noqa: E402
-from lora_bench.sweep.dask_runner import (  # noqa: E402
-    local_workers,
-    run_sweep_dask,
-    start_local_cluster,
-)
+from lora_bench.sweep.dask_runner import local_workers, run_sweep_dask, start_local_cluster  # noqa: E402
 from lora_bench.sweep.spec import load_sweep  # noqa: E402
 
 TINY = TINY_BASE

@@ -9,14 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lora_bench.cli.options import (
-    PRECEDENCE,
-    CacheDir,
-    NoProgress,
-    Overrides,
-    console,
-    results_dir_option,
-)
+from lora_bench.cli.options import PRECEDENCE, CacheDir, NoProgress, Overrides, console, results_dir_option
 from lora_bench.config import (
     PATH_SETTINGS,
     TrainConfig,

@@ -105,12 +105,7 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
     it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
     torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
-    from lora_bench.train.distributed import (
-        exit_rank,
-        rank_device,
-        rank_env,
-        rank_errors,
-    )
+    from lora_bench.train.distributed import exit_rank, rank_device, rank_env, rank_errors
     from lora_bench.train.preflight import check_machine
     from lora_bench.train.run import execute_run, make_run_id
 

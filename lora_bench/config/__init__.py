@@ -48,11 +48,7 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
     flag_name,
     key_name,
 )
-from lora_bench.config.files import (  # noqa: F401  re-exported
-    parse_overrides,
-    read_settings_file,
-    resolve_paths,
-)
+from lora_bench.config.files import parse_overrides, read_settings_file, resolve_paths  # noqa: F401  re-exported
 from lora_bench.config.rules import (  # noqa: F401  re-exported
     SCALARS,
     Problem,

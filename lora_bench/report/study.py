@@ -34,13 +34,7 @@ from lora_bench.report.aggregate import (
 )
 from lora_bench.report.empty import why_empty
 from lora_bench.report.load import MODE, RUN_DIR, kernel_counts
-from lora_bench.report.names import (
-    MODE_FIELDS,
-    condition_text,
-    is_blank,
-    setting_name,
-    value_text,
-)
+from lora_bench.report.names import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.timing import PHASES
 

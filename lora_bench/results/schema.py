@@ -132,3 +132,14 @@ def column_index() -> dict[str, Column]:
 def settings_columns(cfg: TrainConfig) -> dict:
     """A run's settings as its ``cfg_*`` columns."""
     return {SETTING_PREFIX + k: v for k, v in cfg.to_dict().items()}
+
+
+def cfg_columns(cfg: TrainConfig) -> dict:
+    """The settings part of a run's row, whoever records it (the run, a sweep for a run that died,
+    the launcher of a data-parallel run): the headline settings, then every ``cfg_*`` column."""
+    return {
+        "model_size": cfg.model_size, "weights": cfg.weights, "trainable_layers": cfg.trainable_layers,
+        "lora_rank": cfg.lora_rank if cfg.is_lora else None,
+        "lora_alpha": cfg.lora_alpha if cfg.is_lora else None,
+        "warmup_steps": cfg.warmup_steps, **settings_columns(cfg),
+    }

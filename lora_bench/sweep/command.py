@@ -14,13 +14,7 @@ from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
-from lora_bench.sweep.spec import (
-    PlannedRun,
-    Sweep,
-    load_sweep,
-    parse_shard,
-    select_shard,
-)
+from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
 
 
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
@@ -79,9 +73,7 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
     start_invocation()  # its runs, also in child processes, record this command line and commit
     if dask:
         require("distributed", purpose="lora-bench sweep --workers / --scheduler", extra="distributed")
-        from lora_bench.sweep.dask_runner import (
-            run_sweep_dask,  # dask: an optional dependency
-        )
+        from lora_bench.sweep.dask_runner import run_sweep_dask  # dask: an optional dependency
 
         result = run_sweep_dask(sw, results_dir=results_dir, console=console, workers=workers or None,
                                 scheduler=scheduler, fresh=fresh, shard=selected, progress=progress,

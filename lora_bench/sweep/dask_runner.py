@@ -48,42 +48,15 @@ from pathlib import Path
 
 import dask
 import torch
-from distributed import (
-    Client,
-    Nanny,
-    Scheduler,
-    SpecCluster,
-    WorkerPlugin,
-    get_worker,
-    wait,
-)
+from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin, get_worker, wait
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.results.claims import (
-    CLAIM_NAME,
-    RunClaim,
-    claim_run,
-    claimant,
-    try_claim,
-)
+from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
-from lora_bench.results.store import (
-    RUN_RECORD,
-    check_results_dir,
-    result_rows,
-    run_record,
-    upsert_run,
-)
-from lora_bench.sweep.isolation import (
-    GRACE_S,
-    Interrupts,
-    Job,
-    base_row,
-    rewrite_record,
-    run_job,
-)
+from lora_bench.results.store import RUN_RECORD, check_results_dir, result_rows, run_record, upsert_run
+from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, rewrite_record, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.runner import SweepResult, preflight, print_run, sweep_progress
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard

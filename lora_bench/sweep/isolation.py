@@ -31,7 +31,7 @@ from lora_bench.config import TrainConfig
 from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import RunClaim
-from lora_bench.results.schema import settings_columns
+from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, run_record, upsert_run
 from lora_bench.train import run as train_run
 
@@ -215,11 +215,7 @@ def rewrite_record(path: Path, row: dict) -> None:
 
 def base_row(job: Job) -> dict:
     """The row of a run recorded by someone other than the run itself: its settings and provenance."""
-    cfg = job.cfg
-    return {"run_id": job.run_id, "model_size": cfg.model_size, "weights": cfg.weights,
-            "trainable_layers": cfg.trainable_layers, "lora_rank": cfg.lora_rank if cfg.is_lora else None,
-            "lora_alpha": cfg.lora_alpha if cfg.is_lora else None, "warmup_steps": cfg.warmup_steps,
-            **settings_columns(cfg), **job.extra}
+    return {"run_id": job.run_id, **cfg_columns(job.cfg), **job.extra}
 
 
 def _exit_text(rc: int, log: Path) -> str:

@@ -38,9 +38,10 @@ from lora_bench.errors import EXIT_INTERRUPTED, UsageError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation, start_invocation
+from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
-from lora_bench.train.run import cfg_columns, existing_run
+from lora_bench.train.run import existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 

@@ -11,12 +11,7 @@ from typing import Callable
 import torch
 
 from lora_bench.timing import PhaseTimer
-from lora_bench.train.evaluate import (
-    AmpContext,
-    calc_accuracy_loader,
-    calc_loss_batch,
-    evaluate_model,
-)
+from lora_bench.train.evaluate import AmpContext, calc_accuracy_loader, calc_loss_batch, evaluate_model
 
 
 @dataclass

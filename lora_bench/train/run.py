@@ -23,13 +23,7 @@ from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_sp
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import Interrupted, UsageError
 from lora_bench.fileio import atomic_write_text, check_writable_dir
-from lora_bench.kernels.policy import (
-    PlanLog,
-    current_policy,
-    policy_from_env,
-    record_plans,
-    use_policy,
-)
+from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, package_versions
@@ -38,15 +32,8 @@ from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
-from lora_bench.results.schema import STEP_COLUMNS, settings_columns
-from lora_bench.results.store import (
-    RUN_RECORD,
-    check_results_dir,
-    read_run_table,
-    run_record,
-    upsert_run,
-    write_csv,
-)
+from lora_bench.results.schema import STEP_COLUMNS, cfg_columns
+from lora_bench.results.store import RUN_RECORD, check_results_dir, read_run_table, run_record, upsert_run, write_csv
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
@@ -416,15 +403,6 @@ def _record(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, step
         console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
                       f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
                       highlight=False)
-
-
-def cfg_columns(cfg: TrainConfig) -> dict:
-    return {
-        "model_size": cfg.model_size, "weights": cfg.weights, "trainable_layers": cfg.trainable_layers,
-        "lora_rank": cfg.lora_rank if cfg.is_lora else None,
-        "lora_alpha": cfg.lora_alpha if cfg.is_lora else None,
-        "warmup_steps": cfg.warmup_steps, **settings_columns(cfg),
-    }
 
 
 def _peer_versions(cfg: TrainConfig) -> dict:
