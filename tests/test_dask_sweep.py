@@ -168,3 +168,11 @@ def test_usage_errors():
     assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["NVSHMEM_DISABLE_NVLS"] == "1" for e in envs)
     assert [e.get("CUDA_VISIBLE_DEVICES") for e in local_workers(None, 2)] == ["0", "1"]
     assert "CUDA_VISIBLE_DEVICES" not in local_workers(2, 0)[0]
+
+
+def test_workers_with_a_scheduler_is_refused_before_anything_is_written(tmp_path):
+    sweep = load_sweep(write(tmp_path, "name: x\nbase:\n" + TINY_BASE))
+    with pytest.raises(UsageError, match="exclude each other"):
+        run_sweep_dask(sweep, results_dir=tmp_path / "r", console=Console(quiet=True), workers=2,
+                       scheduler="tcp://127.0.0.1:9")
+    assert not (tmp_path / "r").exists()

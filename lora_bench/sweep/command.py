@@ -91,8 +91,6 @@ def use_dask(sw: Sweep, *, workers: int | None, scheduler: str | None, isolation
     and dask is installed, else here."""
     if workers is not None and workers < 0:
         raise UsageError(f"--workers {workers}: use 0 (one run at a time, here) or more")
-    if scheduler is not None and workers is not None:
-        raise UsageError("--workers and --scheduler exclude each other: the scheduler's cluster has its own workers")
     if (scheduler is not None or workers) and isolation != "process":
         raise UsageError("--workers / --scheduler run each run in a child process; drop --isolation inline")
     if scheduler is not None or workers:

@@ -53,12 +53,20 @@ from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
+from lora_bench.fileio import atomic_write_bytes
 from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
-from lora_bench.results.store import RUN_RECORD, check_results_dir, result_rows, run_record, upsert_run
+from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
 from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, rewrite_record, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
-from lora_bench.sweep.runner import SweepResult, preflight, print_run, sweep_progress
+from lora_bench.sweep.runner import (
+    SweepResult,
+    finished_elsewhere,
+    planned_records,
+    preflight,
+    print_run,
+    sweep_progress,
+)
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.distributed import NO_MULTICAST_ENV
 
@@ -153,8 +161,6 @@ def start_local_cluster(envs: list[dict[str, str]]):
 def connect(*, workers: int | None, scheduler: str | None, console):
     """(client, cluster or None): the scheduler named, or a new local cluster."""
     if scheduler is not None:
-        if workers is not None:
-            raise UsageError("--workers and --scheduler exclude each other: the scheduler's cluster has its own workers")
         try:
             client = Client(scheduler, timeout="20s")
         except OSError as e:
@@ -208,11 +214,7 @@ def store_result(results_dir: Path, payload: dict) -> dict:
             spec = json.loads(data)
             spec["results_dir"] = str(results_dir)
             data = json.dumps(spec, indent=1).encode()
-        dest = run_dir / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
+        atomic_write_bytes(run_dir / rel, data)
     upsert_run(Path(results_dir) / "runs.csv", row)
     return row
 
@@ -231,7 +233,7 @@ def record_lost(job: Job, *, status: str, error: str) -> dict:
 def claim_runs(todo: list[PlannedRun], *, results_dir: Path, result: SweepResult, console) -> dict[str, RunClaim]:
     """Claim the folder of each run to submit. A run claimed by another process is left to it; one
     that another process finished since the plan was made counts as done elsewhere."""
-    seen = {r["run_id"]: r.get("started_at") for r in result_rows(results_dir, warn=None)}
+    seen = planned_records(results_dir)
     claims: dict[str, RunClaim] = {}
     for run in todo:
         claim = try_claim(results_dir / run.run_id)
@@ -240,8 +242,7 @@ def claim_runs(todo: list[PlannedRun], *, results_dir: Path, result: SweepResult
             console.print(f"[yellow]…[/yellow] {run.run_id} is running in another process"
                           f"{f' (pid {pid})' if pid else ''}; left to it", highlight=False)
             continue
-        mine = run_record(results_dir / run.run_id)
-        if mine is not None and mine.get("status") == "done" and mine.get("started_at") != seen.get(run.run_id):
+        if finished_elsewhere(results_dir, run.run_id, seen):
             result.elsewhere += 1
             claim.release()
             continue
@@ -253,6 +254,8 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
                    scheduler: str | None = None, fresh: bool = False, shard: tuple[int, int] | None = None,
                    progress: bool = True, cache_dir: Path | None = None) -> SweepResult:
     """``runner.run_sweep`` on a Dask cluster: the same resume, claims, records and result."""
+    if scheduler is not None and workers is not None:
+        raise UsageError("--workers and --scheduler exclude each other: the scheduler's cluster has its own workers")
     results_dir = Path(results_dir)
     runs = select_shard(sweep.runs, shard)
     check_devices(runs)
@@ -268,12 +271,14 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
     if not todo:
         return result
     token = uuid.uuid4().hex[:12]
-    claims = claim_runs(todo, results_dir=results_dir, result=result, console=console)
-    todo = [r for r in todo if r.run_id in claims]
-    with _Stop() as stop:
-        client, cluster = connect(workers=workers, scheduler=scheduler, console=console) if todo else (None, None)
-        try:
-            if client is not None:
+    # the cluster first: a scheduler that cannot be reached leaves no claimed run folder behind
+    client, cluster = connect(workers=workers, scheduler=scheduler, console=console)
+    claims: dict[str, RunClaim] = {}
+    try:
+        claims = claim_runs(todo, results_dir=results_dir, result=result, console=console)
+        todo = [r for r in todo if r.run_id in claims]
+        with _Stop() as stop:
+            if todo:
                 n = len(client.scheduler_info(n_workers=-1)["workers"])
                 console.print(f"dask: {n} worker(s) at {client.scheduler.address}; {len(todo)} run(s) to go",
                               highlight=False)
@@ -289,13 +294,12 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
                     task = bar.add_task(sweep.name, total=len(todo))
                     _collect(client, jobs, result, stop=stop, token=token, bar=bar, task=task,
                              results_dir=results_dir, claims=claims)
-        finally:
-            if client is not None:
-                client.close()
-            if cluster is not None:
-                cluster.close()
-            for claim in claims.values():
-                claim.release()
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+        for claim in claims.values():
+            claim.release()
     result.interrupted = bool(stop.signals)
     repair_runs_csv(results_dir)
     return result

@@ -73,9 +73,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     repair_runs_csv(results_dir)
     status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
     todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
-    # what each run's own record said when planned: a different finished record found later was
-    # written by another process sharing this folder
-    seen = {r["run_id"]: r.get("started_at") for r in result_rows(results_dir, warn=None)}
+    seen = planned_records(results_dir)
     result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
@@ -83,8 +81,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
 
         def execute(run: PlannedRun, claim: RunClaim) -> None:
             with claim:
-                mine = run_record(results_dir / run.run_id)
-                if mine is not None and mine.get("status") == "done" and mine.get("started_at") != seen.get(run.run_id):
+                if finished_elsewhere(results_dir, run.run_id, seen):
                     result.elsewhere += 1
                     bar.console.print(f"[green]✓[/green] done elsewhere {'':>22}{run.run_id}  (by another process)",
                                       highlight=False)
@@ -124,6 +121,18 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
         result.interrupted = stop.stopped
     repair_runs_csv(results_dir)
     return result
+
+
+def planned_records(results_dir: Path) -> dict[str, str | None]:
+    """{run id: start of its record} as the folder holds them when the sweep is planned."""
+    return {r["run_id"]: r.get("started_at") for r in result_rows(results_dir, warn=None)}
+
+
+def finished_elsewhere(results_dir: Path, run_id: str, planned: dict[str, str | None]) -> bool:
+    """Whether another process sharing the folder finished ``run_id`` since the plan was made: its
+    record is done and is not the one seen then. Asked while holding the run's claim."""
+    mine = run_record(results_dir / run_id)
+    return mine is not None and mine.get("status") == "done" and mine.get("started_at") != planned.get(run_id)
 
 
 def preflight(runs: list[PlannedRun], console) -> None:
