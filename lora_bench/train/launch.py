@@ -41,7 +41,7 @@ from lora_bench.results.manifest import record_invocation, start_invocation
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
-from lora_bench.train.run import existing_run
+from lora_bench.train.run import refuse_existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
@@ -80,11 +80,8 @@ def check_run_id(results_dir: Path, run_id: str, *, overwrite: bool) -> None:
         pid = claimant(run_dir)
         raise UsageError(f"run id {run_id!r} is running in another process{f' (pid {pid})' if pid else ''}")
     with claim:
-        old = existing_run(Path(results_dir), run_id)
-        if old is not None and not overwrite:
-            raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
-                             f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
-                             "--overwrite to replace it")
+        if not overwrite:
+            refuse_existing_run(Path(results_dir), run_id)
         (run_dir / RUN_RECORD).unlink(missing_ok=True)
 
 

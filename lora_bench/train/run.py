@@ -212,7 +212,7 @@ class RaiseOnSignal:
             signal.signal(s, h)
 
 
-def existing_run(results_dir: Path, run_id: str) -> dict | None:
+def _existing_run(results_dir: Path, run_id: str) -> dict | None:
     """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
     row = run_record(results_dir / run_id)
     if row is not None:
@@ -226,6 +226,15 @@ def existing_run(results_dir: Path, run_id: str) -> dict | None:
         if run_id in table.torn_ids():
             return {"run_id": run_id, "status": "unknown (its runs.csv row is cut mid-way)"}
     return None
+
+
+def refuse_existing_run(results_dir: Path, run_id: str) -> None:
+    """UsageError when ``run_id`` is already recorded in ``results_dir``: ids are never reused silently."""
+    old = _existing_run(results_dir, run_id)
+    if old is not None:
+        raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
+                         f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
+                         "--overwrite to replace it")
 
 
 def rank_settings(cfg: TrainConfig, env: RankEnv | None) -> TrainConfig:
@@ -284,11 +293,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         held = claim if claim is not None else claim_run(run_dir)
     try:
         if main and not overwrite:
-            old = existing_run(results_dir, run_id)
-            if old is not None:
-                raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
-                                 f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
-                                 "--overwrite to replace it")
+            refuse_existing_run(results_dir, run_id)
         if main:  # a stale record of an earlier attempt must not be mistaken for this attempt's
             (run_dir / RUN_RECORD).unlink(missing_ok=True)
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
