@@ -99,7 +99,7 @@ def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] |
                 if fresh:
                     raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}") from None
     except DownloadError as e:
-        reason = str(e).splitlines()[0]
+        reason = str(e).splitlines()[0].rstrip(":")  # the first line; the URLs and their errors follow it
         corpus = packaged_sms_spam()
         note(f"note: using the SMS Spam Collection shipped with lora-bench ({reason})")
         return corpus
