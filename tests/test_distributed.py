@@ -80,22 +80,35 @@ def train(model, step_model, shard, timer):
         timer.end(loss, tokens=x.numel())
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, bucket_mb: float = 25.0) -> None:
     torch.set_num_threads(1)
     env = rank_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dp = DataParallel.start(env, device="cpu", batch_size=GLOBAL_BATCH, timeout_s=60)
     model = tiny_model()
-    ddp = dp.wrap(model)
+    ddp = dp.wrap(model, bucket_mb=bucket_mb)
     timer = dp.phase_timer("events", warmup_steps=1)
     train(model, ddp, dp.shard, timer)
     extra = dp.gather(timer)
     rows = timer.step_rows("r")
+    from lora_bench.train.evaluate import calc_loss_batch
+
+    calc_loss_batch(*dp.shard(*batches()[0]), ddp).backward()  # one more backward, to look at its gradients
+    views = [p.grad is not None and p.grad._base is not None for p in model.parameters()]
     if dp.is_main:
-        torch.save({"losses": [r["loss"] for r in rows], "rows": rows, "extra": extra,
+        torch.save({"losses": [r["loss"] for r in rows], "rows": rows, "extra": extra, "views": views,
                     "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}, out)
     dp.close()
+
+
+def run_ranks(out: Path, *, bucket_mb: float = 25.0) -> dict:
+    ctx = mp.start_processes(_rank_main, args=(2, free_port(), str(out), bucket_mb), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "DDP ranks did not finish"
+    return torch.load(out, weights_only=True)
 
 
 def test_ddp_on_slices_equals_one_process_on_the_global_batch(tmp_path):
@@ -103,12 +116,7 @@ def test_ddp_on_slices_equals_one_process_on_the_global_batch(tmp_path):
     in the order of floating-point reductions (two half-batch means averaged vs one mean)."""
     from lora_bench.timing import PhaseTimer
 
-    out = tmp_path / "ddp.pt"
-    ctx = mp.start_processes(_rank_main, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        assert time.monotonic() < deadline, "DDP ranks did not finish"
-    got = torch.load(out, weights_only=True)
+    got = run_ranks(tmp_path / "ddp.pt")
 
     model = tiny_model()
     timer = PhaseTimer("events", torch.device("cpu"), warmup_steps=1)
@@ -130,6 +138,16 @@ def test_ddp_on_slices_equals_one_process_on_the_global_batch(tmp_path):
     assert extra["world_size"] == 2 and extra["allreduce_buckets"] >= 1
     assert 0 < extra["rank_step_ms_min"] <= extra["rank_step_ms_max"]
     assert got["env"] == NO_MULTICAST_ENV
+
+
+def test_the_bucket_size_sets_how_many_all_reduces_a_step_makes(tmp_path):
+    """ddp_bucket_mb is DDP's bucket cap: the tiny model's 6.4 MiB of gradients fit one 25 MiB bucket,
+    and 0.01 MiB buckets split them into many all-reduces; the losses do not depend on it, and the gradients are views
+    into the buckets (gradient_as_bucket_view)."""
+    few, many = run_ranks(tmp_path / "few.pt"), run_ranks(tmp_path / "many.pt", bucket_mb=0.01)
+    assert few["extra"]["allreduce_buckets"] == 1 and many["extra"]["allreduce_buckets"] >= 5
+    torch.testing.assert_close(torch.tensor(many["losses"]), torch.tensor(few["losses"]), rtol=1e-5, atol=0)
+    assert all(many["views"]) and all(few["views"])
 
 
 def test_indivisible_global_batch_is_refused():

@@ -135,6 +135,10 @@ class Settings:
                         "AdamW(fused=True), the whole update in a few kernels.", MODES, choices=OPTIMIZERS)
     nproc: int = _s(1, "Data-parallel processes (DDP, one per GPU, started under torchrun on this host); "
                     "batch_size stays the global batch, split evenly over them.", MODES, minimum=1)
+    ddp_bucket_mb: float = _s(25.0, "With nproc > 1: the size of DDP's gradient buckets in MiB (torch's default "
+                              "25). Smaller buckets start the all-reduce earlier in backward; one bucket larger "
+                              "than all trainable gradients exchanges them once, as backward ends.", MODES,
+                              minimum=0, exclusive=True)
     # measurement
     timing: str = _s("events", "Phase timing: events (CUDA events), sync (synchronises after each phase, which "
                      "perturbs the step), off.", MEASUREMENT, choices=TIMING)

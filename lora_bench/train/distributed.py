@@ -289,14 +289,17 @@ class DataParallel:
         sl = rank_slice(inputs.shape[0], self.env)
         return inputs[sl], targets[sl]
 
-    def wrap(self, model: torch.nn.Module, *, timed: bool = True) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, *, timed: bool = True, bucket_mb: float = 25.0) -> torch.nn.Module:
         """DDP around ``model`` (its parameters are broadcast from rank 0). Buffers are constants
-        (the causal mask), so they are not re-broadcast at every forward."""
+        (the causal mask), so they are not re-broadcast at every forward. The gradients are views
+        into DDP's buckets (no copy into the buckets and back, no second copy of the gradients in
+        memory); ``bucket_mb`` is DDP's ``bucket_cap_mb``."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         # torch >= 2.13 names the option forward_sync_buffers (broadcast_buffers is deprecated)
         sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                 else "broadcast_buffers")
-        self.ddp = DDP(model, device_ids=ids, output_device=ids[0] if ids else None, **{sync: False})
+        self.ddp = DDP(model, device_ids=ids, output_device=ids[0] if ids else None, bucket_cap_mb=bucket_mb,
+                       gradient_as_bucket_view=True, **{sync: False})
         if timed:
             self.allreduce = AllReduceTimer(device=self.device, world_size=self.env.world_size)
             self.ddp.register_comm_hook(None, self.allreduce.hook)

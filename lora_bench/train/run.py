@@ -150,7 +150,7 @@ class RunContext:
         if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
             if cfg.compile and cfg.compile_scope == "blocks":
                 compile_model(self.model, "blocks")
-            wrapped = dp.wrap(self.model, timed=cfg.timing != "off")
+            wrapped = dp.wrap(self.model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb)
             self.forward_model = (compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model"
                                   else wrapped)
         else:
