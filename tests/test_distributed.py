@@ -318,6 +318,32 @@ def test_nproc_2_on_two_gpus_trains_as_one_gpu_and_times_the_allreduce(tmp_path,
     two = steps["two"]
     assert (two["allreduce_ms"] > 0).all() and (two["allreduce_exposed_ms"] <= two["allreduce_ms"] + 1e-3).all()
     assert (two["allreduce_ms"] <= two["backward_ms"] + 1e-3).all()
+
+
+@pytest.mark.gpu
+def test_nproc_2_with_cuda_graphs_replays_the_one_gpu_step(tmp_path, run_cli, ranks_import_this_tree):
+    """DDP captured with its all-reduces in the backward graph: the losses of the one-GPU graphed run
+    (fp32, TF32 off; the two differ in the order of reductions) and of the eager two-GPU run, in
+    one bucket and in many."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    args = [a if a != "cpu" else "cuda" for a in train_args(tmp_path / "r", tmp_path / "cache", "--max-steps", "16")]
+    assert run_cli(*args, "--cuda-graphs", "--run-id", "one")[0] == 0
+    for run_id, extra in (("two", ()), ("many", ("--ddp-bucket-mb", "0.01"))):
+        code, out = run_cli(*args, "--cuda-graphs", "--nproc", "2", *extra, "--run-id", run_id)
+        assert code == 0, out
+    code, out = run_cli(*args, "--nproc", "2", "--run-id", "eager")
+    assert code == 0, out
+    import pandas as pd
+
+    steps = {k: pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two", "many", "eager")}
+    for k in ("two", "many", "eager"):
+        torch.testing.assert_close(torch.tensor(steps[k]["loss"].values), torch.tensor(steps["one"]["loss"].values),
+                                   rtol=1e-4, atol=0, msg=k)
+    assert steps["one"]["loss"].iloc[0] != steps["one"]["loss"].iloc[-1]
+    runs = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id")
+    assert runs.loc["two", "world_size"] == 2 and runs.loc["two", "cfg_cuda_graphs"]
+    assert pd.isna(runs.loc["two", "allreduce_ms_median"])  # no per-bucket events inside a capture
     row = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id").loc["two"]
     assert row["world_size"] == 2 and row["device"] == "cuda:0" and row["timing_clock"] == "cuda_events"
 
@@ -331,8 +357,10 @@ def test_nproc_setting_rules_and_run_ids():
     assert settings_hash(TrainConfig(nproc=2)) != settings_hash(TrainConfig())  # the measurement differs
     text = " | ".join(render(TrainConfig(nproc=3, batch_size=8, device="cuda:1", cuda_graphs=True).problems()))
     assert "batch_size 8 does not split over 3 processes (nproc=3)" in text and "nproc one of 1, 2, 4, 8" in text
-    assert "device='cuda:1' with nproc=3" in text and "nproc=3 cannot be combined with cuda_graphs" in text
+    assert "device='cuda:1' with nproc=3" in text and "cuda_graphs" not in text  # a captured DDP step is allowed
     assert TrainConfig(nproc=2, batch_size=8).problems() == []
+    assert TrainConfig(nproc=2, batch_size=8, device="cuda", cuda_graphs=True, ddp_bucket_mb=1000).problems() == []
+    assert "ddp_bucket_mb" in " ".join(render(TrainConfig(nproc=2, batch_size=8, ddp_bucket_mb=0).problems()))
 
 
 def test_rank_settings_take_the_world_size():

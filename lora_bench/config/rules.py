@@ -157,7 +157,7 @@ def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: T
 
 def _data_parallel_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[Problem]:
     """What several data-parallel processes rule out: a global batch they cannot share equally, one
-    GPU named for all of them, a captured step (DDP's all-reduces are not captured)."""
+    GPU named for all of them."""
     out = []
     n = v["nproc"]
     if ok("batch_size") and v["batch_size"] % n:
@@ -169,9 +169,6 @@ def _data_parallel_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> li
     if ok("device") and v["device"].startswith("cuda:"):
         out.append(problem("device", "{device}={d} with {nproc}={n}: each process uses the GPU of its rank; use "
                                      "{device}=cuda or auto", d=v["device"], n=raw(n)))
-    if ok("cuda_graphs") and v["cuda_graphs"]:
-        out.append(problem("nproc", "{nproc}={n} cannot be combined with {cuda_graphs} (DDP's all-reduces are not "
-                                    "captured); drop one of them", n=raw(n)))
     return out
 
 

@@ -56,6 +56,8 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.timing import PhaseTimer
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GRAPH_CAPTURE_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+GRAPH_WARMUP_ITERS = 11  # eager DDP iterations before a capture (torch's notes on CUDA graphs with DDP)
 RANK_ERRORS_ENV = "LORA_BENCH_RANK_ERRORS"  # folder where a failing rank leaves rank<R>.json
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 QUIESCE_S = 0.5  # how long ``close`` lets gloo's worker threads finish before destroying the group
@@ -267,11 +269,17 @@ class DataParallel:
         self.allreduce: AllReduceTimer | None = None
 
     @classmethod
-    def start(cls, env: RankEnv, *, device: str, batch_size: int,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> "DataParallel":
-        """Check the batch, pin the device, join the process group (gloo on CPU, NCCL on CUDA)."""
+    def start(cls, env: RankEnv, *, device: str, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+              cuda_graphs: bool = False) -> "DataParallel":
+        """Check the batch, pin the device, join the process group (gloo on CPU, NCCL on CUDA).
+        A step captured as CUDA graphs holds its all-reduces in the graph: NCCL's asynchronous
+        error handling (a watchdog that queries the collectives' events) is turned off for it, as
+        torch's notes on CUDA graphs with DDP ask; a failing rank still ends the job, through the
+        launcher."""
         check_global_batch(batch_size, env.world_size)
         os.environ.update(NO_MULTICAST_ENV)  # before NCCL reads them, whoever launched this process
+        if cuda_graphs:
+            os.environ.update(GRAPH_CAPTURE_ENV)
         dev = rank_device(env, device)
         if not dist.is_initialized():
             kw = {"device_id": dev} if dev.type == "cuda" else {}
@@ -289,17 +297,31 @@ class DataParallel:
         sl = rank_slice(inputs.shape[0], self.env)
         return inputs[sl], targets[sl]
 
-    def wrap(self, model: torch.nn.Module, *, timed: bool = True, bucket_mb: float = 25.0) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, *, timed: bool = True, bucket_mb: float = 25.0,
+             cuda_graphs: bool = False) -> torch.nn.Module:
         """DDP around ``model`` (its parameters are broadcast from rank 0). Buffers are constants
         (the causal mask), so they are not re-broadcast at every forward. The gradients are views
         into DDP's buckets (no copy into the buckets and back, no second copy of the gradients in
-        memory); ``bucket_mb`` is DDP's ``bucket_cap_mb``."""
+        memory); ``bucket_mb`` is DDP's ``bucket_cap_mb``.
+
+        For a step captured as CUDA graphs, DDP is built on a side stream (torch's notes on CUDA
+        graphs with DDP) and the all-reduces are DDP's own, captured in the backward graph: the
+        timing hook's per-bucket events cannot be recorded inside a capture, so such a run has no
+        all-reduce columns; its backward phase holds the exchange."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         # torch >= 2.13 names the option forward_sync_buffers (broadcast_buffers is deprecated)
         sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                 else "broadcast_buffers")
-        self.ddp = DDP(model, device_ids=ids, output_device=ids[0] if ids else None, bucket_cap_mb=bucket_mb,
-                       gradient_as_bucket_view=True, **{sync: False})
+        kw = dict(device_ids=ids, output_device=ids[0] if ids else None, bucket_cap_mb=bucket_mb,
+                  gradient_as_bucket_view=True, **{sync: False})
+        if cuda_graphs and self.device.type == "cuda":
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.ddp = DDP(model, **kw)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return self.ddp
+        self.ddp = DDP(model, **kw)
         if timed:
             self.allreduce = AllReduceTimer(device=self.device, world_size=self.env.world_size)
             self.ddp.register_comm_hook(None, self.allreduce.hook)

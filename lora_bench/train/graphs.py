@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from lora_bench.kernels.policy import graph_plan
+from lora_bench.train.distributed import GRAPH_WARMUP_ITERS
 from lora_bench.train.evaluate import calc_loss_batch
 
 WARMUP_ITERS = 3
@@ -43,6 +44,10 @@ class GraphedStep:
         self.amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
                     if cfg.precision == "bf16" else contextlib.nullcontext)
         self.graphs: tuple[torch.cuda.CUDAGraph, ...] | None = None
+        # data-parallel: DDP's all-reduces are captured in the backward graph, after the eager
+        # iterations DDP needs first (its buckets are rebuilt after the first, and it logs at the
+        # tenth); every rank warms up, restores and captures the same way
+        self.data_parallel = getattr(ctx, "dp", None) is not None
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self):
@@ -86,7 +91,7 @@ class GraphedStep:
             self._forward().backward()
             self.optimizer.step()
 
-        warm_up(step, WARMUP_ITERS)
+        warm_up(step, GRAPH_WARMUP_ITERS if self.data_parallel else WARMUP_ITERS)
         self._restore(snap)
         self.optimizer.zero_grad(set_to_none=True)
         g_fwd, g_bwd, g_opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

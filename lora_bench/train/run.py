@@ -150,7 +150,8 @@ class RunContext:
         if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
             if cfg.compile and cfg.compile_scope == "blocks":
                 compile_model(self.model, "blocks")
-            wrapped = dp.wrap(self.model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb)
+            wrapped = dp.wrap(self.model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb,
+                              cuda_graphs=cfg.cuda_graphs)
             self.forward_model = (compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model"
                                   else wrapped)
         else:
@@ -326,7 +327,7 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
 
     try:
         if env is not None:
-            dp = DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size)
+            dp = DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size, cuda_graphs=cfg.cuda_graphs)
         ctx = RunContext(cfg, cache_dir=cache_dir, progress=progress, dp=dp)
         row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
                    **environment(ctx.device))
