@@ -2,7 +2,7 @@
 # Data parallelism on one host with 2 GPUs: tokens/s of 124M and 1558M, lora and all, eager fp32 and
 # the fastest mode without compiling (CUDA graphs with DDP's all-reduces captured in the backward
 # graph, bf16, sdpa, fused ops, fused AdamW), on one GPU against two at the same per-GPU batch
-# (global 16) and at the same global batch (8); and the wall time of an 8-run sweep on one Dask
+# (global 16) and at the same global batch (8); and the wall time of a 16-run sweep on one Dask
 # worker against two.
 #
 #   benchmarks/ddp_scaling.sh RESULTS_DIR [DATA_FILE] [WHEEL_DIR]
@@ -67,9 +67,9 @@ ddp() {  # ddp SIZE GLOBAL_BATCH: lora and all, eager fp32 and fast, on 2 GPUs
 }
 
 SWEEP=(configs/dask-2gpu.yaml --data-file "$DATA" --no-progress --fresh)
-part "sweep-2-workers" 120 "$PY" -m lora_bench sweep "${SWEEP[@]}" --results-dir "$RESULTS/w2"
+part "sweep-2-workers" 180 "$PY" -m lora_bench sweep "${SWEEP[@]}" --results-dir "$RESULTS/w2"
 part "ddp-1558M-global-16" 180 ddp 1558M 16
-part "sweep-1-worker" 210 "$PY" -m lora_bench sweep "${SWEEP[@]}" --workers 1 --results-dir "$RESULTS/w1"
+part "sweep-1-worker" 320 "$PY" -m lora_bench sweep "${SWEEP[@]}" --workers 1 --results-dir "$RESULTS/w1"
 part "ddp-1558M-global-8" 180 ddp 1558M 8
 part "ddp-124M-global-16" 90 ddp 124M 16
 part "ddp-124M-global-8" 90 ddp 124M 8

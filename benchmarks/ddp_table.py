@@ -1,5 +1,5 @@
 """The table of ``benchmarks/ddp_scaling.sh``: for each model size, trainable set and mode, tokens/s
-on one GPU (the one-worker sweep's run, else the two-worker one's) and on two GPUs at a global
+on one GPU (the median of the one-worker sweep's repeats, else of the two-worker one's) and on two GPUs at a global
 batch of 16 (per-GPU batch 8) and of 8, with the speed-up, the all-reduce time per step and the
 part of it backward did not hide; then the sweep's wall time on one worker and on two.
 
@@ -27,8 +27,13 @@ def _done(path: Path) -> pd.DataFrame:
 
 
 def table(results: Path) -> pd.DataFrame:
-    one = pd.concat([_done(results / "w1" / "runs.csv"), _done(results / "w2" / "runs.csv")])
-    one = one.drop_duplicates(KEYS, keep="first").set_index(KEYS)
+    # the one-GPU tokens/s: the median over the one-worker sweep's repeats (each run had the host to
+    # itself), else over the two-worker sweep's
+    one = pd.concat([_done(results / "w1" / "runs.csv").assign(_src=0),
+                     _done(results / "w2" / "runs.csv").assign(_src=1)])
+    one["tokens_per_s"] = pd.to_numeric(one["tokens_per_s"], errors="coerce")
+    one = one[one["_src"] == one.groupby(KEYS)["_src"].transform("min")]
+    one = one.groupby(KEYS, sort=False)[["tokens_per_s"]].median()
     ddp = _done(results / "ddp" / "runs.csv")
     batch_size = pd.to_numeric(ddp["cfg_batch_size"], errors="coerce")  # runs.csv settings are text
     rows = []
