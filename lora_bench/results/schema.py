@@ -72,7 +72,7 @@ RUN_COLUMNS: list[Column] = [
     Column("rank_step_ms_min", "float64", "ms", "smallest per-rank median step time", "lower"),
     Column("rank_step_ms_max", "float64", "ms", "largest per-rank median step time (the ranks wait for the slowest)", "lower"),
     Column("rank_step_spread_pct", "float64", "%", "(max - min) / min of the per-rank median step times", "lower"),
-    Column("allreduce_ms_median", "float64", "ms", "per step, time during which a gradient bucket's all-reduce was pending or running (rank 0)", "lower"),
+    Column("allreduce_ms_median", "float64", "ms", "per step, time during which a gradient bucket's all-reduce was pending or running (rank 0; empty for a step captured as CUDA graphs)", "lower"),
     Column("allreduce_exposed_ms_median", "float64", "ms", "per step, all-reduce time after backward's compute ended: what backward did not hide", "lower"),
     Column("allreduce_buckets", "Int64", "buckets", "DDP gradient buckets all-reduced per step"),
     # sweep provenance (blank for one-off `lora-bench train` runs)
