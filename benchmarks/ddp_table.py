@@ -28,9 +28,10 @@ def _done(path: Path) -> pd.DataFrame:
 
 def table(results: Path) -> pd.DataFrame:
     # the one-GPU tokens/s: the median over the one-worker sweep's repeats (each run had the host to
-    # itself), else over the two-worker sweep's
+    # itself), else the lone runs in one/, else the two-worker sweep's
     one = pd.concat([_done(results / "w1" / "runs.csv").assign(_src=0),
-                     _done(results / "w2" / "runs.csv").assign(_src=1)])
+                     _done(results / "one" / "runs.csv").assign(_src=1),  # lora-kernel, alone on the host
+                     _done(results / "w2" / "runs.csv").assign(_src=2)])
     one["tokens_per_s"] = pd.to_numeric(one["tokens_per_s"], errors="coerce")
     one = one[one["_src"] == one.groupby(KEYS)["_src"].transform("min")]
     one = one.groupby(KEYS, sort=False)[["tokens_per_s"]].median()

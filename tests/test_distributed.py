@@ -264,6 +264,24 @@ def test_nproc_2_trains_as_one_process_and_records_the_ranks(tmp_path, run_cli, 
     assert len(pd.read_csv(tmp_path / "ddp" / "runs.csv")) == 1  # rank 1 wrote nothing
 
 
+def test_nproc_2_trains_the_fused_lora_layer_as_one_process(tmp_path, run_cli, ranks_import_this_tree):
+    """lora-kernel under DDP (its CPU path on gloo): only the adapters are DDP's parameters, and the
+    losses are the one-process run's (rtol 1e-5)."""
+    layers = ("--trainable-layers", "lora-kernel", "--lora-rank", "4")
+    code, out = run_cli(*train_args(tmp_path / "r", tmp_path / "cache", *layers, "--run-id", "one"))
+    assert code == 0, out
+    code, out = run_cli(*train_args(tmp_path / "r", tmp_path / "cache", *layers, "--nproc", "2", "--run-id", "two"))
+    assert code == 0, out
+    import pandas as pd
+
+    one, two = (pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two"))
+    torch.testing.assert_close(torch.tensor(two["loss"].values), torch.tensor(one["loss"].values), rtol=1e-5, atol=0)
+    assert one["loss"].iloc[0] != one["loss"].iloc[-1]
+    runs = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id")
+    assert runs.loc["two", "cfg_trainable_layers"] == "lora-kernel" and runs.loc["two", "world_size"] == 2
+    assert runs.loc["two", "trainable_params"] == runs.loc["one", "trainable_params"]
+
+
 def test_nproc_refuses_an_indivisible_batch_before_starting(tmp_path, run_cli):
     code, out = run_cli(*train_args(tmp_path / "r", tmp_path / "cache", "--nproc", "3"))
     assert code == 2 and "--batch-size 8 does not split over 3 processes" in out and "Traceback" not in out
@@ -329,6 +347,12 @@ def test_nproc_2_with_cuda_graphs_replays_the_one_gpu_step(tmp_path, run_cli, ra
         pytest.skip("needs two CUDA devices")
     args = [a if a != "cpu" else "cuda" for a in train_args(tmp_path / "r", tmp_path / "cache", "--max-steps", "16")]
     assert run_cli(*args, "--cuda-graphs", "--run-id", "one")[0] == 0
+    # the fused LoRA layer's graph plan under DDP, bf16 (its kernels round differently from fp32: its
+    # own one-GPU run is the reference)
+    fused = ("--trainable-layers", "lora-kernel", "--precision", "bf16", "--cuda-graphs")
+    assert run_cli(*args, *fused, "--run-id", "k1")[0] == 0
+    code, out = run_cli(*args, *fused, "--nproc", "2", "--run-id", "k2")
+    assert code == 0, out
     for run_id, extra in (("two", ()), ("many", ("--ddp-bucket-mb", "0.01"))):
         code, out = run_cli(*args, "--cuda-graphs", "--nproc", "2", *extra, "--run-id", run_id)
         assert code == 0, out
@@ -336,10 +360,12 @@ def test_nproc_2_with_cuda_graphs_replays_the_one_gpu_step(tmp_path, run_cli, ra
     assert code == 0, out
     import pandas as pd
 
-    steps = {k: pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two", "many", "eager")}
+    steps = {k: pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two", "many", "eager", "k1", "k2")}
     for k in ("two", "many", "eager"):
         torch.testing.assert_close(torch.tensor(steps[k]["loss"].values), torch.tensor(steps["one"]["loss"].values),
                                    rtol=1e-4, atol=0, msg=k)
+    torch.testing.assert_close(torch.tensor(steps["k2"]["loss"].values), torch.tensor(steps["k1"]["loss"].values),
+                               rtol=2e-2, atol=0)  # bf16: a few units of its 8-bit mantissa over 16 steps
     assert steps["one"]["loss"].iloc[0] != steps["one"]["loss"].iloc[-1]
     runs = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id")
     assert runs.loc["two", "world_size"] == 2 and runs.loc["two", "cfg_cuda_graphs"]
