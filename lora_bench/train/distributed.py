@@ -314,15 +314,15 @@ class DataParallel:
                 else "broadcast_buffers")
         kw = dict(device_ids=ids, output_device=ids[0] if ids else None, bucket_cap_mb=bucket_mb,
                   gradient_as_bucket_view=True, **{sync: False})
-        if cuda_graphs and self.device.type == "cuda":
-            side = torch.cuda.Stream(self.device)
+        captured = cuda_graphs and self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if captured else None
+        if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.ddp = DDP(model, **kw)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self.ddp = DDP(model, **kw)
+        if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
-            return self.ddp
-        self.ddp = DDP(model, **kw)
-        if timed:
+        if timed and not captured:
             self.allreduce = AllReduceTimer(device=self.device, world_size=self.env.world_size)
             self.ddp.register_comm_hook(None, self.allreduce.hook)
         return self.ddp
@@ -334,9 +334,6 @@ class DataParallel:
     def gather(self, timer: PhaseTimer) -> dict:
         """Collective, on every rank after the loop: the recorded step losses become the global
         batch's (mean over ranks); returns rank 0's extra result columns."""
-        return self._gather(timer)
-
-    def _gather(self, timer: PhaseTimer) -> dict:
         out: dict = {"world_size": self.env.world_size}
         if not timer.enabled:
             return out

@@ -47,7 +47,7 @@ class GraphedStep:
         # data-parallel: DDP's all-reduces are captured in the backward graph, after the eager
         # iterations DDP needs first (its buckets are rebuilt after the first, and it logs at the
         # tenth); every rank warms up, restores and captures the same way
-        self.data_parallel = getattr(ctx, "dp", None) is not None
+        self.data_parallel = ctx.dp is not None
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self):

@@ -293,9 +293,10 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         check_results_dir(results_dir)
         held = claim if claim is not None else claim_run(run_dir)
     try:
-        if main and not overwrite:
-            refuse_existing_run(results_dir, run_id)
-        if main:  # a stale record of an earlier attempt must not be mistaken for this attempt's
+        if main:
+            if not overwrite:
+                refuse_existing_run(results_dir, run_id)
+            # a stale record of an earlier attempt must not be mistaken for this attempt's
             (run_dir / RUN_RECORD).unlink(missing_ok=True)
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
             return _execute(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
