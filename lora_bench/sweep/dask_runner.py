@@ -56,15 +56,15 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import atomic_write_bytes
 from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
-from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
+from lora_bench.results.store import RUN_RECORD, upsert_run
 from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, rewrite_record, run_job
-from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
+from lora_bench.sweep.resume import repair_runs_csv
 from lora_bench.sweep.runner import (
     SweepResult,
     finished_elsewhere,
     planned_records,
-    preflight,
     print_run,
+    start_sweep,
     sweep_progress,
 )
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
@@ -257,17 +257,10 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
     if scheduler is not None and workers is not None:
         raise UsageError("--workers and --scheduler exclude each other: the scheduler's cluster has its own workers")
     results_dir = Path(results_dir)
-    runs = select_shard(sweep.runs, shard)
-    check_devices(runs)
-    if scheduler is None:  # the machine to ask is this one only for a local cluster
-        preflight(runs, console)
-    check_results_dir(results_dir)
-    if fresh:
-        forget_runs(results_dir, [r.run_id for r in runs])
-    repair_runs_csv(results_dir)
-    status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
-    todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
-    result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
+    check_devices(select_shard(sweep.runs, shard))
+    # the machine to ask is this one only for a local cluster
+    todo, result = start_sweep(sweep, results_dir=results_dir, console=console, fresh=fresh, shard=shard,
+                               check_machine=scheduler is None)
     if not todo:
         return result
     token = uuid.uuid4().hex[:12]

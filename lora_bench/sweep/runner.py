@@ -57,6 +57,23 @@ class SweepResult:
         return EXIT_INTERRUPTED if self.interrupted else (1 if self.count("failed") else 0)
 
 
+def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard: tuple[int, int] | None,
+                check_machine: bool = True) -> tuple[list[PlannedRun], SweepResult]:
+    """What every sweep runner does before its first run: the shard's runs, this machine's
+    problems with them (``check_machine``), a results folder to record in, earlier rows forgotten
+    (``fresh``) or repaired; returns the runs not yet done and the result to fill."""
+    runs = select_shard(sweep.runs, shard)
+    if check_machine:
+        preflight(runs, console)
+    check_results_dir(results_dir)  # a place to record, before the first run
+    if fresh:
+        forget_runs(results_dir, [r.run_id for r in runs])
+    repair_runs_csv(results_dir)
+    status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
+    todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
+    return todo, SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
+
+
 def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "process", fresh: bool = False,
               shard: tuple[int, int] | None = None, progress: bool = True,
               cache_dir: Path | None = None) -> SweepResult:
@@ -65,16 +82,8 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     if isolation not in ISOLATION:
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
     results_dir = Path(results_dir)
-    runs = select_shard(sweep.runs, shard)
-    preflight(runs, console)
-    check_results_dir(results_dir)  # a place to record, before the first run
-    if fresh:
-        forget_runs(results_dir, [r.run_id for r in runs])
-    repair_runs_csv(results_dir)
-    status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
-    todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
+    todo, result = start_sweep(sweep, results_dir=results_dir, console=console, fresh=fresh, shard=shard)
     seen = planned_records(results_dir)
-    result = SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
         task = bar.add_task(sweep.name, total=len(todo), current="")
