@@ -199,6 +199,23 @@ def test_index_leaves_out_process_state_and_the_files_of_runs_in_nested_folders(
         assert left_out not in text, left_out
 
 
+def test_index_takes_provenance_and_runs_from_a_studys_sub_folders(tmp_path, monkeypatch, fresh_invocation):
+    """A study whose runs live in sub-folders, each written by its own command: the study's entry in
+    the index names those commands, their devices and dates, and counts the runs of every runs.csv."""
+    study = tmp_path / "study"
+    man.set_description(study, "Two machines. One row each.")
+    for sub, rid, day in (("one", "r1", "2026-01-01"), ("two", "r2", "2026-01-02")):
+        write_csv(study / sub / "runs.csv", [_row(rid, started=f"{day}T00:00:00+00:00")], run_column_names())
+        monkeypatch.setattr(sys, "argv", ["lora-bench", "train", "--results-dir", str(study / sub)])
+        man.record_invocation(study / sub, outputs=["runs.csv"])
+    text = render_index(tmp_path)
+    assert "| [`study/`](#study) | Two machines | 2 | GPU X" in text and "| 2026-01-01 to " in text, text
+    assert f"`lora-bench train --results-dir {study / 'one'}`" in text, text
+    assert f"`lora-bench train --results-dir {study / 'two'}`" in text, text
+    assert "- runs: 2 in `one/runs.csv`, `two/runs.csv` (2 done)" in text, text
+    assert "- command: unknown" not in text.split("## study")[1]
+
+
 def test_committed_results_have_manifests_and_an_up_to_date_index():
     """results/README.md is generated: `lora-bench results index results` reproduces it from the
     committed folders (runs of this checkout's own, e.g. results/runs/, are not committed)."""

@@ -33,6 +33,7 @@ class FolderSummary:
     superseded: int = 0
     superseded_commits: list[str] = field(default_factory=list)
     reconstructed: bool = False
+    row_files: list[str] = field(default_factory=list)  # the runs.csv files the runs come from
     files: list[tuple[str, str]] = field(default_factory=list)  # (path, what: row count or size)
 
 
@@ -77,11 +78,25 @@ def _commits(entries: list[dict]) -> list[str]:
     return _unique(out)
 
 
+def _has_rows(folder: Path) -> bool:
+    return (folder / "runs.csv").is_file() or any(folder.glob("*/run.json"))
+
+
+def sub_studies(folder: Path) -> list[Path]:
+    """Folders directly inside ``folder`` that are results folders of their own (a manifest or a
+    runs.csv: e.g. a study's one-GPU and two-GPU runs), not run folders and not superseded rows."""
+    return sorted(p for p in Path(folder).iterdir()
+                  if p.is_dir() and p.name != SUPERSEDED and not p.name.startswith(".")
+                  and not (p / "run.json").is_file() and ((p / MANIFEST).is_file() or (p / "runs.csv").is_file()))
+
+
 def summarise(folder: Path) -> FolderSummary:
+    """One folder's summary; the provenance and rows of its sub-studies count as its own."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    entries = manifest["invocations"]
-    rows = result_rows(folder) if (folder / "runs.csv").is_file() or any(folder.glob("*/run.json")) else []
+    parts = [folder, *sub_studies(folder)]
+    entries = [e for part in parts for e in read_manifest(part)["invocations"]]
+    rows = [r for part in parts if _has_rows(part) for r in result_rows(part)]
     env = [e.get("environment", {}) for e in entries]
     devices = _unique([r.get("gpu_name") or r.get("device") for r in rows]
                       + [x.get("gpu_name") or x.get("gpus") for x in env])
@@ -95,7 +110,8 @@ def summarise(folder: Path) -> FolderSummary:
         runs=len(rows), done=sum(r.get("status") == "done" for r in rows),
         superseded=_csv_rows(folder / SUPERSEDED / "runs.csv") if (folder / SUPERSEDED / "runs.csv").is_file() else 0,
         superseded_commits=_commits(read_manifest(folder / SUPERSEDED)["invocations"]),
-        reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries))
+        reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries),
+        row_files=[(p.relative_to(folder) / "runs.csv").as_posix() for p in parts if _has_rows(p)])
     run_dirs = {r["run_id"] for r in rows}
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
@@ -147,7 +163,7 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
         lines.append(f"- device: {', '.join(s.devices) or UNKNOWN}")
         lines.append(f"- dates (UTC): {' to '.join(s.dates) or UNKNOWN}")
         if s.runs:
-            lines.append(f"- runs: {s.runs} in `runs.csv` ({s.done} done)"
+            lines.append(f"- runs: {s.runs} in {_cell(s.row_files, code=True).replace('<br>', ', ')} ({s.done} done)"
                          + (f"; {s.superseded} superseded in `{SUPERSEDED}/runs.csv`" if s.superseded else "")
                          + (f" (source commits {', '.join(s.superseded_commits)})" if s.superseded_commits else ""))
         if s.files:
