@@ -24,7 +24,6 @@ work closest to the frozen layer's cost (one cuBLAS GEMM each way). Candidates:
                    written straight into them; grad_A = xᵀ·(s·u), grad_B = (s·h)ᵀ·g
   kcat-cat         kcat with torch.cat building the concatenated activations
   kcat+ugb         kcat, the [g | s·u] buffer and grad_B written by one Triton launch that reads g once
-
 For each shape and candidate, on CUDA:
   1. check y, grad_x, grad_A, grad_B against float64 on fresh random inputs (not zeros), eagerly
      (the caching allocator's free blocks and every buffer a candidate allocates itself are NaN-filled
@@ -45,7 +44,12 @@ For each shape and candidate, on CUDA:
 
 ``--cpu-check`` runs step 1 on the CPU (torch ops; the Triton candidates only under Triton's
 interpreter, TRITON_INTERPRET=1, which gets bf16 dots wrong: use fp32/fp16 there).
-``--count-only`` (CUDA) runs steps 1 and 2. The short table prints last.
+``--count-only`` (CUDA) runs steps 1 and 2. ``--candidates frozen,lora-kernel,ncat+ab`` (commas or
+spaces) runs only those. The short table prints last.
+
+A candidate may have a preflight (``Candidate.preflight``) that says why it cannot run on given
+operands: it is then skipped, with the reason printed and in the CSV's note. A candidate whose
+check raises is reported as failed, not timed, and the study goes on.
 """
 
 from __future__ import annotations
@@ -375,6 +379,9 @@ class Candidate:
     call: Callable[[torch.Tensor, Params], torch.Tensor]
     triton: bool = False  # needs the project's Triton kernels
     adapters: bool = True  # False: the frozen layer (no LoRA term, no adapter gradients)
+    # (operands, log) -> (why the candidate cannot run on them, or None; a note for its row). Runs
+    # before the checks, on the check's operands: a candidate may compile and choose configs there.
+    preflight: Callable[[Operands, Callable[[str], None]], tuple[str | None, str]] | None = None
 
 
 def _call_project(x, p):
@@ -732,9 +739,27 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": tv}
 
 
-def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str]) -> list[dict]:
+def _skip_notice(log: Callable[[str], None]) -> Callable[[str, str], None]:
+    """Says each (candidate, reason) of a skip once."""
+    said = set()
+
+    def say(name: str, why: str) -> None:
+        if (name, why) not in said:
+            said.add((name, why))
+            log(f"{name} skipped: {why}")
+
+    return say
+
+
+def _stderr(msg: str) -> None:
+    print(f"lora_graph_candidates: {msg}", file=sys.stderr, flush=True)
+
+
+def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str],
+                  log: Callable[[str], None] = _stderr) -> list[dict]:
     """Step 1 on the CPU, eager only, with and without a bias."""
     device = torch.device("cpu")
+    skipped = _skip_notice(log)
     rows = []
     for shape in shapes:
         for dt in dtypes:
@@ -746,9 +771,17 @@ def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str]) -> l
                     cand = CANDIDATES[name]
                     row = {**_shape_fields(shape), "dtype": dt, "candidate": name, "device": "cpu",
                            "tol": tolerance(dtype), **_versions(), "note": "bias" if bias else "no bias"}
+                    why = None
                     if cand.triton and not triton_usable(device):
+                        why = "Triton skipped (needs Triton and TRITON_INTERPRET=1 on the CPU)"
+                    elif cand.preflight is not None:
+                        why, note = cand.preflight(op, log)
+                        if note:
+                            row["note"] += f"; {note}"
+                    if why:
                         row["check"] = "skip"
-                        row["note"] += "; Triton skipped (needs Triton and TRITON_INTERPRET=1 on the CPU)"
+                        row["note"] += f"; {why}"
+                        skipped(name, why)
                     else:
                         errs = check_eager(cand, op, refs[cand.adapters])
                         row.update({f"err_{k}": v for k, v in errs.items()})
@@ -781,33 +814,49 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
         log(f"Triton unavailable ({_TRITON.get('error')}): skipping the Triton candidates")
         names = [n for n in names if not CANDIDATES[n].triton]
     base = "frozen" if "frozen" in names else None
+    skipped = _skip_notice(log)
     for dt in dtypes:  # dtype by dtype: the first one listed is complete before the next starts
         for shape in shapes:
             t0 = time.perf_counter()
             dtype = DTYPES[dt]
             tol = tolerance(dtype)
-            group = {}
+            group, timed = {}, []
             op = make_operands(_dims(shape), dtype=dtype, device=device)
             refs = {True: reference(op), False: reference(op, adapters=False)}
             for name in names:
                 cand = CANDIDATES[name]
                 ref = refs[cand.adapters]
-                eager_err = check_eager(cand, op, ref)
-                gc = check_graph(cand, op, ref)
+                row = group[name] = {**_shape_fields(shape), "dtype": dt, "candidate": name, "tol": tol,
+                                     "repeats": repeats, "device": props.name, **_versions(), "note": ""}
+                try:
+                    why, note = cand.preflight(op, log) if cand.preflight is not None else (None, "")
+                    if why:
+                        row.update(check="skip", note=why)
+                        skipped(name, why)
+                        continue
+                    eager_err = check_eager(cand, op, ref)
+                    gc = check_graph(cand, op, ref)
+                except Exception as exc:  # one candidate's failure is its row's, not the study's
+                    with contextlib.suppress(Exception):
+                        torch.cuda.synchronize()
+                    row.update(check="FAIL (error)", note=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+                    log(f"{shape.name} {dt} {name}: failed: {row['note']}")
+                    continue
                 errs = {key: _worst(eager_err[key], gc.errors[key]) for key in GRADS}
-                group[name] = {
-                    **_shape_fields(shape), "dtype": dt, "candidate": name, "check": _verdict(errs, tol),
-                    **{f"err_{key}": v for key, v in errs.items()}, "tol": tol,
+                row.update({
+                    "check": _verdict(errs, tol), **{f"err_{key}": v for key, v in errs.items()},
                     "kernels_fwd": len(gc.kernels_fwd), "kernels_bwd": len(gc.kernels_bwd),
-                    "other_nodes_fwd": gc.other_fwd, "other_nodes_bwd": gc.other_bwd, "repeats": repeats,
-                    "device": props.name, **_versions(), "note": gc.note,
-                }
+                    "other_nodes_fwd": gc.other_fwd, "other_nodes_bwd": gc.other_bwd,
+                    "note": "; ".join(filter(None, [note, gc.note])),
+                })
+                timed.append(name)
                 kernel_log.append(f"{shape.name} {dt} {name}:\n  fwd: " + " | ".join(map(short_name, gc.kernels_fwd))
                                   + "\n  bwd: " + " | ".join(map(short_name, gc.kernels_bwd)))
             del op, refs
             log(f"{shape.name} {dt}: checks and counts done ({time.perf_counter() - t0:.1f} s)")
             if not count_only:
-                _time_group(group, names, _dims(shape), dtype=dtype, l2=l2, repeats=repeats, base=base, device=device)
+                _time_group(group, timed, _dims(shape), dtype=dtype, l2=l2, repeats=repeats,
+                            base=base if base in timed else None, device=device)
             rows += [group[c] for c in names]
             torch.cuda.empty_cache()
             on_group(rows, kernel_log)
@@ -880,6 +929,8 @@ def render_summary(rows: list[dict]) -> str:
                 rs = [r for r in rows if r["dtype"] == dt and r["candidate"] == c and r["shape"] == shape]
                 if not rs:
                     line.append("")
+                elif timed and rs[0].get("check") == "skip":
+                    line.append("skip")
                 elif timed:
                     r = rs[0]
                     flag = "" if r.get("check") == "ok" else "!"
@@ -917,7 +968,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     f"{' '.join(DEFAULT_SHAPES)} (CUDA), {' '.join(CPU_SHAPES)} (--cpu-check)")
     ap.add_argument("--dtypes", nargs="+", help=f"of {', '.join(DTYPES)}; default bf16 (CUDA), fp32 fp64 (--cpu-check)")
     ap.add_argument("--repeats", type=int, default=200, help="timed repeats per candidate (rounds of %d)" % ROUND)
-    ap.add_argument("--candidates", nargs="+", help=f"subset of {', '.join(CANDIDATES)}")
+    ap.add_argument("--candidates", nargs="+", help=f"subset (commas or spaces) of {', '.join(CANDIDATES)}")
     ap.add_argument("--cpu-check", action="store_true", help="correctness only, on the CPU (no CUDA needed)")
     ap.add_argument("--count-only", action="store_true", help="CUDA: checks and graph node counts, no timing")
     return ap.parse_args(argv)
@@ -932,7 +983,7 @@ def validate(args: argparse.Namespace) -> tuple[list[Shape], list[str], list[str
     for d in dtypes:
         if d not in DTYPES:
             raise UsageProblem(f"--dtypes {d!r}: expected one of {', '.join(DTYPES)}")
-    names = args.candidates or list(CANDIDATES)
+    names = [n for arg in args.candidates for n in arg.split(",") if n] if args.candidates else list(CANDIDATES)
     for c in names:
         if c not in CANDIDATES:
             raise UsageProblem(f"--candidates {c!r}: expected one of {', '.join(CANDIDATES)}")
@@ -966,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
         record_invocation(args.out.parent, outputs=[args.out.name, kernels.name])
 
     if args.cpu_check:
-        rows = run_cpu_check(shapes, dtypes, names)
+        rows = run_cpu_check(shapes, dtypes, names, log)
         if args.out is not None:
             write_csv(rows, args.out)
     else:
