@@ -24,6 +24,29 @@ work closest to the frozen layer's cost (one cuBLAS GEMM each way). Candidates:
                    written straight into them; grad_A = xᵀ·(s·u), grad_B = (s·h)ᵀ·g
   kcat-cat         kcat with torch.cat building the concatenated activations
   kcat+ugb         kcat, the [g | s·u] buffer and grad_B written by one Triton launch that reads g once
+  tma+ab           one Hopper-grade Triton GEMM each way that does the rank-r work inside it
+                   (lora_bench/kernels/lora_tma.py: TMA descriptors, persistent grid, data-parallel or
+                   stream-K schedule, config chosen per launch shape by timing a handful):
+                   fwd  [y, h] = one launch: y = x·Wᵀ + b + s·h·B, h = x·A (h from the same x tiles)
+                   bwd  [gx, u] = one launch: gx = g·W + s·u·Aᵀ, u = g·Bᵀ; grad_A, grad_B from one launch
+                   of the project's ``lora_grad_ab`` (as ncat+ab): 1 + 2 kernels
+  tma-frozen       diagnostic: the frozen layer through the same TMA kernel without the rank-r work
+                   (1 + 1 kernels, adapters=False), so its ratio to frozen is the Triton GEMM against
+                   cuBLAS, and tma+ab minus tma-frozen is what the rank-r work and lora_grad_ab cost
+
+Predictions for the TMA candidates (bf16, × frozen under graph replay, shapes 768→768, 768→3072,
+3072→768, 1600→1600, 1600→6400, 6400→1600), written before any GPU run, from docs/kernel-design.md:
+cuBLAS's GEMMs (9.8 / 30.9 / 31.8 us forward, 9.3 / 33.2 / 30.6 us g·W at 1558M), lora-kernel's
+fused plan (the same 1 + 2 kernel structure: 42.4 / 111.6 / 117.9 us at 1558M), which leaves
+~12 us for lora_grad_ab (bf16 gradients: one split, a latency-bound loop over 960 rows) plus ~4.5 us
+of graph overhead, and the assumption that the TMA GEMM reaches ~85 % of cuBLAS (the present
+Triton GEMM: 60-75 %) except at 768→768, where the fused kernel already matches cuBLAS:
+  tma-frozen       1.00   1.08   1.08   1.08   1.08   1.13
+  tma+ab           1.84   1.66   1.70   1.71   1.36   1.50
+tma+ab cannot reach 1.10×: by this estimate lora_grad_ab alone costs ~0.5× of the frozen 1600²
+layer. The number to read is tma-frozen (the GEMM's own speed); the goal needs the adapter
+gradients inside the backward GEMM too.
+
 For each shape and candidate, on CUDA:
   1. check y, grad_x, grad_A, grad_B against float64 on fresh random inputs (not zeros), eagerly
      (the caching allocator's free blocks and every buffer a candidate allocates itself are NaN-filled
@@ -44,18 +67,22 @@ For each shape and candidate, on CUDA:
 
 ``--cpu-check`` runs step 1 on the CPU (torch ops; the Triton candidates only under Triton's
 interpreter, TRITON_INTERPRET=1, which gets bf16 dots wrong: use fp32/fp16 there).
-``--count-only`` (CUDA) runs steps 1 and 2. ``--candidates frozen,lora-kernel,ncat+ab`` (commas or
+``--count-only`` (CUDA) runs steps 1 and 2. ``--candidates frozen,lora-kernel,tma+ab`` (commas or
 spaces) runs only those. The short table prints last.
 
-A candidate may have a preflight (``Candidate.preflight``) that says why it cannot run on given
-operands: it is then skipped, with the reason printed and in the CSV's note. A candidate whose
-check raises is reported as failed, not timed, and the study goes on.
+A candidate that cannot run somewhere says so instead of failing: the TMA candidates are skipped,
+with the reason printed and in the CSV's note, without a Hopper-class GPU and a Triton with TMA
+descriptors (on the CPU: without Triton's interpreter), and where d_in or d_out make rows that are
+not 16-byte aligned. On CUDA they first choose their tile configs (the log lists every config
+tried, its time, and the ones that failed to compile or run); the row's note names the chosen ones.
+A candidate whose check raises is reported as failed, not timed, and the study goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import re
@@ -146,6 +173,21 @@ def triton_kernels():
         except Exception as exc:  # ImportError, or a Triton that fails to initialise
             _TRITON["mods"], _TRITON["error"] = None, f"{type(exc).__name__}: {exc}"
     return _TRITON["mods"]
+
+
+_TMA: dict[str, object] = {}
+
+
+def tma_kernels():
+    """The lora_tma module (Hopper TMA kernels), or None when it cannot be imported (no Triton)."""
+    if "mod" not in _TMA:
+        try:
+            from lora_bench.kernels import lora_tma
+
+            _TMA["mod"] = lora_tma
+        except Exception as exc:
+            _TMA["mod"], _TMA["error"] = None, f"{type(exc).__name__}: {exc}"
+    return _TMA["mod"]
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -372,6 +414,50 @@ class KCat(torch.autograd.Function):
         return gx, ga, gb, None, None
 
 
+class TMALoRA(torch.autograd.Function):
+    """tma+ab. fwd 1 launch: y = x·Wᵀ + b + s·h·B and h = x·A (``lora_tma.lora_fwd``). bwd 2 launches:
+    grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ (``lora_tma.lora_bwd_x``), grad_A = s·xᵀ·u and grad_B = s·hᵀ·g
+    (``lora_triton.lora_grad_ab``, gradients in the adapters' dtype, as ncat+ab). Saves x and h.
+
+    Prediction (× frozen, graph replay, bf16; module docstring for the basis): 1.84 / 1.66 / 1.70 /
+    1.71 / 1.36 / 1.50 at 768→768, 768→3072, 3072→768, 1600→1600, 1600→6400, 6400→1600."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, a, bm, s):
+        y, h = tma_kernels().lora_fwd(x, w, a, bm, b, s)
+        ctx.save_for_backward(x, h, w, a, bm)
+        ctx.s = s
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, h, w, a, bm = ctx.saved_tensors
+        s = ctx.s
+        g = g.contiguous()
+        gx, u = tma_kernels().lora_bwd_x(g, w, a, bm, s)
+        ga, gb = triton_kernels()[0].lora_grad_ab(x, u, h, g, scale=s, grad_dtype=a.dtype)
+        return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
+
+
+class TMALinear(torch.autograd.Function):
+    """tma-frozen: fwd y = x·Wᵀ + b, bwd grad_x = g·W, one launch each of the TMA kernel without the
+    rank-r work, in the configs chosen for the LoRA kernel of the same launch shape when those were
+    tuned first (the GEMM inside tma+ab).
+
+    Prediction (× frozen, graph replay, bf16): 1.00 / 1.08 / 1.08 / 1.08 / 1.08 / 1.13 at the six
+    shapes above (the TMA GEMM at ~85 % of cuBLAS, the rank-r work's ~8 % taken off)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        return tma_kernels().linear_fwd(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return tma_kernels().linear_bwd_x(g.contiguous(), w), None, None
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -382,6 +468,23 @@ class Candidate:
     # (operands, log) -> (why the candidate cannot run on them, or None; a note for its row). Runs
     # before the checks, on the check's operands: a candidate may compile and choose configs there.
     preflight: Callable[[Operands, Callable[[str], None]], tuple[str | None, str]] | None = None
+
+
+def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool) -> tuple[str | None, str]:
+    """The TMA candidates: skipped (with the reason) where TMA cannot run; on CUDA, configs tuned
+    on these operands first (every config tried goes to ``log``); the note names the chosen ones."""
+    mod = tma_kernels()
+    if mod is None:
+        return f"lora_tma unavailable ({_TMA.get('error')})", ""
+    _, k, n, r = op.dims
+    why = mod.unavailable(op.x.device) or mod.shape_unsupported(k, n, r, op.x.dtype)
+    if why:
+        return why, ""
+    if op.x.is_cuda:
+        why = mod.tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, log=log)
+        if why:
+            return f"no TMA config ran: {why}", ""
+    return None, mod.chosen(op.x, op.w)
 
 
 def _call_project(x, p):
@@ -401,6 +504,10 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in [
     Candidate("kcat", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "buffer")),
     Candidate("kcat-cat", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "cat")),
     Candidate("kcat+ugb", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "ugb"), triton=True),
+    Candidate("tma+ab", prepare_plain, lambda x, p: TMALoRA.apply(x, p.w, p.b, p.a, p.bm, p.s), triton=True,
+              preflight=functools.partial(_tma_preflight, lora=True)),
+    Candidate("tma-frozen", prepare_frozen, lambda x, p: TMALinear.apply(x, p.w, p.b), triton=True, adapters=False,
+              preflight=functools.partial(_tma_preflight, lora=False)),
 ]}
 
 
@@ -451,9 +558,10 @@ def _outputs(cand: Candidate, op: Operands, p: Params) -> dict[str, torch.Tensor
 @contextlib.contextmanager
 def poisoned():
     """Everything candidates allocate themselves is NaN-filled: this module's buffers and the
-    outputs of the project's Triton wrappers."""
+    outputs of the project's Triton wrappers (the TMA kernels' too, once loaded)."""
     global POISON
-    flags = [(m, m.POISON_OUTPUTS) for m in (triton_kernels() or ())]
+    mods = [*(triton_kernels() or ()), *([_TMA["mod"]] if _TMA.get("mod") is not None else [])]
+    flags = [(m, m.POISON_OUTPUTS) for m in mods]
     POISON = True
     for m, _ in flags:
         m.POISON_OUTPUTS = True

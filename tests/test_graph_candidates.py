@@ -32,6 +32,7 @@ def _load():
 lgc = _load()
 TORCH_ONLY = [name for name, c in lgc.CANDIDATES.items() if not c.triton]
 TRITON = [name for name, c in lgc.CANDIDATES.items() if c.triton]
+TMA = ["tma+ab", "tma-frozen"]  # Hopper TMA kernels: skipped where they cannot run
 CASES = [  # (N, k, n, r, bias): odd sizes, ranks 1..64, with and without bias, square and not
     (37, 70, 53, 1, True),
     (41, 96, 130, 4, False),
@@ -356,12 +357,47 @@ def test_u_gb_kernel_under_triton_interpreter():
 @needs_triton
 @pytest.mark.slow
 def test_triton_candidates_under_triton_interpreter(tmp_path):
+    """Every Triton candidate against float64 on the CPU; the TMA candidates run where d_in and
+    d_out make 16-byte rows (an odd token count included) and are skipped, with the reason
+    printed, where they do not."""
     out = tmp_path / "t.csv"
     proc = _interpreted([str(SCRIPT), "--cpu-check", "--dtypes", "fp32", "fp16", "--candidates", *TRITON,
-                         "--shapes", "37:70->53:r1", "64:48->96:r16", "45:33->45:r64", "--out", str(out)])
+                         "--shapes", "37:70->53:r1", "64:48->96:r16", "45:33->45:r64", "45:40->56:r4",
+                         "--out", str(out)])
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == len(TRITON) * 3 * 2 * 2 and all(r["check"] == "ok" for r in rows), rows
+    assert len(rows) == len(TRITON) * 4 * 2 * 2, rows
+    unaligned = {"37:70->53:r1", "45:33->45:r64"}
+    for r in rows:
+        if r["candidate"] in TMA and r["shape"] in unaligned:
+            assert r["check"] == "skip" and "16-byte rows" in r["note"], r
+        else:
+            assert r["check"] == "ok", r
+    assert "tma+ab skipped: TMA needs 16-byte rows" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_tma_candidates_are_listed_and_skipped_with_a_reason_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Without Triton's interpreter the TMA candidates cannot run on the CPU: each row says why,
+    the reason is printed once per candidate, the summary still lists them, and the check passes."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "c.csv"
+    rc = lgc.main(["--cpu-check", "--candidates", "frozen,tma+ab", "tma-frozen", "--shapes", "19:24->32:r2",
+                   "21:32->16:r4", "--dtypes", "fp32", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["candidate"] for r in rows[:3]] == ["frozen", "tma+ab", "tma-frozen"] and len(rows) == 12
+    for r in rows:
+        assert r["check"] == ("ok" if r["candidate"] == "frozen" else "skip"), r
+        if r["candidate"] in TMA:
+            assert ("TRITON_INTERPRET=1" in r["note"] or "compute capability 9.0" in r["note"]
+                    or "lora_tma unavailable" in r["note"]), r
+    for name in TMA:
+        assert captured.err.count(f"{name} skipped:") == 1, captured.err
+    table = captured.out.splitlines()
+    assert any(line.startswith("tma+ab ") and "skip" in line for line in table), captured.out
+    assert any(line.startswith("tma-frozen ") for line in table), captured.out
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -390,3 +426,22 @@ def test_gpu_checks_and_graph_counts(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entry = manifest["invocations"][-1]
     assert entry["command"] and entry["environment"] and {"g.csv", "g.csv.kernels.txt"} <= set(entry["outputs"])
+
+
+@pytest.mark.gpu
+def test_gpu_tma_candidates_at_an_odd_token_count(tmp_path):
+    """The TMA candidates checked (eager and replayed, against float64) and counted at an odd token
+    count, where the last row tile is partly outside x: ok on Hopper-class GPUs, a skip with its
+    reason elsewhere; one kernel each way for tma-frozen, one forward and two backward for tma+ab."""
+    out = tmp_path / "t.csv"
+    rc = lgc.main(["--count-only", "--shapes", "333:768->1536:r16", "--dtypes", "bf16", "--candidates",
+                   "frozen,tma+ab,tma-frozen", "--out", str(out)])
+    rows = {r["candidate"]: r for r in csv.DictReader(out.open())}
+    assert rc == 0, rows
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert rows["tma+ab"]["check"] == "skip" and "9.0" in rows["tma+ab"]["note"]
+        return
+    assert rows["tma+ab"]["check"] == "ok" and rows["tma-frozen"]["check"] == "ok", rows
+    assert (rows["tma+ab"]["kernels_fwd"], rows["tma+ab"]["kernels_bwd"]) == ("1", "2"), rows["tma+ab"]
+    assert (rows["tma-frozen"]["kernels_fwd"], rows["tma-frozen"]["kernels_bwd"]) == ("1", "1"), rows["tma-frozen"]
+    assert "fwd " in rows["tma+ab"]["note"] and "bwd " in rows["tma+ab"]["note"]
