@@ -30,6 +30,11 @@ work closest to the frozen layer's cost (one cuBLAS GEMM each way). Candidates:
                    fwd  [y, h] = one launch: y = x·Wᵀ + b + s·h·B, h = x·A (h from the same x tiles)
                    bwd  [gx, u] = one launch: gx = g·W + s·u·Aᵀ, u = g·Bᵀ; grad_A, grad_B from one launch
                    of the project's ``lora_grad_ab`` (as ncat+ab): 1 + 2 kernels
+  tma-fused        tma+ab with the adapter gradients inside the backward GEMM: 1 + 1 kernels
+                   fwd  as tma+ab
+                   bwd  one launch (lora_tma.lora_bwd_ab): gx = g·W + s·u·Aᵀ, u = g·Bᵀ in the K loop;
+                   grad_B = s·hᵀ·g from the K loop's g tiles, grad_A = s·xᵀ·u in the epilogue, summed
+                   over row tiles by fp32 atomics, converted by each column's last row tile
   tma-frozen       diagnostic: the frozen layer through the same TMA kernel without the rank-r work
                    (1 + 1 kernels, adapters=False), so its ratio to frozen is the Triton GEMM against
                    cuBLAS, and tma+ab minus tma-frozen is what the rank-r work and lora_grad_ab cost
@@ -43,9 +48,12 @@ of graph overhead, and the assumption that the TMA GEMM reaches ~85 % of cuBLAS 
 Triton GEMM: 60-75 %) except at 768→768, where the fused kernel already matches cuBLAS:
   tma-frozen       1.00   1.08   1.08   1.08   1.08   1.13
   tma+ab           1.84   1.66   1.70   1.71   1.36   1.50
+  tma-fused        1.10   1.30   1.30   1.27   1.23   1.36
 tma+ab cannot reach 1.10×: by this estimate lora_grad_ab alone costs ~0.5× of the frozen 1600²
 layer. The number to read is tma-frozen (the GEMM's own speed); the goal needs the adapter
-gradients inside the backward GEMM too.
+gradients inside the backward GEMM too, which tma-fused does (its derivation: ``TMAFused``): it
+predicts ~2-4 us for them instead of ~12, so the rest of the gap is the GEMM's speed against
+cuBLAS and the rank-r MMAs in the K loop.
 
 For each shape and candidate, on CUDA:
   1. check y, grad_x, grad_A, grad_B against float64 on fresh random inputs (not zeros), eagerly
@@ -68,7 +76,8 @@ For each shape and candidate, on CUDA:
 ``--cpu-check`` runs step 1 on the CPU (torch ops; the Triton candidates only under Triton's
 interpreter, TRITON_INTERPRET=1, which gets bf16 dots wrong: use fp32/fp16 there).
 ``--count-only`` (CUDA) runs steps 1 and 2. ``--candidates frozen,lora-kernel,tma+ab`` (commas or
-spaces) runs only those. The short table prints last.
+spaces) runs only those; ``--candidates frozen,tma-frozen,tma+ab,tma-fused`` the TMA ones. The
+short table prints last.
 
 A candidate that cannot run somewhere says so instead of failing: the TMA candidates are skipped,
 with the reason printed and in the CSV's note, without a Hopper-class GPU and a Triton with TMA
@@ -439,6 +448,49 @@ class TMALoRA(torch.autograd.Function):
         return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
 
 
+class TMAFused(torch.autograd.Function):
+    """tma-fused. fwd 1 launch, as tma+ab (``lora_tma.lora_fwd``: y and h). bwd 1 launch
+    (``lora_tma.lora_bwd_ab``): the TMA GEMM g·W with u = g·Bᵀ in its K loop, grad_x = g·W + s·u·Aᵀ
+    in its epilogue, and the adapter gradients from the tiles it loads anyway: grad_B = s·hᵀ·g from
+    the g tiles of the K loop (each K block by the one column tile that owns it), grad_A = s·xᵀ·u
+    from u and one x tile per output tile in the epilogue; both summed over the row tiles by fp32
+    atomics into a workspace that the last row tile of each column converts to the adapters' dtype
+    (and zeroes). Saves x and h, as tma+ab. 1 + 1 kernels.
+
+    Prediction (× frozen, graph replay, bf16; written before any GPU run): 1.10 / 1.30 / 1.30 /
+    1.27 / 1.23 / 1.36 at 768→768, 768→3072, 3072→768, 1600→1600, 1600→6400, 6400→1600.
+    Derived from tma+ab's prediction (module docstring) less lora_grad_ab (~12 us, the same figure
+    that prediction added), plus what the fused backward adds inside its one kernel, from its
+    launch shape (960 rows: 8 row tiles of 128; columns k/128; K blocks n/64):
+      * a K block that adds to grad_B costs its iteration the MMA pipelining (the small wgmma is
+        synchronous: wait_group 0) plus 4 reductions per thread: ~0.15 us each; a column tile owns
+        cdiv(K blocks, columns) of them: 2 / 8 / 1 / 2 / 8 / 1, and at 3072→768 and 6400→1600 a
+        program runs two or three tiles: 0.3 / 1.2 / 0.3 / 0.3 / 1.2 / 0.3 us;
+      * grad_A in the epilogue: one x tile loaded by TMA and waited for (~0.5 us), a 128×128×16
+        MMA and 8 reductions per thread: ~0.7 us per tile a program runs in sequence: 0.7 / 0.7 /
+        1.4 / 0.7 / 0.7 / 2.1 us;
+      * the last row tile of each column reads back and converts its column's sums (fp32 reads
+        from L2, 8-40 KB): ~1 us at the end of the kernel.
+    Added 2.0 / 2.9 / 2.7 / 2.0 / 2.9 / 3.4 us; with tma+ab at 25.0 / 42.0 / 39.8 / 39.0 / 91.8 /
+    90.2 us and frozen at 13.6 / 25.3 / 23.4 / 22.8 / 67.5 / 60.1 us (docs/kernel-design.md):
+    15.0 / 32.9 / 30.5 / 29.0 / 82.7 / 81.6 us. What keeps it above 1.10× is what keeps tma-frozen
+    at 1.08× (the Triton GEMM at ~85 % of cuBLAS) and the rank-r MMAs in the K loop (~8 %); the
+    adapter gradients themselves now cost ~2-4 us instead of ~12."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, a, bm, s):
+        y, h = tma_kernels().lora_fwd(x, w, a, bm, b, s)
+        ctx.save_for_backward(x, h, w, a, bm)
+        ctx.s = s
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, h, w, a, bm = ctx.saved_tensors
+        gx, ga, gb = tma_kernels().lora_bwd_ab(g.contiguous(), x, h, w, a, bm, ctx.s, grad_dtype=a.dtype)
+        return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
+
+
 class TMALinear(torch.autograd.Function):
     """tma-frozen: fwd y = x·Wᵀ + b, bwd grad_x = g·W, one launch each of the TMA kernel without the
     rank-r work, in the configs chosen for the LoRA kernel of the same launch shape when those were
@@ -470,9 +522,11 @@ class Candidate:
     preflight: Callable[[Operands, Callable[[str], None]], tuple[str | None, str]] | None = None
 
 
-def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool) -> tuple[str | None, str]:
+def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool,
+                   grad_ab: bool = False) -> tuple[str | None, str]:
     """The TMA candidates: skipped (with the reason) where TMA cannot run; on CUDA, configs tuned
-    on these operands first (every config tried goes to ``log``); the note names the chosen ones."""
+    on these operands first (every config tried goes to ``log``; ``grad_ab``: the backward launch
+    is the fused one); the note names the chosen ones."""
     mod = tma_kernels()
     if mod is None:
         return f"lora_tma unavailable ({_TMA.get('error')})", ""
@@ -481,10 +535,10 @@ def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool) -> t
     if why:
         return why, ""
     if op.x.is_cuda:
-        why = mod.tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, log=log)
+        why = mod.tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, grad_ab=grad_ab, log=log)
         if why:
             return f"no TMA config ran: {why}", ""
-    return None, mod.chosen(op.x, op.w)
+    return None, mod.chosen(op.x, op.w, grad_ab=grad_ab)
 
 
 def _call_project(x, p):
@@ -506,6 +560,8 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in [
     Candidate("kcat+ugb", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "ugb"), triton=True),
     Candidate("tma+ab", prepare_plain, lambda x, p: TMALoRA.apply(x, p.w, p.b, p.a, p.bm, p.s), triton=True,
               preflight=functools.partial(_tma_preflight, lora=True)),
+    Candidate("tma-fused", prepare_plain, lambda x, p: TMAFused.apply(x, p.w, p.b, p.a, p.bm, p.s), triton=True,
+              preflight=functools.partial(_tma_preflight, lora=True, grad_ab=True)),
     Candidate("tma-frozen", prepare_frozen, lambda x, p: TMALinear.apply(x, p.w, p.b), triton=True, adapters=False,
               preflight=functools.partial(_tma_preflight, lora=False)),
 ]}

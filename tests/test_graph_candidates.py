@@ -32,7 +32,7 @@ def _load():
 lgc = _load()
 TORCH_ONLY = [name for name, c in lgc.CANDIDATES.items() if not c.triton]
 TRITON = [name for name, c in lgc.CANDIDATES.items() if c.triton]
-TMA = ["tma+ab", "tma-frozen"]  # Hopper TMA kernels: skipped where they cannot run
+TMA = ["tma+ab", "tma-fused", "tma-frozen"]  # Hopper TMA kernels: skipped where they cannot run
 CASES = [  # (N, k, n, r, bias): odd sizes, ranks 1..64, with and without bias, square and not
     (37, 70, 53, 1, True),
     (41, 96, 130, 4, False),
@@ -382,12 +382,12 @@ def test_tma_candidates_are_listed_and_skipped_with_a_reason_on_the_cpu(tmp_path
     the reason is printed once per candidate, the summary still lists them, and the check passes."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "c.csv"
-    rc = lgc.main(["--cpu-check", "--candidates", "frozen,tma+ab", "tma-frozen", "--shapes", "19:24->32:r2",
+    rc = lgc.main(["--cpu-check", "--candidates", "frozen,tma+ab", "tma-fused,tma-frozen", "--shapes", "19:24->32:r2",
                    "21:32->16:r4", "--dtypes", "fp32", "--out", str(out)])
     captured = capsys.readouterr()
     assert rc == 0
     rows = list(csv.DictReader(out.open()))
-    assert [r["candidate"] for r in rows[:3]] == ["frozen", "tma+ab", "tma-frozen"] and len(rows) == 12
+    assert [r["candidate"] for r in rows[:4]] == ["frozen", "tma+ab", "tma-fused", "tma-frozen"] and len(rows) == 16
     for r in rows:
         assert r["check"] == ("ok" if r["candidate"] == "frozen" else "skip"), r
         if r["candidate"] in TMA:
@@ -397,6 +397,7 @@ def test_tma_candidates_are_listed_and_skipped_with_a_reason_on_the_cpu(tmp_path
         assert captured.err.count(f"{name} skipped:") == 1, captured.err
     table = captured.out.splitlines()
     assert any(line.startswith("tma+ab ") and "skip" in line for line in table), captured.out
+    assert any(line.startswith("tma-fused ") and "skip" in line for line in table), captured.out
     assert any(line.startswith("tma-frozen ") for line in table), captured.out
 
 
@@ -432,16 +433,21 @@ def test_gpu_checks_and_graph_counts(tmp_path):
 def test_gpu_tma_candidates_at_an_odd_token_count(tmp_path):
     """The TMA candidates checked (eager and replayed, against float64) and counted at an odd token
     count, where the last row tile is partly outside x: ok on Hopper-class GPUs, a skip with its
-    reason elsewhere; one kernel each way for tma-frozen, one forward and two backward for tma+ab."""
+    reason elsewhere; one kernel each way for tma-frozen and tma-fused, one forward and two backward
+    for tma+ab."""
     out = tmp_path / "t.csv"
     rc = lgc.main(["--count-only", "--shapes", "333:768->1536:r16", "--dtypes", "bf16", "--candidates",
-                   "frozen,tma+ab,tma-frozen", "--out", str(out)])
+                   "frozen,tma+ab,tma-fused,tma-frozen", "--out", str(out)])
     rows = {r["candidate"]: r for r in csv.DictReader(out.open())}
     assert rc == 0, rows
     if torch.cuda.get_device_capability()[0] < 9:
         assert rows["tma+ab"]["check"] == "skip" and "9.0" in rows["tma+ab"]["note"]
+        assert rows["tma-fused"]["check"] == "skip" and "9.0" in rows["tma-fused"]["note"]
         return
-    assert rows["tma+ab"]["check"] == "ok" and rows["tma-frozen"]["check"] == "ok", rows
+    assert all(rows[c]["check"] == "ok" for c in ("tma+ab", "tma-fused", "tma-frozen")), rows
     assert (rows["tma+ab"]["kernels_fwd"], rows["tma+ab"]["kernels_bwd"]) == ("1", "2"), rows["tma+ab"]
+    assert (rows["tma-fused"]["kernels_fwd"], rows["tma-fused"]["kernels_bwd"]) == ("1", "1"), rows["tma-fused"]
     assert (rows["tma-frozen"]["kernels_fwd"], rows["tma-frozen"]["kernels_bwd"]) == ("1", "1"), rows["tma-frozen"]
     assert "fwd " in rows["tma+ab"]["note"] and "bwd " in rows["tma+ab"]["note"]
+    assert "bwd+ab " in rows["tma-fused"]["note"], rows["tma-fused"]
+    assert rows["tma-fused"]["other_nodes_bwd"] in ("0", ""), rows["tma-fused"]  # no memset or copy either
