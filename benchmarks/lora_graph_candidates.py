@@ -24,6 +24,36 @@ work closest to the frozen layer's cost (one cuBLAS GEMM each way). Candidates:
                    written straight into them; grad_A = xᵀ·(s·u), grad_B = (s·h)ᵀ·g
   kcat-cat         kcat with torch.cat building the concatenated activations
   kcat+ugb         kcat, the [g | s·u] buffer and grad_B written by one Triton launch that reads g once
+  tma+ab           one Hopper-grade Triton GEMM each way that does the rank-r work inside it
+                   (lora_bench/kernels/lora_tma.py: TMA descriptors, persistent grid, data-parallel or
+                   stream-K schedule, config chosen per launch shape by timing a handful):
+                   fwd  [y, h] = one launch: y = x·Wᵀ + b + s·h·B, h = x·A (h from the same x tiles)
+                   bwd  [gx, u] = one launch: gx = g·W + s·u·Aᵀ, u = g·Bᵀ; grad_A, grad_B from one launch
+                   of the project's ``lora_grad_ab`` (as ncat+ab): 1 + 2 kernels
+  tma-fused        tma+ab with the adapter gradients inside the backward GEMM: 1 + 1 kernels
+                   fwd  as tma+ab
+                   bwd  one launch (lora_tma.lora_bwd_ab): gx = g·W + s·u·Aᵀ, u = g·Bᵀ in the K loop;
+                   grad_B = s·hᵀ·g from the K loop's g tiles, grad_A = s·xᵀ·u in the epilogue, summed
+                   over row tiles by fp32 atomics, converted by each column's last row tile
+  tma-frozen       diagnostic: the frozen layer through the same TMA kernel without the rank-r work
+                   (1 + 1 kernels, adapters=False), so its ratio to frozen is the Triton GEMM against
+                   cuBLAS, and tma+ab minus tma-frozen is what the rank-r work and lora_grad_ab cost
+
+Predictions for the TMA candidates (bf16, × frozen under graph replay, shapes 768→768, 768→3072,
+3072→768, 1600→1600, 1600→6400, 6400→1600), written before any GPU run, from docs/kernel-design.md:
+cuBLAS's GEMMs (9.8 / 30.9 / 31.8 us forward, 9.3 / 33.2 / 30.6 us g·W at 1558M), lora-kernel's
+fused plan (the same 1 + 2 kernel structure: 42.4 / 111.6 / 117.9 us at 1558M), which leaves
+~12 us for lora_grad_ab (bf16 gradients: one split, a latency-bound loop over 960 rows) plus ~4.5 us
+of graph overhead, and the assumption that the TMA GEMM reaches ~85 % of cuBLAS (the present
+Triton GEMM: 60-75 %) except at 768→768, where the fused kernel already matches cuBLAS:
+  tma-frozen       1.00   1.08   1.08   1.08   1.08   1.13
+  tma+ab           1.84   1.66   1.70   1.71   1.36   1.50
+  tma-fused        1.10   1.30   1.30   1.27   1.23   1.36
+tma+ab cannot reach 1.10×: by this estimate lora_grad_ab alone costs ~0.5× of the frozen 1600²
+layer. The number to read is tma-frozen (the GEMM's own speed); the goal needs the adapter
+gradients inside the backward GEMM too, which tma-fused does (its derivation: ``TMAFused``): it
+predicts ~2-4 us for them instead of ~12, so the rest of the gap is the GEMM's speed against
+cuBLAS and the rank-r MMAs in the K loop.
 
 For each shape and candidate, on CUDA:
   1. check y, grad_x, grad_A, grad_B against float64 on fresh random inputs (not zeros), eagerly
@@ -45,13 +75,23 @@ For each shape and candidate, on CUDA:
 
 ``--cpu-check`` runs step 1 on the CPU (torch ops; the Triton candidates only under Triton's
 interpreter, TRITON_INTERPRET=1, which gets bf16 dots wrong: use fp32/fp16 there).
-``--count-only`` (CUDA) runs steps 1 and 2. The short table prints last.
+``--count-only`` (CUDA) runs steps 1 and 2. ``--candidates frozen,lora-kernel,tma+ab`` (commas or
+spaces) runs only those; ``--candidates frozen,tma-frozen,tma+ab,tma-fused`` the TMA ones. The
+short table prints last.
+
+A candidate that cannot run somewhere says so instead of failing: the TMA candidates are skipped,
+with the reason printed and in the CSV's note, without a Hopper-class GPU and a Triton with TMA
+descriptors (on the CPU: without Triton's interpreter), and where d_in or d_out make rows that are
+not 16-byte aligned. On CUDA they first choose their tile configs (the log lists every config
+tried, its time, and the ones that failed to compile or run); the row's note names the chosen ones.
+A candidate whose check raises is reported as failed, not timed, and the study goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import re
@@ -142,6 +182,21 @@ def triton_kernels():
         except Exception as exc:  # ImportError, or a Triton that fails to initialise
             _TRITON["mods"], _TRITON["error"] = None, f"{type(exc).__name__}: {exc}"
     return _TRITON["mods"]
+
+
+_TMA: dict[str, object] = {}
+
+
+def tma_kernels():
+    """The lora_tma module (Hopper TMA kernels), or None when it cannot be imported (no Triton)."""
+    if "mod" not in _TMA:
+        try:
+            from lora_bench.kernels import lora_tma
+
+            _TMA["mod"] = lora_tma
+        except Exception as exc:
+            _TMA["mod"], _TMA["error"] = None, f"{type(exc).__name__}: {exc}"
+    return _TMA["mod"]
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -368,6 +423,93 @@ class KCat(torch.autograd.Function):
         return gx, ga, gb, None, None
 
 
+class TMALoRA(torch.autograd.Function):
+    """tma+ab. fwd 1 launch: y = x·Wᵀ + b + s·h·B and h = x·A (``lora_tma.lora_fwd``). bwd 2 launches:
+    grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ (``lora_tma.lora_bwd_x``), grad_A = s·xᵀ·u and grad_B = s·hᵀ·g
+    (``lora_triton.lora_grad_ab``, gradients in the adapters' dtype, as ncat+ab). Saves x and h.
+
+    Prediction (× frozen, graph replay, bf16; module docstring for the basis): 1.84 / 1.66 / 1.70 /
+    1.71 / 1.36 / 1.50 at 768→768, 768→3072, 3072→768, 1600→1600, 1600→6400, 6400→1600."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, a, bm, s):
+        y, h = tma_kernels().lora_fwd(x, w, a, bm, b, s)
+        ctx.save_for_backward(x, h, w, a, bm)
+        ctx.s = s
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, h, w, a, bm = ctx.saved_tensors
+        s = ctx.s
+        g = g.contiguous()
+        gx, u = tma_kernels().lora_bwd_x(g, w, a, bm, s)
+        ga, gb = triton_kernels()[0].lora_grad_ab(x, u, h, g, scale=s, grad_dtype=a.dtype)
+        return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
+
+
+class TMAFused(torch.autograd.Function):
+    """tma-fused. fwd 1 launch, as tma+ab (``lora_tma.lora_fwd``: y and h). bwd 1 launch
+    (``lora_tma.lora_bwd_ab``): the TMA GEMM g·W with u = g·Bᵀ in its K loop, grad_x = g·W + s·u·Aᵀ
+    in its epilogue, and the adapter gradients from the tiles it loads anyway: grad_B = s·hᵀ·g from
+    the g tiles of the K loop (each K block by the one column tile that owns it), grad_A = s·xᵀ·u
+    from u and one x tile per output tile in the epilogue; both summed over the row tiles by fp32
+    atomics into a workspace that the last row tile of each column converts to the adapters' dtype
+    (and zeroes). Saves x and h, as tma+ab. 1 + 1 kernels.
+
+    Prediction (× frozen, graph replay, bf16; written before any GPU run): 1.10 / 1.30 / 1.30 /
+    1.27 / 1.23 / 1.36 at 768→768, 768→3072, 3072→768, 1600→1600, 1600→6400, 6400→1600.
+    Derived from tma+ab's prediction (module docstring) less lora_grad_ab (~12 us, the same figure
+    that prediction added), plus what the fused backward adds inside its one kernel, from its
+    launch shape (960 rows: 8 row tiles of 128; columns k/128; K blocks n/64):
+      * a K block that adds to grad_B costs its iteration the MMA pipelining (the small wgmma is
+        synchronous: wait_group 0) plus 4 reductions per thread: ~0.15 us each; a column tile owns
+        cdiv(K blocks, columns) of them: 2 / 8 / 1 / 2 / 8 / 1, and at 3072→768 and 6400→1600 a
+        program runs two or three tiles: 0.3 / 1.2 / 0.3 / 0.3 / 1.2 / 0.3 us;
+      * grad_A in the epilogue: one x tile loaded by TMA and waited for (~0.5 us), a 128×128×16
+        MMA and 8 reductions per thread: ~0.7 us per tile a program runs in sequence: 0.7 / 0.7 /
+        1.4 / 0.7 / 0.7 / 2.1 us;
+      * the last row tile of each column reads back and converts its column's sums (fp32 reads
+        from L2, 8-40 KB): ~1 us at the end of the kernel.
+    Added 2.0 / 2.9 / 2.7 / 2.0 / 2.9 / 3.4 us; with tma+ab at 25.0 / 42.0 / 39.8 / 39.0 / 91.8 /
+    90.2 us and frozen at 13.6 / 25.3 / 23.4 / 22.8 / 67.5 / 60.1 us (docs/kernel-design.md):
+    15.0 / 32.9 / 30.5 / 29.0 / 82.7 / 81.6 us. What keeps it above 1.10× is what keeps tma-frozen
+    at 1.08× (the Triton GEMM at ~85 % of cuBLAS) and the rank-r MMAs in the K loop (~8 %); the
+    adapter gradients themselves now cost ~2-4 us instead of ~12."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, a, bm, s):
+        y, h = tma_kernels().lora_fwd(x, w, a, bm, b, s)
+        ctx.save_for_backward(x, h, w, a, bm)
+        ctx.s = s
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, h, w, a, bm = ctx.saved_tensors
+        gx, ga, gb = tma_kernels().lora_bwd_ab(g.contiguous(), x, h, w, a, bm, ctx.s, grad_dtype=a.dtype)
+        return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
+
+
+class TMALinear(torch.autograd.Function):
+    """tma-frozen: fwd y = x·Wᵀ + b, bwd grad_x = g·W, one launch each of the TMA kernel without the
+    rank-r work, in the configs chosen for the LoRA kernel of the same launch shape when those were
+    tuned first (the GEMM inside tma+ab).
+
+    Prediction (× frozen, graph replay, bf16): 1.00 / 1.08 / 1.08 / 1.08 / 1.08 / 1.13 at the six
+    shapes above (the TMA GEMM at ~85 % of cuBLAS, the rank-r work's ~8 % taken off)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        return tma_kernels().linear_fwd(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return tma_kernels().linear_bwd_x(g.contiguous(), w), None, None
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -375,6 +517,28 @@ class Candidate:
     call: Callable[[torch.Tensor, Params], torch.Tensor]
     triton: bool = False  # needs the project's Triton kernels
     adapters: bool = True  # False: the frozen layer (no LoRA term, no adapter gradients)
+    # (operands, log) -> (why the candidate cannot run on them, or None; a note for its row). Runs
+    # before the checks, on the check's operands: a candidate may compile and choose configs there.
+    preflight: Callable[[Operands, Callable[[str], None]], tuple[str | None, str]] | None = None
+
+
+def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool,
+                   grad_ab: bool = False) -> tuple[str | None, str]:
+    """The TMA candidates: skipped (with the reason) where TMA cannot run; on CUDA, configs tuned
+    on these operands first (every config tried goes to ``log``; ``grad_ab``: the backward launch
+    is the fused one); the note names the chosen ones."""
+    mod = tma_kernels()
+    if mod is None:
+        return f"lora_tma unavailable ({_TMA.get('error')})", ""
+    _, k, n, r = op.dims
+    why = mod.unavailable(op.x.device) or mod.shape_unsupported(k, n, r, op.x.dtype)
+    if why:
+        return why, ""
+    if op.x.is_cuda:
+        why = mod.tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, grad_ab=grad_ab, log=log)
+        if why:
+            return f"no TMA config ran: {why}", ""
+    return None, mod.chosen(op.x, op.w, grad_ab=grad_ab)
 
 
 def _call_project(x, p):
@@ -394,6 +558,12 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in [
     Candidate("kcat", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "buffer")),
     Candidate("kcat-cat", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "cat")),
     Candidate("kcat+ugb", prepare_concat_views, lambda x, p: KCat.apply(x, p.a, p.bm, p, "ugb"), triton=True),
+    Candidate("tma+ab", prepare_plain, lambda x, p: TMALoRA.apply(x, p.w, p.b, p.a, p.bm, p.s), triton=True,
+              preflight=functools.partial(_tma_preflight, lora=True)),
+    Candidate("tma-fused", prepare_plain, lambda x, p: TMAFused.apply(x, p.w, p.b, p.a, p.bm, p.s), triton=True,
+              preflight=functools.partial(_tma_preflight, lora=True, grad_ab=True)),
+    Candidate("tma-frozen", prepare_frozen, lambda x, p: TMALinear.apply(x, p.w, p.b), triton=True, adapters=False,
+              preflight=functools.partial(_tma_preflight, lora=False)),
 ]}
 
 
@@ -444,9 +614,10 @@ def _outputs(cand: Candidate, op: Operands, p: Params) -> dict[str, torch.Tensor
 @contextlib.contextmanager
 def poisoned():
     """Everything candidates allocate themselves is NaN-filled: this module's buffers and the
-    outputs of the project's Triton wrappers."""
+    outputs of the project's Triton wrappers (the TMA kernels' too, once loaded)."""
     global POISON
-    flags = [(m, m.POISON_OUTPUTS) for m in (triton_kernels() or ())]
+    mods = [*(triton_kernels() or ()), *([_TMA["mod"]] if _TMA.get("mod") is not None else [])]
+    flags = [(m, m.POISON_OUTPUTS) for m in mods]
     POISON = True
     for m, _ in flags:
         m.POISON_OUTPUTS = True
@@ -732,9 +903,27 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": tv}
 
 
-def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str]) -> list[dict]:
+def _skip_notice(log: Callable[[str], None]) -> Callable[[str, str], None]:
+    """Says each (candidate, reason) of a skip once."""
+    said = set()
+
+    def say(name: str, why: str) -> None:
+        if (name, why) not in said:
+            said.add((name, why))
+            log(f"{name} skipped: {why}")
+
+    return say
+
+
+def _stderr(msg: str) -> None:
+    print(f"lora_graph_candidates: {msg}", file=sys.stderr, flush=True)
+
+
+def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str],
+                  log: Callable[[str], None] = _stderr) -> list[dict]:
     """Step 1 on the CPU, eager only, with and without a bias."""
     device = torch.device("cpu")
+    skipped = _skip_notice(log)
     rows = []
     for shape in shapes:
         for dt in dtypes:
@@ -746,9 +935,17 @@ def run_cpu_check(shapes: list[Shape], dtypes: list[str], names: list[str]) -> l
                     cand = CANDIDATES[name]
                     row = {**_shape_fields(shape), "dtype": dt, "candidate": name, "device": "cpu",
                            "tol": tolerance(dtype), **_versions(), "note": "bias" if bias else "no bias"}
+                    why = None
                     if cand.triton and not triton_usable(device):
+                        why = "Triton skipped (needs Triton and TRITON_INTERPRET=1 on the CPU)"
+                    elif cand.preflight is not None:
+                        why, note = cand.preflight(op, log)
+                        if note:
+                            row["note"] += f"; {note}"
+                    if why:
                         row["check"] = "skip"
-                        row["note"] += "; Triton skipped (needs Triton and TRITON_INTERPRET=1 on the CPU)"
+                        row["note"] += f"; {why}"
+                        skipped(name, why)
                     else:
                         errs = check_eager(cand, op, refs[cand.adapters])
                         row.update({f"err_{k}": v for k, v in errs.items()})
@@ -781,33 +978,49 @@ def run_cuda(shapes: list[Shape], dtypes: list[str], names: list[str], *, repeat
         log(f"Triton unavailable ({_TRITON.get('error')}): skipping the Triton candidates")
         names = [n for n in names if not CANDIDATES[n].triton]
     base = "frozen" if "frozen" in names else None
+    skipped = _skip_notice(log)
     for dt in dtypes:  # dtype by dtype: the first one listed is complete before the next starts
         for shape in shapes:
             t0 = time.perf_counter()
             dtype = DTYPES[dt]
             tol = tolerance(dtype)
-            group = {}
+            group, timed = {}, []
             op = make_operands(_dims(shape), dtype=dtype, device=device)
             refs = {True: reference(op), False: reference(op, adapters=False)}
             for name in names:
                 cand = CANDIDATES[name]
                 ref = refs[cand.adapters]
-                eager_err = check_eager(cand, op, ref)
-                gc = check_graph(cand, op, ref)
+                row = group[name] = {**_shape_fields(shape), "dtype": dt, "candidate": name, "tol": tol,
+                                     "repeats": repeats, "device": props.name, **_versions(), "note": ""}
+                try:
+                    why, note = cand.preflight(op, log) if cand.preflight is not None else (None, "")
+                    if why:
+                        row.update(check="skip", note=why)
+                        skipped(name, why)
+                        continue
+                    eager_err = check_eager(cand, op, ref)
+                    gc = check_graph(cand, op, ref)
+                except Exception as exc:  # one candidate's failure is its row's, not the study's
+                    with contextlib.suppress(Exception):
+                        torch.cuda.synchronize()
+                    row.update(check="FAIL (error)", note=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+                    log(f"{shape.name} {dt} {name}: failed: {row['note']}")
+                    continue
                 errs = {key: _worst(eager_err[key], gc.errors[key]) for key in GRADS}
-                group[name] = {
-                    **_shape_fields(shape), "dtype": dt, "candidate": name, "check": _verdict(errs, tol),
-                    **{f"err_{key}": v for key, v in errs.items()}, "tol": tol,
+                row.update({
+                    "check": _verdict(errs, tol), **{f"err_{key}": v for key, v in errs.items()},
                     "kernels_fwd": len(gc.kernels_fwd), "kernels_bwd": len(gc.kernels_bwd),
-                    "other_nodes_fwd": gc.other_fwd, "other_nodes_bwd": gc.other_bwd, "repeats": repeats,
-                    "device": props.name, **_versions(), "note": gc.note,
-                }
+                    "other_nodes_fwd": gc.other_fwd, "other_nodes_bwd": gc.other_bwd,
+                    "note": "; ".join(filter(None, [note, gc.note])),
+                })
+                timed.append(name)
                 kernel_log.append(f"{shape.name} {dt} {name}:\n  fwd: " + " | ".join(map(short_name, gc.kernels_fwd))
                                   + "\n  bwd: " + " | ".join(map(short_name, gc.kernels_bwd)))
             del op, refs
             log(f"{shape.name} {dt}: checks and counts done ({time.perf_counter() - t0:.1f} s)")
             if not count_only:
-                _time_group(group, names, _dims(shape), dtype=dtype, l2=l2, repeats=repeats, base=base, device=device)
+                _time_group(group, timed, _dims(shape), dtype=dtype, l2=l2, repeats=repeats,
+                            base=base if base in timed else None, device=device)
             rows += [group[c] for c in names]
             torch.cuda.empty_cache()
             on_group(rows, kernel_log)
@@ -880,6 +1093,8 @@ def render_summary(rows: list[dict]) -> str:
                 rs = [r for r in rows if r["dtype"] == dt and r["candidate"] == c and r["shape"] == shape]
                 if not rs:
                     line.append("")
+                elif timed and rs[0].get("check") == "skip":
+                    line.append("skip")
                 elif timed:
                     r = rs[0]
                     flag = "" if r.get("check") == "ok" else "!"
@@ -917,7 +1132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     f"{' '.join(DEFAULT_SHAPES)} (CUDA), {' '.join(CPU_SHAPES)} (--cpu-check)")
     ap.add_argument("--dtypes", nargs="+", help=f"of {', '.join(DTYPES)}; default bf16 (CUDA), fp32 fp64 (--cpu-check)")
     ap.add_argument("--repeats", type=int, default=200, help="timed repeats per candidate (rounds of %d)" % ROUND)
-    ap.add_argument("--candidates", nargs="+", help=f"subset of {', '.join(CANDIDATES)}")
+    ap.add_argument("--candidates", nargs="+", help=f"subset (commas or spaces) of {', '.join(CANDIDATES)}")
     ap.add_argument("--cpu-check", action="store_true", help="correctness only, on the CPU (no CUDA needed)")
     ap.add_argument("--count-only", action="store_true", help="CUDA: checks and graph node counts, no timing")
     return ap.parse_args(argv)
@@ -932,7 +1147,7 @@ def validate(args: argparse.Namespace) -> tuple[list[Shape], list[str], list[str
     for d in dtypes:
         if d not in DTYPES:
             raise UsageProblem(f"--dtypes {d!r}: expected one of {', '.join(DTYPES)}")
-    names = args.candidates or list(CANDIDATES)
+    names = [n for arg in args.candidates for n in arg.split(",") if n] if args.candidates else list(CANDIDATES)
     for c in names:
         if c not in CANDIDATES:
             raise UsageProblem(f"--candidates {c!r}: expected one of {', '.join(CANDIDATES)}")
@@ -966,7 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
         record_invocation(args.out.parent, outputs=[args.out.name, kernels.name])
 
     if args.cpu_check:
-        rows = run_cpu_check(shapes, dtypes, names)
+        rows = run_cpu_check(shapes, dtypes, names, log)
         if args.out is not None:
             write_csv(rows, args.out)
     else:

@@ -32,6 +32,7 @@ def _load():
 lgc = _load()
 TORCH_ONLY = [name for name, c in lgc.CANDIDATES.items() if not c.triton]
 TRITON = [name for name, c in lgc.CANDIDATES.items() if c.triton]
+TMA = ["tma+ab", "tma-fused", "tma-frozen"]  # Hopper TMA kernels: skipped where they cannot run
 CASES = [  # (N, k, n, r, bias): odd sizes, ranks 1..64, with and without bias, square and not
     (37, 70, 53, 1, True),
     (41, 96, 130, 4, False),
@@ -268,6 +269,35 @@ def test_cli_usage_errors_exit_2_with_one_clear_line(argv, words, capsys):
         assert w in err
 
 
+def test_cli_candidates_take_commas_and_spaces(tmp_path):
+    out = tmp_path / "c.csv"
+    assert lgc.main(["--cpu-check", "--candidates", "frozen,lora", "ncat", "--shapes", "19:24->20:r2",
+                     "--dtypes", "fp32", "--out", str(out)]) == 0
+    assert [r["candidate"] for r in csv.DictReader(out.open())] == ["frozen", "lora", "ncat"] * 2
+
+
+def test_a_candidate_whose_preflight_refuses_is_skipped_with_its_reason(tmp_path, capsys, monkeypatch):
+    """A preflight's reason goes to the row's note and, once per candidate, to stderr; the other
+    candidates are checked as usual and the run passes."""
+    calls = []
+
+    def preflight(op, log):
+        calls.append(op.dims)
+        return ("needs a machine this is not", "") if op.dims[0] == 19 else (None, "chose something")
+
+    picky = lgc.Candidate("picky", lgc.prepare_plain, lgc.CANDIDATES["lora"].call, preflight=preflight)
+    monkeypatch.setitem(lgc.CANDIDATES, "picky", picky)
+    out = tmp_path / "c.csv"
+    rc = lgc.main(["--cpu-check", "--candidates", "frozen,picky", "--shapes", "19:24->20:r2", "21:16->24:r4",
+                   "--dtypes", "fp32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and len(calls) == 4  # two shapes, with and without a bias
+    rows = [r for r in csv.DictReader(out.open()) if r["candidate"] == "picky"]
+    assert [r["check"] for r in rows] == ["skip", "skip", "ok", "ok"], rows
+    assert "needs a machine this is not" in rows[0]["note"] and "chose something" in rows[2]["note"]
+    assert err.count("picky skipped: needs a machine this is not") == 1, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_cli_without_cuda_points_to_cpu_check(capsys):
     assert lgc.main(["--out", "x.csv"]) == 2
@@ -327,12 +357,48 @@ def test_u_gb_kernel_under_triton_interpreter():
 @needs_triton
 @pytest.mark.slow
 def test_triton_candidates_under_triton_interpreter(tmp_path):
+    """Every Triton candidate against float64 on the CPU; the TMA candidates run where d_in and
+    d_out make 16-byte rows (an odd token count included) and are skipped, with the reason
+    printed, where they do not."""
     out = tmp_path / "t.csv"
     proc = _interpreted([str(SCRIPT), "--cpu-check", "--dtypes", "fp32", "fp16", "--candidates", *TRITON,
-                         "--shapes", "37:70->53:r1", "64:48->96:r16", "45:33->45:r64", "--out", str(out)])
+                         "--shapes", "37:70->53:r1", "64:48->96:r16", "45:33->45:r64", "45:40->56:r4",
+                         "--out", str(out)])
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == len(TRITON) * 3 * 2 * 2 and all(r["check"] == "ok" for r in rows), rows
+    assert len(rows) == len(TRITON) * 4 * 2 * 2, rows
+    unaligned = {"37:70->53:r1", "45:33->45:r64"}
+    for r in rows:
+        if r["candidate"] in TMA and r["shape"] in unaligned:
+            assert r["check"] == "skip" and "16-byte rows" in r["note"], r
+        else:
+            assert r["check"] == "ok", r
+    assert "tma+ab skipped: TMA needs 16-byte rows" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_tma_candidates_are_listed_and_skipped_with_a_reason_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """Without Triton's interpreter the TMA candidates cannot run on the CPU: each row says why,
+    the reason is printed once per candidate, the summary still lists them, and the check passes."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "c.csv"
+    rc = lgc.main(["--cpu-check", "--candidates", "frozen,tma+ab", "tma-fused,tma-frozen", "--shapes", "19:24->32:r2",
+                   "21:32->16:r4", "--dtypes", "fp32", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["candidate"] for r in rows[:4]] == ["frozen", "tma+ab", "tma-fused", "tma-frozen"] and len(rows) == 16
+    for r in rows:
+        assert r["check"] == ("ok" if r["candidate"] == "frozen" else "skip"), r
+        if r["candidate"] in TMA:
+            assert ("TRITON_INTERPRET=1" in r["note"] or "compute capability 9.0" in r["note"]
+                    or "lora_tma unavailable" in r["note"]), r
+    for name in TMA:
+        assert captured.err.count(f"{name} skipped:") == 1, captured.err
+    table = captured.out.splitlines()
+    assert any(line.startswith("tma+ab ") and "skip" in line for line in table), captured.out
+    assert any(line.startswith("tma-fused ") and "skip" in line for line in table), captured.out
+    assert any(line.startswith("tma-frozen ") for line in table), captured.out
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -346,15 +412,42 @@ def test_gpu_checks_and_graph_counts(tmp_path):
     rc = lgc.main(["--count-only", "--shapes", "960:768->768:r16", "--dtypes", "bf16", "fp32", "--out", str(out)])
     rows = list(csv.DictReader(out.open()))
     assert rc == 0, [(r["candidate"], r["dtype"], r["check"]) for r in rows if r["check"] != "ok"]
+    ran = [r for r in rows if r["check"] != "skip"]  # e.g. the TMA candidates on GPUs before Hopper
+    assert all(r["note"] for r in rows if r["check"] == "skip"), rows
     for dt in ("bf16", "fp32"):
         frozen = next(r for r in rows if r["candidate"] == "frozen" and r["dtype"] == dt)
         assert int(frozen["kernels_fwd"]) >= 1 and int(frozen["kernels_bwd"]) >= 1
-        for r in rows:
+        for r in ran:
             if r["dtype"] == dt:
                 assert int(r["kernels_fwd"]) >= int(frozen["kernels_fwd"]), r
-                assert int(r["kernels_fwd"]) + int(r["kernels_bwd"]) > 2 or r["candidate"] == "frozen", r
-    assert Path(str(out) + ".kernels.txt").read_text().count(" fwd: ") == len(rows)
+                adapters = lgc.CANDIDATES[r["candidate"]].adapters
+                assert int(r["kernels_fwd"]) + int(r["kernels_bwd"]) > 2 or not adapters, r
+    assert Path(str(out) + ".kernels.txt").read_text().count(" fwd: ") == len(ran)
     # the folder's manifest names this command and both files it wrote
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entry = manifest["invocations"][-1]
     assert entry["command"] and entry["environment"] and {"g.csv", "g.csv.kernels.txt"} <= set(entry["outputs"])
+
+
+@pytest.mark.gpu
+def test_gpu_tma_candidates_at_an_odd_token_count(tmp_path):
+    """The TMA candidates checked (eager and replayed, against float64) and counted at an odd token
+    count, where the last row tile is partly outside x: ok on Hopper-class GPUs, a skip with its
+    reason elsewhere; one kernel each way for tma-frozen and tma-fused, one forward and two backward
+    for tma+ab."""
+    out = tmp_path / "t.csv"
+    rc = lgc.main(["--count-only", "--shapes", "333:768->1536:r16", "--dtypes", "bf16", "--candidates",
+                   "frozen,tma+ab,tma-fused,tma-frozen", "--out", str(out)])
+    rows = {r["candidate"]: r for r in csv.DictReader(out.open())}
+    assert rc == 0, rows
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert rows["tma+ab"]["check"] == "skip" and "9.0" in rows["tma+ab"]["note"]
+        assert rows["tma-fused"]["check"] == "skip" and "9.0" in rows["tma-fused"]["note"]
+        return
+    assert all(rows[c]["check"] == "ok" for c in ("tma+ab", "tma-fused", "tma-frozen")), rows
+    assert (rows["tma+ab"]["kernels_fwd"], rows["tma+ab"]["kernels_bwd"]) == ("1", "2"), rows["tma+ab"]
+    assert (rows["tma-fused"]["kernels_fwd"], rows["tma-fused"]["kernels_bwd"]) == ("1", "1"), rows["tma-fused"]
+    assert (rows["tma-frozen"]["kernels_fwd"], rows["tma-frozen"]["kernels_bwd"]) == ("1", "1"), rows["tma-frozen"]
+    assert "fwd " in rows["tma+ab"]["note"] and "bwd " in rows["tma+ab"]["note"]
+    assert "bwd+ab " in rows["tma-fused"]["note"], rows["tma-fused"]
+    assert rows["tma-fused"]["other_nodes_bwd"] in ("0", ""), rows["tma-fused"]  # no memset or copy either
