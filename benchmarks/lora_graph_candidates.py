@@ -38,6 +38,10 @@ work closest to the frozen layer's cost (one cuBLAS GEMM each way). Candidates:
   tma-frozen       diagnostic: the frozen layer through the same TMA kernel without the rank-r work
                    (1 + 1 kernels, adapters=False), so its ratio to frozen is the Triton GEMM against
                    cuBLAS, and tma+ab minus tma-frozen is what the rank-r work and lora_grad_ab cost
+  streams          the project's layer with its ``streams`` plan forced: cuBLAS for x·Wᵀ and g·W,
+                   the rank-r work (x·A; g·Bᵀ, then grad_A and grad_B in one Triton launch) on a
+                   second, high-priority stream beside them; the caller's stream runs only the big
+                   GEMM and one rank-r update each way (y += s·h·B, grad_x += s·u·Aᵀ)
 
 Predictions for the TMA candidates (bf16, × frozen under graph replay, shapes 768→768, 768→3072,
 3072→768, 1600→1600, 1600→6400, 6400→1600), written before any GPU run, from docs/kernel-design.md:
@@ -54,6 +58,12 @@ layer. The number to read is tma-frozen (the GEMM's own speed); the goal needs t
 gradients inside the backward GEMM too, which tma-fused does (its derivation: ``TMAFused``): it
 predicts ~2-4 us for them instead of ~12, so the rest of the gap is the GEMM's speed against
 cuBLAS and the rank-r MMAs in the K loop.
+
+Prediction for streams, written before its first GPU run: the caller's stream carries the frozen
+layer's GEMMs plus one small accumulate each way (an N×n or N×k read-modify-write with K = r: about
+2 us of memory traffic at 1600 and 3-4 us with its launch gap under replay), and the side stream's
+kernels fit in the SMs the big GEMM leaves idle (960 rows make ~100 output tiles on 132 SMs):
+  streams          1.45   1.25   1.25   1.30   1.10   1.12
 
 For each shape and candidate, on CUDA:
   1. check y, grad_x, grad_A, grad_B against float64 on fresh random inputs (not zeros), eagerly
@@ -545,6 +555,18 @@ def _call_project(x, p):
     return project_layer()[0](x, p.w, p.b, p.a, p.bm, p.s)
 
 
+def _call_project_plan(plan: str) -> Callable[[torch.Tensor, Params], torch.Tensor]:
+    """The project's layer with one of its plans forced (``lora_bench.kernels.policy``)."""
+
+    def call(x, p):
+        from lora_bench.kernels.policy import PlanPolicy, use_policy
+
+        with use_policy(PlanPolicy(forced=plan)):
+            return _call_project(x, p)
+
+    return call
+
+
 CANDIDATES: dict[str, Candidate] = {c.name: c for c in [
     Candidate("frozen", prepare_frozen, lambda x, p: F.linear(x, p.w, p.b), adapters=False),
     Candidate("lora", prepare_plain, lambda x, p: F.linear(x, p.w, p.b) + p.s * (x @ p.a @ p.bm)),
@@ -564,6 +586,7 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in [
               preflight=functools.partial(_tma_preflight, lora=True, grad_ab=True)),
     Candidate("tma-frozen", prepare_frozen, lambda x, p: TMALinear.apply(x, p.w, p.b), triton=True, adapters=False,
               preflight=functools.partial(_tma_preflight, lora=False)),
+    Candidate("streams", prepare_plain, _call_project_plan("streams")),
 ]}
 
 

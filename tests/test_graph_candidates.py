@@ -421,7 +421,8 @@ def test_gpu_checks_and_graph_counts(tmp_path):
             if r["dtype"] == dt:
                 assert int(r["kernels_fwd"]) >= int(frozen["kernels_fwd"]), r
                 adapters = lgc.CANDIDATES[r["candidate"]].adapters
-                assert int(r["kernels_fwd"]) + int(r["kernels_bwd"]) > 2 or not adapters, r
+                # tma-fused does the whole LoRA layer in one launch each way, as the frozen layer does
+                assert int(r["kernels_fwd"]) + int(r["kernels_bwd"]) > 2 or not adapters or r["candidate"] == "tma-fused", r
     assert Path(str(out) + ".kernels.txt").read_text().count(" fwd: ") == len(ran)
     # the folder's manifest names this command and both files it wrote
     manifest = json.loads((tmp_path / "manifest.json").read_text())

@@ -466,7 +466,7 @@ def test_gpu_backend_is_cpp_or_forced_triton():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode", [None, "fused", "cublas"])  # None: the C++ op in eager CUDA
+@pytest.mark.parametrize("mode", [None, "fused", "cublas", "streams"])  # None: the C++ op in eager CUDA
 @pytest.mark.parametrize("dt", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_matches_float64(case, dt, mode, poisoned, request):
@@ -529,7 +529,7 @@ def test_gpu_grad_ab_auto_split_at_1558m(dt, n):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode", [None, "fused"])
+@pytest.mark.parametrize("mode", [None, "fused", "streams"])
 def test_gpu_autocast_bf16(poisoned, mode):
     with use_policy(PlanPolicy(forced=mode and Plan(mode))):
         _gpu_autocast_bf16()
@@ -553,8 +553,53 @@ def _gpu_autocast_bf16():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode", [None, "fused"])
+@pytest.mark.parametrize("mode", [None, "fused", "streams"])
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_gpu_model_equivalence_with_lora(dt, mode, poisoned):
     with use_policy(PlanPolicy(forced=mode and Plan(mode))):
         _compare_models("cuda", DTYPE[dt], TOL[dt])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("M,k,n,r", [(960, 1600, 6400, 16), (333, 768, 770, 1), (129, 640, 384, 64)])
+def test_gpu_streams_plan_captured_in_a_cuda_graph(dt, M, k, n, r, poisoned):
+    """The streams plan forks a side stream and joins it inside each call: captured in a CUDA graph
+    (forward and backward), replays on fresh random inputs copied into the captured buffers match
+    float64 every time, with the adapter gradients complete when the replay ends."""
+    dtype, dev, s = DTYPE[dt], "cuda", 2.0
+    w, b = fresh(n, k, device=dev, dtype=dtype, scale=k ** -0.5), fresh(n, device=dev, dtype=dtype)
+    a = fresh(k, r, device=dev, dtype=dtype, scale=k ** -0.5).requires_grad_(True)
+    bm = fresh(r, n, device=dev, dtype=dtype).requires_grad_(True)
+    x = fresh(M, k, device=dev, dtype=dtype).requires_grad_(True)
+    g = fresh(M, n, device=dev, dtype=dtype)
+
+    def step():
+        y = lora_linear(x, w, b, a, bm, s)
+        return (y, *torch.autograd.grad(y, [x, a, bm], g))
+
+    with use_policy(PlanPolicy(forced=Plan.STREAMS)), record_plans() as log:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+    assert set(log) == {Plan.STREAMS}
+    for _ in range(3):
+        with torch.no_grad():
+            for t in (x, a, bm, g):
+                t.copy_(fresh(*t.shape, device=dev, dtype=dtype, scale=float(t.std())))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        X, W, A, B, G = (t.detach().double() for t in (x, w, a, bm, g))
+        H, U = X @ A, G @ B.t()
+        refs = (X @ W.t() + b.double() + s * H @ B, G @ W + s * U @ A.t(), s * X.t() @ U, s * H.t() @ G)
+        for name, got, ref in zip(("y", "grad_x", "grad_A", "grad_B"), outs, refs):
+            assert rel_err(got, ref) <= TOL[dt], (name, rel_err(got, ref))

@@ -161,16 +161,28 @@ def test_forced_python_plans(plan):
     assert pick(forced(plan), device="cpu", have_triton=False) is Plan.TORCH
 
 
+def test_forced_streams_runs_wherever_there_is_cuda():
+    """The streams plan needs CUDA streams only (without Triton its adapter gradients are torch
+    GEMMs); the CPU runs torch ops."""
+    streams = forced(Plan.STREAMS)
+    assert pick(streams, have_cpp=Unasked(), have_triton=Unasked()) is Plan.STREAMS
+    assert pick(streams, capturing=True, weight_numel=LARGE) is Plan.STREAMS
+    assert pick(streams, compiling=True, weight_numel=LARGE, dtype=FP32, exact_fp32=True) is Plan.STREAMS
+    assert pick(streams, rank=TRITON_MAX_RANK + 1) is Plan.STREAMS
+    assert pick(streams, device="cpu", have_triton=True) is Plan.TORCH
+    assert pick(streams, device="cpu", have_triton=False) is Plan.TORCH
+
+
 # ------------------------------------------------------------------------- names, variable, context
 
 
 def test_plan_names_and_backends():
-    assert [p.value for p in Plan] == ["fused", "cublas", "torch", "cpp", "direct"]
-    assert {p.backend for p in Plan} == {"triton", "cublas", "torch", "cpp", "cpp-direct"}
+    assert [p.value for p in Plan] == ["fused", "cublas", "torch", "streams", "cpp", "direct"]
+    assert {p.backend for p in Plan} == {"triton", "cublas", "torch", "cublas-streams", "cpp", "cpp-direct"}
     assert [p for p in Plan if p.cpp_op] == [Plan.CPP, Plan.DIRECT]
     assert parse_plan("cpp") is parse_plan(" CPP ") is Plan.CPP
     for bad in ("", "foo", "fused:torch", "cpp:cpp", "cpp:fused"):  # no forward/backward mixes
-        with pytest.raises(KernelModeError, match="expected one of fused, cublas, torch, cpp, direct"):
+        with pytest.raises(KernelModeError, match="expected one of fused, cublas, torch, streams, cpp, direct"):
             parse_plan(bad)
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from lora_bench.kernels import available, direct
-from lora_bench.kernels.policy import Plan, choose, current_policy, note
+from lora_bench.kernels.policy import TRITON_MAX_RANK, Plan, choose, current_policy, note
 
 
 def _compute_dtype(x: torch.Tensor, dev: str) -> torch.dtype:
@@ -54,6 +54,76 @@ def call_plan(x: torch.Tensor, weight: torch.Tensor, rank: int) -> Plan:
                   have_cpp=available.HAVE_CPP)
 
 
+# ------------------------------------------------------------------------- the streams plan
+# The rank-r products are a few microseconds of work each, but on one stream every one of them is
+# a kernel the big GEMMs wait for (and, replayed from a CUDA graph, a launch gap and a tail). The
+# streams plan runs them on a second stream of high priority, beside the big cuBLAS GEMM that does
+# not need them: x·A beside x·Wᵀ; g·Bᵀ, then grad_A and grad_B, beside g·W. The caller's stream
+# waits for the side stream only where it needs its result (the rank-r updates of y and grad_x,
+# and the adapter gradients before backward returns them), so nothing is left running after a
+# call. Every tensor the side stream writes is allocated on the caller's stream, and the side
+# stream first waits for the caller's, so the caching allocator (and a graph's memory pool) sees
+# the usual one-stream lifetimes. Captured in a CUDA graph the fork and joins become graph edges.
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's side stream (high priority; created on first use, so before any capture: graph
+    warm-ups run the plan their capture records)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE.get(idx)
+    if side is None:
+        side = _SIDE[idx] = torch.cuda.Stream(device=idx, priority=-1)
+    return side
+
+
+def _forward_streams(x, w, b, a, bm, s):
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    h = x.new_empty(x.shape[0], a.shape[1])
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.mm(x, a, out=h)
+    y = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+    main.wait_stream(side)
+    y.addmm_(h, bm, alpha=s)
+    return y, h
+
+
+def _grad_x_u_streams(g, w, a, bm, s):
+    main = torch.cuda.current_stream(g.device)
+    side = _side_stream(g.device)
+    u = g.new_empty(g.shape[0], bm.shape[0])
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.mm(g, bm.t(), out=u)
+    gx = g @ w
+    main.wait_stream(side)  # (u only: the adapter gradients are queued on the side stream after this)
+    gx.addmm_(u, a.t(), alpha=s)
+    return gx, u
+
+
+def _grad_ab_streams(x, u, h, g, s, *, do_a, do_b, dtype):
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    triton_ok = available.HAVE_TRITON and u.shape[1] <= TRITON_MAX_RANK
+    k, r, n = x.shape[1], u.shape[1], g.shape[1]
+    ga = x.new_empty(k, r, dtype=dtype if triton_ok else x.dtype) if do_a else None
+    gb = x.new_empty(r, n, dtype=dtype if triton_ok else x.dtype) if do_b else None
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        if triton_ok:
+            available.triton_kernels().lora_grad_ab(x, u, h, g, scale=s, ga_out=ga, gb_out=gb,
+                                                    grad_dtype=dtype, do_a=do_a, do_b=do_b)
+        else:
+            if do_a:
+                torch.mm(x.t(), u, out=ga).mul_(s)
+            if do_b:
+                torch.mm(h.t(), g, out=gb).mul_(s)
+    main.wait_stream(side)
+    return _cast(ga, dtype), _cast(gb, dtype)
+
+
 # ------------------------------------------------------------------------------- the math
 # Host time matters as much as device time here: at GPT-2 sizes a layer's forward+backward is
 # host-bound on a fast GPU, so the code below avoids views, no-op casts and context managers it
@@ -65,6 +135,8 @@ def _forward(mode: Plan, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     """y (N×n), h (N×r) for x (N×k), w (n×k), a (k×r), bm (r×n)."""
     if mode is Plan.FUSED:
         return available.triton_kernels().lora_fwd(x, w, a, bm, b, s)
+    if mode is Plan.STREAMS:
+        return _forward_streams(x, w, b, a, bm, s)
     h = x @ a  # (N, r)
     y = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (N, n)
     y.addmm_(h, bm, alpha=s)  # in place: no N×n temporary
@@ -76,6 +148,8 @@ def _grad_x_u(mode: Plan, g: torch.Tensor, w: torch.Tensor, a: torch.Tensor, bm:
     """grad_x = g·W + s·u·Aᵀ (N×k) and u = g·Bᵀ (N×r)."""
     if mode is Plan.FUSED:
         return available.triton_kernels().lora_bwd_x(g, w, a, bm, s)
+    if mode is Plan.STREAMS:
+        return _grad_x_u_streams(g, w, a, bm, s)
     u = g @ bm.t()  # (N, r)
     gx = g @ w  # (N, k)
     gx.addmm_(u, a.t(), alpha=s)
@@ -85,6 +159,8 @@ def _grad_x_u(mode: Plan, g: torch.Tensor, w: torch.Tensor, a: torch.Tensor, bm:
 def _grad_ab(mode: Plan, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, g: torch.Tensor, s: float,
              *, do_a: bool, do_b: bool, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_A = s·xᵀ·u (k×r), grad_B = s·hᵀ·g (r×n), in the parameters' dtype."""
+    if mode is Plan.STREAMS:
+        return _grad_ab_streams(x, u, h, g, s, do_a=do_a, do_b=do_b, dtype=dtype)
     if mode is not Plan.TORCH:  # fused and cublas: one Triton launch for both
         return available.triton_kernels().lora_grad_ab(x, u, h, g, scale=s, grad_dtype=dtype, do_a=do_a, do_b=do_b)
     ga = torch.mm(x.t(), u).mul_(s).to(dtype) if do_a else None

@@ -10,6 +10,10 @@ backward, :mod:`lora_bench.kernels.autograd`):
           path folded in, one launch forward, two backward
   cublas  the Python Function / custom ops with torch GEMMs (cuBLAS) and one Triton launch for
           grad_A and grad_B together
+  streams the Python Function / custom ops with torch GEMMs (cuBLAS) for the big products and the
+          rank-r work (x·A, g·Bᵀ, grad_A and grad_B in one Triton launch) on a second CUDA stream,
+          running beside them; only its two rank-r updates (y += s·h·B, grad_x += s·u·Aᵀ) follow
+          the big GEMMs on the caller's stream
   torch   the Python Function / custom ops with torch ops only: the CPU, and the fallback
 
 ``choose`` is a pure function of a ``PlanPolicy`` and the facts of one call. The default rules:
@@ -56,6 +60,7 @@ class Plan(str, enum.Enum):
     FUSED = "fused"
     CUBLAS = "cublas"
     TORCH = "torch"
+    STREAMS = "streams"
     CPP = "cpp"
     DIRECT = "direct"
 
@@ -71,7 +76,7 @@ class Plan(str, enum.Enum):
 
 
 _BACKEND = {Plan.DIRECT: "cpp-direct", Plan.CPP: "cpp", Plan.FUSED: "triton", Plan.CUBLAS: "cublas",
-            Plan.TORCH: "torch"}
+            Plan.TORCH: "torch", Plan.STREAMS: "cublas-streams"}
 
 
 class KernelModeError(UsageError, ValueError):
@@ -124,8 +129,10 @@ def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bo
                 return Plan.DIRECT if direct and have_triton else Plan.CPP
     # the Python Function (eager) or the custom ops (torch.compile)
     python_forced = None if forced is None or forced is Plan.CPP or forced is Plan.DIRECT else forced
-    if not cuda and python_forced is None:
-        return Plan.TORCH
+    if not cuda and (python_forced is None or python_forced is Plan.STREAMS):
+        return Plan.TORCH  # (streams are CUDA's)
+    if python_forced is Plan.STREAMS:
+        return Plan.STREAMS  # (its adapter gradients fall back to torch GEMMs without Triton)
     if rank > TRITON_MAX_RANK or not have_triton:
         return Plan.TORCH
     if python_forced is not None:
