@@ -104,12 +104,9 @@ import contextlib
 import functools
 import math
 import os
-import re
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -124,6 +121,7 @@ from lora_bench.bench.kernel_bench import Shape, resolve_shapes  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
 from lora_bench.results.manifest import record_invocation  # noqa: E402
 from lora_bench.results.metrics import median_p10_p90  # noqa: E402
+from lora_bench.train.graph_nodes import graph_nodes, new_graph  # noqa: E402
 
 ALPHA = 2.0  # the layer's s (kernel-bench's value)
 ROUND = 20  # repeats per candidate per round
@@ -689,59 +687,14 @@ def _warm(fn: Callable, iters: int = 3) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
-def _new_graph(debug: bool) -> torch.cuda.CUDAGraph:
-    if not debug:
-        return torch.cuda.CUDAGraph()
-    try:  # keep the cudaGraph_t after instantiation, for debug_dump
-        graph = torch.cuda.CUDAGraph()
-        graph.enable_debug_mode()
-    except AttributeError:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-    return graph
-
-
 def capture(fn: Callable, *, debug: bool = False, warm: int = 3):
     """(graph, what ``fn`` returned during capture: the graph's static outputs)."""
     if warm:
         _warm(fn, warm)
-    graph = _new_graph(debug)
+    graph = new_graph(debug)
     with project_layer()[1](), torch.cuda.graph(graph):
         out = fn()
     return graph, out
-
-
-_DOT_NODE = re.compile(r'"(graph_\d+_node_\d+)"\s*\[(.*?)"\s*\]\s*;', re.S)  # (edge attributes match too: no node type)
-_DOT_TYPE = re.compile(r"\b(KERNEL|MEMCPY|MEMSET|HOST|GRAPH|EMPTY|WAIT_EVENT|EVENT_RECORD|EXT_SEMAS_SIGNAL|"
-                       r"EXT_SEMAS_WAIT|MEM_ALLOC|MEM_FREE|BATCH_MEM_OP|CONDITIONAL)\b")
-_DOT_KERNEL_NAME = re.compile(r"([A-Za-z_$][\w$.]*)\s*\\?<\\?<\\?<")
-
-
-def parse_graph_dot(text: str) -> dict[str, list[str]] | None:
-    """Node types of a cudaGraphDebugDotPrint dump: {"KERNEL": [kernel names], "MEMSET": [...], ...};
-    None when no node could be read (another dump format)."""
-    nodes: dict[str, list[str]] = {}
-    for _, body in _DOT_NODE.findall(text):
-        m = _DOT_TYPE.search(body)
-        if m is None:
-            continue
-        kind = m.group(1)
-        name = ""
-        if kind == "KERNEL":
-            k = _DOT_KERNEL_NAME.search(body)
-            name = k.group(1) if k else "?"
-        nodes.setdefault(kind, []).append(name)
-    return nodes or None
-
-
-def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, list[str]] | None:
-    """Parsed debug dump of a graph captured with ``debug=True``."""
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # debug_dump announces itself with warnings
-        path = os.path.join(tmp, "graph.dot")
-        graph.debug_dump(path)
-        if not os.path.exists(path):
-            return None
-        return parse_graph_dot(Path(path).read_text(errors="replace"))
 
 
 def profiled_kernels(fn: Callable) -> list[str]:

@@ -149,7 +149,7 @@ def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path,
 @pytest.mark.parametrize("args,needle", [
     (["--shapes", "2x8:48->40:r0"], "positive sizes"),
     (["--impls", "lora:cpp"], "only lora-kernel takes a :MODE suffix"),
-    (["--impls", "lora-kernel:foo"], "lora-kernel's modes are fused, cublas, torch, cpp"),
+    (["--impls", "lora-kernel:foo"], "lora-kernel's modes are fused, cublas, torch, streams, cpp"),
     (["--repeats", "0"], "need repeats >= 1"),
     (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
 ])
@@ -166,7 +166,7 @@ def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(run_cli, 
     monkeypatch.setenv("LORA_BENCH_KERNEL_MODE", "fused:cpp")
     code, out = run_cli("train", *TINY, "--trainable-layers", "lora-kernel", "--max-steps", "8",
                         "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, "LORA_BENCH_KERNEL_MODE", "'fused:cpp'", "fused, cublas, torch, cpp, direct")
+    _assert_clean_usage_error(code, out, "LORA_BENCH_KERNEL_MODE", "'fused:cpp'", "fused, cublas, torch, streams, cpp, direct")
 
 
 def test_machine_inputs_checked_before_a_run_or_sweep_starts(run_cli, tmp_path):

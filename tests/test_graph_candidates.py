@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_bench.train.graph_nodes import parse_graph_dot
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "lora_graph_candidates.py"
 
@@ -205,9 +207,9 @@ label="graph_1" graph[style="dashed"];
 
 
 def test_parse_graph_dot_counts_nodes_by_type_with_kernel_names():
-    nodes = lgc.parse_graph_dot(DOT)
+    nodes = parse_graph_dot(DOT)
     assert nodes == {"MEMSET": [""], "KERNEL": ["nvjet_tst_128x64_64x4_1x2_h_bz_TNT", "_lora_ugb_kernel"]}
-    assert lgc.parse_graph_dot("digraph dot {\n}\n") is None
+    assert parse_graph_dot("digraph dot {\n}\n") is None
 
 
 def test_minus_is_a_multiset_difference():

@@ -77,7 +77,7 @@ def test_forced_cpp_impl_runs_the_cpp_op(monkeypatch):
     assert [r["backend"] for r in rows] == ["cpp"]
 
 
-@pytest.mark.parametrize("impl,needle", [("lora-kernel:foo", "lora-kernel's modes are fused, cublas, torch, cpp, direct"),
+@pytest.mark.parametrize("impl,needle", [("lora-kernel:foo", "lora-kernel's modes are fused, cublas, torch, streams, cpp, direct"),
                                          ("lora-kernel:fused:torch", "lora-kernel's modes are")])
 def test_bad_plan_names_are_refused_before_anything_runs(impl, needle):
     with pytest.raises(ValueError, match=needle):

@@ -168,10 +168,15 @@ def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
 def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
                             learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
-    eager, _ = _losses(base, tmp_path, f"{layers}-eager")
+    eager, eager_row = _losses(base, tmp_path, f"{layers}-eager")
     graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")
     assert _rel(graphed, eager) < 1e-5
     assert row["status"] == "done" and row["step_ms_median"] > 0
+    # the captured graphs' kernels, counted from their node lists, and the capture's one-time cost
+    fwd, bwd, opt = (row[f"graph_kernels_{p}"] for p in ("forward", "backward", "optimizer"))
+    assert fwd >= 2 * 4 and bwd > fwd and opt >= 1, (fwd, bwd, opt)  # >= a few kernels per block (2 blocks)
+    assert 0 < row["graph_capture_s"] < row["training_time_s"]
+    assert all(eager_row.get(f"graph_kernels_{p}") is None for p in ("forward", "backward", "optimizer"))
 
 
 @pytest.mark.gpu
@@ -221,6 +226,24 @@ def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, sc
                        tmp_path, f"{layers}-{scope}-cg")
     assert row["status"] == "done"
     assert _rel(got, eager) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_streams_plan_trains_like_the_fused_plan_inside_cuda_graphs(tiny_cfg, tmp_path, compiled):
+    """bf16 inside CUDA graphs (eager layers, or blocks compiled): lora-kernel forced to its streams
+    plan (a side stream forked and joined inside each layer call, captured as graph edges) runs it
+    (backend says so) and trains like the default plan."""
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
+                            cuda_graphs=True, optimizer="fused", compile=compiled, compile_scope="blocks")
+    default, row_d = _losses(base, tmp_path, "default")
+    with use_policy(PlanPolicy(forced=Plan.STREAMS)):
+        got, row_s = _losses(base, tmp_path, "streams")
+    assert row_d["backend"] == "triton" and row_s["backend"] == "cublas-streams"
+    assert _rel(got, default) < 3e-2
 
 
 @pytest.mark.gpu

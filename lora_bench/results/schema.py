@@ -50,7 +50,7 @@ RUN_COLUMNS: list[Column] = [
     Column("training_time_min", "float64", "min", "the same in minutes", "lower"),
     Column("steps", "Int64", "steps", "training steps run"),
     Column("device", "string", "", "torch device"),
-    Column("backend", "string", "", "lora-kernel's plan(s) its layers ran in the training step, as they recorded them: cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), cpp-direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), triton (the fused Triton kernels: captured or compiled layers), cublas (cuBLAS GEMMs with Triton adapter gradients: captured or compiled layers in exact fp32, compiled layers of 1558M-MLP size), torch (CPU); joined with + when layers differ; blank for other choices"),
+    Column("backend", "string", "", "lora-kernel's plan(s) its layers ran in the training step, as they recorded them: cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), cpp-direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), triton (the fused Triton kernels: captured or compiled layers), cublas (cuBLAS GEMMs with Triton adapter gradients: captured or compiled layers in exact fp32, compiled layers of 1558M-MLP size), cublas-streams (the streams plan, forced: cuBLAS GEMMs with the rank-r work on a second stream), torch (CPU); joined with + when layers differ; blank for other choices"),
     Column("timing_clock", "string", "", "cuda_events, cuda_sync (perturbing), host (CPU) or off"),
     Column("warmup_steps", "Int64", "steps", "steps excluded from the summaries"),
     Column("measured_steps", "Int64", "steps", "steps in the summaries"),
@@ -58,6 +58,14 @@ RUN_COLUMNS: list[Column] = [
     Column("phase_sum_pct", "float64", "%", "sum of the phase medians vs the median step, in % of the median step "
            "(each step's phases add up exactly; the medians drift apart when the host changes regime within a run)"),
     Column("eval_s", "float64", "s", "time spent in periodic and per-epoch evaluation (device time on CUDA)", "lower"),
+    Column("graph_capture_s", "float64", "s", "CUDA graphs: wall time of the step's warm-up iterations and capture, "
+           "paid once per run inside training_time_s (blank otherwise)", "lower"),
+    Column("graph_kernels_forward", "Int64", "kernels", "CUDA graphs: kernel nodes of the captured forward+loss "
+           "graph, the kernels one step launches in that phase (blank otherwise)", "lower"),
+    Column("graph_kernels_backward", "Int64", "kernels", "CUDA graphs: kernel nodes of the captured backward graph",
+           "lower"),
+    Column("graph_kernels_optimizer", "Int64", "kernels", "CUDA graphs: kernel nodes of the captured optimizer graph",
+           "lower"),
     Column("tokens_per_step", "float64", "tokens", "median tokens per step"),
     Column("tokens_per_s", "float64", "tokens/s", "tokens per second of median step time", "higher"),
     Column("flops_per_step", "float64", "FLOP", "analytic FLOPs per step for the trainable set"),

@@ -10,11 +10,13 @@ are snapshotted before and restored after, so the run's step sequence is the sam
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from lora_bench.kernels.policy import graph_plan
 from lora_bench.train.distributed import GRAPH_WARMUP_ITERS
+from lora_bench.train.graph_nodes import kernel_count, new_graph
 from lora_bench.train.evaluate import calc_loss_batch
 
 WARMUP_ITERS = 3
@@ -48,6 +50,8 @@ class GraphedStep:
         # iterations DDP needs first (its buckets are rebuilt after the first, and it logs at the
         # tenth); every rank warms up, restores and captures the same way
         self.data_parallel = ctx.dp is not None
+        self.capture_s: float | None = None  # warm-up, restore and capture, host wall time
+        self.kernels: dict[str, int | None] = {}  # kernel nodes per captured phase
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self):
@@ -82,6 +86,7 @@ class GraphedStep:
                             v.copy_(saved[k])
 
     def capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self.static_in = inputs.clone()
         self.static_tgt = targets.clone()
         snap = self._snapshot()
@@ -94,7 +99,8 @@ class GraphedStep:
         warm_up(step, GRAPH_WARMUP_ITERS if self.data_parallel else WARMUP_ITERS)
         self._restore(snap)
         self.optimizer.zero_grad(set_to_none=True)
-        g_fwd, g_bwd, g_opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # debug mode keeps each graph's node list (host memory only) so its kernels can be counted
+        g_fwd, g_bwd, g_opt = new_graph(True), new_graph(True), new_graph(True)
         with torch.cuda.graph(g_fwd):
             self.static_loss = self._forward()
         pool = g_fwd.pool()
@@ -103,6 +109,15 @@ class GraphedStep:
         with torch.cuda.graph(g_opt, pool=pool):
             self.optimizer.step()
         self.graphs = (g_fwd, g_bwd, g_opt)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        self.kernels = {"forward": kernel_count(g_fwd), "backward": kernel_count(g_bwd),
+                        "optimizer": kernel_count(g_opt)}
+
+    def record(self) -> dict:
+        """The run row's graph columns: kernels per captured phase and the capture's wall time."""
+        return {"graph_capture_s": self.capture_s,
+                **{f"graph_kernels_{phase}": n for phase, n in self.kernels.items()}}
 
     # -- one step ---------------------------------------------------------------------------------
     def __call__(self, inputs, targets, update: bool, timer):

@@ -353,6 +353,8 @@ def _execute(cfg: TrainConfig, *, results_dir: Path, run_id: str, console: Conso
         if dp is not None:  # collective: every rank, right after the loop
             row.update(dp.gather(timer))
         row["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
+        if step_fn is not None:
+            row.update(step_fn.record())
         curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
                       train_accs=result.train_accs, val_accs=result.val_accs)
         row.update(steps=result.steps, training_time_s=result.training_time_s,

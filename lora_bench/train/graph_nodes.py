@@ -1,0 +1,68 @@
+"""What a captured CUDA graph holds: its nodes by type (kernels, memsets, copies, event nodes), read
+from the driver's debug dump (``cudaGraphDebugDotPrint``). A graph must be created with
+``new_graph(debug=True)`` to keep its node list after instantiation; replays are unaffected."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_DOT_NODE = re.compile(r'"(graph_\d+_node_\d+)"\s*\[(.*?)"\s*\]\s*;', re.S)  # (edge attributes match too: no node type)
+_DOT_TYPE = re.compile(r"\b(KERNEL|MEMCPY|MEMSET|HOST|GRAPH|EMPTY|WAIT_EVENT|EVENT_RECORD|EXT_SEMAS_SIGNAL|"
+                       r"EXT_SEMAS_WAIT|MEM_ALLOC|MEM_FREE|BATCH_MEM_OP|CONDITIONAL)\b")
+_DOT_KERNEL_NAME = re.compile(r"([A-Za-z_$][\w$.]*)\s*\\?<\\?<\\?<")
+
+
+def new_graph(debug: bool) -> torch.cuda.CUDAGraph:
+    """A CUDA graph; with ``debug``, one that keeps its node list for ``graph_nodes``."""
+    if not debug:
+        return torch.cuda.CUDAGraph()
+    try:  # keep the cudaGraph_t after instantiation, for debug_dump
+        graph = torch.cuda.CUDAGraph()
+        graph.enable_debug_mode()
+    except AttributeError:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    return graph
+
+
+def parse_graph_dot(text: str) -> dict[str, list[str]] | None:
+    """Node types of a cudaGraphDebugDotPrint dump: {"KERNEL": [kernel names], "MEMSET": [...], ...};
+    None when no node could be read (another dump format)."""
+    nodes: dict[str, list[str]] = {}
+    for _, body in _DOT_NODE.findall(text):
+        m = _DOT_TYPE.search(body)
+        if m is None:
+            continue
+        kind = m.group(1)
+        name = ""
+        if kind == "KERNEL":
+            k = _DOT_KERNEL_NAME.search(body)
+            name = k.group(1) if k else "?"
+        nodes.setdefault(kind, []).append(name)
+    return nodes or None
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, list[str]] | None:
+    """The parsed debug dump of a graph made by ``new_graph(debug=True)``; None when the dump could
+    not be written or read."""
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # debug_dump announces itself with warnings
+        path = os.path.join(tmp, "graph.dot")
+        try:
+            graph.debug_dump(path)
+        except RuntimeError:
+            return None
+        if not os.path.exists(path):
+            return None
+        return parse_graph_dot(Path(path).read_text(errors="replace"))
+
+
+def kernel_count(graph: torch.cuda.CUDAGraph) -> int | None:
+    """How many kernel nodes a debug-mode graph holds (None when its dump is unreadable)."""
+    nodes = graph_nodes(graph)
+    return None if nodes is None else len(nodes.get("KERNEL", []))
