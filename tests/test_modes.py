@@ -238,7 +238,9 @@ def test_the_streams_plan_trains_like_the_fused_plan_inside_cuda_graphs(tiny_cfg
 
     base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
                             lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
-                            cuda_graphs=True, optimizer="fused", compile=compiled, compile_scope="blocks")
+                            cuda_graphs=True, optimizer="fused")
+    if compiled:
+        base = base.replace(compile=True, compile_scope="blocks")
     default, row_d = _losses(base, tmp_path, "default")
     with use_policy(PlanPolicy(forced=Plan.STREAMS)):
         got, row_s = _losses(base, tmp_path, "streams")

@@ -19,15 +19,26 @@ _DOT_KERNEL_NAME = re.compile(r"([A-Za-z_$][\w$.]*)\s*\\?<\\?<\\?<")
 
 
 def new_graph(debug: bool) -> torch.cuda.CUDAGraph:
-    """A CUDA graph; with ``debug``, one that keeps its node list for ``graph_nodes``."""
+    """A CUDA graph; with ``debug``, one that keeps its node list for ``graph_nodes`` (call
+    ``instantiate`` after its capture)."""
     if not debug:
         return torch.cuda.CUDAGraph()
-    try:  # keep the cudaGraph_t after instantiation, for debug_dump
+    try:  # the graph kept after capture; instantiated by ``instantiate`` (or its first replay)
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:  # a torch without keep_graph: debug mode keeps it
         graph = torch.cuda.CUDAGraph()
         graph.enable_debug_mode()
-    except AttributeError:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-    return graph
+        return graph
+
+
+def instantiate(graph: torch.cuda.CUDAGraph) -> None:
+    """Instantiate a kept graph now, so its first replay does not pay for it (no-op otherwise)."""
+    fn = getattr(graph, "instantiate", None)
+    if fn is not None:
+        try:
+            fn()
+        except RuntimeError:  # already instantiated at the end of its capture
+            pass
 
 
 def parse_graph_dot(text: str) -> dict[str, list[str]] | None:

@@ -16,7 +16,7 @@ import torch
 
 from lora_bench.kernels.policy import graph_plan
 from lora_bench.train.distributed import GRAPH_WARMUP_ITERS
-from lora_bench.train.graph_nodes import kernel_count, new_graph
+from lora_bench.train.graph_nodes import instantiate, kernel_count, new_graph
 from lora_bench.train.evaluate import calc_loss_batch
 
 WARMUP_ITERS = 3
@@ -109,6 +109,8 @@ class GraphedStep:
         with torch.cuda.graph(g_opt, pool=pool):
             self.optimizer.step()
         self.graphs = (g_fwd, g_bwd, g_opt)
+        for g in self.graphs:
+            instantiate(g)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.kernels = {"forward": kernel_count(g_fwd), "backward": kernel_count(g_bwd),
