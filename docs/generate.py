@@ -307,20 +307,71 @@ CANDIDATE_SHAPES = ("960:768->768:r16", "960:768->3072:r16", "960:3072->768:r16"
                     "960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16")
 
 
-def table_graph_candidates() -> str:
-    """bf16 device time of forward+backward replayed from a CUDA graph, × the frozen layer, and kernels."""
-    df = pd.read_csv(RESULTS / "lora-graph-candidates-h200" / "graph_candidates.csv")
-    df = df[(df["dtype"] == "bf16") & (df["check"] == "ok")]
+def _candidate_rows(df: pd.DataFrame, dtype: str, skip: set[str] = frozenset()) -> list[list]:
+    """One row per candidate: kernels fwd + bwd, then × frozen under graph replay at each shape."""
+    df = df[(df["dtype"] == dtype) & (df["check"] == "ok")]
     rows = []
     for cand in df["candidate"].drop_duplicates():
+        if cand in skip:
+            continue
         sub = df[df["candidate"] == cand].set_index("shape")
         k = sub.iloc[0]
         rows.append([f"`{cand}`", f"{int(k.kernels_fwd)} + {int(k.kernels_bwd)}",
                      *(f"{sub.loc[sh, 'graph_x_frozen']:.2f}" for sh in CANDIDATE_SHAPES)])
-    frozen = df[df["candidate"] == "frozen"].set_index("shape")
-    rows.append(["frozen µs", "", *(f"{frozen.loc[sh, 'graph_us']:.1f}" for sh in CANDIDATE_SHAPES)])
+    return rows
+
+
+def _frozen_us(df: pd.DataFrame, dtype: str, label: str) -> list:
+    frozen = df[(df["candidate"] == "frozen") & (df["dtype"] == dtype)].set_index("shape")
+    return [label, "", *(f"{frozen.loc[sh, 'graph_us']:.1f}" for sh in CANDIDATE_SHAPES)]
+
+
+def table_graph_candidates() -> str:
+    """bf16 device time of forward+backward replayed from a CUDA graph, × the frozen layer, and kernels."""
+    df = pd.read_csv(RESULTS / "lora-graph-candidates-h200" / "graph_candidates.csv")
+    rows = _candidate_rows(df, "bf16") + [_frozen_us(df, "bf16", "frozen µs")]
     names = [sh.split(":")[1].replace("->", "→") for sh in CANDIDATE_SHAPES]
     return _table(["bf16, × frozen (graph replay)", "kernels fwd + bwd", *names], rows)
+
+
+def table_graph_candidates_hopper() -> str:
+    """The TMA kernels and the streams plan (their own run, with the reference candidates re-measured
+    beside them), bf16; and the streams plan in exact fp32."""
+    folder = RESULTS / "lora-graph-candidates-h200"
+    bf16 = pd.read_csv(folder / "hopper-and-streams" / "graph_candidates.csv")
+    fp32 = pd.read_csv(folder / "streams-fp32" / "graph_candidates.csv")
+    rows = _candidate_rows(bf16, "bf16") + [_frozen_us(bf16, "bf16", "frozen µs")]
+    rows += [[f"fp32 {r[0]}", *r[1:]] for r in _candidate_rows(fp32, "fp32", skip={"frozen"})]
+    rows.append(_frozen_us(fp32, "fp32", "fp32 frozen µs"))
+    names = [sh.split(":")[1].replace("->", "→") for sh in CANDIDATE_SHAPES]
+    return _table(["× frozen (graph replay)", "kernels fwd + bwd", *names], rows)
+
+
+def table_step_kernels() -> str:
+    """Best-mode steps: median step, kernels per captured graph, microseconds per kernel, capture."""
+    df = pd.read_csv(RESULTS / "graph-kernels-h200" / "runs.csv")
+    rows = []
+    for _, r in df.iterrows():
+        kernels = int(r.graph_kernels_forward + r.graph_kernels_backward + r.graph_kernels_optimizer)
+        rows.append([f"{r.model_size} {r.trainable_layers}", f"{r.step_ms_median:.2f}",
+                     f"{int(r.graph_kernels_forward)} / {int(r.graph_kernels_backward)} / {int(r.graph_kernels_optimizer)}",
+                     f"{kernels:,}", f"{1000 * r.step_ms_median / kernels:.1f}", f"{r.graph_capture_s:.1f}"])
+    return _table(["blocks compiled + CUDA graphs + bf16 + fused, one H200", "step ms", "kernels fwd / bwd / opt",
+                   "kernels per step", "µs per kernel", "warm-up + capture s"], rows)
+
+
+def table_five_epochs() -> str:
+    """124M, 5 epochs in CUDA graphs: where a whole run's time goes."""
+    df = pd.read_csv(RESULTS / "graph-kernels-h200" / "five-epochs" / "runs.csv")
+    rows = []
+    for _, r in df.iterrows():
+        steps_s = r.steps * r.step_ms_median / 1000
+        rows.append([f"{r.model_size} {r.trainable_layers}", f"{r.training_time_s:.2f}", f"{int(r.steps)}",
+                     f"{r.step_ms_median:.2f}", f"{steps_s:.2f}", f"{r.eval_s:.2f}", f"{r.graph_capture_s:.2f}",
+                     f"{r.training_time_s - steps_s - r.eval_s - r.graph_capture_s:.2f}",
+                     f"{r.val_acc:.2f} / {r.test_acc:.2f}"])
+    return _table(["5 epochs, CUDA graphs + bf16 + fused, one H200", "training s", "steps", "step ms",
+                   "steps × step ms, s", "evaluation s", "warm-up + capture s", "rest s", "val / test %"], rows)
 
 
 TABLES = {
@@ -338,6 +389,9 @@ TABLES = {
     "peers": table_peers,
     "ddp": table_ddp,
     "graph-candidates": table_graph_candidates,
+    "graph-candidates-hopper": table_graph_candidates_hopper,
+    "step-kernels": table_step_kernels,
+    "five-epochs": table_five_epochs,
 }
 
 
