@@ -456,7 +456,7 @@ class TMALoRA(torch.autograd.Function):
         return (gx if ctx.needs_input_grad[0] else None), None, None, ga, gb, None
 
 
-class TMAFused(torch.autograd.Function):
+class TMAFused(TMALoRA):
     """tma-fused. fwd 1 launch, as tma+ab (``lora_tma.lora_fwd``: y and h). bwd 1 launch
     (``lora_tma.lora_bwd_ab``): the TMA GEMM g·W with u = g·Bᵀ in its K loop, grad_x = g·W + s·u·Aᵀ
     in its epilogue, and the adapter gradients from the tiles it loads anyway: grad_B = s·hᵀ·g from
@@ -484,13 +484,6 @@ class TMAFused(torch.autograd.Function):
     15.0 / 32.9 / 30.5 / 29.0 / 82.7 / 81.6 us. What keeps it above 1.10× is what keeps tma-frozen
     at 1.08× (the Triton GEMM at ~85 % of cuBLAS) and the rank-r MMAs in the K loop (~8 %); the
     adapter gradients themselves now cost ~2-4 us instead of ~12."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, a, bm, s):
-        y, h = tma_kernels().lora_fwd(x, w, a, bm, b, s)
-        ctx.save_for_backward(x, h, w, a, bm)
-        ctx.s = s
-        return y
 
     @staticmethod
     def backward(ctx, g):

@@ -3,6 +3,12 @@ tiny LoRA models with the same weights."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn as nn
 
@@ -73,3 +79,19 @@ def run_model(m, idx):
     logits = m(idx)[:, -1, :]
     logits.float().logsumexp(-1).sum().backward()
     return logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERP_SKIP = "this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)"
+
+
+def run_interpreted(args: list[str]) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the checkout's root under Triton's CPU interpreter (TRITON_INTERPRET=1,
+    this checkout's lora_bench first on the path); skips the test where that interpreter cannot run."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    if "only 0-dimensional arrays can be converted" in proc.stderr:
+        pytest.skip(INTERP_SKIP)
+    return proc
+

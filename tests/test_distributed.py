@@ -442,6 +442,7 @@ def test_the_scaling_table_joins_each_one_gpu_run_with_its_data_parallel_runs():
         pytest.skip("the committed two-GPU study is not in this checkout")
     t = ddp_table.table(results)
     big = t[t["size"] == "1558M"]
-    assert len(big) == 4 and big[["b16_tok_s", "b8_tok_s"]].notna().all().all()
+    assert sorted(big["layers"]) == ["all", "all", "lora", "lora", "lora-kernel", "lora-kernel"]  # × 2 modes
+    assert big[["one_gpu_tok_s", "b16_tok_s", "b8_tok_s"]].notna().all().all()
     for batch in (16, 8):
         assert (abs(big[f"b{batch}_x"] - big[f"b{batch}_tok_s"] / big["one_gpu_tok_s"].astype(float)) < 1e-9).all()

@@ -9,13 +9,12 @@ import csv
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from numerics import run_interpreted
 
 from lora_bench.train.graph_nodes import parse_graph_dot
 
@@ -309,7 +308,6 @@ def test_cli_without_cuda_points_to_cpu_check(capsys):
 # ------------------------------------------------------------- Triton under the interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-_INTERP_SKIP = "this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)"
 
 UGB_CODE = r'''
 import torch
@@ -338,12 +336,6 @@ print("FAILURES", bad)
 '''
 
 
-def _interpreted(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    if "only 0-dimensional arrays can be converted" in proc.stderr:
-        pytest.skip(_INTERP_SKIP)
-    return proc
 
 
 @needs_triton
@@ -351,7 +343,7 @@ def _interpreted(args: list[str]) -> subprocess.CompletedProcess:
 def test_u_gb_kernel_under_triton_interpreter():
     """lora_u_gb against float64: odd sizes, ranks 1-64, u into the strided right part of a
     [g | u] buffer, the g copy into its left part (and nothing there without it), NaN-poisoned."""
-    proc = _interpreted(["-c", UGB_CODE])
+    proc = run_interpreted(["-c", UGB_CODE])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAILURES []" in proc.stdout, proc.stdout[-3000:]
 
@@ -363,7 +355,7 @@ def test_triton_candidates_under_triton_interpreter(tmp_path):
     d_out make 16-byte rows (an odd token count included) and are skipped, with the reason
     printed, where they do not."""
     out = tmp_path / "t.csv"
-    proc = _interpreted([str(SCRIPT), "--cpu-check", "--dtypes", "fp32", "fp16", "--candidates", *TRITON,
+    proc = run_interpreted([str(SCRIPT), "--cpu-check", "--dtypes", "fp32", "fp16", "--candidates", *TRITON,
                          "--shapes", "37:70->53:r1", "64:48->96:r16", "45:33->45:r64", "45:40->56:r4",
                          "--out", str(out)])
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])

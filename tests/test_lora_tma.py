@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-_INTERP_SKIP = "this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)"
 
 KERNELS_CODE = r'''
 import torch
@@ -91,13 +91,6 @@ print("CUT", cut, "MODES", sorted(modes), "COUNTERS_LEFT", len(left))
 '''
 
 
-def _interpreted(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    if "only 0-dimensional arrays can be converted" in proc.stderr:
-        pytest.skip(_INTERP_SKIP)
-    return proc
 
 
 @needs_triton
@@ -109,7 +102,7 @@ def test_tma_kernels_match_float64_under_the_interpreter():
     backward's workspaces are back at zero after every launch (a dirty one spoils the next launch
     until ``reset_scratch``), and the rank-r operand takes all three paths (descriptor as stored,
     descriptor transposed, pointer loads for rows TMA cannot take)."""
-    proc = _interpreted(["-c", KERNELS_CODE])
+    proc = run_interpreted(["-c", KERNELS_CODE])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAILURES []" in proc.stdout, proc.stdout[-3000:]
     dirty, idle = proc.stdout.split("DIRTY ")[1].split(" IDLE ")
@@ -153,7 +146,7 @@ def test_tuning_keeps_a_correct_config_per_launch_and_reports_the_rest():
     and matched float64, a config that cannot build is listed as failed with its error, the frozen
     kernels reuse the shape's choice, the fused backward is tuned on its own (checked with grad_A
     and grad_B) beside the forward already chosen, and a shape where nothing runs says so."""
-    proc = _interpreted(["-c", TUNE_CODE])
+    proc = run_interpreted(["-c", TUNE_CODE])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     assert out["WHY"] == "None", out

@@ -92,6 +92,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_bench.kernels.lora_triton import _precision, block_r  # the same rank padding and fp32 rule
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # Triton before 3.4
@@ -440,18 +442,6 @@ def shape_unsupported(k: int, n: int, r: int, dtype: torch.dtype) -> str | None:
     if r > MAX_RANK:
         return f"rank {r} above {MAX_RANK}"
     return None
-
-
-def block_r(rank: int) -> int:
-    """Rank padded to a power of two, at least 16 (the smallest MMA tile side)."""
-    return 16 if rank <= 16 else triton.next_power_of_2(rank)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 follows torch's matmul setting: tf32 only where torch itself would allow it."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
 
 
 _SM_COUNT: dict[int, int] = {}
