@@ -27,7 +27,7 @@ from lora_bench.kernels import lora_tma as T
 
 T.POISON_OUTPUTS = True
 torch.manual_seed(0)
-bad, cut, idle, modes = [], 0, 0, set()
+bad, cut, idle, modes, refused = [], 0, 0, set(), 0
 orig = T._p_operand
 def spy(*args):
     arg, mode = orig(*args)
@@ -60,9 +60,16 @@ for dt, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
             s = 1.7
             y, h = T.lora_fwd(x, w, a, b, bb, s, config=c)
             gx, u = T.lora_bwd_x(g, w, a, b, s, config=c)
+            cf = c
+            if c.stream_k:  # the fused backward refuses stream-K; it runs the data-parallel twin here
+                try:
+                    T.lora_bwd_ab(g, x, h, w, a, b, s, config=c)
+                except ValueError as exc:
+                    refused += "data-parallel schedule only" in str(exc)
+                cf = T.TMAConfig(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)
             for _ in range(2):  # the second launch finds the workspaces and counters the first left
-                gxf, ga, gb = T.lora_bwd_ab(g, x, h, w, a, b, s, config=c)
-            n_cols, k_blocks = -(-k // c.block_n), -(-n // c.block_k)
+                gxf, ga, gb = T.lora_bwd_ab(g, x, h, w, a, b, s, config=cf)
+            n_cols, k_blocks = -(-k // cf.block_n), -(-n // cf.block_k)
             idle += n_cols > -(-k_blocks // -(-k_blocks // n_cols))  # a column tile that owns no grad_B block
             yl = T.linear_fwd(x, w, bb, config=c)
             gxl = T.linear_bwd_x(g, w, config=c)
@@ -88,6 +95,7 @@ fixed = rel(T.lora_bwd_ab(g, x, h, w, a, b, s)[1], refs["grad_A"]) <= tol
 print("FAILURES", bad)
 print("DIRTY", dirty, "IDLE", idle, "RESET", spoilt, fixed)
 print("CUT", cut, "MODES", sorted(modes), "COUNTERS_LEFT", len(left))
+print("REFUSED", refused)
 '''
 
 
@@ -107,8 +115,11 @@ def test_tma_kernels_match_float64_under_the_interpreter():
     assert "FAILURES []" in proc.stdout, proc.stdout[-3000:]
     dirty, idle = proc.stdout.split("DIRTY ")[1].split(" IDLE ")
     assert dirty == "[]" and int(idle.split()[0]) >= 4 and idle.split(" RESET ")[1].startswith("True True"), idle
-    cut, modes, left = proc.stdout.split("CUT ")[1].split()[0], proc.stdout.split("MODES ")[1], proc.stdout.split()[-1]
+    cut, modes = proc.stdout.split("CUT ")[1].split()[0], proc.stdout.split("MODES ")[1]
+    left = proc.stdout.split("COUNTERS_LEFT ")[1].split()[0]
     assert int(cut) >= 10 and modes.startswith("[0, 1, 2]") and left == "0", proc.stdout[-500:]
+    # every stream-K config given to the fused backward was refused with the reason (2 dtypes × 7 cases)
+    assert proc.stdout.split("REFUSED ")[1].split()[0] == "14", proc.stdout[-500:]
 
 
 TUNE_CODE = r'''
@@ -154,7 +165,9 @@ def test_tuning_keeps_a_correct_config_per_launch_and_reports_the_rest():
     assert out["CHOSEN"] == "fwd 16x16x16w4s1sk, bwd 16x16x16w4s1sk"
     assert out["LOG"].count("failed: 12x16x16w4s1 ValueError") == 2 and "fwd 37x48x32:" in out["LOG"], out
     assert out["AGAIN"] == "None 0", out
-    assert out["FUSED"].startswith("None 1 fwd 16x16x16w4s1sk, bwd+ab 16x16x16w4s1sk | bwd+ab 37x32x48: "), out
+    # the fused backward is tuned over the data-parallel configs only (stream-K is refused there)
+    assert out["FUSED"].startswith("None 1 fwd 16x16x16w4s1sk, bwd+ab 16x32x16w4s1 | bwd+ab 37x32x48: "), out
+    assert "sk" not in out["FUSED"].split("bwd+ab 37x32x48: ")[1], out
     assert "failed: 12x16x16w4s1 ValueError" in out["FUSED"], out
     assert out["NONE"].startswith("fwd: no config ran") and "bwd: no config ran" in out["NONE"], out
 

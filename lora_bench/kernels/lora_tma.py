@@ -69,8 +69,10 @@ The tile configuration is chosen per launch shape by ``tune_layer``: a handful o
 CUDA graph; the fastest correct one is kept. Without tuning a shape runs ``default_config``.
 ``LORA_TMA_CONFIGS=128x128x64w8s4,64x128x64w4s4sk`` limits the list (labels: ``TMAConfig.label``).
 
-``lora_bwd_ab`` is tuned as its own launch shape (``tune_layer(..., grad_ab=True)``); the
-flattened config runs it unflattened (a flattened loop with this epilogue is not pipelined).
+``lora_bwd_ab`` is tuned as its own launch shape (``tune_layer(..., grad_ab=True)``) over the
+data-parallel configs only: its stream-K schedule returned wrong adapter gradients on an H200
+(``_fused_ab_configs``), so it refuses a stream-K config; flattened configs are left out too (a
+flattened loop with this epilogue is not pipelined).
 
 Host cost is Triton's own launch path (the descriptors are encoded on the host each call): these
 kernels are for CUDA-graph replay, where only device time counts.
@@ -592,14 +594,28 @@ def _key(x: torch.Tensor, N: int, K: int, w_kn: bool, grad_ab: bool = False) -> 
     return (x.device, x.dtype, x.shape[0], N, K, w_kn, grad_ab)
 
 
-def default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> TMAConfig:
+def _fused_ab_configs(cands: tuple[TMAConfig, ...]) -> tuple[TMAConfig, ...]:
+    """The configs the fused backward (``lora_bwd_ab``) may run: data-parallel ones only. Its
+    stream-K schedule passed every interpreter case but returned wrong adapter gradients on an H200
+    (relative error 0.18-0.24, 64x128x64w4s4sk at 960x1600->6400 and 6400->1600), an ordering fault
+    between programs that the interpreter, running programs one after another, cannot show. A
+    flattened config runs as its plain twin there, so it is left out too."""
+    return tuple(c for c in cands if not c.stream_k and not c.flatten)
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
+                   grad_ab: bool = False) -> TMAConfig:
     """The untuned choice: the config with the fewest estimated MMA steps per SM, by a plain count
     (tiles or K iterations per program, times the tile's area, relative to 128×128; stream-K pays a
-    cut tile's partials as two K steps). The interpreter: the first CPU config (stream-K)."""
+    cut tile's partials as two K steps). The interpreter: the first CPU config (stream-K; for the
+    fused backward, the first data-parallel one)."""
+    cands = configs(dtype, device)
+    if grad_ab:
+        cands = _fused_ab_configs(cands) or cands  # (none left: lora_bwd_ab refuses, naming the config)
     if device.type != "cuda":
-        return configs(dtype, device)[0]
+        return cands[0]
     best, best_cost = None, math.inf
-    for c in configs(dtype, device):
+    for c in cands:
         progs, ipp = _plan(M, N, K, c, device)
         tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
         k_tiles = triton.cdiv(K, c.block_k)
@@ -614,7 +630,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
 def _config(x: torch.Tensor, N: int, K: int, w_kn: bool, config: TMAConfig | None, grad_ab: bool = False) -> TMAConfig:
     if config is not None:
         return config
-    return TUNED.get(_key(x, N, K, w_kn, grad_ab)) or default_config(x.shape[0], N, K, x.dtype, x.device)
+    return TUNED.get(_key(x, N, K, w_kn, grad_ab)) or default_config(x.shape[0], N, K, x.dtype, x.device, grad_ab)
 
 
 # -- the layer's launches ---------------------------------------------------------------------------
@@ -664,6 +680,9 @@ def lora_bwd_ab(g, x, h, w, a, b, scale: float, *, config: TMAConfig | None = No
     ga = _alloc((N, R), g, gd) if ga_out is None else ga_out
     gb = _alloc((R, K), g, gd) if gb_out is None else gb_out
     c = _config(g, N, K, True, config, grad_ab=True)
+    if c.stream_k:
+        raise ValueError(f"lora_bwd_ab: {c.label}: the fused backward runs the data-parallel schedule only "
+                         "(stream-K returned wrong adapter gradients on an H200 at the 6400-wide shapes)")
     bs, as_ = b.stride(), a.stride()
     _launch(g, w, True, b, (bs[1], bs[0]), a, (as_[1], as_[0]), None, gx, None, R, scale, c, True, ab=(x, h, ga, gb))
     return gx, ga, gb
@@ -810,8 +829,8 @@ def tune_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: t
             if key in TUNED:
                 continue
             cands = configs(x.dtype, x.device)
-            if key[6]:  # the fused backward never flattens its loops (a flattened config = its plain twin)
-                cands = tuple(c for c in cands if not c.flatten) or cands
+            if key[6]:  # the fused backward: data-parallel configs only
+                cands = _fused_ab_configs(cands)
             best, text = _tune_one(key, run, refs, cands)
             TUNE_LOG[key] = f"{name} {key[2]}x{key[3]}x{key[4]}: {text}"
             if log is not None:
