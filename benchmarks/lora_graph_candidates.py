@@ -536,7 +536,9 @@ def _tma_preflight(op: Operands, log: Callable[[str], None], *, lora: bool,
     if why:
         return why, ""
     if op.x.is_cuda:
-        why = mod.tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, grad_ab=grad_ab, log=log)
+        from lora_bench.kernels.lora_tma_tune import tune_layer
+
+        why = tune_layer(op.x, op.w, op.b, op.a, op.bm, op.g, op.s, lora=lora, grad_ab=grad_ab, log=log)
         if why:
             return f"no TMA config ran: {why}", ""
     return None, mod.chosen(op.x, op.w, grad_ab=grad_ab)

@@ -125,28 +125,29 @@ def test_tma_kernels_match_float64_under_the_interpreter():
 TUNE_CODE = r'''
 import torch
 from lora_bench.kernels import lora_tma as T
+from lora_bench.kernels import lora_tma_tune as TT
 
 # the CPU stands in for CUDA: no device to synchronise, one "microsecond" per config
 torch.cuda.synchronize = lambda *a: None
-T._graph_us = lambda fn: (fn(), float(len(T.TUNE_LOG) + 1))[1]
+TT._graph_us = lambda fn: (fn(), float(len(T.TUNE_LOG) + 1))[1]
 bad_cfg = T.TMAConfig(12, 16, 16, 4, 1)  # not a power of two: the descriptor refuses it
 T.configs = lambda dtype, device: (bad_cfg, *T._CONFIGS_CPU)
 lines = []
 x, w = torch.randn(37, 32), torch.randn(48, 32) * 32 ** -0.5
 a, b = torch.randn(32, 4) * 32 ** -0.5, torch.randn(4, 48) * 0.5
 bias, g = torch.randn(48), torch.randn(37, 48)
-why = T.tune_layer(x, w, bias, a, b, g, 2.0, log=lines.append)
+why = TT.tune_layer(x, w, bias, a, b, g, 2.0, log=lines.append)
 print("WHY", why)
 print("TUNED", sorted((k[2], k[3], k[4], k[5], c.label) for k, c in T.TUNED.items()))
 print("CHOSEN", T.chosen(x, w))
 print("LOG", " || ".join(lines))
 again = []
-print("AGAIN", T.tune_layer(x, w, bias, None, None, g, 2.0, lora=False, log=again.append), len(again))
+print("AGAIN", TT.tune_layer(x, w, bias, None, None, g, 2.0, lora=False, log=again.append), len(again))
 fused = []
-print("FUSED", T.tune_layer(x, w, bias, a, b, g, 2.0, grad_ab=True, log=fused.append), len(fused),
+print("FUSED", TT.tune_layer(x, w, bias, a, b, g, 2.0, grad_ab=True, log=fused.append), len(fused),
       T.chosen(x, w, grad_ab=True), "|", " || ".join(fused))
 T.configs = lambda dtype, device: (bad_cfg,)
-print("NONE", T.tune_layer(torch.randn(5, 32), w, None, a, b, torch.randn(5, 48), 2.0))
+print("NONE", TT.tune_layer(torch.randn(5, 32), w, None, a, b, torch.randn(5, 48), 2.0))
 '''
 
 
