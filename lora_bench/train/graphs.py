@@ -51,7 +51,6 @@ class GraphedStep:
         # tenth); every rank warms up, restores and captures the same way
         self.data_parallel = ctx.dp is not None
         self.capture_s: float | None = None  # warm-up, restore and capture, host wall time
-        self.kernels: dict[str, int | None] = {}  # kernel nodes per captured phase
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self):
@@ -99,7 +98,7 @@ class GraphedStep:
         warm_up(step, GRAPH_WARMUP_ITERS if self.data_parallel else WARMUP_ITERS)
         self._restore(snap)
         self.optimizer.zero_grad(set_to_none=True)
-        # debug mode keeps each graph's node list (host memory only) so its kernels can be counted
+        # graphs that keep their node list (host memory only), so that ``record`` can count kernels
         g_fwd, g_bwd, g_opt = new_graph(True), new_graph(True), new_graph(True)
         with torch.cuda.graph(g_fwd):
             self.static_loss = self._forward()
@@ -113,13 +112,14 @@ class GraphedStep:
             instantiate(g)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
-        self.kernels = {"forward": kernel_count(g_fwd), "backward": kernel_count(g_bwd),
-                        "optimizer": kernel_count(g_opt)}
 
     def record(self) -> dict:
-        """The run row's graph columns: kernels per captured phase and the capture's wall time."""
+        """The run row's graph columns: kernels per captured phase (counted here, after training, so
+        reading the graphs' dumps stays out of the timed run) and the capture's wall time."""
+        graphs = self.graphs or (None, None, None)
         return {"graph_capture_s": self.capture_s,
-                **{f"graph_kernels_{phase}": n for phase, n in self.kernels.items()}}
+                **{f"graph_kernels_{phase}": (kernel_count(g) if g is not None else None)
+                   for phase, g in zip(("forward", "backward", "optimizer"), graphs)}}
 
     # -- one step ---------------------------------------------------------------------------------
     def __call__(self, inputs, targets, update: bool, timer):
