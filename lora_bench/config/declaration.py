@@ -94,6 +94,10 @@ class Settings:
     lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, aliases=("--rank",))
     lora_alpha: float = _s(8.0, "LoRA alpha; the update is alpha * A @ B, NOT divided by the rank (as in the "
                            "reference).", LORA, aliases=("--alpha",))
+    group_qkv: bool = _s(True, "lora-kernel on a GPU: store each block's query, key and value layers side by "
+                         "side, so that where the Triton kernels run (CUDA graphs) the three run as one launch "
+                         "forward and two backward. Same parameters and values; eager and compiled steps run "
+                         "the layers one by one either way.", LORA)
     trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
                                   "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,
                                   aliases=("--token-position",))

@@ -57,7 +57,14 @@ def _lora_mm_kernel(
     HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0,
 ):
+    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
+    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
+    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
+    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
+    # or Q_SEG is that stretch's width and the rest reads as zero.
     # grouped tile order: neighbouring programs share X rows and Wt columns in L2
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -73,13 +80,20 @@ def _lora_mm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    if RS > 0:
+        seg_r = offs_r // RS
+        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
+        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
+    else:
+        p_cols = offs_r * stride_pr
+        q_rows = offs_r * stride_qr
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
     rn = offs_n % N
     x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BM, BK)
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN)
-    p_ptrs = p_ptr + offs_k[:, None] * stride_pk + offs_r[None, :] * stride_pr  # (BK, BR)
+    p_ptrs = p_ptr + offs_k[:, None] * stride_pk + p_cols[None, :]  # (BK, BR)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -87,7 +101,10 @@ def _lora_mm_kernel(
         if EVEN_K:
             xt = tl.load(x_ptrs)
             wt = tl.load(w_ptrs)
-            if EVEN_R:
+            if P_SEG > 0:
+                pt = tl.load(p_ptrs, mask=r_mask[None, :] & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :]),
+                             other=0.0)
+            elif EVEN_R:
                 pt = tl.load(p_ptrs)
             else:
                 pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
@@ -96,7 +113,10 @@ def _lora_mm_kernel(
             k_mask = offs_k < K - k0
             xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            pt = tl.load(p_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            p_mask = k_mask[:, None] & r_mask[None, :]
+            if P_SEG > 0:
+                p_mask = p_mask & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :])
+            pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
         hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
@@ -111,8 +131,12 @@ def _lora_mm_kernel(
         if pid_n == 0:
             h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
             tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
-    q_ptrs = q_ptr + offs_r[:, None] * stride_qr + rn[None, :] * stride_qn  # (BR, BN)
-    qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0).to(h.dtype)
+    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
+    if Q_SEG > 0:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
+    else:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+    qt = qt.to(h.dtype)
     acc += scale * tl.dot(h, qt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
@@ -127,8 +151,12 @@ def _lora_grad_ab_kernel(
     stride_xm, stride_xk, stride_um, stride_ur, stride_hm, stride_hr, stride_gm, stride_gn,
     stride_gak, stride_gar, stride_gbr, stride_gbn, scale,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr, RS: tl.constexpr = 0, GA_SS: tl.constexpr = 0, GB_SS: tl.constexpr = 0,
+    GB_SEG: tl.constexpr = 0,
 ):
+    # Segments (RS > 0), as in _lora_mm_kernel: grad_A's column j and grad_B's row j lie at
+    # (j // RS)·GA_SS (GB_SS) + (j % RS)·stride, and grad_B keeps only the block of its own layer
+    # (columns d with d // GB_SEG == j // RS): S layers' gradients in one launch.
     pid = tl.program_id(0)
     # this program's rows [m_lo, m_hi): whole blocks, shared out as evenly as they go (counts
     # differ by at most one, none empty), so only the last block of all needs the row mask
@@ -139,6 +167,13 @@ def _lora_grad_ab_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    if RS > 0:
+        seg_r = offs_r // RS
+        ga_cols = seg_r * GA_SS + (offs_r % RS) * stride_gar
+        gb_rows = seg_r * GB_SS + (offs_r % RS) * stride_gbr
+    else:
+        ga_cols = offs_r * stride_gar
+        gb_rows = offs_r * stride_gbr
     if pid < NUM_A:
         # grad_A[d, :] = s · Σ_m x[m, d] · u[m, :]   -> (BD, BR)
         offs_d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -152,7 +187,7 @@ def _lora_grad_ab_kernel(
             ut = tl.load(u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur,
                          mask=row_ok[:, None] & r_mask[None, :], other=0.0)  # (BM, BR)
             acc_a = tl.dot(tl.trans(xt), ut, acc_a, input_precision=PRECISION)
-        ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + offs_r[None, :] * stride_gar
+        ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + ga_cols[None, :]
         ga_mask = d_mask[:, None] & r_mask[None, :]
         if ATOMIC:  # partial sum over this split's rows; relaxed: only the final sum is read
             tl.atomic_add(ga_ptrs, acc_a * scale, mask=ga_mask, sem="relaxed")
@@ -171,8 +206,10 @@ def _lora_grad_ab_kernel(
             gt = tl.load(g_ptr + rows[:, None] * stride_gm + offs_d[None, :] * stride_gn,
                          mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
             acc_b = tl.dot(tl.trans(ht), gt, acc_b, input_precision=PRECISION)
-        gb_ptrs = gb_ptr + offs_r[:, None] * stride_gbr + offs_d[None, :] * stride_gbn
+        gb_ptrs = gb_ptr + gb_rows[:, None] + offs_d[None, :] * stride_gbn
         gb_mask = r_mask[:, None] & d_mask[None, :]
+        if GB_SEG > 0:
+            gb_mask = gb_mask & (offs_d[None, :] // GB_SEG == seg_r[:, None])
         if ATOMIC:
             tl.atomic_add(gb_ptrs, acc_b * scale, mask=gb_mask, sem="relaxed")
         else:
@@ -279,9 +316,14 @@ def _mm_config(M: int, N: int, K: int, x: torch.Tensor) -> MMConfig:
     return c
 
 
-def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config):
+_NO_SEGMENTS = (0, 0, 0, 0, 0)
+
+
+def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS):
     """Launch ``_lora_mm_kernel``; operands come with explicit (row, col) strides so callers pass
-    W, A, B as stored instead of building transposed views (each view costs host time)."""
+    W, A, B as stored instead of building transposed views (each view costs host time). ``seg``:
+    the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG), always passed (the fast launch
+    hands every constexpr to Triton's launcher)."""
     c = config or _mm_config(M, N, K, x)
     br = block_r(R)
     write_h = h is not None
@@ -294,7 +336,7 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config):
         (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
         (float(scale),),
         (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
-         c.block_k, br, 8),
+         c.block_k, br, 8, *seg),
         tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
     )
 
@@ -340,22 +382,57 @@ def lora_bwd_x(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return gx, u
 
 
+def lora_fwd_segments(x, w, a, b, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """S layers that share their input, side by side, in one launch: y = x·Wᵀ + bias + s·(x·A_i)·B_i
+    for each layer i's columns, and h = [x·A_1 | … | x·A_S].
+
+    x (M×k); w (S·n × k): layer i's rows at i·n; a (S×k×r), b (S×r×n): each layer's adapter at its
+    index (any strides); bias (S·n) or None. Returns y (M × S·n), h (M × S·r)."""
+    S, k, r = a.shape
+    n = b.shape[2]
+    M = x.shape[0]
+    y, h = _alloc((M, S * n), x), _alloc((M, S * r), x)
+    ws = w.stride()
+    seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), 0, n)  # B block-diagonal: Q_SEG = n
+    _mm(x, x.stride(), w, (ws[1], ws[0]), a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), bias,
+        y, h, M, S * n, k, S * r, scale, None, seg)
+    return y, h
+
+
+def lora_bwd_x_segments(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_x = g·W + s·Σ_i u_i·A_iᵀ and u = [g_1·B_1ᵀ | … | g_S·B_Sᵀ] for ``lora_fwd_segments``'
+    operands: g (M × S·n), g_i its layer-i columns. Returns grad_x (M×k), u (M × S·r)."""
+    S, k, r = a.shape
+    n = b.shape[2]
+    M = g.shape[0]
+    gx, u = _alloc((M, k), g), _alloc((M, S * r), g)
+    seg = (r, b.stride(0) - n * b.stride(2), a.stride(0), n, 0)  # Bᵀ block-diagonal along K: P_SEG = n
+    _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
+        gx, u, M, k, S * n, S * r, scale, None, seg)
+    return gx, u
+
+
 def lora_grad_ab(
     x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, g: torch.Tensor, *, scale: float,
     ga_out: torch.Tensor | None = None, gb_out: torch.Tensor | None = None,
     grad_dtype: torch.dtype | None = None, do_a: bool = True, do_b: bool = True,
-    config: ABConfig | None = None,
+    config: ABConfig | None = None, segments: int = 1,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_A (K×R) = scale·xᵀ·u and grad_B (R×N) = scale·hᵀ·g in one launch.
 
     x: M×K, u: M×R, h: M×R, g: M×N. Gradients are stored in ``grad_dtype`` (the parameters'
     dtype: fp32 master weights under autocast get fp32 gradients without a cast pass).
 
+    ``segments`` S > 1: the S layers of ``lora_fwd_segments`` (R = S·r, N = S·n). grad_A comes as
+    S×K×r (layer i's xᵀ·u_i at index i) and grad_B as S×r×n (h_iᵀ·g_i: each layer's own block).
+
     fp32 gradients split the rows (``ABConfig.split_m``, auto when 0) and sum the partials with
     atomics, so the last bits vary from run to run; other dtypes, and torch's deterministic mode,
     keep one split: the direct store, bit-for-bit repeatable."""
     M, K = x.shape
     N, R = g.shape[1], u.shape[1]
+    S = segments
+    ga_shape, gb_shape = ((K, R), (R, N)) if S == 1 else ((S, K, R // S), (S, R // S, N // S))
     if config is None:
         key = (M, K, N, do_a, do_b)
         c = _AB_PICKED.get(key) or _AB_PICKED.setdefault(key, pick_ab_config(M, K, N, x.device, do_a=do_a,
@@ -377,25 +454,31 @@ def lora_grad_ab(
         # Every split adds into the output, so it starts at zero: these outputs cannot be
         # NaN-poisoned (POISON_OUTPUTS), and an element no program adds to reads as 0, not NaN.
         if do_a:
-            ga_out = torch.zeros((K, R), dtype=torch.float32, device=x.device) if ga_out is None else ga_out.zero_()
+            ga_out = torch.zeros(ga_shape, dtype=torch.float32, device=x.device) if ga_out is None else ga_out.zero_()
         if do_b:
-            gb_out = torch.zeros((R, N), dtype=torch.float32, device=x.device) if gb_out is None else gb_out.zero_()
+            gb_out = torch.zeros(gb_shape, dtype=torch.float32, device=x.device) if gb_out is None else gb_out.zero_()
     else:
         if do_a and ga_out is None:
-            ga_out = _alloc((K, R), x, grad_dtype)
+            ga_out = _alloc(ga_shape, x, grad_dtype)
         if do_b and gb_out is None:
-            gb_out = _alloc((R, N), x, grad_dtype)
+            gb_out = _alloc(gb_shape, x, grad_dtype)
     if num_a + num_b == 0:
         return ga_out, gb_out
     ga = ga_out if do_a else gb_out  # placeholders for the branch that never runs
     gb = gb_out if do_b else ga_out
-    xs, us, hs, gs, gas, gbs = x.stride(), u.stride(), h.stride(), g.stride(), ga.stride(), gb.stride()
+    xs, us, hs, gs = x.stride(), u.stride(), h.stride(), g.stride()
+    if S == 1:
+        gas, gbs, seg = ga.stride(), gb.stride(), (0, 0, 0, 0)
+    else:  # (the placeholder of a branch that never runs gets the other's strides: never used)
+        gas, gbs = ga.stride()[-2:], gb.stride()[-2:]
+        n = N // S
+        seg = (R // S, ga.stride(0) if do_a else 0, gb.stride(0) - n * gb.stride(2) if do_b else 0, n)
     launch(
         _lora_grad_ab_kernel, (num_a + num_b, split, 1), (x, u, h, g, ga, gb),
         (M, K, N, R, num_a, xs[0], xs[1], us[0], us[1], hs[0], hs[1], gs[0], gs[1], gas[0], gas[1],
          gbs[0], gbs[1]),
         (float(scale),),
-        (_precision(x.dtype), c.block_m, c.block_d, block_r(R), split > 1),
+        (_precision(x.dtype), c.block_m, c.block_d, block_r(R), split > 1, *seg),
         tag="ab", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return ga_out, gb_out

@@ -1,9 +1,12 @@
 """``--trainable-layers lora-kernel``: the LoRA layer whose forward and backward run the project's
-minimal-work op (:mod:`lora_bench.kernels.autograd`)."""
+minimal-work op (:mod:`lora_bench.kernels.autograd`), and the grouping of layers that share an input."""
 
 from __future__ import annotations
 
-from lora_bench.kernels.autograd import lora_linear
+import torch
+import torch.nn as nn
+
+from lora_bench.kernels.autograd import lora_linear, lora_linear_segments
 from lora_bench.lora.layer import LoRALinearBase
 
 
@@ -16,3 +19,61 @@ class LinearWithLoRAKernel(LoRALinearBase):
 
     def forward(self, x):
         return lora_linear(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
+
+
+class SideBySide:
+    """Layers that share their input, called as one: returns each layer's output. Not a module
+    (the layers stay where they are registered; this only holds references)."""
+
+    def __init__(self, layers: list[LinearWithLoRAKernel]):
+        self.layers = layers
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return lora_linear_segments(x, self.layers)
+
+    def __repr__(self) -> str:
+        return f"SideBySide({len(self.layers)} lora-kernel layers)"
+
+
+def group_layers(layers: list[nn.Module]) -> SideBySide | None:
+    """Lay the parameters of lora-kernel ``layers`` (same shapes, dtypes, device and alpha, frozen
+    bases) side by side: each weight, bias, A and B becomes a view of one buffer per kind, holding
+    the same values, so the fused kernels read all the layers at once. Returns the caller for the
+    group, or None when the layers cannot be grouped (nothing is changed then).
+
+    Call it once the model is on its device and in its final dtypes (``Module.to`` gives each
+    parameter its own storage again, which turns the grouped path off, not wrong)."""
+    if len(layers) < 2 or not all(isinstance(m, LinearWithLoRAKernel) for m in layers):
+        return None
+    first = layers[0]
+    kinds = [[m.linear.weight for m in layers], [m.linear.bias for m in layers],
+             [m.lora.A for m in layers], [m.lora.B for m in layers]]
+    if any(b is None for b in kinds[1]):
+        if not all(b is None for b in kinds[1]):
+            return None
+        kinds.pop(1)
+    for group in kinds:
+        if len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1:
+            return None
+    if any(m.linear.weight.requires_grad or (m.linear.bias is not None and m.linear.bias.requires_grad)
+           for m in layers) or len({m.lora.alpha for m in layers}) != 1:
+        return None
+    with torch.no_grad():
+        for group in kinds:
+            buf = torch.stack([t.detach() for t in group])
+            for t, view in zip(group, buf.unbind(0)):
+                t.data = view
+    return SideBySide(list(layers))
+
+
+def group_qkv(model: nn.Module) -> int:
+    """Group the query, key and value layers of every attention block of ``model`` (their
+    ``qkv`` caller is set); returns how many blocks were grouped."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "W_query") and hasattr(module, "qkv"):
+            caller = group_layers([module.W_query, module.W_key, module.W_value])
+            if caller is not None:
+                module.qkv = caller
+                count += 1
+    return count

@@ -121,15 +121,20 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d, d, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(d, d)
         self.dropout = nn.Dropout(cfg.drop_rate)
+        # set by lora_bench.lora.kernel.group_qkv: one call for the three projections
+        self.qkv = None
         if not cfg.disable_causal_mask:
             n = cfg.context_length
             self.register_buffer("mask", torch.triu(torch.ones(n, n), diagonal=1), persistent=False)
 
     def forward(self, x):
         b, t, _ = x.shape
-        keys = self.W_key(x)  # (B, T, D)
-        queries = self.W_query(x)
-        values = self.W_value(x)
+        if self.qkv is not None:
+            queries, keys, values = self.qkv(x)
+        else:
+            keys = self.W_key(x)  # (B, T, D)
+            queries = self.W_query(x)
+            values = self.W_value(x)
         keys = keys.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         queries = queries.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         values = values.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
