@@ -234,9 +234,10 @@ def _gpu_group(k, n, r, S, dtype, bias, alpha):
 @pytest.mark.parametrize("M,k,n,r,S,bias", [(960, 768, 768, 16, 3, True), (333, 100, 70, 1, 3, False),
                                             (129, 1600, 1600, 40, 3, True), (77, 64, 48, 5, 2, True)])
 def test_gpu_segments_match_float64_and_replay_from_a_graph(dt, M, k, n, r, S, bias, monkeypatch):
-    """Grouped layers under the capture-mode policy (the fused plan): eager once, then captured in a
-    CUDA graph and replayed on fresh inputs; every output and gradient (x, each A, each B) against
-    float64 of the same math, outputs NaN-filled before each replay."""
+    """Grouped layers under the fused plan (forced, so that exact fp32 takes it too; the capture-mode
+    policy picks it for the 16-bit and tf32 rows anyway): eager once, then captured in a CUDA graph
+    and replayed on fresh inputs; every output and gradient (x, each A, each B) against float64 of
+    the same math, outputs NaN-filled before each replay."""
     from lora_bench.kernels import lora_triton as lt
 
     monkeypatch.setattr(lt, "POISON_OUTPUTS", True)
@@ -275,7 +276,7 @@ def test_gpu_segments_match_float64_and_replay_from_a_graph(dt, M, k, n, r, S, b
                 assert got[S + 1 + 2 * i].dtype == layers[i].lora.A.dtype
                 assert rel_err(got[S + 1 + 2 * i], GA[i]) <= tol and rel_err(got[S + 2 + 2 * i], GB[i]) <= tol
 
-        with graph_plan(), record_plans() as log:
+        with use_policy(PlanPolicy(forced=Plan.FUSED)), graph_plan(), record_plans() as log:
             check(step())
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

@@ -63,6 +63,8 @@ def setting_help(s: Setting) -> str:
         parts.append(f"Allowed: {s.spec.allowed_text()}.")
     if s.default is not None and s.type is not bool:
         parts.append(f"Default: {s.default}.")
+    if s.type is bool and s.default is True:
+        parts.append(f"On by default; --no-{s.flags[0][2:]} turns it off.")
     return escape(" ".join(parts))
 
 
@@ -71,7 +73,10 @@ def setting_parameter(s: Setting) -> inspect.Parameter:
     from click which options were given (``ctx.get_parameter_source``)."""
     kind = Optional[s.type] if s.optional else s.type
     metavar = {int: "INT", float: "NUMBER", str: "TEXT"}.get(s.type)
-    option = typer.Option(*s.flags, help=setting_help(s), rich_help_panel=s.spec.panel, show_default=False,
+    flags = s.flags
+    if s.type is bool and s.default is True:  # an on-by-default switch also gets its off form
+        flags = (f"{flags[0]}/--no-{flags[0][2:]}", *flags[1:])
+    option = typer.Option(*flags, help=setting_help(s), rich_help_panel=s.spec.panel, show_default=False,
                           metavar=metavar if s.type is not bool else None)
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, option],
                              default=s.default)
