@@ -263,6 +263,7 @@ def test_gpu_segments_match_float64_and_replay_from_a_graph(dt, M, k, n, r, S, b
             return (*outs, *torch.autograd.grad(loss, [x, *adapters]))
 
         def check(got):
+            got = [t.detach() for t in got]  # (the outputs are views that the replays refill in place)
             ws = torch.cat([m.linear.weight for m in layers])
             A = torch.stack([m.lora.A.detach() for m in layers])
             B = torch.stack([m.lora.B.detach() for m in layers])
@@ -292,7 +293,7 @@ def test_gpu_segments_match_float64_and_replay_from_a_graph(dt, M, k, n, r, S, b
                 for t in (x, g, *adapters):
                     t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.float().std()) or 1.0))
                 for t in outs:
-                    t.fill_(float("nan"))
+                    t.detach().fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
             check(outs)
