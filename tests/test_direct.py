@@ -74,8 +74,7 @@ def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
     if which == "mm":
         fn, canonical = tk._lora_mm_kernel, direct.MM_ARGS
         consts = dict(HAS_BIAS=True, WRITE_H=True, EVEN_K=True, EVEN_R=True, PRECISION="tf32", BLOCK_M=64,
-                      BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, RS=0, P_SS=0, Q_SS=0, P_SEG=0, Q_SEG=0,
-                      SEG_MODE=0, SEG_W=0)
+                      BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, RS=0, P_SS=0, Q_SS=0, P_SEG=0, Q_SEG=0)
     else:
         fn, canonical = tk._lora_grad_ab_kernel, direct.AB_ARGS
         consts = dict(PRECISION="tf32", BLOCK_M=64, BLOCK_D=32, BLOCK_R=16, ATOMIC=False, RS=0, GA_SS=0, GB_SS=0,

@@ -58,19 +58,13 @@ def _lora_mm_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
     RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
-    Q_SEG: tl.constexpr = 0, SEG_MODE: tl.constexpr = 0, SEG_W: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0,
 ):
     # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
-    # each with its own rank-RS adapter, R = S·RS in all; layer i's adapter lies P_SS (Q_SS)
-    # elements after layer i-1's: the adapters as stored, one after the other. Three ways:
-    #   SEG_MODE 0, RS > 0: every tile computes all R adapter columns; column/row j of P and Q is
-    #     layer j // RS's, and where P or Q is block-diagonal (P over K, Q over N) P_SEG / Q_SEG is
-    #     a layer's stretch and the rest reads as zero. Any sizes.
-    #   SEG_MODE 1 (forward, N in layers of SEG_W columns, BLOCK_N dividing SEG_W): each column
-    #     tile lies inside one layer and computes that layer's RS columns only.
-    #   SEG_MODE 2 (backward, K in layers of SEG_W, BLOCK_K dividing SEG_W): the K loop runs layer
-    #     by layer, each with its own RS-wide accumulator whose rank-r term joins the output tile
-    #     when its layer ends.
+    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
+    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
+    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
+    # or Q_SEG is that stretch's width and the rest reads as zero.
     # grouped tile order: neighbouring programs share X rows and Wt columns in L2
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -85,110 +79,65 @@ def _lora_mm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
-    if SEG_MODE == 0:
-        r_mask = offs_r < R
-        if RS > 0:
-            seg_r = offs_r // RS
-            p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
-            q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
-        else:
-            p_cols = offs_r * stride_pr
-            q_rows = offs_r * stride_qr
-        p_base = p_ptr
-        q_base = q_ptr
-        h_col0 = 0
-        h_writer = pid_n == 0
+    r_mask = offs_r < R
+    if RS > 0:
+        seg_r = offs_r // RS
+        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
+        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
     else:
-        r_mask = offs_r < RS
         p_cols = offs_r * stride_pr
         q_rows = offs_r * stride_qr
-        if SEG_MODE == 1:
-            seg_t = (pid_n * BLOCK_N) // SEG_W
-            p_base = p_ptr + seg_t * P_SS
-            q_base = q_ptr + seg_t * Q_SS
-            h_col0 = seg_t * RS
-            h_writer = (pid_n * BLOCK_N) % SEG_W == 0
-        else:
-            p_base = p_ptr
-            q_base = q_ptr
-            h_col0 = 0
-            h_writer = pid_n == 0
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
     rn = offs_n % N
-    m_mask = offs_m < M
     x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BM, BK)
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN)
-    p_ptrs = p_base + offs_k[:, None] * stride_pk + p_cols[None, :]  # (BK, BR)
+    p_ptrs = p_ptr + offs_k[:, None] * stride_pk + p_cols[None, :]  # (BK, BR)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SEG_MODE == 2:
-        for seg in range(0, K // SEG_W):
-            hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, SEG_W, BLOCK_K):
-                xt = tl.load(x_ptrs)
-                wt = tl.load(w_ptrs)
-                if EVEN_R:
-                    pt = tl.load(p_ptrs)
-                else:
-                    pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
-                acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-                hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
-                x_ptrs += BLOCK_K * stride_xk
-                w_ptrs += BLOCK_K * stride_wk
-                p_ptrs += BLOCK_K * stride_pk
-            p_ptrs += P_SS  # the next layer's adapter
-            h = hacc.to(x_ptr.dtype.element_ty)
-            if WRITE_H:
-                if h_writer:
-                    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (seg * RS + offs_r)[None, :] * stride_hr
-                    tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
-            q_ptrs = q_base + seg * Q_SS + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
-            qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0).to(h.dtype)
-            acc += scale * tl.dot(h, qt, input_precision=PRECISION)
-    else:
-        hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                xt = tl.load(x_ptrs)
-                wt = tl.load(w_ptrs)
-                if P_SEG > 0:
-                    pt = tl.load(p_ptrs, mask=r_mask[None, :] & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :]),
-                                 other=0.0)
-                elif EVEN_R:
-                    pt = tl.load(p_ptrs)
-                else:
-                    pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
+    hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
+            if P_SEG > 0:
+                pt = tl.load(p_ptrs, mask=r_mask[None, :] & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :]),
+                             other=0.0)
+            elif EVEN_R:
+                pt = tl.load(p_ptrs)
             else:
-                # the K tail must read zeros: it is summed
-                k_mask = offs_k < K - k0
-                xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-                wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-                p_mask = k_mask[:, None] & r_mask[None, :]
-                if P_SEG > 0:
-                    p_mask = p_mask & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :])
-                pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
-            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-            # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
-            hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-            p_ptrs += BLOCK_K * stride_pk
-
-        # H is rounded to the input dtype, as torch's x @ A would be, before the second product
-        h = hacc.to(x_ptr.dtype.element_ty)
-        if WRITE_H:
-            if h_writer:
-                h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (h_col0 + offs_r)[None, :] * stride_hr
-                tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
-        q_ptrs = q_base + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
-        if Q_SEG > 0:
-            qt = tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
+                pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
         else:
-            qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
-        qt = qt.to(h.dtype)
-        acc += scale * tl.dot(h, qt, input_precision=PRECISION)
+            # the K tail must read zeros: it is summed
+            k_mask = offs_k < K - k0
+            xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            p_mask = k_mask[:, None] & r_mask[None, :]
+            if P_SEG > 0:
+                p_mask = p_mask & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :])
+            pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
+        hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+        p_ptrs += BLOCK_K * stride_pk
+
+    # H is rounded to the input dtype, as torch's x @ A would be, before the second product
+    h = hacc.to(x_ptr.dtype.element_ty)
+    m_mask = offs_m < M
+    if WRITE_H:
+        if pid_n == 0:
+            h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
+            tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
+    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
+    if Q_SEG > 0:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
+    else:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+    qt = qt.to(h.dtype)
+    acc += scale * tl.dot(h, qt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -306,14 +255,11 @@ _TILE_EFF = {(64, 128): 1.0, (128, 128): 0.85, (128, 64): 0.8}
 TUNED: dict[tuple[int, int, int, torch.dtype], MMConfig] = {}
 
 
-def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
-                   divides_n: int = 0) -> MMConfig:
+def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MMConfig:
     """Tile shape for ``lora_mm``: fewest estimated waves-times-tile-cost on this GPU.
 
     A plain tile count heuristic, because M (batch×seq) is only ~1k rows in this project: a
-    128×128 grid leaves most of 132 SMs idle for n=1600, and a smaller tile fills them.
-    ``divides_n``: prefer tiles whose width divides it (layers side by side, each ``divides_n``
-    columns wide: a tile then lies inside one layer), when there are any."""
+    128×128 grid leaves most of 132 SMs idle for n=1600, and a smaller tile fills them."""
     if device.type != "cuda":  # the interpreter: small tiles, many programs, masks exercised
         return MMConfig(32, 32, 32, 4, 1)
     tuned = TUNED.get((M, N, K, dtype))
@@ -321,8 +267,6 @@ def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
         return tuned
     sms = _sm_count(device)
     cands = _MM_CANDIDATES_32 if dtype == torch.float32 else _MM_CANDIDATES_16
-    if divides_n:
-        cands = tuple(c for c in cands if divides_n % c.block_n == 0) or cands
     best, best_cost = cands[0], float("inf")
     for c in cands:
         tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
@@ -364,27 +308,24 @@ def _alloc(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None
 _PICKED: dict[tuple, MMConfig] = {}
 
 
-def _mm_config(M: int, N: int, K: int, x: torch.Tensor, divides_n: int = 0) -> MMConfig:
-    key = (M, N, K, x.dtype, divides_n)
-    c = TUNED.get(key[:4]) or _PICKED.get(key)
+def _mm_config(M: int, N: int, K: int, x: torch.Tensor) -> MMConfig:
+    key = (M, N, K, x.dtype)
+    c = TUNED.get(key) or _PICKED.get(key)
     if c is None:
-        c = _PICKED[key] = pick_mm_config(M, N, K, x.dtype, x.device, divides_n=divides_n)
+        c = _PICKED[key] = pick_mm_config(M, N, K, x.dtype, x.device)
     return c
 
 
-_NO_SEGMENTS = (0, 0, 0, 0, 0, 0, 0)
+_NO_SEGMENTS = (0, 0, 0, 0, 0)
 
 
-def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS,
-        r_tile: int | None = None):
+def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS):
     """Launch ``_lora_mm_kernel``; operands come with explicit (row, col) strides so callers pass
     W, A, B as stored instead of building transposed views (each view costs host time). ``seg``:
-    the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG, SEG_MODE, SEG_W), always passed
-    (the fast launch hands every constexpr to Triton's launcher); ``r_tile``: the adapter columns
-    a tile holds when that is one layer's rank, not R."""
+    the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG), always passed (the fast launch
+    hands every constexpr to Triton's launcher)."""
     c = config or _mm_config(M, N, K, x)
-    rt = r_tile or R
-    br = block_r(rt)
+    br = block_r(R)
     write_h = h is not None
     h_arg = h if write_h else out  # an unused pointer still needs a tensor
     hs = h_arg.stride()
@@ -394,7 +335,7 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, se
         (x, wt, p, q, bias if bias is not None else out, out, h_arg),
         (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
         (float(scale),),
-        (bias is not None, write_h, K % c.block_k == 0, rt == br, _precision(x.dtype), c.block_m, c.block_n,
+        (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
          c.block_k, br, 8, *seg),
         tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
     )
@@ -452,14 +393,9 @@ def lora_fwd_segments(x, w, a, b, bias, scale: float) -> tuple[torch.Tensor, tor
     M = x.shape[0]
     y, h = _alloc((M, S * n), x), _alloc((M, S * r), x)
     ws = w.stride()
-    c = _mm_config(M, S * n, k, x, divides_n=n)
-    q_ss = b.stride(0) - n * b.stride(2)  # layer i's B block starts at column i·n
-    if n % c.block_n == 0:  # every column tile inside one layer: that layer's adapter only
-        seg, rt = (r, a.stride(0), q_ss, 0, 0, 1, n), r
-    else:  # all S·r adapter columns per tile, B read block-diagonally
-        seg, rt = (r, a.stride(0), q_ss, 0, n, 0, 0), None
+    seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), 0, n)  # B block-diagonal: Q_SEG = n
     _mm(x, x.stride(), w, (ws[1], ws[0]), a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), bias,
-        y, h, M, S * n, k, S * r, scale, c, seg, rt)
+        y, h, M, S * n, k, S * r, scale, None, seg)
     return y, h
 
 
@@ -470,14 +406,9 @@ def lora_bwd_x_segments(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.T
     n = b.shape[2]
     M = g.shape[0]
     gx, u = _alloc((M, k), g), _alloc((M, S * r), g)
-    c = _mm_config(M, k, S * n, g)
-    p_ss = b.stride(0) - n * b.stride(2)  # layer i's Bᵀ block starts at row i·n
-    if n % c.block_k == 0:  # the K loop layer by layer, one rank-r accumulator
-        seg, rt = (r, p_ss, a.stride(0), 0, 0, 2, n), r
-    else:  # all S·r columns of u per K step, Bᵀ read block-diagonally
-        seg, rt = (r, p_ss, a.stride(0), n, 0, 0, 0), None
+    seg = (r, b.stride(0) - n * b.stride(2), a.stride(0), n, 0)  # Bᵀ block-diagonal along K: P_SEG = n
     _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
-        gx, u, M, k, S * n, S * r, scale, c, seg, rt)
+        gx, u, M, k, S * n, S * r, scale, None, seg)
     return gx, u
 
 
