@@ -127,6 +127,9 @@ def test_a_model_moved_after_grouping_runs_its_layers_one_by_one():
 # 1 to 40 (S·r up to 120, under the kernels' 128), fp16 standing in for 16-bit inputs (the
 # interpreter gets bf16 dots wrong; bf16 is checked on the GPU)
 SEGMENT_CASES = [
+    (37, 40, 64, 3, 3, "fp32", True, 1),
+    (50, 33, 96, 16, 3, "fp16", False, 2),
+    (29, 64, 32, 40, 2, "fp32", True, 1),
     (37, 40, 24, 3, 3, "fp32", True, 1),
     (70, 33, 50, 16, 3, "fp32", False, 2),
     (20, 48, 32, 5, 2, "fp16", True, 1),
