@@ -374,6 +374,41 @@ def table_five_epochs() -> str:
                    "steps × step ms, s", "evaluation s", "warm-up + capture s", "rest s", "val / test %"], rows)
 
 
+def table_qkv_group() -> str:
+    """lora-kernel with query/key/value side by side against one by one, A-B-A(-B) in one call each,
+    and the reverted layer-by-layer kernels."""
+    rows = []
+    for folder, label in (("qkv-group-h200", "block-diagonal reads (kept)"),
+                          ("qkv-group-h200/layer-by-layer", "layer by layer (reverted)")):
+        df = pd.read_csv(RESULTS / folder / "runs.csv")
+        for size in ("124M", "1558M"):
+            part = df[df.model_size == size]
+            one = part[~part.cfg_group_qkv.astype(bool)]
+            grp = part[part.cfg_group_qkv.astype(bool)]
+            fmt = lambda d: " / ".join(f"{v:.2f}" for v in d.step_ms_median)  # noqa: E731
+            spread = lambda d: " / ".join(f"{a:.2f}–{b:.2f}" for a, b in zip(d.step_ms_p10, d.step_ms_p90))  # noqa: E731
+            k = lambda d: f"{int(d.graph_kernels_forward.iloc[0])} / {int(d.graph_kernels_backward.iloc[0])}"  # noqa: E731
+            rows.append([f"{size}, {label}", fmt(one), fmt(grp), spread(grp), k(one), k(grp),
+                         f"{grp.step_ms_median.median() / one.step_ms_median.median():.3f}"])
+    return _table(["lora-kernel, CUDA graphs + bf16 + fused, one H200", "one by one, step ms", "grouped, step ms",
+                   "grouped p10–p90", "kernels fwd / bwd, one by one", "kernels fwd / bwd, grouped",
+                   "grouped / one by one"], rows)
+
+
+def table_first_use() -> str:
+    """A 124M 5-epoch run's one-time costs with cold and warm caches."""
+    df = pd.read_csv(RESULTS / "first-use-h200" / "runs.csv")
+    rows = []
+    for _, r in df.iterrows():
+        steps_s = r.steps * r.step_ms_median / 1000
+        rows.append([f"124M {r.trainable_layers}, {r.run_id.rsplit('-', 2)[-2]} caches", f"{r.training_time_s:.2f}",
+                     f"{r.step_ms_median:.2f}", f"{steps_s:.2f}", f"{r.eval_s:.2f}", f"{r.graph_capture_s:.2f}",
+                     f"{r.training_time_s - steps_s - r.eval_s - r.graph_capture_s:.2f}",
+                     f"{r.val_acc:.2f} / {r.test_acc:.2f}"])
+    return _table(["5 epochs, CUDA graphs + bf16 + fused, one H200", "training s", "step ms", "steps × step ms, s",
+                   "evaluation s", "warm-up + capture s", "rest s", "val / test %"], rows)
+
+
 TABLES = {
     "answer": table_answer,
     "study-eager": table_study_eager,
@@ -392,6 +427,8 @@ TABLES = {
     "graph-candidates-hopper": table_graph_candidates_hopper,
     "step-kernels": table_step_kernels,
     "five-epochs": table_five_epochs,
+    "qkv-group": table_qkv_group,
+    "first-use": table_first_use,
 }
 
 
