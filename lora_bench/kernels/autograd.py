@@ -172,6 +172,14 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype is dtype else t.to(dtype)
 
 
+def _outside_autocast(backward, ctx, grad_out):
+    """Run a Function's backward with autocast off where it is on (it casts explicitly)."""
+    if torch.is_autocast_enabled(ctx.dev):
+        with torch.autocast(ctx.dev, enabled=False):
+            return backward(ctx, grad_out)
+    return backward(ctx, grad_out)
+
+
 class LoRAKernelFunction(torch.autograd.Function):
     """y = x·Wᵀ + b + s·(x·A)·B with the minimal backward. Inputs: x (..., k), weight (n, k),
     bias (n) or None, A (k, r), B (r, n), scale (a float), plan (fused, cublas or torch: forward
@@ -214,10 +222,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_autocast_enabled(ctx.dev):
-            with torch.autocast(ctx.dev, enabled=False):
-                return LoRAKernelFunction._backward(ctx, grad_out)
-        return LoRAKernelFunction._backward(ctx, grad_out)
+        return _outside_autocast(LoRAKernelFunction._backward, ctx, grad_out)
 
     @staticmethod
     def _backward(ctx, grad_out):
@@ -417,10 +422,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_autocast_enabled(ctx.dev):
-            with torch.autocast(ctx.dev, enabled=False):
-                return LoRASegmentsFunction._backward(ctx, grad_out)
-        return LoRASegmentsFunction._backward(ctx, grad_out)
+        return _outside_autocast(LoRASegmentsFunction._backward, ctx, grad_out)
 
     @staticmethod
     def _backward(ctx, grad_out):
@@ -462,20 +464,29 @@ def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
     return tuple(lora_linear(x, m.linear.weight, m.linear.bias, m.lora.A, m.lora.B, m.lora.alpha) for m in layers)
 
 
-def _segment_params(layers) -> list[torch.Tensor] | None:
-    """[weights, biases (if any), A's, B's] of layers that can run fused, else None."""
-    groups = [[m.linear.weight for m in layers], [m.linear.bias for m in layers],
-              [m.lora.A for m in layers], [m.lora.B for m in layers]]
-    if any(b is None for b in groups[1]):
-        if not all(b is None for b in groups[1]):
+def parameter_kinds(layers) -> list[list[torch.Tensor]] | None:
+    """[weights, biases (left out when none has one), A's, B's] of lora-kernel layers that could
+    run as one: frozen bases, one alpha, biases on all or none; else None."""
+    kinds = [[m.linear.weight for m in layers], [m.linear.bias for m in layers],
+             [m.lora.A for m in layers], [m.lora.B for m in layers]]
+    if any(b is None for b in kinds[1]):
+        if not all(b is None for b in kinds[1]):
             return None
-        groups.pop(1)
-    if any(t.requires_grad for t in (*groups[0], *(groups[1] if len(groups) == 4 else ()))):
-        return None  # a trainable base: its gradient is not computed here
-    if len({m.lora.alpha for m in layers}) != 1 or any(stacked(g) is None for g in groups):
+        kinds.pop(1)
+    bases = (*kinds[0], *(kinds[1] if len(kinds) == 4 else ()))
+    if any(t.requires_grad for t in bases) or len({m.lora.alpha for m in layers}) != 1:
+        return None  # a trainable base: its gradient is not computed by the segment kernels
+    return kinds
+
+
+def _segment_params(layers) -> list[torch.Tensor] | None:
+    """The parameters of layers that can run fused now (``parameter_kinds``, each kind back to
+    back in one buffer), flat in LoRASegmentsFunction's order; else None."""
+    kinds = parameter_kinds(layers)
+    if kinds is None or any(stacked(k) is None for k in kinds):
         return None
-    return [t for g in groups for t in g]
+    return [t for k in kinds for t in k]
 
 
 __all__ = ["LoRAKernelFunction", "LoRASegmentsFunction", "call_plan", "lora_linear", "lora_linear_segments",
-           "stacked"]
+           "parameter_kinds", "stacked"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lora_bench.kernels.autograd import lora_linear, lora_linear_segments
+from lora_bench.kernels.autograd import lora_linear, lora_linear_segments, parameter_kinds
 from lora_bench.lora.layer import LoRALinearBase
 
 
@@ -45,18 +45,8 @@ def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     parameter its own storage again, which turns the grouped path off, not wrong)."""
     if len(layers) < 2 or not all(isinstance(m, LinearWithLoRAKernel) for m in layers):
         return None
-    first = layers[0]
-    kinds = [[m.linear.weight for m in layers], [m.linear.bias for m in layers],
-             [m.lora.A for m in layers], [m.lora.B for m in layers]]
-    if any(b is None for b in kinds[1]):
-        if not all(b is None for b in kinds[1]):
-            return None
-        kinds.pop(1)
-    for group in kinds:
-        if len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1:
-            return None
-    if any(m.linear.weight.requires_grad or (m.linear.bias is not None and m.linear.bias.requires_grad)
-           for m in layers) or len({m.lora.alpha for m in layers}) != 1:
+    kinds = parameter_kinds(layers)
+    if kinds is None or any(len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1 for group in kinds):
         return None
     with torch.no_grad():
         for group in kinds:
