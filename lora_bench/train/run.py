@@ -18,13 +18,13 @@ import torch
 from rich.console import Console
 
 from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
-from lora_bench.lora.kernel import group_qkv
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import Interrupted, UsageError
 from lora_bench.fileio import atomic_write_text, check_writable_dir
 from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env, record_plans, use_policy
+from lora_bench.lora.kernel import group_qkv
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, package_versions
@@ -133,9 +133,8 @@ class RunContext:
         if cfg.precision == "bf16":
             cast(self.model, torch.bfloat16)
         self.model.to(self.device)
-        self.qkv_groups = 0
         if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and self.device.type == "cuda":
-            self.qkv_groups = group_qkv(self.model)  # after .to(): it gives every parameter its own storage
+            group_qkv(self.model)  # after .to(), which gives every parameter its own storage
         self.loaders = build_loaders(splits, gpt2_tokenizer(), context_length=cfg.context_length,
                                      model_context=mcfg.context_length, batch_size=cfg.batch_size,
                                      no_padding=cfg.no_padding)
