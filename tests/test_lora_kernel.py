@@ -25,6 +25,7 @@ from lora_bench.kernels.policy import Plan, PlanPolicy, choose, record_plans, us
 from lora_bench.lora import LinearWithLoRA, inject_lora, lora_class
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.model.gpt2 import build_random_model, gpt_config
+from lora_bench.train.graphs import warm_up
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -580,12 +581,7 @@ def test_gpu_streams_plan_captured_in_a_cuda_graph(dt, M, k, n, r, poisoned):
         return (y, *torch.autograd.grad(y, [x, a, bm], g))
 
     with use_policy(PlanPolicy(forced=Plan.STREAMS)), record_plans() as log:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up(step, 2)  # (a forced plan stays forced under the capture-mode policy)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = step()

@@ -20,6 +20,7 @@ from lora_bench.kernels.autograd import _segment_params, stacked
 from lora_bench.kernels.policy import Plan, PlanPolicy, graph_plan, record_plans, use_policy
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.kernel import LinearWithLoRAKernel, SideBySide, group_layers, group_qkv
+from lora_bench.train.graphs import warm_up
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3, "bf16": 1e-2, "fp16": 2e-3}
 DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -282,11 +283,7 @@ def test_gpu_segments_match_float64_and_replay_from_a_graph(dt, M, k, n, r, S, b
 
         with use_policy(PlanPolicy(forced=Plan.FUSED)), graph_plan(), record_plans() as log:
             check(step())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
+            warm_up(step, 1)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 outs = step()

@@ -43,12 +43,17 @@ def _exact_fp32(dtype: torch.dtype) -> bool:
 def call_plan(x: torch.Tensor, weight: torch.Tensor, rank: int) -> Plan:
     """The plan an eager call with this input and weight gets here and now: under the policy in
     force, on the current stream (capturing a CUDA graph or not). Runs on every layer call."""
+    return _plan(x, weight.numel(), rank)
+
+
+def _plan(x: torch.Tensor, weight_numel: int, rank: int) -> Plan:
+    """``call_plan`` for a weight of ``weight_numel`` elements (layers side by side: their sum)."""
     cuda = x.is_cuda
     dev = "cuda" if cuda else x.device.type
     dtype = _compute_dtype(x, dev)
     return choose(current_policy(), device=dev, dtype=dtype,
                   capturing=cuda and torch.cuda.is_current_stream_capturing(), compiling=False,
-                  weight_numel=weight.numel(), rank=rank,
+                  weight_numel=weight_numel, rank=rank,
                   exact_fp32=cuda and _exact_fp32(dtype),  # (the CPU's plans never depend on it)
                   have_triton=available.HAVE_TRITON if cuda else available.HAVE_TRITON_INTERPRETER,
                   have_cpp=available.HAVE_CPP)
@@ -455,7 +460,7 @@ def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
     if not torch.compiler.is_compiling() and S > 1:
         w, a = first.linear.weight, first.lora.A
         rank = a.shape[1]
-        if S * rank <= TRITON_MAX_RANK and call_plan(x, w.expand(S, *w.shape), S * rank) is Plan.FUSED:
+        if S * rank <= TRITON_MAX_RANK and _plan(x, S * w.numel(), S * rank) is Plan.FUSED:
             params = _segment_params(layers)
             if params is not None:
                 note(Plan.FUSED)
