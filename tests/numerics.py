@@ -1,8 +1,32 @@
-"""Helpers shared by the kernel tests: relative error against a reference, fresh inputs, a pair of
-tiny LoRA models with the same weights."""
+"""Helpers shared by the numerical tests: relative error against a reference, the tolerances the
+suite allows and their derivation, fresh inputs, a pair of tiny LoRA models with the same weights.
+
+Tolerances (every float comparison of a computed result goes through one of these):
+
+- ``dot_tol(dtype, k)``: a result computed in ``dtype`` whose longest chain of roundings is a sum
+  of ``k`` terms (a matrix product with inner dimension k; chained products add their k's),
+  against a float64 reference. The rounding errors of a sum of k terms behave as k independent
+  errors of at most u (the unit roundoff) times the partial sums; for operands of random sign the
+  normwise relative error then stays under λ·u·√k with probability at least 1 − 2·exp(−λ²/2)
+  (Higham & Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci.
+  Comput. 41(5), 2019). λ = 8: odds of a false failure under 3e-14.
+- ``rounded_input_tol(dtype)``: a product whose inputs and output are rounded to a 16-bit type
+  (or TF32's 10-bit mantissa) and accumulated in float32: three roundings of relative size u
+  each dominate, so 4·u bounds the normwise error (the fp32 accumulation adds only 2^-24·√k).
+- ``same_function_tol(want, ref, dtype)``: two evaluations of one function that differ only in
+  the order of their roundings (a grouped product, autograd summing branches in another order,
+  another reduction layout, a fused op), where no closed bound fits (whole models, training
+  trajectories). Both carry errors of the same distribution against the float64 evaluation
+  ``ref``; the other order may be SPREAD = 4 times as far from it as ``want``, plus λ units of
+  u for results that happen to round exactly. The bound follows the CPU it runs on: a processor
+  whose float32 products round differently moves both errors alike.
+
+Bit-exact assertions stay where the two sides run the same operations on the same values.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +49,49 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.norm() == 0:
         return 0.0 if out.norm() == 0 else float("inf")
     return float((out - ref).norm() / ref.norm())
+
+
+# half an ulp at 1: the relative size of one rounding to nearest
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
+                 torch.bfloat16: 2.0 ** -8}
+TF32_UNIT_ROUNDOFF = 2.0 ** -11  # TF32 keeps float16's 10-bit mantissa
+LAMBDA = 8.0
+SPREAD = 4.0
+
+
+def dot_tol(dtype: torch.dtype, k: int) -> float:
+    """λ·u·√k: the normwise relative error a result computed in ``dtype`` through a sum of ``k``
+    terms may carry against float64 (module docstring)."""
+    return LAMBDA * UNIT_ROUNDOFF[dtype] * math.sqrt(k)
+
+
+def rounded_input_tol(dtype: torch.dtype | str) -> float:
+    """4·u of the type the inputs and output are rounded to: ``torch.bfloat16``, ``torch.float16``
+    or ``"tf32"`` (module docstring)."""
+    u = TF32_UNIT_ROUNDOFF if dtype == "tf32" else UNIT_ROUNDOFF[dtype]
+    return 4 * u
+
+
+def same_function_tol(want, ref, dtype: torch.dtype = torch.float32) -> float:
+    """How far from the float64 evaluation ``ref`` another rounding order of ``want``'s function
+    may land: SPREAD × ``want``'s own error plus λ·u (module docstring). ``want`` and ``ref`` are
+    tensors, or dicts of tensors with the same keys (then the error is the root mean square of the
+    per-tensor relative errors, so that a small tensor counts as much as a large one)."""
+    return SPREAD * rms_rel_err(want, ref) + LAMBDA * UNIT_ROUNDOFF[dtype]
+
+
+def rms_rel_err(out, ref) -> float:
+    """``rel_err`` of two tensors, or the root mean square of it over two dicts' common tensors."""
+    if isinstance(ref, dict):
+        assert out.keys() == ref.keys()
+        return math.sqrt(sum(rel_err(out[k], ref[k]) ** 2 for k in ref) / len(ref))
+    return rel_err(out, ref)
+
+
+def assert_same_function(got, want, ref, dtype: torch.dtype = torch.float32, what: str = "") -> None:
+    """``got`` is as close to the float64 ``ref`` as another rounding order of ``want`` can be."""
+    err, bound = rms_rel_err(got, ref), same_function_tol(want, ref, dtype)
+    assert err <= bound, f"{what}: error {err:.3g} against float64, bound {bound:.3g} (SPREAD × {rms_rel_err(want, ref):.3g} + λu)"
 
 
 def fresh(*shape, device, dtype, scale=1.0) -> torch.Tensor:
