@@ -27,7 +27,8 @@ from lora_bench.results.manifest import record_invocation
 from lora_bench.results.store import write_csv
 from lora_bench.timing import PHASES, PhaseTimer
 from lora_bench.train.loop import train_classifier
-from lora_bench.train.run import RunContext, default_cache_dir
+from lora_bench.model.checkpoints import default_cache_dir
+from lora_bench.train.context import RunContext
 
 
 def measure(ctx: RunContext, *, mode: str, steps: int) -> float:

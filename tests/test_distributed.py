@@ -377,7 +377,7 @@ def test_nproc_2_with_cuda_graphs_replays_the_one_gpu_step(tmp_path, run_cli, ra
 # -- nproc as a setting, the launcher's run-id check, sweeps --------------------------------------
 def test_nproc_setting_rules_and_run_ids():
     from lora_bench.config import render
-    from lora_bench.train.run import settings_hash
+    from lora_bench.train.identity import settings_hash
 
     assert settings_hash(TrainConfig(nproc=1)) == settings_hash(TrainConfig())  # one process: ids unchanged
     assert settings_hash(TrainConfig(nproc=2)) != settings_hash(TrainConfig())  # the measurement differs
@@ -390,7 +390,7 @@ def test_nproc_setting_rules_and_run_ids():
 
 
 def test_rank_settings_take_the_world_size():
-    from lora_bench.train.run import rank_settings
+    from lora_bench.train.setup import rank_settings
 
     env = RankEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="x", master_port=1)
     assert rank_settings(TrainConfig(), env).nproc == 2  # a job started by torchrun itself records its size

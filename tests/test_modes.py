@@ -83,7 +83,7 @@ def test_block_scoped_compile_compiles_once_for_any_depth(layers):
     more compiles (one graph for the first block, whose input needs no gradient, one reused by
     all the others), and the outputs and gradients are the eager ones."""
     from lora_bench.classifier.book import make_trainable
-    from lora_bench.train.run import compile_model
+    from lora_bench.train.setup import compile_model
 
     counts = {}
     for n_layers in (3, 6):
@@ -121,7 +121,7 @@ def test_inductor_compiles_lora_kernel_blocks_on_cpu():
     their fake implementations and autograd formula: forward and LoRA gradients equal eager's."""
     from lora_bench.lora import inject_lora
     from lora_bench.lora.kernel import LinearWithLoRAKernel
-    from lora_bench.train.run import compile_model
+    from lora_bench.train.setup import compile_model
 
     torch._dynamo.reset()
     models = []
@@ -316,7 +316,7 @@ def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
 def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path, monkeypatch):
     """Inline sweeps run many models in one process: every compiled run resets dynamo first, or
     the recompile limit would silently turn later runs eager."""
-    from lora_bench.train.run import RunContext
+    from lora_bench.train.context import RunContext
 
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))

@@ -24,7 +24,7 @@ from lora_bench.report.study import build_study
 from lora_bench.results.metrics import flops_per_step
 from lora_bench.results.schema import run_column_names
 from lora_bench.results.store import read_runs, write_csv
-from lora_bench.train.run import make_run_id, settings_hash
+from lora_bench.train.identity import make_run_id, settings_hash
 
 SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
 TINY_RUN = ("--model-size", "tiny", "--weights", "random", "--device", "cpu", "--max-steps", "3", "--warmup-steps", "1",

@@ -346,7 +346,7 @@ def _run_losses(*, impl="hf", layers="lora", device="cuda", precision="fp32", co
     """Per-step training losses of a tiny random-weight classifier driven as a run drives it: bf16 casts
     the frozen linears and autocasts, compile goes through run.compile_model."""
     from lora_bench.classifier.book import cast_frozen
-    from lora_bench.train.run import amp_context, compile_model
+    from lora_bench.train.setup import amp_context, compile_model
 
     cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers=layers, lora_rank=R, lora_alpha=8.0,
                       attention="sdpa", ops="fused", precision=precision, learning_rate=1e-3, device=device)

@@ -180,7 +180,7 @@ def test_timer_overhead_block_runs_the_steps_it_divides_by(tiny_cfg, monkeypatch
     """A block longer than an epoch runs as many epochs as it needs, and ms/step divides by the
     steps that really ran."""
     from benchmarks import timer_overhead
-    from lora_bench.train.run import RunContext
+    from lora_bench.train.context import RunContext
 
     ctx = RunContext(tiny_cfg.replace(batch_size=64), cache_dir=tmp_path / "cache", progress=False)
     n = len(ctx.loaders.train)

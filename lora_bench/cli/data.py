@@ -25,7 +25,7 @@ def data_prepare(
     """Balance and split the SMS Spam Collection exactly as the reference."""
     from lora_bench.data.sms_spam import ensure_sms_spam, prepare_splits
     from lora_bench.data.tokenizer import sha256_file
-    from lora_bench.train.run import default_cache_dir
+    from lora_bench.model.checkpoints import default_cache_dir
 
     if output is not None and out is not None and output != out:
         raise UsageError("give the output folder once (--output)")

@@ -107,7 +107,8 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
     from lora_bench.train.distributed import exit_rank, rank_device, rank_env, rank_errors
     from lora_bench.train.preflight import check_machine
-    from lora_bench.train.run import execute_run, make_run_id
+    from lora_bench.train.identity import make_run_id
+    from lora_bench.train.run import execute_run
 
     env = rank_env()
     cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)

@@ -19,7 +19,8 @@ from lora_bench.config import TrainConfig
 from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
 from lora_bench.results.claims import RunClaim
 from lora_bench.sweep.isolation import die_with_parent
-from lora_bench.train.run import RaiseOnSignal, execute_run
+from lora_bench.train.run import execute_run
+from lora_bench.train.signals import RaiseOnSignal
 
 PARENT_EXIT_S = 2.0
 

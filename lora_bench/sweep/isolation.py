@@ -34,6 +34,7 @@ from lora_bench.results.claims import RunClaim
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, run_record, upsert_run
 from lora_bench.train import run as train_run
+from lora_bench.train.signals import TERMINATING_SIGNALS
 
 ISOLATION = ("process", "inline")
 GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
@@ -76,7 +77,7 @@ class Interrupts:
 
     def __enter__(self) -> "Interrupts":
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            for s in train_run.TERMINATING_SIGNALS:
+            for s in TERMINATING_SIGNALS:
                 if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
                     self._old[s] = signal.signal(s, self._handle)
         return self

@@ -60,7 +60,7 @@ from lora_bench.config import (
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import short_repr
-from lora_bench.train.run import make_run_id, settings_hash
+from lora_bench.train.identity import make_run_id, settings_hash
 
 SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed")
 ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (see module docstring)

@@ -41,7 +41,7 @@ from lora_bench.results.manifest import record_invocation, start_invocation
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
-from lora_bench.train.run import refuse_existing_run
+from lora_bench.train.identity import refuse_existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 

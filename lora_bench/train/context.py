@@ -1,0 +1,122 @@
+"""What a run builds before its loop, in the reference's order: the device and precision, the data
+splits, the model, the loaders, the optimizer (after re-seeding, as the reference does), then the
+execution mode (torch.compile, data parallelism, CUDA graphs for evaluation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
+from lora_bench.config import TrainConfig
+from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
+from lora_bench.data.tokenizer import gpt2_tokenizer
+from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env
+from lora_bench.lora.kernel import group_qkv
+from lora_bench.model.gpt2 import count_params
+from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf
+from lora_bench.train.distributed import DataParallel
+from lora_bench.train.graphs import GraphedEval
+from lora_bench.train.loop import LoopSettings
+from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
+
+
+class RunContext:
+    """A run's device, model, loaders and optimizer, and the models its loop and evaluation call;
+    kept for the profilers and CUDA graphs. The steps run in the order the reference builds things
+    (the data split, the model's random draws, then the seed before the optimizer), so book mode
+    stays bit-exact."""
+
+    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool, dp: DataParallel | None = None):
+        self.cfg = cfg
+        self.dp = dp  # data-parallel runs: this rank's part (its device, the DDP wrapper)
+        self._setup_device()
+        splits = self._setup_splits(cache_dir, progress=progress)
+        self._setup_model(cache_dir, progress=progress)
+        self._setup_loaders(splits)
+        self._setup_optimizer()
+        self._setup_execution()
+
+    # ------------------------------------------------------------------ the steps, in order
+    def _setup_device(self) -> None:
+        # lora-kernel: the plan policy of this run (LORA_BENCH_KERNEL_MODE may force a plan), and
+        # the plans its layers run, noted while the loop runs
+        self.kernel_policy = policy_from_env(current_policy())
+        self.kernel_plans = PlanLog()
+        self.device = self.dp.device if self.dp is not None else resolve_device(self.cfg.device)
+        set_precision(self.cfg)
+        self.amp = amp_context(self.cfg, self.device)
+
+    def _setup_splits(self, cache_dir: Path, *, progress: bool) -> dict[str, Path]:
+        cfg = self.cfg
+        raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
+        return cached_splits(raw, cache_dir)
+
+    def _setup_model(self, cache_dir: Path, *, progress: bool) -> None:
+        cfg = self.cfg
+        self.mcfg = model_config(cfg)
+        if cfg.implementation == "hf":  # transformers' GPT-2 (and PEFT): its Conv1D layers are not nn.Linear
+            self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress)
+            cast = cast_frozen_hf
+        else:
+            self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
+            cast = cast_frozen
+        self.trainable_params = count_params(self.model, trainable_only=True)
+        self.total_params = count_params(self.model)
+        if cfg.precision == "bf16":
+            cast(self.model, torch.bfloat16)
+        self.model.to(self.device)
+        if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and self.device.type == "cuda":
+            group_qkv(self.model)  # after .to(), which gives every parameter its own storage
+
+    def _setup_loaders(self, splits: dict[str, Path]) -> None:
+        cfg = self.cfg
+        self.loaders = build_loaders(splits, gpt2_tokenizer(), context_length=cfg.context_length,
+                                     model_context=self.mcfg.context_length, batch_size=cfg.batch_size,
+                                     no_padding=cfg.no_padding)
+
+    def _setup_optimizer(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
+        if cfg.cuda_graphs:
+            opt_kw["capturable"] = True
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay, **opt_kw)
+
+    def _setup_execution(self) -> None:
+        cfg, dp = self.cfg, self.dp
+        if cfg.compile:
+            # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
+            # models would pile up to the recompile limit, after which dynamo silently runs eager.
+            torch._dynamo.reset()
+        if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
+            if cfg.compile and cfg.compile_scope == "blocks":
+                compile_model(self.model, "blocks")
+            wrapped = dp.wrap(self.model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb,
+                              cuda_graphs=cfg.cuda_graphs)
+            self.forward_model = (compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model"
+                                  else wrapped)
+        else:
+            self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
+        self.eval_model = self.forward_model
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            self.eval_model = GraphedEval(self.forward_model)
+
+    # ------------------------------------------------------------------ what the loop reads
+    def loop_settings(self) -> LoopSettings:
+        c = self.cfg
+        return LoopSettings(num_epochs=c.num_epochs, eval_freq=c.eval_freq, eval_iter=c.eval_iter,
+                            accumulation_steps=c.accumulation_steps, token_pos=c.trainable_token_pos,
+                            ignore_index=c.ignore_index, average_embeddings=c.average_embeddings,
+                            max_steps=c.max_steps)
+
+    def backend(self) -> str:
+        """The lora-kernel plans the training step's layers ran, as recorded while the loop ran
+        (``kernel_plans``), '+'-joined when layers differ (1558M's MLP under CUDA graphs; the head
+        left out of a block-scoped compile). '' for other trainable-layer settings, or before any
+        training step ran."""
+        if self.cfg.trainable_layers != "lora-kernel":
+            return ""
+        return self.kernel_plans.backend()

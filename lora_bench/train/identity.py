@@ -1,0 +1,73 @@
+"""A run's identity: its id (deterministic for sweeps, time-stamped for one-off runs), the check
+that it can name a folder, and the refusal of an id already recorded in a results folder."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from lora_bench.config import TrainConfig
+from lora_bench.errors import UsageError
+from lora_bench.results.store import RUN_RECORD, read_run_table, run_record
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def settings_hash(cfg: TrainConfig) -> str:
+    """Hash of the settings that differ from their defaults: a setting added to lora-bench later
+    (with a default that keeps the behaviour) leaves existing run ids, and so a sweep's resume,
+    intact; a hash over every field would rerun whole sweeps for each new option."""
+    defaults = TrainConfig().to_dict()
+    changed = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
+    return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def make_run_id(cfg: TrainConfig, *, repeat: int | None = None) -> str:
+    """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs."""
+    slug = f"{cfg.model_size}-{cfg.trainable_layers}".replace(" ", "").replace("(", "").replace(")", "")
+    if cfg.implementation != "book":
+        slug += f"-{cfg.implementation}"
+    base = f"{slug}-{settings_hash(cfg)}"
+    if repeat is not None:
+        return f"{base}-r{repeat}"
+    return f"{base}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S%f')}"
+
+
+def check_run_id(run_id: str) -> None:
+    """UsageError unless ``run_id`` can name the run's folder inside a results folder."""
+    if not RUN_ID_RE.match(run_id):
+        raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
+                         "digit (it names a folder inside the results folder)")
+
+
+def existing_run(results_dir: Path, run_id: str) -> dict | None:
+    """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
+    row = run_record(results_dir / run_id)
+    if row is not None:
+        return row
+    csv = results_dir / "runs.csv"
+    if csv.is_file():
+        table = read_run_table(csv)
+        for r in table.rows:
+            if r.get("run_id") == run_id:
+                return r
+        if run_id in table.torn_ids():
+            return {"run_id": run_id, "status": "unknown (its runs.csv row is cut mid-way)"}
+    return None
+
+
+def refuse_existing_run(results_dir: Path, run_id: str) -> None:
+    """UsageError when ``run_id`` is already recorded in ``results_dir``: ids are never reused silently."""
+    old = existing_run(results_dir, run_id)
+    if old is not None:
+        raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
+                         f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
+                         "--overwrite to replace it")
+
+
+def forget_earlier_attempt(run_dir: Path) -> None:
+    """Remove the record an earlier attempt of this run left, so it cannot pass for this one's."""
+    (run_dir / RUN_RECORD).unlink(missing_ok=True)

@@ -1,0 +1,68 @@
+"""What a run sets up before it builds anything: the device, the float32 matmul precision and
+autocast, torch.compile's scope, and the settings a data-parallel rank runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lora_bench.config import TrainConfig
+from lora_bench.errors import UsageError
+from lora_bench.train.distributed import RankEnv
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device={name!r} but CUDA is not available here; use --device cpu or auto")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device={name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def set_precision(cfg: TrainConfig) -> None:
+    # fp32 is the reference: no TF32 anywhere in matmuls (torch's default); tf32 opts in.
+    torch.set_float32_matmul_precision("high" if cfg.precision == "tf32" else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = cfg.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = cfg.precision == "tf32"
+
+
+def amp_context(cfg: TrainConfig, device: torch.device):
+    if cfg.precision != "bf16":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def compile_model(model: torch.nn.Module, scope: str, **compile_kw) -> torch.nn.Module:
+    """torch.compile the whole model (returns the compiled wrapper), or each transformer block in
+    place (returns the model itself). Blocks share their code, so with scope "blocks" a 48-block
+    model compiles about as fast as a 12-block one: one graph for the first block (its input needs
+    no gradient), one reused by all the others."""
+    if scope == "model":
+        return torch.compile(model, **compile_kw)
+    if scope == "blocks":
+        for block in model.trf_blocks:
+            block.compile(**compile_kw)
+        return model
+    raise ValueError(f"compile scope {scope!r}: expected model or blocks")
+
+
+def rank_settings(cfg: TrainConfig, env: RankEnv | None) -> TrainConfig:
+    """The settings a rank of a data-parallel job runs: ``nproc`` is the job's world size (a job
+    started by torchrun itself, leaving ``nproc`` at 1, records it too); any other value is refused."""
+    if env is None:
+        if cfg.nproc > 1:
+            raise UsageError(f"nproc={cfg.nproc}: a data-parallel run starts under torchrun; run it with "
+                             f"lora-bench train --nproc {cfg.nproc} (a sweep runs each run in one process)")
+        return cfg
+    if cfg.nproc == 1:
+        return cfg.replace(nproc=env.world_size)
+    if cfg.nproc != env.world_size:
+        raise UsageError(f"nproc={cfg.nproc} but torchrun started {env.world_size} processes (WORLD_SIZE); "
+                         "leave nproc unset under torchrun, or set it to the world size")
+    return cfg
