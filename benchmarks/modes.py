@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.policy import KernelModeError, PlanPolicy, parse_plan, use_policy
+from lora_bench.kernels.policy import KernelPlanError, parse_plan
 from lora_bench.train.run import execute_run
 
 MODES = {
@@ -48,15 +48,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="none", help="none or torch (kernel tables per run)")
     ap.add_argument("--skip", nargs="*", default=[], help="MODE:LAYERS pairs not to run (e.g. slow compiles)")
-    ap.add_argument("--kernel-plans", nargs="+", default=["default"],
-                    help="lora-kernel plans to run in turn (default, or a forced plan such as fused); "
-                         "e.g. default fused default: an A-B-A comparison in one process")
+    ap.add_argument("--kernel-plans", nargs="+", default=["auto"],
+                    help="lora-kernel plans to run in turn (auto, or a forced plan such as fused: the "
+                         "kernel_plan setting); e.g. auto fused auto: an A-B-A comparison in one process")
     args = ap.parse_args()
-    policies = {}
     for plan in args.kernel_plans:
         try:
-            policies[plan] = PlanPolicy(forced=None if plan == "default" else parse_plan(plan))
-        except KernelModeError as e:
+            if plan != "auto":
+                parse_plan(plan)
+        except KernelPlanError as e:
             ap.error(f"--kernel-plans {plan}: {e}")
     console = Console(width=150)
     out = args.results_dir
@@ -69,17 +69,16 @@ def main() -> None:
             for layers in args.layers:
                 if f"{mode}:{layers}" in args.skip:
                     continue
-                plans = args.kernel_plans if layers == "lora-kernel" else ["default"]
+                plans = args.kernel_plans if layers == "lora-kernel" else ["auto"]
                 for i, plan in enumerate(plans):
                     cfg = TrainConfig(model_size=size, weights="random", trainable_layers=layers, lora_rank=16,
                                       lora_alpha=16.0 if size == "124M" else 8.0, data_file=args.data_file,
                                       device=args.device, max_steps=args.steps, eval_freq=0, skip_final_eval=True,
-                                      warmup_steps=15, profile=args.profile, **MODES[mode])
+                                      warmup_steps=15, profile=args.profile, kernel_plan=plan, **MODES[mode])
                     rid = f"{size}-{mode}-{layers}" + (f"-{plan}-{i}" if len(plans) > 1 else "")
                     try:
-                        with use_policy(policies.get(plan, PlanPolicy())):
-                            row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True),
-                                              progress=False)
+                        row = execute_run(cfg, results_dir=out, run_id=rid, console=Console(quiet=True),
+                                          progress=False)
                         cells[layers] = row.get("step_ms_median")  # (with several plans: the last one's)
                         console.print(f"{rid}: step {row.get('step_ms_median'):.2f} ms  " + "  ".join(
                             f"{p} {row.get(f'{p}_ms_median'):.2f}/{row.get(f'host_{p}_ms_median'):.2f}"

@@ -148,8 +148,8 @@ def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path,
 
 @pytest.mark.parametrize("args,needle", [
     (["--shapes", "2x8:48->40:r0"], "positive sizes"),
-    (["--impls", "lora:cpp"], "only lora-kernel takes a :MODE suffix"),
-    (["--impls", "lora-kernel:foo"], "lora-kernel's modes are fused, cublas, torch, streams, cpp"),
+    (["--impls", "lora:cpp"], "only lora-kernel takes a :PLAN suffix"),
+    (["--impls", "lora-kernel:foo"], "lora-kernel's plans are direct, cpp, fused, cublas, torch"),
     (["--repeats", "0"], "need repeats >= 1"),
     (["--device", "tpu"], "expected cuda, cuda:N or cpu"),
 ])
@@ -160,13 +160,16 @@ def test_kernel_bench_bad_inputs(run_cli, tmp_path, args, needle):
     assert not (tmp_path / "kernel_bench.csv").exists()
 
 
-def test_bad_kernel_mode_variable_is_a_usage_error_not_an_import_crash(run_cli, tmp_path, monkeypatch):
-    """LORA_BENCH_KERNEL_MODE is read when a run starts (importing never fails on it): a bad value
-    is one message naming the variable and the allowed plans, exit code 2."""
-    monkeypatch.setenv("LORA_BENCH_KERNEL_MODE", "fused:cpp")
-    code, out = run_cli("train", *TINY, "--trainable-layers", "lora-kernel", "--max-steps", "8",
-                        "--results-dir", str(tmp_path))
-    _assert_clean_usage_error(code, out, "LORA_BENCH_KERNEL_MODE", "'fused:cpp'", "fused, cublas, torch, streams, cpp, direct")
+def test_a_bad_or_misplaced_kernel_plan_is_a_usage_error(run_cli, tmp_path):
+    """--kernel-plan takes the plans' names (or auto), and only with lora-kernel: one message naming
+    the value and the allowed ones, exit code 2, before any row."""
+    code, out = run_cli("train", *TINY, "--trainable-layers", "lora-kernel", "--kernel-plan", "fused:cpp",
+                        "--max-steps", "8", "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "'fused:cpp'", "auto, direct, cpp, fused, cublas, torch")
+    code, out = run_cli("train", *TINY, "--trainable-layers", "lora", "--kernel-plan", "torch",
+                        "--max-steps", "8", "--results-dir", str(tmp_path))
+    _assert_clean_usage_error(code, out, "only used with", "lora-kernel")
+    assert not (tmp_path / "runs.csv").exists()
 
 
 def test_machine_inputs_checked_before_a_run_or_sweep_starts(run_cli, tmp_path):

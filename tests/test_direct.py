@@ -1,4 +1,4 @@
-"""lora-kernel's "direct" plan on the host side (lora_bench/kernels/direct.py): which arguments a
+"""lora-kernel's "direct" plan on the host side (lora_bench/kernels/plans/direct.py): which arguments a
 compiled Triton kernel keeps and their sizes, read from its signature and checked against its PTX.
 
 The real kernels are compiled for sm_90 with the installed Triton (its ptxas runs on any machine),
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_bench.kernels import available, direct
+from lora_bench.kernels import available
+from lora_bench.kernels.plans import direct
 from lora_bench.kernels.autograd import call_plan
 from lora_bench.kernels.policy import Plan, PlanPolicy, parse_plan, use_policy
 
@@ -72,11 +73,11 @@ def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
     from lora_bench.kernels import lora_triton as tk
 
     if which == "mm":
-        fn, canonical = tk._lora_mm_kernel, direct.MM_ARGS
+        fn, canonical = tk.KERNELS["mm"], direct.MM_ARGS
         consts = dict(HAS_BIAS=True, WRITE_H=True, EVEN_K=True, EVEN_R=True, PRECISION="tf32", BLOCK_M=64,
                       BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, RS=0, P_SS=0, Q_SS=0, P_SEG=0, Q_SEG=0)
     else:
-        fn, canonical = tk._lora_grad_ab_kernel, direct.AB_ARGS
+        fn, canonical = tk.KERNELS["ab"], direct.AB_ARGS
         consts = dict(PRECISION="tf32", BLOCK_M=64, BLOCK_D=32, BLOCK_R=16, ATOMIC=False, RS=0, GA_SS=0, GB_SS=0,
                       GB_SEG=0)  # (the segment constants as the direct plan compiles them: none)
     runtime = [n for n in fn.arg_names if n not in consts]

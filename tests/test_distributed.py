@@ -437,7 +437,7 @@ def test_the_scaling_table_joins_each_one_gpu_run_with_its_data_parallel_runs():
     both global batches (settings are text in runs.csv), and the speed-up is the ratio of tokens/s."""
     from benchmarks import ddp_table
 
-    results = Path(__file__).resolve().parents[1] / "results" / "ddp-2gpu-h200"
+    results = Path(__file__).resolve().parents[1] / "results" / "scaling" / "ddp-2gpu"
     if not (results / "ddp" / "runs.csv").is_file():
         pytest.skip("the committed two-GPU study is not in this checkout")
     t = ddp_table.table(results)

@@ -18,7 +18,7 @@ import torch.nn as nn
 from numerics import float64_operands, fresh, layer_operands, model_pair, rel_err, run_model
 
 from lora_bench.kernels import available, lora_cpp
-from lora_bench.kernels import direct as direct_mod
+from lora_bench.kernels.plans import direct as direct_mod
 from lora_bench.kernels.autograd import call_plan, lora_linear
 from lora_bench.kernels.policy import Plan, PlanPolicy, graph_plan, parse_plan, record_plans, use_policy
 from lora_bench.lora import LinearWithLoRA

@@ -229,26 +229,6 @@ def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, sc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_streams_plan_trains_like_the_fused_plan_inside_cuda_graphs(tiny_cfg, tmp_path, compiled):
-    """bf16 inside CUDA graphs (eager layers, or blocks compiled): lora-kernel forced to its streams
-    plan (a side stream forked and joined inside each layer call, captured as graph edges) runs it
-    (backend says so) and trains like the default plan."""
-    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
-
-    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
-                            lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
-                            cuda_graphs=True, optimizer="fused")
-    if compiled:
-        base = base.replace(compile=True, compile_scope="blocks")
-    default, row_d = _losses(base, tmp_path, "default")
-    with use_policy(PlanPolicy(forced=Plan.STREAMS)):
-        got, row_s = _losses(base, tmp_path, "streams")
-    assert row_d["backend"] == "triton" and row_s["backend"] == "cublas-streams"
-    assert _rel(got, default) < 3e-2
-
-
-@pytest.mark.gpu
 def test_grouped_qkv_trains_like_ungrouped_inside_cuda_graphs_with_fewer_kernels(tiny_cfg, tmp_path):
     """bf16 inside CUDA graphs: lora-kernel with each block's query, key and value side by side
     (the default) trains like the same run with the layers one by one, and its captured graphs
@@ -258,7 +238,7 @@ def test_grouped_qkv_trains_like_ungrouped_inside_cuda_graphs_with_fewer_kernels
                             cuda_graphs=True, optimizer="fused")
     grouped, row_g = _losses(base, tmp_path, "grouped")
     plain, row_p = _losses(base.replace(group_qkv=False), tmp_path, "plain")
-    assert row_g["backend"] == row_p["backend"] == "triton"
+    assert row_g["backend"] == row_p["backend"] == "fused"
     assert _rel(grouped, plain) < 3e-2
     blocks = 2  # the tiny model
     for phase in ("forward", "backward"):
@@ -280,7 +260,7 @@ def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path
     emb = cfg_of(base.model_size).emb_dim
     with use_policy(PlanPolicy(cpp_graph_min_weight=4 * emb * emb)):  # the MLP's two projections count as large
         got, row_c = _losses(base, tmp_path, "cublas")
-    assert row_f["backend"] == "triton" and row_c["backend"] == "cublas+triton"
+    assert row_f["backend"] == "fused" and row_c["backend"] == "cublas+fused"
     assert _rel(got, fused) < 3e-2
 
 
@@ -328,13 +308,12 @@ def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path,
 
 def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, monkeypatch):
     """The backend column is what the layers ran while the loop ran, as they noted it: eager CPU
-    layers the Python Function's torch ops; LORA_BENCH_KERNEL_MODE=cpp the C++ op; a compiled
+    layers the Python Function's torch ops; kernel_plan=cpp the C++ op; a compiled
     model the custom ops (noted when traced: the C++ op cannot be traced, so torch ops here); a
     block-scoped compile leaves the head eager, so a run whose layers differ says both."""
     import functools
 
     from lora_bench.kernels import lora_cpp
-    from lora_bench.kernels.policy import ENV_VAR
 
     cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0, max_steps=3, eval_freq=0)
     _, row = _losses(cfg, tmp_path, "eager")
@@ -343,7 +322,7 @@ def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, mon
     assert row["backend"] == ""
     if not lora_cpp.cpp_available():
         pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}")
-    monkeypatch.setenv(ENV_VAR, "cpp")
+    cfg = cfg.replace(kernel_plan="cpp")
     _, row = _losses(cfg, tmp_path, "eager-cpp")
     assert row["backend"] == "cpp"
     stored = pd.read_csv(tmp_path / "runs.csv").set_index("run_id")["backend"]

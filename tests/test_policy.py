@@ -1,22 +1,20 @@
 """lora-kernel's plan policy: ``choose`` (a pure function: every branch, no GPU), plan names, the
-LORA_BENCH_KERNEL_MODE variable, the policy context, and the log of plans that calls ran."""
+``kernel_plan`` setting's policy, the policy context, and the log of plans that calls ran. The
+rules' agreement with the committed measurements is tests/test_rules.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lora_bench.errors import UsageError
+from lora_bench.config.declaration import KERNEL_PLANS
+from lora_bench.kernels.names import AUTO, PLAN_NAMES
 from lora_bench.kernels.policy import (
     CPP_GRAPH_MIN_WEIGHT,
-    ENV_VAR,
     TRITON_MAX_RANK,
-    KernelModeError,
+    KernelPlanError,
     Plan,
     PlanLog,
     PlanPolicy,
@@ -25,7 +23,7 @@ from lora_bench.kernels.policy import (
     graph_plan,
     note,
     parse_plan,
-    policy_from_env,
+    policy_for,
     record_plans,
     use_policy,
 )
@@ -161,55 +159,39 @@ def test_forced_python_plans(plan):
     assert pick(forced(plan), device="cpu", have_triton=False) is Plan.TORCH
 
 
-def test_forced_streams_runs_wherever_there_is_cuda():
-    """The streams plan needs CUDA streams only (without Triton its adapter gradients are torch
-    GEMMs); the CPU runs torch ops."""
-    streams = forced(Plan.STREAMS)
-    assert pick(streams, have_cpp=Unasked(), have_triton=Unasked()) is Plan.STREAMS
-    assert pick(streams, capturing=True, weight_numel=LARGE) is Plan.STREAMS
-    assert pick(streams, compiling=True, weight_numel=LARGE, dtype=FP32, exact_fp32=True) is Plan.STREAMS
-    assert pick(streams, rank=TRITON_MAX_RANK + 1) is Plan.STREAMS
-    assert pick(streams, device="cpu", have_triton=True) is Plan.TORCH
-    assert pick(streams, device="cpu", have_triton=False) is Plan.TORCH
+# ------------------------------------------------------------------------- names, setting, context
 
 
-# ------------------------------------------------------------------------- names, variable, context
+def test_plan_names_are_one_list_everywhere():
+    """The setting's choices, the plans and the modules that implement them use one list of names."""
+    from lora_bench.kernels.plans import MODULES
 
-
-def test_plan_names_and_backends():
-    assert [p.value for p in Plan] == ["fused", "cublas", "torch", "streams", "cpp", "direct"]
-    assert {p.backend for p in Plan} == {"triton", "cublas", "torch", "cublas-streams", "cpp", "cpp-direct"}
-    assert [p for p in Plan if p.cpp_op] == [Plan.CPP, Plan.DIRECT]
+    assert tuple(p.value for p in Plan) == PLAN_NAMES == ("direct", "cpp", "fused", "cublas", "torch")
+    assert KERNEL_PLANS == (AUTO, *PLAN_NAMES) and set(MODULES) == set(Plan)
+    assert [p for p in Plan if p.cpp_op] == [Plan.DIRECT, Plan.CPP]
     assert parse_plan("cpp") is parse_plan(" CPP ") is Plan.CPP
-    for bad in ("", "foo", "fused:torch", "cpp:cpp", "cpp:fused"):  # no forward/backward mixes
-        with pytest.raises(KernelModeError, match="expected one of fused, cublas, torch, streams, cpp, direct"):
+    for bad in ("", "foo", "fused:torch", "cpp:cpp", "cpp:fused", "streams", "triton"):  # no mixes, no other names
+        with pytest.raises(KernelPlanError, match="expected one of direct, cpp, fused, cublas, torch"):
             parse_plan(bad)
 
 
 def test_a_policy_takes_a_plan_or_its_name():
     assert PlanPolicy(forced="cpp") == PlanPolicy(forced=Plan.CPP) and PlanPolicy(forced="cpp").forced is Plan.CPP
     assert pick(PlanPolicy(forced="fused")) is Plan.FUSED
-    with pytest.raises(KernelModeError, match="'cpp:fused'"):
+    with pytest.raises(KernelPlanError, match="'cpp:fused'"):
         PlanPolicy(forced="cpp:fused")
 
 
-def test_policy_from_env():
+def test_the_kernel_plan_setting_forces_its_plan_on_the_policy_in_force():
     base = PlanPolicy(cpp_graph_min_weight=5)
-    assert policy_from_env(base, {}) is base
-    assert policy_from_env(base, {ENV_VAR: "  "}) is base
-    assert policy_from_env(base, {ENV_VAR: "direct"}) == PlanPolicy(forced=Plan.DIRECT, cpp_graph_min_weight=5)
-    with pytest.raises(KernelModeError, match=f"{ENV_VAR}: lora-kernel plan 'fused:cpp'") as err:
-        policy_from_env(base, {ENV_VAR: "fused:cpp"})
+    assert policy_for(AUTO, base) is base
+    assert policy_for("direct", base) == PlanPolicy(forced=Plan.DIRECT, cpp_graph_min_weight=5)
+    with pytest.raises(KernelPlanError, match="lora-kernel plan 'fused:cpp'") as err:
+        policy_for("fused:cpp", base)
     assert isinstance(err.value, UsageError) and err.value.exit_code == 2 and isinstance(err.value, ValueError)
     with use_policy(base):
-        assert policy_from_env(environ={ENV_VAR: "torch"}) == dataclasses.replace(base, forced=Plan.TORCH)
-
-
-def test_a_bad_variable_does_not_break_importing_the_package():
-    code = "import lora_bench.kernels.autograd, lora_bench.lora, lora_bench.train.run; print('ok')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, **{ENV_VAR: "nonsense"}))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+        assert policy_for("torch") == dataclasses.replace(base, forced=Plan.TORCH)
+        assert policy_for(AUTO) is base
 
 
 def test_use_policy_and_graph_plan_nest_and_restore():
@@ -240,5 +222,5 @@ def test_record_plans_notes_calls_with_gradients_only():
         with record_plans(inner):
             note(Plan.CUBLAS)
     assert list(log) == [Plan.CPP, Plan.FUSED] and len(log) == 2
-    assert log.backend() == "cpp+triton" and inner.backend() == "cublas"
+    assert log.backend() == "cpp+fused" and inner.backend() == "cublas"
     assert PlanLog().backend() == ""

@@ -16,7 +16,7 @@ import torch
 from numerics import ROOT, assert_same_function, fresh, model_pair, rel_err, run_interpreted, run_model
 
 from lora_bench.kernels import available
-from lora_bench.kernels.autograd import _segment_params, stacked
+from lora_bench.kernels.segments import segment_params, stacked
 from lora_bench.kernels.policy import Plan, PlanPolicy, graph_plan, record_plans, use_policy
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.kernel import LinearWithLoRAKernel, SideBySide, group_layers, group_qkv
@@ -150,7 +150,7 @@ def test_a_model_moved_after_grouping_runs_its_layers_one_by_one():
     group_qkv(grouped)
     plain, grouped = plain.double(), grouped.double()
     att = _attention_blocks(grouped)[0]
-    assert _segment_params([att.W_query, att.W_key, att.W_value]) is None
+    assert segment_params([att.W_query, att.W_key, att.W_value]) is None
     idx = torch.randint(0, 50257, (2, 7))
     with use_policy(PlanPolicy(forced=Plan.FUSED)):
         (l0, g0), (l1, g1) = run_model(plain, idx), run_model(grouped, idx)

@@ -45,7 +45,6 @@ from lora_bench.kernels.policy import (
     PlanPolicy,
     current_policy,
     parse_plan,
-    policy_from_env,
     record_plans,
     use_policy,
 )
@@ -303,8 +302,7 @@ def run_kernel_bench(
     shapes: names, groups ('guide', '124m', '1558m') or 'BxT:IN->OUT:rR' specs; None = all groups.
     impls: subset of ``IMPLS`` (or 'lora-kernel:PLAN'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
     device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
-    forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force (with
-    the plan LORA_BENCH_KERNEL_MODE forces, if set)."""
+    forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force."""
     if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ValueError(f"device {device!r}: expected cuda, cuda:N or cpu")
     dev = torch.device(device)
@@ -313,18 +311,18 @@ def run_kernel_bench(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
     impls = impls or list(IMPLS)
-    base_policy = policy_from_env(current_policy())  # (KernelModeError is a ValueError)
+    base_policy = current_policy()
     policies = {}
     for impl in impls:
         base, _, mode = impl.partition(":")
         if base not in IMPLS:
-            raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:MODE)")
+            raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:PLAN)")
         if mode and base != "lora-kernel":
-            raise ValueError(f"impl {impl!r}: only lora-kernel takes a :MODE suffix")
+            raise ValueError(f"impl {impl!r}: only lora-kernel takes a :PLAN suffix")
         try:
             policies[impl] = _policy(impl, base_policy)
         except ValueError:
-            raise ValueError(f"impl {impl!r}: lora-kernel's modes are {', '.join(p.value for p in Plan)}") from None
+            raise ValueError(f"impl {impl!r}: lora-kernel's plans are {', '.join(p.value for p in Plan)}") from None
     dtypes = dtypes or ["fp32", "bf16"]
     for d in dtypes:
         if d not in DTYPES:

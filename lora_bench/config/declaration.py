@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lora_bench.kernels.names import AUTO, PLAN_NAMES
 from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
@@ -28,6 +29,7 @@ ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
 OPTIMIZERS = ("book", "fused")
 COMPILE_SCOPES = ("model", "blocks")
+KERNEL_PLANS = (AUTO, *PLAN_NAMES)
 # What the Hugging Face implementation (transformers' GPT-2, PEFT's LoRA) can run: the trainable-layer
 # choices it maps (PEFT trains unmerged adapters with its own layers: no merged or fused-kernel peer).
 HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
@@ -98,6 +100,9 @@ class Settings:
                          "side, so that where the Triton kernels run (CUDA graphs) the three run as one launch "
                          "forward and two backward. Same parameters and values; eager and compiled steps run "
                          "the layers one by one either way.", LORA)
+    kernel_plan: str = _s(AUTO, "lora-kernel: the plan its layers run. auto: chosen per call by lora-bench's rules "
+                          "(docs/kernel-design.md); direct, cpp, fused, cublas, torch: that plan wherever it can "
+                          "run (recorded in the backend column).", LORA, choices=KERNEL_PLANS)
     trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
                                   "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,
                                   aliases=("--token-position",))

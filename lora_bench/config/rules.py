@@ -118,6 +118,9 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
             and v["average_embeddings"]:
         out.append(problem("average_embeddings", "{trainable_token_pos}=flexible and {average_embeddings} "
                                                  "exclude each other"))
+    if ok("kernel_plan", "trainable_layers") and v["kernel_plan"] != "auto" and v["trainable_layers"] != "lora-kernel":
+        out.append(problem("kernel_plan", "{kernel_plan}={p} is only used with {trainable_layers}=lora-kernel",
+                           p=v["kernel_plan"]))
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
     if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":

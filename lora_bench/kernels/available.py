@@ -56,6 +56,11 @@ class _Probe:
             answer = self._answer = self._probe() is not None
         return answer
 
+    @property
+    def answer(self) -> bool | None:
+        """The answer if the probe has run, else None (without running it)."""
+        return self._answer
+
     def forget(self) -> None:
         self._answer = None
 

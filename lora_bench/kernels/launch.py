@@ -46,7 +46,7 @@ _PTR = torch.Tensor.data_ptr
 @contextlib.contextmanager
 def recording():
     """Collect (tag, grid, CompiledKernel or None) for every launch in the block: how
-    ``lora_bench.kernels.direct`` learns which compiled kernels a layer shape runs."""
+    ``lora_bench.kernels.plans.direct`` learns which compiled kernels a layer shape runs."""
     global RECORD
     prev, RECORD = RECORD, []
     try:

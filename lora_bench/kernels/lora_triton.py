@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.launch import launch
-from lora_bench.kernels.policy import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
+from lora_bench.kernels.call import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
 # forgets to write shows up instead of hiding behind whatever memory held before.
@@ -221,6 +221,10 @@ def _lora_grad_ab_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
+# the two kernels by the name the direct plan's launch records use (their ABI: plans.direct)
+KERNELS = {"mm": _lora_mm_kernel, "ab": _lora_grad_ab_kernel}
+
+
 def _sm_count(device: torch.device) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
@@ -277,7 +281,7 @@ def pick_mm_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
     return best
 
 
-_AB_PICKED: dict[tuple, ABConfig] = {}
+AB_PICKED: dict[tuple, ABConfig] = {}  # the config each lora_grad_ab launch shape took (kept, and read by tests)
 _AB_PROGRAMS_PER_SM = 3  # split target: 2-4 programs per SM hide each one's short serial loop
 
 
@@ -435,7 +439,7 @@ def lora_grad_ab(
     ga_shape, gb_shape = ((K, R), (R, N)) if S == 1 else ((S, K, R // S), (S, R // S, N // S))
     if config is None:
         key = (M, K, N, do_a, do_b)
-        c = _AB_PICKED.get(key) or _AB_PICKED.setdefault(key, pick_ab_config(M, K, N, x.device, do_a=do_a,
+        c = AB_PICKED.get(key) or AB_PICKED.setdefault(key, pick_ab_config(M, K, N, x.device, do_a=do_a,
                                                                                do_b=do_b))
     else:
         c = config

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lora_bench.kernels.autograd import lora_linear, lora_linear_segments, parameter_kinds
+from lora_bench.kernels.autograd import lora_linear
+from lora_bench.kernels.segments import lora_linear_segments, parameter_kinds
 from lora_bench.lora.layer import LoRALinearBase
 
 

@@ -132,12 +132,25 @@ def read_runs(path) -> pd.DataFrame:
     return runs_frame(df)
 
 
+# The backend column of runs recorded when three plans had other names there: read as the plans' names.
+RENAMED_BACKENDS = {"triton": "fused", "cpp-direct": "direct", "cublas-streams": "streams"}
+
+
 def runs_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows as text (runs.csv's cells) -> the schema's dtypes."""
+    """Rows as text (runs.csv's cells) -> the schema's dtypes, backend names as the plans'."""
     for name, col in column_index().items():
         if name in df.columns:
             df[name] = _convert(df[name], col.dtype)
+    if "backend" in df.columns:
+        df["backend"] = df["backend"].map(plan_names)
     return df
+
+
+def plan_names(backend: str) -> str:
+    """A backend cell ('cpp+triton') with every plan under its name ('cpp+fused')."""
+    if not isinstance(backend, str) or not backend:
+        return backend
+    return "+".join(sorted(RENAMED_BACKENDS.get(p, p) for p in backend.split("+")))
 
 
 def _convert(s: pd.Series, dtype: str) -> pd.Series:

@@ -12,7 +12,7 @@ from lora_bench.classifier.book import build_classifier, cast_frozen, model_conf
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
-from lora_bench.kernels.policy import PlanLog, current_policy, policy_from_env
+from lora_bench.kernels.policy import PlanLog, policy_for
 from lora_bench.lora.kernel import group_qkv
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf
@@ -40,9 +40,9 @@ class RunContext:
 
     # ------------------------------------------------------------------ the steps, in order
     def _setup_device(self) -> None:
-        # lora-kernel: the plan policy of this run (LORA_BENCH_KERNEL_MODE may force a plan), and
+        # lora-kernel: the plan policy of this run (its kernel_plan setting may force a plan), and
         # the plans its layers run, noted while the loop runs
-        self.kernel_policy = policy_from_env(current_policy())
+        self.kernel_policy = policy_for(self.cfg.kernel_plan)
         self.kernel_plans = PlanLog()
         self.device = self.dp.device if self.dp is not None else resolve_device(self.cfg.device)
         set_precision(self.cfg)

@@ -1,4 +1,4 @@
-"""The "direct" plan of lora-kernel: the C++ op launches the project's Triton kernels itself.
+"""The ``direct`` plan: the C++ op launches the project's Triton kernels itself.
 
 Why: an eager LoRA layer at GPT-2 sizes is host-bound (docs/kernel-design.md). The C++ op's
 "cpp" plan runs three ATen GEMMs forward and five backward, each a dispatcher call with cuBLAS's
@@ -29,7 +29,10 @@ import warnings
 
 import torch
 
-from lora_bench.kernels.policy import DTYPES_16, TRITON_MAX_RANK
+from lora_bench.kernels import available
+from lora_bench.kernels.call import DTYPES_16, TRITON_MAX_RANK, Call, Plan
+
+FALLBACK = Plan.CPP  # a shape or dtype it cannot launch runs the C++ op's ATen GEMMs
 
 # Canonical runtime arguments of each kernel, in the @triton.jit signature's order: "p" pointer,
 # "i" 32-bit integer, "f" fp32 (the C++ op fills them in this order: lora_op.cpp, struct Args).
@@ -142,6 +145,21 @@ def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtyp
     return int(lora_cpp.module().register_plan(spec))
 
 
+def runs(call: Call) -> bool:
+    return (call.cuda and not call.compiling and (call.dtype is torch.bfloat16 or call.dtype is torch.float16)
+            and call.rank <= TRITON_MAX_RANK and bool(call.have_cpp) and bool(call.have_triton))
+
+
+def layer(x, weight, bias, A, B, scale: float):
+    """The layer through the C++ op's direct launches, or None when this shape could not be
+    registered (the caller then runs the ``cpp`` plan)."""
+    pid = plan_for(x, weight, bias, A, B)
+    if pid < 0:
+        return None
+    return available.cpp_op().lora_linear(x, weight, bias, A, B, float(scale), pid,
+                                          torch._C._cuda_getCurrentRawStream(x.get_device()))
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a CUDA layer call computes in: autocast's when it is on, else the input's."""
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
@@ -189,5 +207,5 @@ def _build_or_warn(key) -> int:
         return -1
 
 
-__all__ = ["AB_ARGS", "MM_ARGS", "Unsupported", "build", "compute_dtype", "launch_spec", "param_sources",
-           "plan_for", "plan_key", "ptx_param_sizes", "registered"]
+__all__ = ["AB_ARGS", "FALLBACK", "MM_ARGS", "Unsupported", "build", "compute_dtype", "launch_spec", "layer",
+           "param_sources", "plan_for", "plan_key", "ptx_param_sizes", "registered", "runs"]

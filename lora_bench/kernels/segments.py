@@ -1,0 +1,142 @@
+"""A block's query, key and value layers side by side: one fused launch forward and two backward.
+
+The three layers share their input. Stored side by side (each parameter a view of one buffer,
+``lora_bench.lora.kernel.group_layers``) they run as one where the fused plan runs: one input cast
+and one cast of each adapter instead of three, one grad_x instead of three summed. Elsewhere
+(eager CUDA, the CPU, torch.compile, a plan other than fused) each layer runs on its own, as
+ungrouped (:func:`lora_bench.kernels.autograd.lora_linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_bench.kernels import available
+from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
+from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
+from lora_bench.kernels.policy import note
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one (S, *shape) view when they lie back to back in one buffer (same shape,
+    dtype, contiguous, each starting where the previous ends), else None."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    span = first.numel() * first.element_size()
+    ptr = first.data_ptr()
+    for i, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype is not first.dtype or not t.is_contiguous()
+                or t.data_ptr() != ptr + i * span or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+    return first.detach().as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+
+
+class LoRASegmentsFunction(torch.autograd.Function):
+    """S LoRA layers with one input x (..., k), run by the fused segment kernels: returns
+    y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x and the scale: the S
+    weights, the S biases (``has_bias``), the S A's and the S B's — passed one by one so that
+    autograd hands each its own gradient; the kernels read them through their stacked views
+    (``stacked``: the caller checked that they lie back to back). The weights and biases are frozen.
+
+    Autocast as in ``LoRAKernelFunction``: operands cast once to autocast's dtype (one cast per
+    stacked buffer, not per layer), the math with autocast off."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, scale, segments, has_bias, *params):
+        S = segments
+        ws, bs = params[:S], (params[S:2 * S] if has_bias else None)
+        As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
+        n, k = ws[0].shape
+        w3, a3, b3 = stacked(list(ws)).view(S * n, k), stacked(list(As)), stacked(list(Bs))
+        bias3 = stacked(list(bs)).view(S * n) if has_bias else None
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        s = float(scale)
+        dev = "cuda" if x.is_cuda else x.device.type
+        kern = available.triton_kernels()
+        if torch.is_autocast_enabled(dev) and x.is_floating_point():
+            cdt = torch.get_autocast_dtype(dev)
+            with torch.autocast(dev, enabled=False):
+                x2, w3, bias3, a3, b3 = (cast(t, cdt) for t in (x2, w3, bias3, a3, b3))
+                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s)
+        else:
+            for p in params:
+                if p.dtype is not x.dtype:
+                    raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
+            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s)
+        ctx.save_for_backward(x2, h, w3, a3, b3)
+        ctx.scale, ctx.segments, ctx.has_bias, ctx.dev = s, S, has_bias, dev
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.ab_dtypes = (As[0].dtype, Bs[0].dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], S * n)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return outside_autocast(LoRASegmentsFunction._backward, ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        x2, h, w3, a3, b3 = ctx.saved_tensors
+        s, S = ctx.scale, ctx.segments
+        kern = available.triton_kernels()
+        a_dt, b_dt = ctx.ab_dtypes
+        g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, w3.shape[0])
+        g = cast(g.contiguous(), x2.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            gx, u = kern.lora_bwd_x_segments(g, w3, a3, b3, s)
+            x_shape, x_dt = ctx.x_meta
+            grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
+        else:  # the input needs no gradient: u alone, each layer's g·Bᵀ
+            n = b3.shape[2]
+            u = torch.cat([g[:, i * n:(i + 1) * n] @ b3[i].t() for i in range(S)], 1)
+        ga, gb = kern.lora_grad_ab(x2, u, h, g, scale=s, grad_dtype=a_dt, segments=S)
+        gb = cast(gb, b_dt)
+        frozen = (None,) * (S * (2 if ctx.has_bias else 1))
+        return (grad_x, None, None, None, *frozen, *ga.unbind(0), *gb.unbind(0))
+
+
+def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
+    """Outputs of the lora-kernel layers ``layers`` (each with ``.linear`` and ``.lora``) on one
+    input x: one fused call where the fused plan runs and the layers lie side by side (same
+    shapes, alpha, frozen bases, parameters back to back: ``group_layers``), else one call each."""
+    first = layers[0]
+    S = len(layers)
+    if not torch.compiler.is_compiling() and S > 1:
+        w, a = first.linear.weight, first.lora.A
+        rank = a.shape[1]
+        if S * rank <= TRITON_MAX_RANK and plan_for_size(x, S * w.numel(), S * rank) is Plan.FUSED:
+            params = segment_params(layers)
+            if params is not None:
+                note(Plan.FUSED)
+                y = LoRASegmentsFunction.apply(x, first.lora.alpha, S, first.linear.bias is not None, *params)
+                return y.split(w.shape[0], dim=-1)
+    return tuple(lora_linear(x, m.linear.weight, m.linear.bias, m.lora.A, m.lora.B, m.lora.alpha) for m in layers)
+
+
+def parameter_kinds(layers) -> list[list[torch.Tensor]] | None:
+    """[weights, biases (left out when none has one), A's, B's] of lora-kernel layers that could
+    run as one: frozen bases, one alpha, biases on all or none; else None."""
+    kinds = [[m.linear.weight for m in layers], [m.linear.bias for m in layers],
+             [m.lora.A for m in layers], [m.lora.B for m in layers]]
+    if any(b is None for b in kinds[1]):
+        if not all(b is None for b in kinds[1]):
+            return None
+        kinds.pop(1)
+    bases = (*kinds[0], *(kinds[1] if len(kinds) == 4 else ()))
+    if any(t.requires_grad for t in bases) or len({m.lora.alpha for m in layers}) != 1:
+        return None  # a trainable base: its gradient is not computed by the segment kernels
+    return kinds
+
+
+def segment_params(layers) -> list[torch.Tensor] | None:
+    """The parameters of layers that can run fused now (``parameter_kinds``, each kind back to
+    back in one buffer), flat in LoRASegmentsFunction's order; else None."""
+    kinds = parameter_kinds(layers)
+    if kinds is None or any(stacked(k) is None for k in kinds):
+        return None
+    return [t for k in kinds for t in k]
+
+
+__all__ = ["LoRASegmentsFunction", "lora_linear_segments", "parameter_kinds", "segment_params", "stacked"]
