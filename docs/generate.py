@@ -50,8 +50,8 @@ def _table(header: list[str], rows: list[list], *, align: str | None = None) -> 
     return "\n".join([_row(header), f"|{align}|", *(_row(r) for r in rows)]) + "\n"
 
 
-# -- the all-vs-LoRA study (results/all-vs-lora) --------------------------------------------------
-STUDY = "all-vs-lora"
+# -- the all-vs-LoRA study (results/answer/tokens-per-step) --------------------------------------------------
+STUDY = "answer/tokens-per-step"
 SIZES = ("124M", "355M", "774M", "1558M")
 
 
@@ -107,9 +107,9 @@ def table_study_phases() -> str:
                    "forward bound", "backward bound"], rows, align="---|---:|---:|---:|---:|---|---")
 
 
-# -- where a 124M step goes (results/phase-timing-h200, results/kernel-counts-124m-h200) ----------
+# -- where a 124M step goes (results/method/phase-timing, results/method/kernel-counts-124m) -----
 def table_phases_124m() -> str:
-    df = runs("phase-timing-h200").set_index("run_id")
+    df = runs("method/phase-timing").set_index("run_id")
     rows = []
     for layers in ("all", "lora"):
         reps = [df.loc[f"{layers}-events-r{i}"] for i in range(3)]
@@ -117,7 +117,7 @@ def table_phases_124m() -> str:
         def med(col: str) -> float:
             return statistics.median(float(r[col]) for r in reps)
 
-        kernels = pd.read_csv(RESULTS / "kernel-counts-124m-h200" / f"prof-{layers}" / "kernels_by_phase.csv")
+        kernels = pd.read_csv(RESULTS / "method" / "kernel-counts-124m" / f"prof-{layers}" / "kernels_by_phase.csv")
         k = kernels.set_index("phase")
         launches = " / ".join(f"{k.loc[p, 'launches_per_step']:,.0f}" for p in ("forward", "backward", "optimizer"))
         rows.append([layers if layers == "all" else "lora r16",
@@ -131,7 +131,7 @@ def table_phases_124m() -> str:
 
 def table_profilers() -> str:
     """What each way of measuring does to the 124M step it measures."""
-    df = runs("phase-timing-h200").set_index("run_id")
+    df = runs("method/phase-timing").set_index("run_id")
     rows = []
     for run, what in (("events-r0", "CUDA events at phase boundaries (default)"),
                       ("sync", "synchronise at every boundary (`--timing sync`)"),
@@ -141,15 +141,15 @@ def table_profilers() -> str:
     return _table(["124M, eager fp32, measured by", "all: step ms", "lora: step ms"], rows)
 
 
-# -- execution modes (results/modes-*, results/plans-eager-bf16-h200) -----------------------------
+# -- execution modes (results/method/modes/*, results/kernel/plans-eager-bf16) ------------------
 MODES_124M = [
-    ("modes-eager-vs-graphs-h200", "124M-eager-fp32-{}", "eager fp32 (reference)"),
-    ("modes-eager-vs-graphs-h200", "124M-graphs-fp32-{}", "CUDA graphs, fp32"),
-    ("modes-eager-vs-graphs-h200", "124M-eager-bf16-fused-{}", "eager, bf16 + SDPA + fused ops"),
-    ("plans-eager-bf16-h200", "124M-eager-bf16-fused-{}", "the same, lora-kernel launching its kernels from C++"),
-    ("modes-fused-adamw-compile-h200", "124M-graphs-bf16-fused-{}", "CUDA graphs, bf16 + SDPA + fused ops"),
-    ("modes-fused-adamw-compile-h200", "124M-graphs-bf16-fused-fopt-{}", "… + fused AdamW"),
-    ("modes-block-compile-h200", "124M-bcompile-graphs-bf16-fused-fopt-{}", "… + each block compiled"),
+    ("method/modes/eager-vs-graphs", "124M-eager-fp32-{}", "eager fp32 (reference)"),
+    ("method/modes/eager-vs-graphs", "124M-graphs-fp32-{}", "CUDA graphs, fp32"),
+    ("method/modes/eager-vs-graphs", "124M-eager-bf16-fused-{}", "eager, bf16 + SDPA + fused ops"),
+    ("kernel/plans-eager-bf16", "124M-eager-bf16-fused-{}", "the same, lora-kernel launching its kernels from C++"),
+    ("method/modes/fused-adamw-compile", "124M-graphs-bf16-fused-{}", "CUDA graphs, bf16 + SDPA + fused ops"),
+    ("method/modes/fused-adamw-compile", "124M-graphs-bf16-fused-fopt-{}", "… + fused AdamW"),
+    ("method/modes/block-compile", "124M-bcompile-graphs-bf16-fused-fopt-{}", "… + each block compiled"),
 ]
 
 
@@ -170,7 +170,7 @@ def table_modes_124m() -> str:
 
 
 def table_block_compile() -> str:
-    df = runs("modes-block-compile-h200").set_index("run_id")
+    df = runs("method/modes/block-compile").set_index("run_id")
     rows = []
     for size in ("124M", "1558M"):
         r = {x: df.loc[f"{size}-bcompile-graphs-bf16-fused-fopt-{x}"] for x in LAYERS}
@@ -184,17 +184,17 @@ def table_block_compile() -> str:
 
 # -- whole runs: wall time and accuracy -------------------------------------------------------------
 WHOLE = [
-    ("row10-h200", "row10-124M-all-random", "eager fp32 (book mode)"),
-    ("wall-124m-fastest-and-book-h200", "124M-lora-eager-fp32-5ep", "eager fp32 (book mode)"),
-    ("wall-124m-fastest-and-book-h200", "124M-lora-kernel-eager-fp32-5ep", "eager fp32 (book mode)"),
-    ("whole-eager-bf16-h200", "124M-lora-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
-    ("whole-eager-bf16-h200", "124M-lora-kernel-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
-    ("wall-124m-fastest-and-book-h200", "124M-all-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
-    ("wall-124m-fastest-and-book-h200", "124M-lora-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
-    ("wall-124m-fastest-and-book-h200", "124M-lora-kernel-graphs-bf16-fused-fopt-5ep",
+    ("answer/whole-runs/row10", "row10-124M-all-random", "eager fp32 (book mode)"),
+    ("answer/whole-runs/124m-5-epochs", "124M-lora-eager-fp32-5ep", "eager fp32 (book mode)"),
+    ("answer/whole-runs/124m-5-epochs", "124M-lora-kernel-eager-fp32-5ep", "eager fp32 (book mode)"),
+    ("answer/whole-runs/eager-bf16", "124M-lora-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
+    ("answer/whole-runs/eager-bf16", "124M-lora-kernel-eager-bf16-5ep", "eager bf16 + SDPA + fused ops"),
+    ("answer/whole-runs/124m-5-epochs", "124M-all-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
+    ("answer/whole-runs/124m-5-epochs", "124M-lora-graphs-bf16-fused-fopt-5ep", "graphs + bf16 + fused ops + fused AdamW"),
+    ("answer/whole-runs/124m-5-epochs", "124M-lora-kernel-graphs-bf16-fused-fopt-5ep",
      "graphs + bf16 + fused ops + fused AdamW"),
-    ("whole-1558m-h200", "1558M-lora-eager-fp32-2ep", "eager fp32 (book mode)"),
-    ("whole-1558m-h200", "1558M-lora-kernel-eager-fp32-2ep", "eager fp32 (book mode)"),
+    ("answer/whole-runs/1558m", "1558M-lora-eager-fp32-2ep", "eager fp32 (book mode)"),
+    ("answer/whole-runs/1558m", "1558M-lora-kernel-eager-fp32-2ep", "eager fp32 (book mode)"),
 ]
 
 
@@ -230,7 +230,7 @@ def _kernel_name(raw: str) -> str:
 
 def table_profile_1558m() -> str:
     """Kernel time per step of a 1558M lora-kernel step (eager bf16), grouped by what the kernels do."""
-    folder = RESULTS / "profile-1558m-h200" / "1558M-eager-bf16-fused-lora-kernel"
+    folder = RESULTS / "method" / "profile-1558m" / "1558M-eager-bf16-fused-lora-kernel"
     top = pd.read_csv(folder / "top_kernels.csv")
     top["what"] = top["kernel"].map(_kernel_name)
     phases = pd.read_csv(folder / "kernels_by_phase.csv").set_index("phase")
@@ -247,19 +247,19 @@ def table_profile_1558m() -> str:
 
 def table_timer_overhead() -> str:
     """The summary lines of the committed timer-overhead log, verbatim."""
-    log = (RESULTS / "phase-timing-h200-pinned-omp1" / "overhead.log").read_text().splitlines()
+    log = (RESULTS / "method" / "phase-timing" / "pinned-omp1" / "overhead.log").read_text().splitlines()
     lines = [line for line in log if line.startswith(("timer overhead", "timer cost"))]
     return "```\n" + "\n".join(lines) + "\n```\n"
 
 
-# -- the peer rows (results/peers) ------------------------------------------------------------------
+# -- the peer rows (results/answer/peers) ------------------------------------------------------------------
 PEER_MODES = (("eager-fp32", "eager fp32"), ("eager-bf16-fused", "eager bf16 + SDPA + fused ops"),
               ("best", "best mode"))
 
 
 def table_peers() -> str:
     """Median step ms of book and hf rows per size and mode, and LoRA over all within each implementation."""
-    df = runs("peers")
+    df = runs("answer/peers")
     df = df[df["status"] == "done"]
     step = {(r.sweep_label, r.model_size, r.cfg_implementation, r.trainable_layers): r.step_ms_median
             for r in df.itertuples()}
@@ -275,13 +275,13 @@ def table_peers() -> str:
                    "PEFT lora", "lora ÷ all (book)", "lora ÷ all (PEFT)", "lora-kernel ÷ PEFT lora"], rows)
 
 
-# -- data parallelism on two GPUs (results/ddp-2gpu-h200) -------------------------------------------
+# -- data parallelism on two GPUs (results/scaling/ddp-2gpu) ----------------------------------------
 def table_ddp() -> str:
     """Tokens/s on one GPU (the median of the one-worker sweep's repeats) and under DDP on two, with
     the all-reduce time (eager only: inside a captured step it is not timed apart)."""
     from benchmarks.ddp_table import table, walls
 
-    t = table(RESULTS / "ddp-2gpu-h200")
+    t = table(RESULTS / "scaling" / "ddp-2gpu")
     rows = []
     for graphs, mode in (("False", "eager fp32"), ("True", "CUDA graphs + bf16 + fused")):
         for size in ("1558M", "124M"):
@@ -294,7 +294,7 @@ def table_ddp() -> str:
                         else "in the graph")
                 rows.append([f"{size} {layers}, {mode}", f"{float(r.one_gpu_tok_s):,.0f}", f"{r.b16_tok_s:,.0f}",
                              f"**{r.b16_x:.2f}×**", comm, f"{r.b8_tok_s:,.0f}", f"{r.b8_x:.2f}×"])
-    w = walls(RESULTS / "ddp-2gpu-h200")
+    w = walls(RESULTS / "scaling" / "ddp-2gpu")
     one, two = w["sweep-1-worker"], w["sweep-2-workers"]
     return (_table(["tokens/s, one H200 vs two (DDP, NCCL)", "1 GPU, batch 8", "2 GPUs, 8 per GPU", "speed-up",
                     "all-reduce / not hidden, ms per step", "2 GPUs, global batch 8", "speed-up"], rows)
@@ -302,7 +302,7 @@ def table_ddp() -> str:
               f"(one per GPU): {two / one:.3f}× the one-GPU wall time.\n")
 
 
-# -- one layer's candidate plans under CUDA-graph replay (results/lora-graph-candidates-h200) -------
+# -- one layer's candidate plans under CUDA-graph replay (results/kernel/graph-candidates) ----------
 CANDIDATE_SHAPES = ("960:768->768:r16", "960:768->3072:r16", "960:3072->768:r16",
                     "960:1600->1600:r16", "960:1600->6400:r16", "960:6400->1600:r16")
 
@@ -328,7 +328,7 @@ def _frozen_us(df: pd.DataFrame, dtype: str, label: str) -> list:
 
 def table_graph_candidates() -> str:
     """bf16 device time of forward+backward replayed from a CUDA graph, × the frozen layer, and kernels."""
-    df = pd.read_csv(RESULTS / "lora-graph-candidates-h200" / "graph_candidates.csv")
+    df = pd.read_csv(RESULTS / "kernel" / "graph-candidates" / "graph_candidates.csv")
     rows = _candidate_rows(df, "bf16") + [_frozen_us(df, "bf16", "frozen µs")]
     names = [sh.split(":")[1].replace("->", "→") for sh in CANDIDATE_SHAPES]
     return _table(["bf16, × frozen (graph replay)", "kernels fwd + bwd", *names], rows)
@@ -337,7 +337,7 @@ def table_graph_candidates() -> str:
 def table_graph_candidates_hopper() -> str:
     """The TMA kernels and the streams plan (their own run, with the reference candidates re-measured
     beside them), bf16; and the streams plan in exact fp32."""
-    folder = RESULTS / "lora-graph-candidates-h200"
+    folder = RESULTS / "kernel" / "graph-candidates"
     bf16 = pd.read_csv(folder / "hopper-and-streams" / "graph_candidates.csv")
     fp32 = pd.read_csv(folder / "streams-fp32" / "graph_candidates.csv")
     rows = _candidate_rows(bf16, "bf16") + [_frozen_us(bf16, "bf16", "frozen µs")]
@@ -349,7 +349,7 @@ def table_graph_candidates_hopper() -> str:
 
 def table_step_kernels() -> str:
     """Best-mode steps: median step, kernels per captured graph, microseconds per kernel, capture."""
-    df = pd.read_csv(RESULTS / "graph-kernels-h200" / "runs.csv")
+    df = pd.read_csv(RESULTS / "kernel" / "graph-kernels" / "runs.csv")
     rows = []
     for _, r in df.iterrows():
         kernels = int(r.graph_kernels_forward + r.graph_kernels_backward + r.graph_kernels_optimizer)
@@ -362,7 +362,7 @@ def table_step_kernels() -> str:
 
 def table_five_epochs() -> str:
     """124M, 5 epochs in CUDA graphs: where a whole run's time goes."""
-    df = pd.read_csv(RESULTS / "graph-kernels-h200" / "five-epochs" / "runs.csv")
+    df = pd.read_csv(RESULTS / "kernel" / "graph-kernels" / "five-epochs" / "runs.csv")
     rows = []
     for _, r in df.iterrows():
         steps_s = r.steps * r.step_ms_median / 1000
@@ -375,21 +375,18 @@ def table_five_epochs() -> str:
 
 
 def table_qkv_group() -> str:
-    """lora-kernel with query/key/value side by side against one by one, A-B-A(-B) in one call each,
-    and the reverted layer-by-layer kernels."""
+    """lora-kernel with query/key/value side by side against one by one, A-B-A-B in one call."""
     rows = []
-    for folder, label in (("qkv-group-h200", "block-diagonal reads (kept)"),
-                          ("qkv-group-h200/layer-by-layer", "layer by layer (reverted)")):
-        df = pd.read_csv(RESULTS / folder / "runs.csv")
-        for size in ("124M", "1558M"):
-            part = df[df.model_size == size]
-            one = part[~part.cfg_group_qkv.astype(bool)]
-            grp = part[part.cfg_group_qkv.astype(bool)]
-            fmt = lambda d: " / ".join(f"{v:.2f}" for v in d.step_ms_median)  # noqa: E731
-            spread = lambda d: " / ".join(f"{a:.2f}–{b:.2f}" for a, b in zip(d.step_ms_p10, d.step_ms_p90))  # noqa: E731
-            k = lambda d: f"{int(d.graph_kernels_forward.iloc[0])} / {int(d.graph_kernels_backward.iloc[0])}"  # noqa: E731
-            rows.append([f"{size}, {label}", fmt(one), fmt(grp), spread(grp), k(one), k(grp),
-                         f"{grp.step_ms_median.median() / one.step_ms_median.median():.3f}"])
+    df = pd.read_csv(RESULTS / "kernel" / "qkv-group" / "runs.csv")
+    for size in ("124M", "1558M"):
+        part = df[df.model_size == size]
+        one = part[~part.cfg_group_qkv.astype(bool)]
+        grp = part[part.cfg_group_qkv.astype(bool)]
+        fmt = lambda d: " / ".join(f"{v:.2f}" for v in d.step_ms_median)  # noqa: E731
+        spread = lambda d: " / ".join(f"{a:.2f}–{b:.2f}" for a, b in zip(d.step_ms_p10, d.step_ms_p90))  # noqa: E731
+        k = lambda d: f"{int(d.graph_kernels_forward.iloc[0])} / {int(d.graph_kernels_backward.iloc[0])}"  # noqa: E731
+        rows.append([size, fmt(one), fmt(grp), spread(grp), k(one), k(grp),
+                     f"{grp.step_ms_median.median() / one.step_ms_median.median():.3f}"])
     return _table(["lora-kernel, CUDA graphs + bf16 + fused, one H200", "one by one, step ms", "grouped, step ms",
                    "grouped p10–p90", "kernels fwd / bwd, one by one", "kernels fwd / bwd, grouped",
                    "grouped / one by one"], rows)
@@ -397,7 +394,7 @@ def table_qkv_group() -> str:
 
 def table_first_use() -> str:
     """A 124M 5-epoch run's one-time costs with cold and warm caches."""
-    df = pd.read_csv(RESULTS / "first-use-h200" / "runs.csv")
+    df = pd.read_csv(RESULTS / "kernel" / "first-use" / "runs.csv")
     rows = []
     for _, r in df.iterrows():
         steps_s = r.steps * r.step_ms_median / 1000
@@ -409,8 +406,18 @@ def table_first_use() -> str:
                    "evaluation s", "warm-up + capture s", "rest s", "val / test %"], rows)
 
 
+def table_plan_rules() -> str:
+    """lora-kernel's rule table (lora_bench.kernels.rules), first match wins."""
+    from lora_bench.kernels.rules import RULES
+
+    rows = [[str(i), r.name, f"`{r.plan.value}`", r.evidence, f"`{r.source}`" if r.source else ""]
+            for i, r in enumerate(RULES, 1)]
+    return _table(["", "calls", "plan", "measured", "where"], rows, align="---:|---|---|---|---")
+
+
 TABLES = {
     "answer": table_answer,
+    "plan-rules": table_plan_rules,
     "study-eager": table_study_eager,
     "study-graphs": table_study_graphs,
     "study-phases": table_study_phases,
