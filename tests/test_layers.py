@@ -153,3 +153,23 @@ def test_the_checker_sees_an_upward_and_a_sibling_import(edge, monkeypatch):
     monkeypatch.setitem(globals(), "_graph", with_edge)
     with pytest.raises(AssertionError, match="against the layer order"):
         test_imports_only_go_down_the_layers()
+
+
+def test_the_package_imports_no_bench_or_experiment_code():
+    """What a benchmark script or an experiment needs lives outside the package: no module of
+    lora_bench imports ``benchmarks`` or ``experiments`` (top-level folders beside it)."""
+    wrong = []
+    mods = _modules()
+    for mod, path in mods.items():
+        for name, line, _ in _imports(path, mod, mods):
+            if name.split(".")[0] in ("benchmarks", "experiments"):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_bench_and_experiment_check_sees_such_an_import(monkeypatch):
+    real = _imports
+    monkeypatch.setitem(globals(), "_imports", lambda path, module, mods: [*real(path, module, mods),
+                                                                          ("experiments.tma", 1, False)])
+    with pytest.raises(AssertionError, match="imports experiments.tma"):
+        test_the_package_imports_no_bench_or_experiment_code()

@@ -124,6 +124,11 @@ def test_torch_profile_trace_and_phase_summary(tiny_cfg, tmp_path):
     assert fwd > 10  # a tiny GPT-2 forward is dozens of ops
     top = pd.read_csv(tmp_path / "tp" / "top_kernels.csv")
     assert len(top) > 5
+    # profile=kernels: the same summaries, no trace file
+    _run(tiny_cfg.replace(profile="kernels", max_steps=8, warmup_steps=2, eval_freq=0), tmp_path, "tk")
+    assert not (tmp_path / "tk" / "trace.json.gz").exists()
+    k2 = pd.read_csv(tmp_path / "tk" / "kernels_by_phase.csv").set_index("phase")
+    assert {"forward", "backward", "optimizer"} <= set(k2.index) and k2.loc["forward", "launches_per_step"] > 10
 
 
 def test_show_prints_phase_table(tiny_cfg, tmp_path, run_cli):

@@ -23,7 +23,7 @@ TOKEN_POSITIONS = ("last", "first", "flexible")
 CONTEXT_LENGTHS = ("longest_training_example", "model_context_length")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 TIMING = ("events", "sync", "off")
-PROFILES = ("none", "line", "torch")
+PROFILES = ("none", "line", "torch", "kernels")
 PRECISIONS = ("fp32", "tf32", "bf16")
 ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
@@ -152,7 +152,9 @@ class Settings:
     timing: str = _s("events", "Phase timing: events (CUDA events), sync (synchronises after each phase, which "
                      "perturbs the step), off.", MEASUREMENT, choices=TIMING)
     warmup_steps: int = _s(5, "Steps left out of the timing summaries.", MEASUREMENT, minimum=0)
-    profile: str = _s("none", "line: line_profiler over the step; torch: a torch.profiler trace.", MEASUREMENT,
+    profile: str = _s("none", "line: line_profiler over the step; torch: a torch.profiler trace and its kernel "
+                      "summaries per phase; kernels: the summaries only (no trace file). A profiled run's "
+                      "step times are perturbed: profile a repeat of its own.", MEASUREMENT,
                       choices=PROFILES)
     # inputs
     data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (skips the download).", DATA, path=True)

@@ -4,7 +4,8 @@
 the method of the reference's own profile of its 124M runs, kept so its host-attributed per-line times can be set
 against the device phase times. ``torch``: torch.profiler over a window of steps after warm-up;
 saves a gzipped Chrome/Perfetto trace and a per-phase kernel summary (launches per step, device time,
-top kernels) as CSV."""
+top kernels) as CSV. ``kernels``: the same profile, the summaries only (a trace of a 1558M window
+is tens of MB)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ class Profiler:
         self.recorded_steps = 0
 
     @property
+    def torch_profile(self) -> bool:
+        return self.mode in ("torch", "kernels")
+
+    @property
     def labels_phases(self) -> bool:
-        return self.mode == "torch"
+        return self.torch_profile
 
     # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable, *args, **kw):
@@ -49,7 +54,7 @@ class Profiler:
         return fn(*args, **kw)
 
     def chain(self, on_step: Callable) -> Callable:
-        if self.mode != "torch":
+        if not self.torch_profile:
             return on_step
 
         def hook(step: int, epoch: int, loss) -> None:
@@ -93,13 +98,14 @@ class Profiler:
             console.print(f"line_profiler report: {self.run_dir / 'line_profile.txt'}")
         if self._prof is not None:
             self._end()
-            trace = self.run_dir / "trace.json.gz"  # ~50 MB uncompressed for 10 steps of 124M
-            self._prof.export_chrome_trace(str(trace))
+            if self.mode == "torch":
+                trace = self.run_dir / "trace.json.gz"  # ~50 MB uncompressed for 10 steps of 124M
+                self._prof.export_chrome_trace(str(trace))
+                console.print(f"torch.profiler trace (open in ui.perfetto.dev): {trace}")
             rows, top = kernel_summary(self._prof, steps=max(self.recorded_steps, 1),
                                        cuda=self.device.type == "cuda")
             write_csv(self.run_dir / "kernels_by_phase.csv", rows, list(rows[0]) if rows else ["phase"])
             write_csv(self.run_dir / "top_kernels.csv", top, list(top[0]) if top else ["phase"])
-            console.print(f"torch.profiler trace (open in ui.perfetto.dev): {trace}")
 
 
 def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[dict]]:
