@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from lora_bench.kernels.call import Call, Plan
 
-KERNEL_BENCH = "results/kernel/kernel-bench/plans.csv"  # every plan of one layer, eager and replayed
+KERNEL_BENCH = "results/kernel/kernel-bench/plans/kernel_bench.csv"  # every plan of one layer, eager and replayed
 
 
 @dataclass(frozen=True)
