@@ -36,6 +36,7 @@ Bit-exact assertions stay where the two sides run the same operations on the sam
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import subprocess
@@ -182,6 +183,15 @@ def model_pair(device: str, dtype: torch.dtype, classes=(LinearWithLoRA, LinearW
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
     return [m.to(device, dtype) for m in models]
+
+
+def float64_layer(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """y, then the gradients of x (where it asks for one), A and B, of a LoRA ``layer`` evaluated
+    in float64 (a copy; the layer itself is left as it is) at ``x`` with output gradient ``g``."""
+    layer = copy.deepcopy(layer).double()
+    x = x.detach().double().requires_grad_(x.requires_grad)
+    y = layer(x)
+    return [y, *torch.autograd.grad(y, [x] * x.requires_grad + [layer.lora.A, layer.lora.B], g.double())]
 
 
 def run_model(m, idx):

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from numerics import (
     assert_same_function,
+    float64_layer,
     float64_operands,
     fresh,
     kernel_tol,
@@ -136,14 +137,6 @@ def test_trainable_head_gets_weight_and_bias_gradients():
         assert_same_function(p.grad, q.grad, q64.grad, what=name)
 
 
-def _float64_layer(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
-    """y and the gradients of x (where it asks for one), A and B of ``layer`` evaluated in float64."""
-    layer = copy.deepcopy(layer).double()
-    x = x.detach().double().requires_grad_(x.requires_grad)
-    y = layer(x)
-    return [y, *torch.autograd.grad(y, [x] * x.requires_grad + [layer.lora.A, layer.lora.B], g.double())]
-
-
 def test_cpu_autocast_bf16_matches_lora_under_autocast():
     """Both layers against float64, within the bound of a bf16 autocast chain (numerics.kernel_tol)."""
     ker, ref = _layer_pair(64, 48, 8, 2.0)
@@ -152,7 +145,7 @@ def test_cpu_autocast_bf16_matches_lora_under_autocast():
         yk, yr = ker(x), ref(x)
     assert yk.dtype == yr.dtype == torch.bfloat16
     g = torch.randn_like(yk)
-    want = _float64_layer(ref, x, g)
+    want = float64_layer(ref, x, g)
     chains = lora_chains(rows=30, k=64, n=48, r=8)
     for y, layer in ((yk, ker), (yr, ref)):
         got = [y, *torch.autograd.grad(y, [layer.lora.A, layer.lora.B], g)]
@@ -228,7 +221,7 @@ def test_compiled_layers_note_their_plan_once_per_trace_and_keep_it(monkeypatch)
         torch.autograd.grad(y2, [x, ker.lora.A, ker.lora.B], torch.ones_like(y2))
     assert len(later) == 0 and seen == ["grad_ab", "grad_ab"]
     monkeypatch.setattr(available, "triton_kernels", real)
-    _, *want = _float64_layer(ref, x, torch.ones_like(y))
+    _, *want = float64_layer(ref, x, torch.ones_like(y))
     chains = lora_chains(rows=4, k=20, n=12, r=3)
     for name, a, b in zip(("grad_x", "grad_A", "grad_B"), got, want):
         assert rel_err(a, b) <= kernel_tol("fp32", chains[name]), name
@@ -269,7 +262,7 @@ def test_compiled_layer_under_cpu_autocast_keeps_fp32_gradients():
     g = torch.randn_like(y)
     got = [y, *torch.autograd.grad(y, [ker.lora.A, ker.lora.B], g)]
     chains = lora_chains(rows=12, k=32, n=24, r=4)
-    for name, a, b in zip(("y", "grad_A", "grad_B"), got, _float64_layer(ref, x, g)):
+    for name, a, b in zip(("y", "grad_A", "grad_B"), got, float64_layer(ref, x, g)):
         assert rel_err(a, b) <= kernel_tol("bf16", chains[name], autocast=True), name
     assert got[1].dtype == got[2].dtype == torch.float32
 
@@ -575,7 +568,7 @@ def _gpu_autocast_bf16():
         assert yk.dtype == yr.dtype == torch.bfloat16
         g = torch.randn_like(yk)
         wrt = ([x] if x_grad else [])
-        want = _float64_layer(ref, x, g)
+        want = float64_layer(ref, x, g)
         chains = lora_chains(rows=4 * 33, k=256, n=192, r=16)
         names = ["y", *(["grad_x"] if x_grad else []), "grad_A", "grad_B"]
         for y, layer in ((yk, ker), (yr, ref)):  # both against float64 (numerics.kernel_tol)
