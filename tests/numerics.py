@@ -187,11 +187,15 @@ def model_pair(device: str, dtype: torch.dtype, classes=(LinearWithLoRA, LinearW
 
 def float64_layer(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
     """y, then the gradients of x (where it asks for one), A and B, of a LoRA ``layer`` evaluated
-    in float64 (a copy; the layer itself is left as it is) at ``x`` with output gradient ``g``."""
+    in float64 (a copy; the layer itself is left as it is) at ``x`` with output gradient ``g``; a
+    lora-kernel layer runs the torch plan (ATen's float64 products), not the kernels under test."""
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+
     layer = copy.deepcopy(layer).double()
     x = x.detach().double().requires_grad_(x.requires_grad)
-    y = layer(x)
-    return [y, *torch.autograd.grad(y, [x] * x.requires_grad + [layer.lora.A, layer.lora.B], g.double())]
+    with use_policy(PlanPolicy(forced=Plan.TORCH)):
+        y = layer(x)
+        return [y, *torch.autograd.grad(y, [x] * x.requires_grad + [layer.lora.A, layer.lora.B], g.double())]
 
 
 def run_model(m, idx):
