@@ -16,8 +16,9 @@ Tolerances (every float comparison of a computed result goes through one of thes
   them carries at most ``roundings``·u; one more u covers the float32 accumulation
   (2^-24·√k ≪ u). Count the roundings on the longest path from an input to the output: with
   16-bit inputs, the intermediate x·A and the output, rounded once or twice (the adapter product
-  added into the rounded base product), are 3 (the default); under autocast the float32 inputs x, A, B are rounded too (x, A, x·A, B, y: 5); TF32
-  rounds both operands of each of the two chained products (x, A, x·A, B: 4, output in float32).
+  added into the rounded base product), are 3 (the default); under autocast the float32 inputs
+  x, A, B are rounded too (x, A, x·A, B, y: 5); TF32 rounds both operands of each of the two
+  chained products (x, A, x·A, B: 4, output in float32).
 - ``kernel_tol(precision, k, autocast=False)``: one of the two above by precision name ('fp32':
   dot_tol over a chain of k; 'tf32', 'bf16', 'fp16': rounded_input_tol with the roundings counted
   above), for the kernel tests; ``lora_chains`` gives the chain lengths of a LoRA layer's results.
