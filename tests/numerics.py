@@ -10,22 +10,34 @@ Tolerances (every float comparison of a computed result goes through one of thes
   normwise relative error then stays under λ·u·√k with probability at least 1 − 2·exp(−λ²/2)
   (Higham & Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci.
   Comput. 41(5), 2019). λ = 8: odds of a false failure under 3e-14.
-- ``rounded_input_tol(dtype)``: a product whose inputs and output are rounded to a 16-bit type
-  (or TF32's 10-bit mantissa) and accumulated in float32: three roundings of relative size u
-  each dominate, so 4·u bounds the normwise error (the fp32 accumulation adds only 2^-24·√k).
+- ``rounded_input_tol(dtype, roundings=3)``: a product chain accumulated in float32 whose values
+  are rounded to a 16-bit type (or to TF32's 10-bit mantissa inside a float32 product) on the way.
+  Each rounding moves what it rounds by at most u relative, so a chain through ``roundings`` of
+  them carries at most ``roundings``·u; one more u covers the float32 accumulation
+  (2^-24·√k ≪ u). Count the roundings on the longest path from an input to the output: with
+  16-bit inputs, the intermediate x·A and the output, rounded once or twice (the adapter product
+  added into the rounded base product), are 3 (the default); under autocast the float32 inputs
+  x, A, B are rounded too (x, A, x·A, B, y: 5); TF32 rounds both operands of each of the two
+  chained products (x, A, x·A, B: 4, output in float32).
+- ``kernel_tol(precision, k, autocast=False)``: one of the two above by precision name ('fp32':
+  dot_tol over a chain of k; 'tf32', 'bf16', 'fp16': rounded_input_tol with the roundings counted
+  above), for the kernel tests; ``lora_chains`` gives the chain lengths of a LoRA layer's results.
 - ``same_function_tol(want, ref, dtype)``: two evaluations of one function that differ only in
   the order of their roundings (a grouped product, autograd summing branches in another order,
   another reduction layout, a fused op), where no closed bound fits (whole models, training
   trajectories). Both carry errors of the same distribution against the float64 evaluation
   ``ref``; the other order may be SPREAD = 4 times as far from it as ``want``, plus λ units of
   u for results that happen to round exactly. The bound follows the CPU it runs on: a processor
-  whose float32 products round differently moves both errors alike.
+  whose float32 products round differently moves both errors alike. ``float64_runs`` evaluates a
+  whole run (``execute_run``, or ``lora-bench train`` in this process) in float64 for ``ref``.
 
 Bit-exact assertions stay where the two sides run the same operations on the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import os
 import subprocess
@@ -65,11 +77,36 @@ def dot_tol(dtype: torch.dtype, k: int) -> float:
     return LAMBDA * UNIT_ROUNDOFF[dtype] * math.sqrt(k)
 
 
-def rounded_input_tol(dtype: torch.dtype | str) -> float:
-    """4·u of the type the inputs and output are rounded to: ``torch.bfloat16``, ``torch.float16``
-    or ``"tf32"`` (module docstring)."""
+def rounded_input_tol(dtype: torch.dtype | str, roundings: int = 3) -> float:
+    """(roundings + 1)·u of the type the chain's values are rounded to: ``torch.bfloat16``,
+    ``torch.float16`` or ``"tf32"`` (module docstring)."""
     u = TF32_UNIT_ROUNDOFF if dtype == "tf32" else UNIT_ROUNDOFF[dtype]
-    return 4 * u
+    return (roundings + 1) * u
+
+
+PRECISION_DTYPE = {"fp32": torch.float32, "tf32": "tf32", "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def kernel_tol(precision: str, k: int, *, autocast: bool = False) -> float:
+    """The bound of a kernel's result against float64 under ``precision`` ('fp32', 'tf32', 'bf16' or
+    'fp16'; ``autocast``: float32 inputs under a 16-bit autocast): dot_tol(float32, k) for exact
+    float32 with a longest chain of ``k`` terms, else rounded_input_tol with the chain's roundings
+    counted in the module docstring (3 for 16-bit inputs, 4 for TF32, 5 under autocast)."""
+    if precision == "fp32" and not autocast:
+        return dot_tol(torch.float32, k)
+    return rounded_input_tol(PRECISION_DTYPE[precision], 5 if autocast else 4 if precision == "tf32" else 3)
+
+
+def lora_chains(*, rows: int, k: int, n: int, r: int, segments: int = 1) -> dict[str, int]:
+    """The longest chain of summed terms behind each result of ``segments`` LoRA layers side by side
+    (y = x·Wᵀ + s·(x·A)·B + b, each k → n with rank r, on ``rows`` input rows), by name: y sums k
+    terms of x·A, then r of (x·A)·B, then adds the base product and the bias (k + r + 2); h = x·A
+    sums k; u = g·Bᵀ sums n; grad_x = g·W + s·u·Aᵀ sums the S·n terms of g·W and, after u's n, the
+    S·r of u·Aᵀ (S·(n + r) + 1 bounds both); grad_A = s·xᵀ·u sums rows after u's n; grad_B =
+    s·hᵀ·g sums rows after h's k; grad_W and grad_b sum rows."""
+    s = segments
+    return dict(y=k + r + 2, h=k, u=n, grad_x=s * (n + r) + 1, grad_A=rows + n, grad_B=rows + k,
+                grad_W=rows, grad_b=rows)
 
 
 def same_function_tol(want, ref, dtype: torch.dtype = torch.float32) -> float:
@@ -86,6 +123,13 @@ def rms_rel_err(out, ref) -> float:
         assert out.keys() == ref.keys()
         return math.sqrt(sum(rel_err(out[k], ref[k]) ** 2 for k in ref) / len(ref))
     return rel_err(out, ref)
+
+
+def without_key_bias(tensors: dict) -> dict:
+    """``tensors`` less the attention key biases' (by name): their gradient is zero in exact
+    arithmetic (softmax ignores a shift shared by a row's scores), so every evaluation of it, the
+    float64 one included, is rounding noise with no relative error to bound."""
+    return {name: t for name, t in tensors.items() if not name.endswith("W_key.bias")}
 
 
 def assert_same_function(got, want, ref, dtype: torch.dtype = torch.float32, what: str = "") -> None:
@@ -142,10 +186,46 @@ def model_pair(device: str, dtype: torch.dtype, classes=(LinearWithLoRA, LinearW
     return [m.to(device, dtype) for m in models]
 
 
+def float64_layer(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """y, then the gradients of x (where it asks for one), A and B, of a LoRA ``layer`` evaluated
+    in float64 (a copy; the layer itself is left as it is) at ``x`` with output gradient ``g``; a
+    lora-kernel layer runs the torch plan (ATen's float64 products), not the kernels under test."""
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+
+    layer = copy.deepcopy(layer).double()
+    x = x.detach().double().requires_grad_(x.requires_grad)
+    with use_policy(PlanPolicy(forced=Plan.TORCH)):
+        y = layer(x)
+        return [y, *torch.autograd.grad(y, [x] * x.requires_grad + [layer.lora.A, layer.lora.B], g.double())]
+
+
 def run_model(m, idx):
     logits = m(idx)[:, -1, :]
     logits.float().logsumexp(-1).sum().backward()
     return logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def float64_runs():
+    """Inside, a run (``execute_run``, or ``lora-bench train`` in this process) builds its classifier
+    as always (the same values from the same RNG draws, book's rounded GELU constant included),
+    then casts it to float64, and lora-kernel layers run the torch plan (ATen's float64 products):
+    the float64 evaluation of that run. Yields the models built, for the caller to check that they
+    really ran in float64."""
+    from unittest import mock
+
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+    from lora_bench.train import run
+
+    built = []
+    real = run.build_classifier
+
+    def build(cfg, **kw):
+        built.append(real(cfg, **kw).double())
+        return built[-1]
+
+    with mock.patch.object(run, "build_classifier", build), use_policy(PlanPolicy(forced=Plan.TORCH)):
+        yield built
 
 
 ROOT = Path(__file__).resolve().parents[1]

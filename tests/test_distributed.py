@@ -6,6 +6,7 @@ error named (no hang)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from numerics import assert_same_function, float64_runs, without_key_bias
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
@@ -39,6 +41,7 @@ from lora_bench.train.launch import (
 )
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 12, 5
+LR, BETAS = 5e-4, (0.9, 0.999)
 
 
 def free_port() -> int:
@@ -65,7 +68,7 @@ def train(model, step_model, shard, timer):
     """The loop's step (data, forward, backward, optimizer) on the given batches."""
     from lora_bench.train.evaluate import calc_loss_batch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.1)
     for i, (x, y) in enumerate(batches()):
         timer.begin(step=i, epoch=1)
         x, y = shard(x, y)
@@ -111,25 +114,46 @@ def run_ranks(out: Path, *, bucket_mb: float = 25.0) -> dict:
     return torch.load(out, weights_only=True)
 
 
-def test_ddp_on_slices_equals_one_process_on_the_global_batch(tmp_path):
-    """Tolerance: fp32, 5 AdamW steps, losses rtol 1e-5 and parameters atol 1e-6 — the two differ only
-    in the order of floating-point reductions (two half-batch means averaged vs one mean)."""
+def one_process(dtype: torch.dtype) -> dict:
+    """The losses and parameters of the same training in one process on the whole batch, the model
+    built as always and then cast to ``dtype``."""
     from lora_bench.timing import PhaseTimer
 
-    got = run_ranks(tmp_path / "ddp.pt")
-
-    model = tiny_model()
+    model = tiny_model().to(dtype)
     timer = PhaseTimer("events", torch.device("cpu"), warmup_steps=1)
     train(model, model, lambda x, y: (x, y), timer)
-    want = [r["loss"] for r in timer.step_rows("r")]
-    assert len(got["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=1e-5, atol=0)
-    assert want[0] != want[-1]  # it trained: the comparison is not of constants
-    for name, value in model.state_dict().items():
-        # the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by a row's
-        # scores): it is rounding noise, which AdamW normalises into lr-sized steps in either run
-        atol = 1e-3 if name.endswith("W_key.bias") else 1e-6
-        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=atol, msg=name)
+    return {"losses": torch.tensor([r["loss"] for r in timer.step_rows("r")], dtype=torch.float64),
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def adam_drift(steps: int, lr: float = LR, betas: tuple[float, float] = BETAS) -> float:
+    """How far apart two AdamW runs from the same start can move a parameter whatever its gradients:
+    by Cauchy-Schwarz, m_t = (1-β1)·Σ β1^(t-i)·g_i against v_t = (1-β2)·Σ β2^(t-i)·g_i² gives
+    |m̂_t| / √v̂_t ≤ (1-β1)/(1-β1^t) · √((1-β2^t)/(1-β2)) · √(Σ_{j<t} (β1²/β2)^j) =: B_t, so each
+    step moves either run at most lr·B_t (weight decay only shrinks the difference): 2·lr·Σ B_t."""
+    b1, b2 = betas
+    total = 0.0
+    for t in range(1, steps + 1):
+        total += ((1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2))
+                  * math.sqrt(sum((b1 * b1 / b2) ** j for j in range(t))))
+    return 2 * lr * total
+
+
+def test_ddp_on_slices_equals_one_process_on_the_global_batch(tmp_path):
+    """fp32, 5 AdamW steps: DDP (two half-batch means averaged) and one process (one mean) differ
+    only in the order of floating-point reductions, so the DDP losses and parameters are as close to
+    a float64 one-process run as the float32 one-process run is (numerics.same_function_tol)."""
+    got = run_ranks(tmp_path / "ddp.pt")
+    want, ref = one_process(torch.float32), one_process(torch.float64)
+    assert len(got["losses"]) == STEPS and ref["params"]["tok_emb.weight"].dtype == torch.float64
+    assert_same_function(torch.tensor(got["losses"], dtype=torch.float64), want["losses"], ref["losses"],
+                         what="losses")
+    assert want["losses"][0] != want["losses"][-1]  # it trained: the comparison is not of constants
+    assert_same_function(*(without_key_bias(r["params"]) for r in (got, want, ref)), what="parameters")
+    # the key biases' gradients are rounding noise (numerics.without_key_bias), which AdamW
+    # normalises into lr-sized steps in either run: they stay within AdamW's largest drift
+    for name in set(want["params"]) - set(without_key_bias(want["params"])):
+        assert (got["params"][name] - want["params"][name]).abs().max() <= adam_drift(STEPS), name
     # the all-reduce timer saw every step's buckets; the extra columns are rank 0's
     assert all(r["allreduce_buckets"] >= 1 and r["allreduce_ms"] > 0 for r in got["rows"])
     assert all(0 <= r["allreduce_exposed_ms"] <= r["allreduce_ms"] + 1e-6 for r in got["rows"])
@@ -146,7 +170,9 @@ def test_the_bucket_size_sets_how_many_all_reduces_a_step_makes(tmp_path):
     into the buckets (gradient_as_bucket_view)."""
     few, many = run_ranks(tmp_path / "few.pt"), run_ranks(tmp_path / "many.pt", bucket_mb=0.01)
     assert few["extra"]["allreduce_buckets"] == 1 and many["extra"]["allreduce_buckets"] >= 5
-    torch.testing.assert_close(torch.tensor(many["losses"]), torch.tensor(few["losses"]), rtol=1e-5, atol=0)
+    # as close to a float64 one-process run as one bucket is (numerics.same_function_tol)
+    assert_same_function(*(torch.tensor(r["losses"], dtype=torch.float64) for r in (many, few)),
+                         one_process(torch.float64)["losses"], what="losses")
     assert all(many["views"]) and all(few["views"])
 
 
@@ -238,6 +264,24 @@ def train_args(results: Path, cache: Path, *extra: str) -> list[str]:
             "--cache-dir", str(cache), "--no-progress", *extra]
 
 
+def float64_run(run_cli, results: Path, args: list[str]):
+    """The one-process run of ``args`` evaluated in float64 (numerics.float64_runs), into ``results``:
+    its steps.csv."""
+    import pandas as pd
+
+    with float64_runs() as built:
+        code, out = run_cli(*args, "--run-id", "f64")
+    assert code == 0, out
+    assert len(built) == 1 and {p.dtype for p in built[0].parameters()} == {torch.float64}
+    return pd.read_csv(results / "f64" / "steps.csv")
+
+
+def assert_same_losses(got, want, ref, what: str = "losses") -> None:
+    """Loss columns: ``got`` as close to the float64 run's as ``want`` (numerics.same_function_tol)."""
+    assert len(got) == len(want) == len(ref) > 0
+    assert_same_function(*(torch.tensor(list(c), dtype=torch.float64) for c in (got, want, ref)), what=what)
+
+
 @pytest.fixture
 def ranks_import_this_tree(monkeypatch):
     """The rank processes import the lora_bench of this checkout."""
@@ -253,20 +297,22 @@ def test_nproc_2_trains_as_one_process_and_records_the_ranks(tmp_path, run_cli, 
 
     one = pd.read_csv(tmp_path / "one" / "one" / "steps.csv")
     two = pd.read_csv(tmp_path / "ddp" / "two" / "steps.csv")
-    torch.testing.assert_close(torch.tensor(two["loss"].values), torch.tensor(one["loss"].values), rtol=1e-5, atol=0)
+    f64 = float64_run(run_cli, tmp_path / "f64", train_args(tmp_path / "f64", tmp_path / "cache"))
+    assert_same_losses(two["loss"], one["loss"], f64["loss"])
     assert (two["tokens"] == one["tokens"]).all()  # the global batch's tokens
     assert (two["allreduce_buckets"] >= 1).all() and (two["allreduce_ms"] > 0).all()
     row = pd.read_csv(tmp_path / "ddp" / "runs.csv").iloc[0]
     assert row["run_id"] == "two" and row["status"] == "done" and row["world_size"] == 2
     assert row["rank_step_ms_max"] >= row["rank_step_ms_min"] > 0 and row["allreduce_ms_median"] > 0
     ref = pd.read_csv(tmp_path / "one" / "runs.csv").iloc[0]
-    assert row["final_train_loss"] == pytest.approx(ref["final_train_loss"], rel=1e-5)  # evaluations agree too
+    ref64 = pd.read_csv(tmp_path / "f64" / "runs.csv").iloc[0]
+    assert_same_losses(*([r["final_train_loss"]] for r in (row, ref, ref64)), what="evaluations")
     assert len(pd.read_csv(tmp_path / "ddp" / "runs.csv")) == 1  # rank 1 wrote nothing
 
 
 def test_nproc_2_trains_the_fused_lora_layer_as_one_process(tmp_path, run_cli, ranks_import_this_tree):
     """lora-kernel under DDP (its CPU path on gloo): only the adapters are DDP's parameters, and the
-    losses are the one-process run's (rtol 1e-5)."""
+    losses are as close to the one-process run's float64 evaluation as its float32 ones."""
     layers = ("--trainable-layers", "lora-kernel", "--lora-rank", "4")
     code, out = run_cli(*train_args(tmp_path / "r", tmp_path / "cache", *layers, "--run-id", "one"))
     assert code == 0, out
@@ -275,7 +321,8 @@ def test_nproc_2_trains_the_fused_lora_layer_as_one_process(tmp_path, run_cli, r
     import pandas as pd
 
     one, two = (pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two"))
-    torch.testing.assert_close(torch.tensor(two["loss"].values), torch.tensor(one["loss"].values), rtol=1e-5, atol=0)
+    f64 = float64_run(run_cli, tmp_path / "f64", train_args(tmp_path / "f64", tmp_path / "cache", *layers))
+    assert_same_losses(two["loss"], one["loss"], f64["loss"])
     assert one["loss"].iloc[0] != one["loss"].iloc[-1]
     runs = pd.read_csv(tmp_path / "r" / "runs.csv").set_index("run_id")
     assert runs.loc["two", "cfg_trainable_layers"] == "lora-kernel" and runs.loc["two", "world_size"] == 2
@@ -331,8 +378,9 @@ def test_nproc_2_on_two_gpus_trains_as_one_gpu_and_times_the_allreduce(tmp_path,
     import pandas as pd
 
     steps = {k: pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two")}
-    torch.testing.assert_close(torch.tensor(steps["two"]["loss"].values), torch.tensor(steps["one"]["loss"].values),
-                               rtol=1e-4, atol=0)
+    f64 = float64_run(run_cli, tmp_path / "f64", [a if a != "cpu" else "cuda" for a in train_args(
+        tmp_path / "f64", tmp_path / "cache")])
+    assert_same_losses(steps["two"]["loss"], steps["one"]["loss"], f64["loss"])
     two = steps["two"]
     assert (two["allreduce_ms"] > 0).all() and (two["allreduce_exposed_ms"] <= two["allreduce_ms"] + 1e-3).all()
     assert (two["allreduce_ms"] <= two["backward_ms"] + 1e-3).all()
@@ -361,9 +409,11 @@ def test_nproc_2_with_cuda_graphs_replays_the_one_gpu_step(tmp_path, run_cli, ra
     import pandas as pd
 
     steps = {k: pd.read_csv(tmp_path / "r" / k / "steps.csv") for k in ("one", "two", "many", "eager", "k1", "k2")}
+    # the one-GPU run eagerly in float64: the reference of the fp32 runs (numerics.same_function_tol)
+    f64 = float64_run(run_cli, tmp_path / "f64", [a if a != "cpu" else "cuda" for a in train_args(
+        tmp_path / "f64", tmp_path / "cache", "--max-steps", "16")])
     for k in ("two", "many", "eager"):
-        torch.testing.assert_close(torch.tensor(steps[k]["loss"].values), torch.tensor(steps["one"]["loss"].values),
-                                   rtol=1e-4, atol=0, msg=k)
+        assert_same_losses(steps[k]["loss"], steps["one"]["loss"], f64["loss"], what=k)
     torch.testing.assert_close(torch.tensor(steps["k2"]["loss"].values), torch.tensor(steps["k1"]["loss"].values),
                                rtol=2e-2, atol=0)  # bf16: a few units of its 8-bit mantissa over 16 steps
     assert steps["one"]["loss"].iloc[0] != steps["one"]["loss"].iloc[-1]

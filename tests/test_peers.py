@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from numerics import assert_same_function
 
 from lora_bench.classifier.book import build_classifier, make_trainable
 from lora_bench.config import TrainConfig, render
@@ -140,8 +141,8 @@ def test_trainable_parameters_equal_the_books(layers):
     t_hf = {n for n, p in hf.named_parameters() if p.requires_grad}
     assert _units(t_hf, hf=True) == _units(t_book, hf=False)
     x, _ = _inputs()
-    with torch.no_grad():  # and the same random start as the book
-        torch.testing.assert_close(hf(x), book(x), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # and the same random start as the book: as close to its float64 evaluation
+        assert_same_function(hf(x), book(x), copy.deepcopy(book).double()(x), what=layers)
 
 
 def test_lora_parameter_counts_differ_as_documented():
@@ -288,7 +289,7 @@ def test_blocks_under_the_book_name_and_a_graph_without_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(hf, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), hf(x))
+        assert_same_function(compiled(x), hf(x), copy.deepcopy(hf).double()(x), what="compiled")
     torch._dynamo.reset()
 
 
@@ -342,9 +343,10 @@ def test_package_versions_are_recorded():
 # -- the run's execution modes (GPU tests marked; run on the device) ---------------------------------------
 
 def _run_losses(*, impl="hf", layers="lora", device="cuda", precision="fp32", compile_scope=None,
-                steps=12) -> list[float]:
+                steps=12, float64=False) -> list[float]:
     """Per-step training losses of a tiny random-weight classifier driven as a run drives it: bf16 casts
-    the frozen linears and autocasts, compile goes through run.compile_model."""
+    the frozen linears and autocasts, compile goes through run.compile_model; ``float64``: the model
+    built as always, then cast to float64 (the reference of a float32 run)."""
     from lora_bench.classifier.book import cast_frozen
     from lora_bench.train.setup import amp_context, compile_model
 
@@ -357,6 +359,9 @@ def _run_losses(*, impl="hf", layers="lora", device="cuda", precision="fp32", co
     else:
         model = build_classifier(cfg, cache_dir=None)
         cast = cast_frozen
+    if float64:
+        model.double()
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
     if precision == "bf16":
         cast(model, torch.bfloat16)
     model.to(dev)
@@ -384,6 +389,12 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _assert_same_run(got, want, ref, what: str) -> None:
+    """float32 losses ``got`` as close to the float64 run ``ref`` as ``want`` (numerics.same_function_tol)."""
+    assert 0 < len(got) == len(want) == len(ref)
+    assert_same_function(*(torch.tensor(t, dtype=torch.float64) for t in (got, want, ref)), what=what)
+
+
 def test_bf16_run_mode_drives_the_peer_on_cpu():
     """The run's bf16 set-up (cast_frozen_hf + autocast) trains the peer close to fp32, and not as it."""
     ref = _run_losses(device="cpu", steps=6)
@@ -396,8 +407,9 @@ def test_bf16_run_mode_drives_the_peer_on_cpu():
 def test_cuda_peer_trains_like_the_book(layers):
     """Same random start, same function: on the GPU in fp32 the two implementations' losses agree."""
     book = _run_losses(impl="book", layers=layers)
+    ref = _run_losses(impl="book", layers=layers, float64=True)
     hf = _run_losses(impl="hf", layers=layers)
-    assert _rel(hf, book) < 1e-4
+    _assert_same_run(hf, book, ref, what="hf")
 
 
 @pytest.mark.parametrize("layers", ["all", "lora"])
@@ -416,8 +428,9 @@ def test_cuda_graphs_are_refused_for_the_peer(layers, extra):
 @pytest.mark.parametrize("scope", ["model", "blocks"])
 def test_compiled_peer_matches_eager(scope):
     eager = _run_losses(steps=10)
+    ref = _run_losses(steps=10, float64=True)
     compiled = _run_losses(compile_scope=scope, steps=10)
-    assert _rel(compiled, eager) < 1e-4
+    _assert_same_run(compiled, eager, ref, what="compiled")
 
 
 @pytest.mark.gpu
