@@ -34,7 +34,15 @@ from lora_bench.results.environment import environment
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.schema import STEP_COLUMNS, cfg_columns
-from lora_bench.results.store import RUN_RECORD, check_results_dir, read_run_table, run_record, upsert_run, write_csv
+from lora_bench.results.store import (
+    RUN_RECORD,
+    STEPS_CSV,
+    check_results_dir,
+    read_run_table,
+    run_record,
+    upsert_run,
+    write_csv,
+)
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
@@ -405,7 +413,7 @@ def _record(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, step
                 if row["status"] == "interrupted" and ctx is not None:
                     row.setdefault("steps", len(steps))
                     row.update(_summary(ctx, timer, cfg, steps))  # what was measured so far
-            write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
+            write_csv(run_dir / STEPS_CSV, steps, [c.name for c in STEP_COLUMNS])
         except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
             row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
