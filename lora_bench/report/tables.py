@@ -315,5 +315,28 @@ def to_csv(rep: Report) -> str:
     for m in [*rep.metrics, *rep.extras]:
         cols += [c for c in (m, f"{m}_lo", f"{m}_hi", f"{m}_over") if c in rep.groups]
     cols += [c for c in ("ratio", "ratio_lo", "ratio_hi", "ratio_over", "verdict", "is_baseline") if c in rep.groups]
-    out = rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys})
+    return csv_text(rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys}))
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(v):
+    """A text cell a spreadsheet would run as a formula ('=…', '+…', '@…') gets a leading quote;
+    numbers, text that reads as one ('-100') and a lone '-' (blank) are left as they are."""
+    if not isinstance(v, str) or not v.startswith(FORMULA_START) or v in ("-", "+"):
+        return v
+    try:
+        float(v)
+    except ValueError:
+        return "'" + v
+    return v
+
+
+def csv_text(df: pd.DataFrame) -> str:
+    """The one CSV writer of reports and comparisons: formulas defused, floats to 6 significant digits."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object:
+            out[col] = out[col].map(csv_cell)
     return out.to_csv(index=False, float_format="%.6g")
