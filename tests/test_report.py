@@ -20,7 +20,7 @@ from lora_bench.report.aggregate import build_report, default_keys, text_summary
 from lora_bench.report.empty import why_empty
 from lora_bench.report.load import MODE, load_results
 from lora_bench.report.render_markdown import table_markdown
-from lora_bench.report.tables import groups_table
+from lora_bench.report.tables import csv_cell, groups_table
 from lora_bench.results.schema import STEP_COLUMNS
 from lora_bench.results.store import write_csv
 
@@ -270,3 +270,19 @@ def test_bad_options_name_the_value_and_what_is_allowed(run_cli):
         build_report(df, baseline="all")
     code, out = run_cli("report", FIXTURES, "--format", "pdf")
     assert code == 2 and "--format 'pdf' is not allowed; choose one of: table, markdown, csv, html" in out
+
+
+def test_cells_reach_csv_and_terminal_as_written(tmp_path, run_cli):
+    """A label from a results file is data: not a spreadsheet formula, not rich markup."""
+    assert csv_cell("=HYPERLINK(1)") == "'=HYPERLINK(1)" and csv_cell("@x") == "'@x"
+    assert csv_cell("-100") == "-100" and csv_cell("-") == "-" and csv_cell("lora") == "lora"
+    folder = tmp_path / "r"
+    shutil.copytree(FIXTURES, folder)
+    rows = pd.read_csv(folder / "runs.csv", dtype=str, keep_default_na=False)
+    rows.assign(sweep_label=[f"[bold]row {i}[/bold]" if i % 2 else f"=cmd{i}" for i in range(len(rows))]).to_csv(
+        folder / "runs.csv", index=False)
+    code, out = run_cli("report", folder, "--group-by", "label")
+    assert code == 0 and "[bold]row 1[/bold]" in out
+    code, out = run_cli("report", folder, "--group-by", "label", "--format", "csv")
+    df = pd.read_csv(io.StringIO(out), keep_default_na=False)
+    assert code == 0 and "'=cmd0" in set(df["label"])

@@ -337,6 +337,6 @@ def csv_text(df: pd.DataFrame) -> str:
     """The one CSV writer of reports and comparisons: formulas defused, floats to 6 significant digits."""
     out = df.copy()
     for col in out.columns:
-        if out[col].dtype == object:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
             out[col] = out[col].map(csv_cell)
     return out.to_csv(index=False, float_format="%.6g")
