@@ -87,3 +87,48 @@ def test_phase_figure_has_device_and_host_bars_per_variant():
                       "lora-kernel · host"]
     assert len(axes[0].patches) == 6 * 4  # a segment per phase on every bar
     assert "NVIDIA H200" in fig._suptitle.get_text()
+
+
+def _one_size(tmp_path: Path, **columns) -> Path:
+    folder = tmp_path / "one-size"
+    folder.mkdir()
+    rows = pd.read_csv(STUDY / "runs.csv", dtype=str, keep_default_na=False)
+    rows[rows["cfg_model_size"] == "124M"].assign(**columns).to_csv(folder / "runs.csv", index=False)
+    return folder
+
+
+def test_plot_of_a_single_size_writes_the_figure_that_applies(tmp_path, run_cli):
+    png = tmp_path / "fig.png"
+    code, out = run_cli("report", _one_size(tmp_path), "--plot", png)
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the phase figure, at the file asked for
+    assert not (tmp_path / "fig-phases.png").exists()
+    assert "no crossover figure" in out and "two model sizes" in out and f"wrote {png}" in out
+
+
+def test_plot_where_no_figure_applies_is_a_usage_error(tmp_path, run_cli):
+    untimed = {c: "" for c in pd.read_csv(STUDY / "runs.csv", nrows=0).columns if c.endswith("_ms_median")}
+    code, out = run_cli("report", _one_size(tmp_path, **untimed), "--plot", tmp_path / "fig.png")
+    assert code == 2 and "no figure applies" in out and "Traceback" not in out
+    assert not (tmp_path / "fig.png").exists()
+
+
+def test_figures_never_share_a_file_with_each_other_or_the_report(tmp_path, run_cli):
+    png = tmp_path / "a.png"
+    code, out = run_cli("report", STUDY, "--plot", png)
+    assert code == 0 and png.is_file() and (tmp_path / "a-phases.png").is_file()
+    assert png.read_bytes() != (tmp_path / "a-phases.png").read_bytes()
+    code, out = run_cli("report", STUDY, "--plot", tmp_path / "b.png", "--output", tmp_path / "b.png")
+    assert code == 2 and "would overwrite the report" in out and not (tmp_path / "b.png").exists()
+
+
+def test_figures_state_the_statistic_they_draw():
+    study = build_study(load_results([STUDY]))
+    (ax,) = crossover_figure(study).axes
+    assert "95 % CI" in ax.get_ylabel() and "median" in ax.get_ylabel()
+    phases = phase_figure(study)
+    first = next(a for a in phases.axes if a.get_visible())
+    assert "median step [95 % CI]" in first.get_xlabel()
+    # each bar's number is the group's median step with its interval: the tables' step ms, not a sum of phases
+    g = next(g for g in study.groups if g.size == "124M" and g.variant == "all" and g.mode == "eager fp32")
+    assert any(t.get_text().strip().startswith(f"{g.step.median:.1f} [") for t in first.texts)

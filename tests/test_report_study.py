@@ -1,5 +1,5 @@
 """lora_bench.report.names / study / answer: human names for execution modes, the study built from
-synthetic runs (groups, ratios and their range, profiles joined by step shape, seeds), and each
+synthetic runs (groups, ratios and their intervals, profiles joined by step shape, seeds), and each
 rule of the generated answer on hand-made groups; then the answer for real rows (the study
 fixture: 124M and 1558M, eager fp32 and CUDA graphs, two repeats, torch.profiler counts at 124M)."""
 
@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 
 from lora_bench.report import answer as rules
+from lora_bench.report import stats
 from lora_bench.report.load import load_results
 from lora_bench.report.names import mode_name
-from lora_bench.report.study import Group, Line, Phase, Spread, build_study
+from lora_bench.report.stats import Estimate
+from lora_bench.report.study import Group, Line, Phase, build_study
 from lora_bench.report.tables import accuracy_table
 from lora_bench.timing import PHASES
 
@@ -76,10 +78,12 @@ def test_groups_ratios_ranges_and_lines(tmp_path):
     assert [ln.label for ln in s.lines] == ["lora · eager fp32"] and [g.size for g in s.lines[0].groups] == ["124M", "1558M"]
     small = s.lines[0].groups[0]
     assert small.ratio == pytest.approx(78 / 51)
-    assert (small.ratio_lo, small.ratio_hi) == (pytest.approx(76 / 52), pytest.approx(80 / 50))  # min/max to max/min
-    assert small.within is False and small.params == PARAMS["124M"]  # the base model's size, not with adapters
+    # the bootstrap interval of a ratio of two-repeat medians: inside min/max to max/min, around the ratio
+    assert 76 / 52 <= small.ratio_lo < small.ratio < small.ratio_hi <= 80 / 50
+    assert small.ratio_over == stats.REPEATS
+    assert small.verdict == "slower" and small.params == PARAMS["124M"]  # the base model's size, not with adapters
     big = s.lines[0].groups[1]
-    assert big.within is False and big.ratio < 1
+    assert big.verdict == "faster" and big.ratio < 1
     assert "Why is lora faster or slower than all" in s.header.question
 
 
@@ -120,44 +124,61 @@ def test_accuracy_over_seeds(tmp_path):
     assert s.seeds_vary and s.accuracy_metric == "test_acc" and len(s.groups) == 4  # seeds are repeats
     small = next(g for g in s.groups if g.size == "124M" and g.variant == "lora")
     assert small.seeds == ["1", "2", "3"] and small.accuracy["test_acc"].median == 96.0
-    assert s.accuracy_vs_base(small) == (0.0, True)
+    d, outside = s.accuracy_vs_base(small)
+    assert d.value == 0.0 and d.lo < 0 < d.hi and outside is False  # within the spread over seeds
     big = next(g for g in s.groups if g.size == "1558M" and g.variant == "lora")
-    d, within = s.accuracy_vs_base(big)
-    assert d == pytest.approx(-4.0) and within is False
+    d, outside = s.accuracy_vs_base(big)
+    assert d.value == pytest.approx(-4.0) and d.hi < 0 and outside is True
     text = rules.accuracy_sentence(s)
-    assert "median over 3 seeds" in text and "lora -4.00 points at 1558M" in text and "1 other difference" in text
+    assert "median over 3 seeds" in text and "1 other difference" in text
+    assert f"lora -4.00 points {stats.span_text(d)} at 1558M" in text
 
 
 # -- rules on hand-made groups -------------------------------------------------------------------
-def _g(size: str, ratio: float = math.nan, *, within=None, variant: str = "lora", step: float = 100.0,
+def _e(v: float, half: float = 0.0) -> Estimate:
+    """A median of two repeats with the interval v ± half."""
+    return Estimate(v, v - half, v + half, n=2, over=stats.REPEATS) if not math.isnan(v) else stats.NONE
+
+
+def _g(size: str, ratio: float = math.nan, *, verdict: str = "", variant: str = "lora", step: float = 100.0,
        phases: dict | None = None, bound: str = "device", kernels: dict | None = None, flops: float = math.nan,
        mfu: float = math.nan) -> Group:
     phases = phases or {"data": 1.0, "forward": 30.0, "backward": 55.0, "optimizer": 14.0}
     ph = {}
     for name, ms in phases.items():
         launches, kms = (kernels or {}).get(name, (None, None))
-        ph[name] = Phase(device=Spread(ms, 0.1, ms, ms, 2), host=Spread(ms, 0.1, ms, ms, 2), bound=bound,
-                         launches=launches, kernel_ms=kms)
+        ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), bound=bound, launches=launches, kernel_ms=kms)
     return Group(size=size, variant=variant, mode="eager fp32", condition="batch 8", settings={}, runs=pd.DataFrame(),
-                 step=Spread(step, 1.0, step, step, 2), phases=ph, seeds=["123"], ratio=ratio, within=within,
-                 flops_per_step=flops, mfu=mfu, counts=dict(kernels or {}))
+                 step=_e(step, 1.0), phases=ph, seeds=["123"], ratio=ratio, ratio_lo=ratio - 0.01,
+                 ratio_hi=ratio + 0.01, ratio_over=stats.REPEATS if not math.isnan(ratio) else "", verdict=verdict,
+                 flops_per_step=flops, mfu=_e(mfu, 0.005), counts=dict(kernels or {}))
+
+
+def _by_ratio(r: float) -> str:
+    return "slower" if r > 1.03 else "faster" if r < 0.97 else "no difference"
 
 
 def test_verdict_and_crossover():
-    assert rules.verdict(_g("124M", 1.5, within=False)) == "slower"
-    assert rules.verdict(_g("124M", 0.97, within=True)) == "as fast"
-    assert rules.verdict(_g("124M", 0.9)) == "faster"  # unknown spread: by the ratio
+    assert rules.verdict(_g("124M", 1.5, verdict="slower")) == "slower"
+    assert rules.verdict(_g("124M", 0.99, verdict="no difference")) == "no difference"
+    assert rules.verdict(_g("124M", 0.9)) == "unclear"  # no verdict given: not read off the ratio alone
+    assert rules.verdict(_g("124M")) == "unknown"
     sizes = ["124M", "355M", "774M", "1558M"]
-    line = [_g(z, r, within=False) for z, r in zip(sizes, (1.5, 1.3, 1.2, 0.8))]
+    line = [_g(z, r, verdict=_by_ratio(r)) for z, r in zip(sizes, (1.5, 1.3, 1.2, 0.8))]
     assert rules.crossover(line) == "between 774M and 1558M"
-    assert rules.crossover([_g(z, r, within=False) for z, r in zip(sizes, (0.9, 0.8, 0.7, 0.6))]) == "faster at every size"
-    assert rules.crossover([_g(z, r, within=False) for z, r in zip(sizes, (1.2, 1.1, 1.1, 1.05))]) == "slower at every size"
-    # faster, then as fast within the spread, then faster: the crossover is where it stays faster
-    assert rules.crossover([_g("124M", 1.3, within=False), _g("355M", 0.8, within=False),
-                            _g("774M", 0.99, within=True), _g("1558M", 0.8, within=False)]) == "between 774M and 1558M"
+    faster = [_g(z, r, verdict="faster") for z, r in zip(sizes, (0.9, 0.8, 0.7, 0.6))]
+    slower = [_g(z, r, verdict="slower") for z, r in zip(sizes, (1.2, 1.1, 1.1, 1.05))]
+    assert rules.crossover(faster) == "faster at every size" and rules.crossover(slower) == "slower at every size"
+    # faster, then no difference, then faster: the crossover is where it stays faster
+    assert rules.crossover([_g("124M", 1.3, verdict="slower"), _g("355M", 0.8, verdict="faster"),
+                            _g("774M", 0.99, verdict="no difference"), _g("1558M", 0.8, verdict="faster")]) == \
+        "between 774M and 1558M"
+    # an unclear verdict at the largest size: no crossover is claimed
+    assert rules.crossover([_g("124M", 1.3, verdict="slower"), _g("1558M", 0.95, verdict="unclear")]) == ""
     ln = Line(condition="batch 8", mode="eager fp32", variant="lora", groups=line)
     assert rules.crossover_sentence(ln, base="all") == (
-        "lora takes 1.50× all's step time at 124M and 0.80× at 1558M: the crossover lies between 774M and 1558M")
+        "lora takes 1.50× [1.49–1.51] all's step time at 124M and 0.80× [0.79–0.81] at 1558M: the crossover lies "
+        "between 774M and 1558M")
 
 
 def test_host_bound_phases_leave_out_tiny_phases():
@@ -180,19 +201,20 @@ def test_launches_and_work_from_a_profile_or_from_flops():
 
 def test_why_slower_and_why_faster():
     b = _g("124M", variant="all", step=50.0, bound="host", phases={"data": 0.3, "forward": 14.0, "backward": 31.7, "optimizer": 4.0})
-    g = _g("124M", 1.54, within=False, step=77.0, bound="host",
+    g = _g("124M", 1.54, verdict="slower", step=77.0, bound="host",
            phases={"data": 0.6, "forward": 28.8, "backward": 44.5, "optimizer": 3.1})
     text = rules.why_slower(g, b)
     # all's optimizer (8 % of its step) is host-bound, lora's (4 %) too small to name: both means forward and backward
     assert text.startswith("At 124M the forward and backward phases are host-bound for both all and lora")
-    assert text.endswith("its step is 54 % longer (77.0 vs 50.0 ms).")
+    assert text.endswith("its step is 54 % longer (77.0 ms [76.0–78.0] vs 50.0 ms [49.0–51.0]).")
     b = _g("1558M", variant="all", step=295.0, phases={"data": 0.4, "forward": 89.4, "backward": 170.9, "optimizer": 34.1},
            mfu=0.43)
-    g = _g("1558M", 0.84, within=False, step=247.0, phases={"data": 0.9, "forward": 100.4, "backward": 133.1, "optimizer": 9.0})
+    g = _g("1558M", 0.84, verdict="faster", step=247.0, phases={"data": 0.9, "forward": 100.4, "backward": 133.1, "optimizer": 9.0})
     text = rules.why_faster(g, b, smallest=_g("124M", variant="all", mfu=0.14))
     assert text.startswith("At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer and spends 11.0 ms "
-                           "more in forward: its step is 16 % shorter (247.0 vs 295.0 ms).")
-    assert "The optimizer alone takes 12 % of all's step" in text and "MFU 0.43 at 1558M against 0.14 at 124M" in text
+                           "more in forward: its step is 16 % shorter (247.0 ms [246.0–248.0] vs 295.0 ms [294.0–296.0]).")
+    assert "The optimizer alone takes 12 % of all's step" in text
+    assert "MFU 0.43 [0.42–0.43] at 1558M against 0.14 [0.14–0.15] at 124M" in text
 
 
 def test_host_bound_summary():
@@ -210,11 +232,14 @@ def test_answer_for_the_study_fixture():
     points = rules.answer(s)
     assert [p.heading for p in points] == ["eager fp32 · 960 tokens per step", f"{GRAPHS} · 960 tokens per step"]
     eager = " ".join(points[0].sentences)
-    assert "lora takes 1.54× all's step time at 124M and 0.84× at 1558M: the crossover lies between 124M and 1558M" in eager
+    small, big = next(ln for ln in s.lines if ln.label == "lora · eager fp32").groups
+    assert (f"lora takes 1.54× {stats.span_text(small.ratio_estimate)} all's step time at 124M and 0.84× "
+            f"{stats.span_text(big.ratio_estimate)} at 1558M: the crossover lies between 124M and 1558M") in eager
+    assert small.verdict == "slower" and big.verdict == "faster" and small.n == 2
     assert "At 124M forward and backward are host-bound for every variant" in eager
     # the profiles' counts: forward, backward, optimizer, data and the few launches outside any phase
     assert "lora launches 37 % more kernels per step (2,480 vs 1,808, torch.profiler)" in eager
-    assert "its kernels run 20 % less device time (20.2 vs 25.3 ms): its step is 54 % longer (78.4 vs 50.8 ms)" in eager
+    assert "its kernels run 20 % less device time (20.2 vs 25.3 ms): its step is 54 % longer (78.4 ms [" in eager
     assert "At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer" in eager
     graphs = " ".join(points[1].sentences)
     assert "faster at every size" in graphs and "No phase is host-bound at any size" in graphs
@@ -225,10 +250,15 @@ def test_accuracy_table_sits_next_to_speed(tmp_path):
     for r, seed in enumerate((1, 2, 3)):
         rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0)[r]),
                  _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(91.0, 91.5, 92.0)[r])]
-    t = accuracy_table(_study(tmp_path, rows))
-    assert t.head[3:] == ["seeds", "step ms", "step ratio", "test acc % median", "min–max", "IQR", "Δ vs baseline",
-                          "within seed noise"]
+    s = _study(tmp_path, rows)
+    t = accuracy_table(s)
+    assert t.head[3:] == ["seeds", "step ms [95 % CI]", "step ratio [95 % CI]", "test acc % median [95 % CI]",
+                          "min–max", "Δ vs baseline [95 % CI]", "outside seed noise"]
     base, lora = t.rows
     assert base[3] == "3 (1, 2, 3)" and base[-1] == "baseline"
-    assert lora[4] == "70.0" and lora[5].startswith("1.40×") and lora[6:] == ["91.50", "91.00–92.00", "0.50", "-4.50", "no"]
+    d, outside = s.accuracy_vs_base(s.groups[1])
+    assert d.value == pytest.approx(-4.5) and outside is True
+    assert lora[4] == "70.0\n[70.0–70.0]" and lora[5].startswith("1.40× slower")
+    assert lora[6:] == [f"91.50 {stats.span_text(s.groups[1].accuracy['test_acc'])}", "91.00–92.00",
+                        f"-4.50 {stats.span_text(d)}", "yes"]
     assert "seeds vary across repeats" in t.notes[0]

@@ -154,8 +154,8 @@ def test_sweep_overrides_apply_to_every_run_and_change_ids(run_cli, tmp_path):
 
 
 # -- conventions ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("cmd", [[], ["train"], ["show"], ["validate"], ["sweep"], ["report"], ["kernel-bench"],
-                                 ["data"], ["data", "prepare"]])
+@pytest.mark.parametrize("cmd", [[], ["train"], ["show"], ["validate"], ["sweep"], ["report"], ["compare"],
+                                 ["kernel-bench"], ["data"], ["data", "prepare"]])
 def test_short_help_everywhere(run_cli, cmd):
     code, out = run_cli(*cmd, "-h")
     assert code == 0 and "Usage" in out, out
@@ -186,7 +186,7 @@ def test_help_examples_are_safe_to_paste(run_cli):
     """A '>' outside quotes in a shell command redirects into a file."""
     import re
 
-    for cmd in (["train"], ["sweep"], ["kernel-bench"], ["report"], ["validate"], ["data", "prepare"]):
+    for cmd in (["train"], ["sweep"], ["kernel-bench"], ["report"], ["compare"], ["validate"], ["data", "prepare"]):
         out = run_cli(*cmd, "-h")[1]
         unquoted = re.sub(r"'[^']*'", "", out)
         assert "->" not in unquoted, (cmd, out)

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from lora_bench import __version__
-from lora_bench.cli import bench, data, report, show, sweep, train
+from lora_bench.cli import bench, compare, data, report, show, sweep, train
 from lora_bench.cli.options import CONTEXT, console, err_console
 from lora_bench.cli.results import results_app
 from lora_bench.errors import LoraBenchError
@@ -28,6 +28,7 @@ app.command("show")(show.show)
 app.command("validate")(sweep.validate)
 app.command("sweep", help=sweep.SWEEP_HELP)(sweep.sweep)
 app.command("report")(report.report)
+app.command("compare", help=compare.HELP)(compare.compare)
 app.command("kernel-bench", help=bench.HELP)(bench.kernel_bench)
 data_app.command("prepare")(data.data_prepare)
 

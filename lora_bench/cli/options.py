@@ -19,6 +19,7 @@ from rich.markup import escape
 from lora_bench.config import PANELS, SETTINGS, Setting
 from lora_bench.errors import UsageError
 from lora_bench.fileio import check_writable_dir
+from lora_bench.report.stats import THRESHOLD
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 PRECEDENCE = ("Settings, from lowest to highest precedence: the defaults (the reference's book mode), a "
@@ -36,6 +37,21 @@ NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPU
 Overrides = Annotated[Optional[list[str]], typer.Argument(
     metavar="KEY=VALUE", show_default=False,
     help="Settings as in a YAML file, e.g. lora_rank=16 precision=bf16 (values read as YAML reads them).")]
+
+
+# the verdict's threshold in percent, shared by report and compare
+THRESHOLD_PCT = 100 * THRESHOLD
+Threshold = Annotated[float, typer.Option(
+    "--threshold", metavar="PCT", show_default=False,
+    help=f"A ratio counts as slower / faster only where its whole 95 % interval lies beyond 1 ± PCT % "
+         f"(default {THRESHOLD_PCT:g}).")]
+
+
+def threshold_fraction(pct: float, flag: str = "--threshold") -> float:
+    """PCT as a fraction; refuses what no ratio can clear or what is not a number."""
+    if not (0 <= pct < 100):  # also refuses NaN
+        raise UsageError(f"{flag} {pct:g}: give a percentage from 0 up to (not including) 100")
+    return pct / 100
 
 
 def results_dir_option(help: str) -> Any:

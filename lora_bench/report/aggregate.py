@@ -1,10 +1,8 @@
 """Aggregation of finished runs (never runs anything): group the repeats of each configuration
-(median and IQR of numbers; the verdicts of text columns counted), compare against a baseline.
-
-Within-spread rule: a group's difference from the baseline is marked '≈' when
-|median(group) − median(baseline)| ≤ max(IQR(group), IQR(baseline)), the IQRs taken over repeats
-of the primary metric. Such a difference is inside the run-to-run spread and should not be read as
-a speed-up or slow-down. With fewer than 2 repeats on either side the spread is unknown: '?'."""
+(the median of each number with its 95 % interval, the verdicts of text columns counted), compare
+against a baseline: the ratio of medians with its 95 % interval and the verdict read off it
+(lora_bench.report.stats: percentile bootstrap over repeats, or over the steps of a group's one
+run; slower / faster only where the whole interval clears 1 ± the threshold)."""
 
 from __future__ import annotations
 
@@ -16,31 +14,52 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from lora_bench.config import TRAINABLE_LAYERS
+from lora_bench.config import PATH_SETTINGS, TRAINABLE_LAYERS
 from lora_bench.errors import UsageError
+from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
-from lora_bench.report.load import MODE
+from lora_bench.report.load import MODE, shared_ids_note
 from lora_bench.report.names import MODE_FIELDS, is_blank
+from lora_bench.report.samples import estimate, sample
 from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
 
-FORMATS = ("table", "markdown", "csv", "html")
+FORMATS = ("table", "markdown", "csv", "html", "json")
 PHASE_METRICS = ("data_ms_median", "forward_ms_median", "backward_ms_median", "optimizer_ms_median")
 DEFAULT_METRICS = ("step_ms_median", *PHASE_METRICS, "training_time_s", "val_acc", "test_acc")
-NOT_GROUPED = {SETTING_PREFIX + "data_file", SETTING_PREFIX + "weights_dir"}  # paths differ per machine
+EXTRA_METRICS = ("tokens_per_s",)  # in the CSV and JSON tables besides the metrics shown
+NOT_GROUPED = {SETTING_PREFIX + k for k in PATH_SETTINGS}  # paths differ per machine
 # a seed that differs across repeats makes them repeats over seeds, not separate configurations
 REPEAT_SETTINGS = {SETTING_PREFIX + "seed"}
 SIZE_ORDER = ("tiny", "124M", "355M", "774M", "1558M")
-RULE = ("≈: |Δ median| ≤ max(IQR of the group, IQR of the baseline), i.e. within run-to-run spread; "
-        "?: fewer than 2 repeats on a side, spread unknown")
+SPEED_UNITS = ("ms", "s", "min", "tokens/s", "TFLOP/s")
+
+
+def rule(threshold: float = stats.THRESHOLD) -> str:
+    """The verdict rule, as the notes under a table state it."""
+    return stats.rule_text(threshold)
+
+
+def metric_sense(col: str) -> tuple[bool | None, bool]:
+    """(higher is better, or None where the schema names no direction; whether it is a speed:
+    a time or a throughput)."""
+    c = column_index().get(col)
+    better = {"higher": True, "lower": False}.get(getattr(c, "better", ""))
+    speed = c is not None and (c.unit in SPEED_UNITS or col == "mfu") and better is not None
+    return better, speed
 
 
 @dataclass
 class Report:
     keys: list[str]  # grouping columns
     metrics: list[str]
-    groups: pd.DataFrame  # one row per group: keys, n, <metric> (median or text summary), <metric>_iqr, ratio, within, is_baseline
+    # one row per group: keys, n, per metric <m> (median, or text summary) and <m>_lo, <m>_hi, <m>_over (its
+    # 95 % interval and what it resamples); ratio, ratio_lo, ratio_hi, ratio_over, verdict, is_baseline
+    groups: pd.DataFrame
     done: pd.DataFrame  # the runs aggregated (status done)
     baseline: dict[str, str] = field(default_factory=dict)
+    threshold: float = stats.THRESHOLD
+    extras: list[str] = field(default_factory=list)  # numbers of the CSV and JSON tables only (p10/p90, tokens/s)
+    text_metrics: list[str] = field(default_factory=list)  # metrics of words, summarised by counting
     excluded: dict[str, int] = field(default_factory=dict)  # status -> runs left out
     notes: list[str] = field(default_factory=list)  # why a metric is empty, what was left out
 
@@ -50,7 +69,7 @@ class Report:
 
 
 def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline: str | None = None,
-                 metrics: list[str] | None = None) -> Report:
+                 metrics: list[str] | None = None, threshold: float = stats.THRESHOLD) -> Report:
     done = df[df["status"] == "done"].copy()
     excluded = {str(k): int(v) for k, v in df.loc[df["status"] != "done", "status"].value_counts().items()}
     if done.empty:
@@ -58,7 +77,7 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
         raise UsageError(f"nothing to report: {len(df)} run(s) found, none finished ({what}); "
                          "their errors are in the error column of runs.csv")
     keys = [resolve_column(done, k) for k in group_by] if group_by else default_keys(done)
-    notes = []
+    notes = [n for n in (shared_ids_note(df),) if n]
     if metrics:
         metrics = [resolve_column(done, m, metric=True) for m in metrics]
         for m in metrics:
@@ -75,21 +94,52 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
     spec = parse_baseline(baseline, done) if baseline else {}
     if spec and is_text(done, metrics[0]):
         notes.append(f"{metrics[0]} is text: no ratio to the baseline (put a numeric metric first)")
+    extras = extra_metrics(done, metrics)
     records = []
     for values, g in done.groupby(keys, sort=False, dropna=False):
         rec = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
         rec["n"] = len(g)
-        for m in metrics:
+        for m in [*metrics, *extras]:
             if is_text(done, m):
-                rec[m], rec[f"{m}_iqr"] = text_summary(g[m]), math.nan
+                rec[m] = text_summary(g[m])
+                rec.update({f"{m}_lo": math.nan, f"{m}_hi": math.nan, f"{m}_over": ""})
             else:
-                rec[m], rec[f"{m}_iqr"] = median_iqr(g[m])
+                rec.update(estimate_columns(m, estimate(g, m)))
         if spec and not is_text(done, metrics[0]):
-            rec.update(against_baseline(rec, g, done, keys=keys, spec=spec, metric=metrics[0]))
+            rec.update(against_baseline(rec, g, done, keys=keys, spec=spec, metric=metrics[0], threshold=threshold))
         records.append(rec)
     records.sort(key=lambda r: tuple(order_key(r[k], col=k) for k in keys))
     return Report(keys=keys, metrics=metrics, groups=pd.DataFrame(records), done=done, baseline=spec,
+                  threshold=threshold, extras=extras, text_metrics=[m for m in metrics if is_text(done, m)],
                   excluded=excluded, notes=notes)
+
+
+def extra_metrics(done: pd.DataFrame, metrics: list[str]) -> list[str]:
+    """The p10 and p90 beside each ``*_median`` metric, and tokens/s, where the runs hold them."""
+    out = []
+    for m in metrics:
+        if m.endswith("_median"):
+            out += [m.removesuffix("_median") + q for q in ("_p10", "_p90")]
+    out += EXTRA_METRICS
+    return [c for c in dict.fromkeys(out) if c not in metrics and not is_empty(done, c)]
+
+
+def estimate_columns(metric: str, e: stats.Estimate) -> dict:
+    return {metric: e.value, f"{metric}_lo": e.lo, f"{metric}_hi": e.hi, f"{metric}_over": e.over}
+
+
+def estimate_of(rec: dict, metric: str) -> stats.Estimate:
+    """A group's estimate back from its columns."""
+    over = rec.get(f"{metric}_over") or ""
+    return stats.Estimate(_float(rec.get(metric)), _float(rec.get(f"{metric}_lo")), _float(rec.get(f"{metric}_hi")),
+                          n=int(rec.get("n") or 0), over=over if isinstance(over, str) else "")
+
+
+def _float(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def varying_settings(done: pd.DataFrame) -> list[str]:
@@ -175,40 +225,29 @@ def matches(df: pd.DataFrame, spec: dict) -> pd.Series:
 
 
 def against_baseline(rec: dict, g: pd.DataFrame, done: pd.DataFrame, *, keys: list[str], spec: dict,
-                     metric: str) -> dict:
-    """Ratio of this group's median to its baseline's: the baseline runs that share this group's
-    other settings (e.g. the same model size), or the only baseline group if there is one."""
+                     metric: str, threshold: float) -> dict:
+    """Ratio of this group's median to its baseline's, with its interval and verdict: against the
+    baseline runs that share this group's other settings (e.g. the same model size), or the only
+    baseline group if there is one."""
     base = done[matches(done, spec)]
     other = [k for k in keys if k not in spec]
     same_rows = base[matches(base, {k: rec[k] for k in other})] if other else base
     if same_rows.empty and base.groupby(keys, dropna=False).ngroups == 1:
         same_rows = base
     is_base = bool(matches(g, spec).all())
-    med = rec[metric]
-    if same_rows.empty or pd.isna(med):
-        return {"ratio": math.nan, "within": None, "is_baseline": is_base}
-    b_med, b_iqr = median_iqr(same_rows[metric])
-    return {"ratio": med / b_med if b_med else math.nan, "within": within_spread(med, rec[f"{metric}_iqr"], b_med, b_iqr),
+    if same_rows.empty or pd.isna(rec[metric]):
+        r = stats.NONE
+    else:
+        r = stats.ratio_interval(sample(g, metric), sample(same_rows, metric))
+    higher, speed = metric_sense(metric)
+    word = "" if is_base or not r.known else stats.verdict(r, threshold=threshold, higher_is_better=bool(higher),
+                                                          speed=speed)
+    return {"ratio": r.value, "ratio_lo": r.lo, "ratio_hi": r.hi, "ratio_over": r.over, "verdict": word,
             "is_baseline": is_base}
-
-
-def within_spread(med: float, iqr: float, b_med: float, b_iqr: float) -> bool | None:
-    """The within-spread rule (module docstring): None when either spread is unknown."""
-    if pd.isna(iqr) or pd.isna(b_iqr) or pd.isna(med) or pd.isna(b_med):
-        return None
-    return bool(abs(med - b_med) <= max(iqr, b_iqr))
 
 
 def numbers(s: pd.Series) -> pd.Series:
     return pd.to_numeric(s, errors="coerce").dropna().astype(float)
-
-
-def median_iqr(s: pd.Series) -> tuple[float, float]:
-    v = numbers(s)
-    if v.empty:
-        return math.nan, math.nan
-    iqr = float(v.quantile(0.75) - v.quantile(0.25)) if len(v) >= 2 else math.nan
-    return float(v.median()), iqr
 
 
 def text_summary(s: pd.Series) -> str:

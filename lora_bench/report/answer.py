@@ -1,8 +1,10 @@
 """The answer paragraph, generated from the study by explicit rules (never written by hand). Each
 rule is a small function of the measured groups and returns one clause or sentence:
 
-- ``verdict``: a group is 'slower' / 'faster' than its baseline by the ratio of median step times,
-  'as fast' when the difference is within the run-to-run spread (aggregate.within_spread);
+- ``verdict``: a group is 'slower' / 'faster' than its baseline where the 95 % interval of the
+  ratio of median step times clears 1 ± the threshold, 'no difference' where it lies inside that
+  band, 'unclear' otherwise (lora_bench.report.stats.verdict); every ratio and median stated
+  carries its interval in brackets;
 - ``crossover``: the two adjacent sizes between which a variant turns from slower to faster (it
   must stay faster at every larger size);
 - ``host_bound_phases``: the phases every repeat recorded as host-bound (the run's bound_* column:
@@ -13,8 +15,8 @@ rule is a small function of the measured groups and returns one clause or senten
 - ``phase_deltas``: the phases whose device time changes by at least MIN_CHANGE of the baseline's step;
 - ``why_slower`` / ``why_faster``: these clauses for the primary variant at the smallest size where
   it is slower and the largest size where it is faster, in each mode;
-- ``accuracy_sentence``: the differences in accuracy from the baseline that lie outside the spread
-  over seeds (the same within-spread rule on accuracy), or the largest one when all lie within;
+- ``accuracy_sentence``: the differences in accuracy from the baseline whose 95 % interval leaves
+  out 0 (outside the spread over seeds), or the largest one when none does;
 - ``answer``: one bullet per mode and condition, explanations for the first condition, accuracy last."""
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lora_bench.report import stats
 from lora_bench.report.names import count_text
+from lora_bench.report.stats import Estimate, span_text
 from lora_bench.report.study import Group, Line, Study
 from lora_bench.results.metrics import HOST_BOUND_RATIO
 from lora_bench.timing import PHASES
@@ -32,16 +36,20 @@ MIN_CHANGE = 0.02  # nor a change of a phase under 2 % of the baseline's step
 
 
 def ratio_text(g: Group) -> str:
-    mark = " (within run-to-run spread)" if g.within else ""
-    return f"{g.ratio:.2f}×{mark}"
+    """'1.50× [1.47–1.53]': the ratio of medians and its 95 % interval."""
+    return f"{g.ratio:.2f}× {span_text(g.ratio_estimate)}"
 
 
 def verdict(g: Group) -> str:
+    """The group's verdict against its baseline (stats.verdict); 'unknown' without a ratio."""
     if math.isnan(g.ratio):
         return "unknown"
-    if g.within:
-        return "as fast"
-    return "slower" if g.ratio > 1 else "faster" if g.ratio < 1 else "as fast"
+    return g.verdict or stats.UNCLEAR
+
+
+def ms_text(e: Estimate) -> str:
+    """'77.0 ms [76.1–78.0]': a median step time and its 95 % interval."""
+    return f"{e.median:.1f} ms {span_text(e, digits=1)}"
 
 
 def crossover(groups: list[Group]) -> str:
@@ -61,8 +69,8 @@ def crossover(groups: list[Group]) -> str:
 
 
 def crossover_sentence(line: Line, *, base: str) -> str:
-    """'lora takes 1.54× all's step time at 124M and 0.84× at 1558M: the crossover lies between
-    774M and 1558M'."""
+    """'lora takes 1.54× [1.50–1.58] all's step time at 124M and 0.84× [0.83–0.85] at 1558M: the
+    crossover lies between 774M and 1558M'."""
     gs = [g for g in line.groups if not math.isnan(g.ratio)]
     if not gs:
         return f"{line.variant}: no {base} runs to compare with"
@@ -72,7 +80,7 @@ def crossover_sentence(line: Line, *, base: str) -> str:
     else:
         head = (f"{line.variant} takes {ratio_text(gs[0])} {base}'s step time at {gs[0].size} "
                 f"and {ratio_text(gs[-1])} at {gs[-1].size}")
-    unknown = " (one run per group: the spread is unknown)" if all(g.within is None for g in gs) else ""
+    unknown = " (no interval: one run per group)" if not any(g.ratio_estimate.has_interval for g in gs) else ""
     if where.startswith("between"):
         return f"{head}: the crossover lies {where}{unknown}"
     if where and len(gs) > 1:
@@ -126,8 +134,7 @@ def phase_deltas(g: Group, b: Group) -> str:
 
 def step_change(g: Group, b: Group) -> str:
     d = pct(g.step.median, b.step.median)
-    return (f"its step is {abs(d):.0f} % {'longer' if d > 0 else 'shorter'} "
-            f"({g.step.median:.1f} vs {b.step.median:.1f} ms)")
+    return f"its step is {abs(d):.0f} % {'longer' if d > 0 else 'shorter'} ({ms_text(g.step)} vs {ms_text(b.step)})"
 
 
 def why_slower(g: Group, b: Group) -> str:
@@ -151,9 +158,10 @@ def why_faster(g: Group, b: Group, *, smallest: Group | None) -> str:
     if opt is not None and opt.device.known and b.step.median:
         out += f" The optimizer alone takes {100 * opt.device.median / b.step.median:.0f} % of {b.variant}'s step"
         out += "." if smallest is None else ""
-    if smallest is not None and not (math.isnan(b.mfu) or math.isnan(smallest.mfu)) and b.size != smallest.size:
-        out += (f"{';' if out.endswith('step') else ''} {b.variant} reaches MFU {b.mfu:.2f} at {b.size} against "
-                f"{smallest.mfu:.2f} at {smallest.size}: more of its step is arithmetic, which LoRA reduces.")
+    if smallest is not None and b.mfu.known and smallest.mfu.known and b.size != smallest.size:
+        out += (f"{';' if out.endswith('step') else ''} {b.variant} reaches MFU {b.mfu.median:.2f} "
+                f"{span_text(b.mfu)} at {b.size} against {smallest.mfu.median:.2f} {span_text(smallest.mfu)} at "
+                f"{smallest.size}: more of its step is arithmetic, which LoRA reduces.")
     elif out.endswith("step"):
         out += "."
     return out
@@ -185,29 +193,32 @@ def host_bound_summary(groups: list[Group]) -> str:
 def accuracy_sentence(study: Study) -> str:
     metric = study.accuracy_metric
     pairs = [(g, *study.accuracy_vs_base(g)) for g in study.groups if not g.is_baseline]
-    pairs = [(g, d, w) for g, d, w in pairs if not math.isnan(d)]
+    pairs = [(g, d, w) for g, d, w in pairs if d.known]
     if not pairs:
         return ""
     name = "test accuracy" if metric == "test_acc" else "validation accuracy"
     n_seeds = max(len(g.seeds) for g in study.groups)
     over = f"median over {n_seeds} seeds" if study.seeds_vary else "repeats share one seed, so the spread is run-to-run only"
-    outside = [(g, d) for g, d, w in pairs if w is False]
+    outside = [(g, d) for g, d, w in pairs if w is True]
     unknown = sum(1 for _, _, w in pairs if w is None)
 
     def where(g: Group) -> str:
         return " · ".join(p for p in (g.size, g.mode, g.condition) if p)
 
+    def points(d: Estimate) -> str:
+        return f"{d.value:+.2f} points {span_text(d)}"
+
     if outside:
-        listed = "; ".join(f"{g.variant} {d:+.2f} points at {where(g)}" for g, d in
-                           sorted(outside, key=lambda t: -abs(t[1]))[:3])
+        listed = "; ".join(f"{g.variant} {points(d)} at {where(g)}" for g, d in
+                           sorted(outside, key=lambda t: -abs(t[1].value))[:3])
         rest = len(pairs) - len(outside) - unknown
         text = (f"{_cap(name)} ({over}): outside the spread over seeds: {listed}"
                 f"{f'; {rest} other difference(s) within it' if rest else ''}")
     else:
-        g, d, _ = max(pairs, key=lambda t: abs(t[1]))
+        g, d, _ = max(pairs, key=lambda t: abs(t[1].value))
         text = (f"{_cap(name)} ({over}): every difference from the baseline is within the spread over seeds"
                 if unknown < len(pairs) else f"{_cap(name)} ({over}): one run per group, so the spread is unknown")
-        text += f" (largest: {g.variant} {d:+.2f} points at {where(g)})"
+        text += f" (largest: {g.variant} {points(d)} at {where(g)})"
     return text + (f"; {unknown} group(s) with one run: spread unknown" if unknown and outside else "") + "."
 
 

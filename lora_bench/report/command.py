@@ -1,10 +1,12 @@
 """``lora-bench report``: read result folders, build the study and its answer, render it to the
-terminal, Markdown, one self-contained HTML page or CSV, and draw its figures.
+terminal, Markdown, one self-contained HTML page, CSV or JSON, and draw its figures.
 
-With ``--metrics`` or ``--group-by`` (and for CSV) the output is the table of groups alone, as
-asked. Figures: ``--plot FILE`` writes the crossover to FILE and the phases beside it
-(FILE-phases.png); Markdown written to a file gets them beside it unless --plot names them; HTML
-embeds them."""
+With ``--metrics`` or ``--group-by`` (and for CSV and JSON) the output is the table of groups
+alone, as asked. Figures: ``--plot FILE`` writes the crossover to FILE and the phases beside it
+(FILE-phases); where the runs hold no crossover (one model size, no baseline) FILE gets the phase
+figure, and where no figure applies the command stops with the reason (exit 2). Markdown written
+to a file gets its figures beside it unless --plot names them; HTML embeds them. No two figures,
+and no figure and the report, share a file."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.load import load_results
 from lora_bench.report.render_html import to_html
+from lora_bench.report.render_json import report_json
 from lora_bench.report.render_markdown import to_markdown
 from lora_bench.report.render_terminal import print_document
+from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study
 from lora_bench.report.tables import to_csv
 
@@ -29,7 +33,7 @@ FIGURES = ("crossover", "phases")
 
 
 def report_command(paths: list[Path], *, group_by: str | None, baseline: str | None, metrics: str | None,
-                   fmt: str, output: Path | None, plot: Path | None, console) -> None:
+                   fmt: str, output: Path | None, plot: Path | None, console, threshold: float = THRESHOLD) -> None:
     """What ``lora-bench report`` does: read, aggregate, explain, render, draw."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not allowed; choose one of: {', '.join(FORMATS)}")
@@ -38,19 +42,22 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
         return [s for s in (t.strip() for t in text.split(",")) if s] if text else None
 
     df = load_results(paths)
-    table_only = bool(group_by or metrics) or fmt == "csv"
-    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=baseline)
-    study = build_study(df, baseline=baseline, title=_title(paths))
-    if not table_only and study.baseline_text and not baseline:  # the table of groups against the study's baseline
-        rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=study.baseline_text)
+    table_only = bool(group_by or metrics) or fmt in ("csv", "json")
+    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=baseline, threshold=threshold)
+    study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
+    if study.baseline_text and not baseline and not (group_by or metrics):  # the groups against the study's baseline
+        rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=study.baseline_text,
+                           threshold=threshold)
     drawn = _draw(study, fmt=fmt, output=output, plot=plot, table_only=table_only)
-    wrote = list(drawn["files"].values())
+    wrote = list(dict.fromkeys(drawn["files"].values()))
     if table_only:
         doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(map(str, paths))}")
     else:
         doc = build_document(study, rep, figures=set(drawn["files"]) | set(drawn["embedded"]))
     if fmt == "csv":
         _emit(to_csv(rep), output, console)
+    elif fmt == "json":
+        _emit(report_json(rep, notes=drawn["notes"]), output, console)
     elif fmt == "markdown":
         links = {k: _relative(p, output) for k, p in drawn["files"].items()}
         _emit(to_markdown(doc, figures=links), output, console)
@@ -64,27 +71,51 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
             print_document(doc, console)
     if output:
         wrote.insert(0, output)
+    status = console if fmt not in ("csv", "json") or output else Console(stderr=True)  # stdout stays parseable
+    for note in drawn["notes"]:
+        status.print(note, highlight=False, markup=False)
     for path in wrote:
-        console.print(f"wrote {path}", highlight=False)
+        status.print(f"wrote {path}", highlight=False, markup=False)
 
 
 def _title(paths: list[Path]) -> str:
     return ", ".join(Path(p).resolve().name if Path(p).is_dir() else Path(p).resolve().parent.name for p in paths)
 
 
-def _draw(study, *, fmt: str, output: Path | None, plot: Path | None, table_only: bool) -> dict:
-    """Draw the figures the output needs: files (key -> path) and embedded (key -> base64 PNG)."""
-    files: dict[str, Path] = {}
+def figure_paths(plot: Path | None, *, fmt: str, output: Path | None, table_only: bool) -> dict[str, Path]:
+    """Where each figure goes: --plot FILE for the crossover and FILE-phases beside it, else beside
+    a Markdown file; refuses a figure path that is the report's own file."""
     if plot is not None:
-        files = {"crossover": Path(plot), "phases": Path(plot).with_name(f"{Path(plot).stem}-phases{Path(plot).suffix}")}
+        plot = Path(plot)
+        files = {"crossover": plot, "phases": plot.with_name(f"{plot.stem}-phases{plot.suffix}")}
     elif fmt == "markdown" and output is not None and not table_only:
         files = {k: Path(output).with_name(f"{Path(output).stem}-{k}.png") for k in FIGURES}
+    else:
+        return {}
+    if output is not None and any(p.resolve() == Path(output).resolve() for p in files.values()):
+        raise UsageError(f"--plot {plot}: a figure would overwrite the report's --output {output}; "
+                         "give the figure another name")
+    return files
+
+
+def _draw(study, *, fmt: str, output: Path | None, plot: Path | None, table_only: bool) -> dict:
+    """Draw the figures the output needs: files (key -> path), embedded (key -> base64 PNG) and
+    notes (what was drawn instead of what, and why)."""
+    files = figure_paths(plot, fmt=fmt, output=output, table_only=table_only)
     embed = fmt == "html" and not table_only
+    out = {"files": {}, "embedded": {}, "notes": []}
     if not files and not embed:
-        return {"files": {}, "embedded": {}}
-    out = {"files": {}, "embedded": {}}
-    for key, make in (("crossover", figs.crossover_figure), ("phases", figs.phase_figure)):
-        fig = make(study)
+        return out
+    made = {key: make(study) for key, make in (("crossover", figs.crossover_figure), ("phases", figs.phase_figure))}
+    if plot is not None:
+        if made["crossover"] is None and made["phases"] is None:
+            raise UsageError(f"--plot {plot}: no figure applies to these runs: {figs.why_no_crossover(study)}, and "
+                             "no phase was timed (the phase figure needs step timings: timing=off leaves none)")
+        if made["crossover"] is None:  # the file asked for holds the figure that applies
+            files["phases"] = files.pop("crossover")
+            out["notes"].append(f"no crossover figure ({figs.why_no_crossover(study)}): {plot} holds the phase "
+                                "figure")
+    for key, fig in made.items():
         if fig is None:
             continue
         if key in files:

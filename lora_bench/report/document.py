@@ -11,8 +11,11 @@ import pandas as pd
 from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
+from lora_bench.report.stats import threshold_text
 from lora_bench.report.study import Study
 from lora_bench.report.tables import (
+    STEP_STATISTIC,
+    STEPS_FOOTNOTE,
     Table,
     accuracy_table,
     crossover_table,
@@ -53,10 +56,12 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
     sections = []
     points = answer(study)
     if points:
-        sections.append(Section("Answer", points=points, first_screen=True,
-                                text=[(f"On {study.device}, median step time over repeats; a ratio below 1.0 is "
-                                      f"faster than {study.baseline_text}. Generated from the runs by the rules in "
-                                      f"`{RULES_AT}`.")]))
+        intro = (f"On {study.device}, the {STEP_STATISTIC}; a ratio below 1.0 is faster than "
+                 f"{study.baseline_text}. In brackets: 95 % intervals (percentile bootstrap over repeats); slower or "
+                 f"faster only where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
+                 f"from the runs by the rules in `{RULES_AT}`.")
+        text = [intro] + ([STEPS_FOOTNOTE + "."] if study.per_step else [])
+        sections.append(Section("Answer", points=points, first_screen=True, text=text))
         sections.append(Section("The crossover", tables=[crossover_table(study)], first_screen=True,
                                 figure="crossover" if "crossover" in figures else ""))
     else:

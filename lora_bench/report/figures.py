@@ -1,12 +1,15 @@
 """Report figures with matplotlib's Agg backend (files only: works on headless GPU hosts):
 
 - the crossover: step time relative to the baseline against model size (log axis labelled with
-  the sizes), one line per variant and execution mode, error bars from the repeats, the 1.0 line
-  labelled, one panel per condition (e.g. batch size) when each panel has two sizes or more;
+  the sizes), one line per variant and execution mode, error bars the ratio's 95 % interval, the
+  1.0 line labelled, one panel per condition (e.g. batch size) when each panel has two sizes or more;
 - the phases: per execution mode, at the smallest and largest size, device and host time of each
-  phase for every variant, side by side (host-bound phases have host bars as long as device bars).
+  phase for every variant, side by side (host-bound phases have host bars as long as device bars);
+  each bar ends at the group's median step (the number beside it, with its 95 % interval, the
+  same statistic as the tables' step ms), its segments the phases' medians.
 
-Titles name the device; legends sit outside the data."""
+Titles and axis labels name the statistic drawn and the device; legends sit outside the data; a
+note under a figure says where an interval is over the steps of one run (†)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import io
 import math
 from pathlib import Path
 
+from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, span_text
 from lora_bench.report.study import Group, Study
 
 PHASE_COLOURS = {"data": "#9e9e9e", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
@@ -33,6 +37,17 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def why_no_crossover(study: Study) -> str:
+    """Why crossover_figure draws nothing, in a clause ('' when it draws)."""
+    if not study.baseline:
+        return "no baseline to divide by (the runs hold one trainable-layer choice; pick one with --baseline)"
+    if len(study.sizes) < 2:
+        return f"the crossover needs two model sizes or more, and these runs have one ({', '.join(study.sizes)})"
+    if not any(not math.isnan(g.ratio) for ln in study.lines for g in ln.groups):
+        return "no group has a baseline group of the same size, mode and condition"
+    return ""
 
 
 def crossover_figure(study: Study):
@@ -57,12 +72,18 @@ def crossover_figure(study: Study):
             colour = MODE_COLOURS[modes.index(ln.mode) % len(MODE_COLOURS)]
             style, marker = VARIANT_STYLES[variants.index(ln.variant) % len(VARIANT_STYLES)]
             label = ln.label + (f" · {ln.condition}" if cond is None and ln.condition else "")
-            yerr = [[g.ratio - g.ratio_lo if g.n > 1 else 0 for g in gs], [g.ratio_hi - g.ratio if g.n > 1 else 0 for g in gs]]
+            known = [g.ratio_estimate.has_interval for g in gs]
+            yerr = [[g.ratio - g.ratio_lo if k else 0 for g, k in zip(gs, known)],
+                    [g.ratio_hi - g.ratio if k else 0 for g, k in zip(gs, known)]]
             hollow = cond is None and conditions.index(ln.condition) % 2 == 1  # one panel: conditions by fill
             h = ax.errorbar([g.params for g in gs], [g.ratio for g in gs], yerr=yerr, color=colour, ls=style,
                             marker=marker, capsize=3, lw=1.2 if hollow else 1.6, ms=7 if hollow else 6,
                             mfc="white" if hollow else colour, label=label)
             handles[label] = h
+            for g in gs:
+                if g.ratio_estimate.per_step:
+                    ax.annotate(STEPS_MARK, xy=(g.params, g.ratio_hi), xytext=(3, 0), textcoords="offset points",
+                                fontsize=9, color=colour)
         _size_axis(ax, study)
         ax.axhline(1.0, color="black", lw=0.9, ls="--", zorder=0)
         ax.annotate(f"1.0 = as fast as {base}", xy=(1.0, 1.0), xycoords=("axes fraction", "data"),
@@ -74,13 +95,17 @@ def crossover_figure(study: Study):
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"step time / {base}'s\n(median over repeats; bars: range)")
+        ax.set_ylabel(f"median step / {base}'s\n(medians of repeats' median step; bars: 95 % CI)")
     fig.suptitle(f"{_on(study)}step time relative to {study.baseline_text} by model size\n"
                  f"below 1.0: faster than {base}", fontsize=11)
     ncol = cols if max(len(k) for k in handles) > 45 else cols + 1  # long labels: one column per panel
     ncol = min(ncol, len(handles))
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     legend_in = 0.19 * math.ceil(len(handles) / ncol) + 0.25
+    drawn = [g for ln in lines for g in ln.groups if not math.isnan(g.ratio)]
+    if any(g.ratio_estimate.per_step for g in drawn):
+        legend_in += 0.2
+        fig.text(0.01, 0.005, f"{STEPS_MARK} {STEPS_NOTE}", fontsize=7, ha="left", va="bottom")
     fig.set_figheight(fig.get_figheight() + legend_in - 1.4 if legend_in > 1.4 else fig.get_figheight())
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     return fig
@@ -144,19 +169,26 @@ def phase_figure(study: Study):
         names = [*BAR_ORDER[:-1], "data (on the host: incl. waiting for the GPU)", "hatched: host time"]
     fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
     title = (f"{_on(study)}where a step's time goes{', device vs host' if two else ''}"
-             f"{' (' + cond + ')' if cond else ''}, median ms over repeats")
+             f"{' (' + cond + ')' if cond else ''}: medians over repeats of each run's median ms")
     if two:
         title += "\na host segment as long as its device segment: that phase is host-bound (the GPU waits for Python)"
     fig.suptitle(title, fontsize=11)
+    drawn = [g for g in study.groups if g.mode in modes and g.condition == cond and g.size in sizes]
+    if any(g.step.per_step for g in drawn):
+        fig.text(0.01, 0.005, f"{STEPS_MARK} {STEPS_NOTE}", fontsize=7, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
 def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
+    """Per group and clock a bar of the phases' medians, and the group's median step (which the
+    phase medians need not add up to: phase_sum_pct) as a black mark with its 95 % interval and
+    its number beside it: the same statistic as the tables' step ms."""
     names, y = [], 0.0
     ticks = []
     for g in groups:
         for clock in ("device", "host") if g.two_clocks else ("device",):
+            step = g.step if clock == "device" else g.host_step
             left = 0.0
             for ph in BAR_ORDER:
                 s = getattr(g.phases[ph], clock)
@@ -165,16 +197,24 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
                         hatch="//" if clock == "host" else None, edgecolor="white" if clock == "device" else "black",
                         linewidth=0.4)
                 left += v
-            ax.text(left, y, f" {left:.1f}", va="center", fontsize=7)
+            end = left
+            if step.known:
+                err = [[step.median - step.lo], [step.hi - step.median]] if step.has_interval else None
+                ax.errorbar([step.median], [y], xerr=err, fmt="|", color="black", ms=12, elinewidth=0.9, capsize=2)
+                end = max(left, step.hi if step.has_interval else step.median)
+                label = f"{step.median:.1f} {span_text(step, digits=1)}"
+            else:
+                label = f"Σ {left:.1f}"
+            ax.text(end, y, f" {label}", va="center", fontsize=7)
             ticks.append(y)
             names.append(f"{g.variant} · {clock}" if g.two_clocks else g.variant)
             y += 1
         y += 0.5
     ax.set_yticks(ticks, names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step")
+    ax.set_xlabel("ms per step: segments = phase medians; black mark = median step [95 % CI]")
     ax.set_title(title, fontsize=9)
-    ax.margins(x=0.15)
+    ax.margins(x=0.25)
 
 
 def save(fig, path: Path) -> Path:

@@ -1,6 +1,11 @@
-"""Reading results for a report: every run under the given folders merged by run id, with two
-derived columns — ``run_dir`` (the folder holding the run's own files) and ``mode`` (the human name
-of its execution mode) — and the kernel counts a profiled run wrote."""
+"""Reading results for a report: every run under the given folders, one row per (folder, run id),
+with three derived columns — ``results_dir`` (the folder the row came from), ``run_dir`` (the folder
+holding the run's own files) and ``mode`` (the human name of its execution mode) — and the kernel
+counts a profiled run wrote.
+
+Within one folder (reached twice, e.g. as a folder and as its runs.csv) a run id keeps one row: a
+done row beats a failed one, otherwise the later start wins. Rows of one run id from different
+folders (the same sweep run on two machines) are all kept, and ``shared_ids_note`` says so."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from lora_bench.report.names import mode_name
 from lora_bench.results.store import read_run_table, read_runs, result_rows
 
 RUN_DIR = "run_dir"
+RESULTS_DIR = "results_dir"
 MODE = "mode"
 KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launches and kernel ms per phase
 
@@ -35,18 +41,19 @@ def result_dirs(path: Path) -> list[Path]:
 
 
 def load_results(paths: list[Path]) -> pd.DataFrame:
-    """Every run under ``paths`` (folders, runs.csv files, or a folder of result folders), merged
-    by run id (a done row beats a failed one; otherwise the later start wins), schema dtypes."""
-    merged: dict[str, dict] = {}
+    """Every run under ``paths`` (folders, runs.csv files, or a folder of result folders), one row
+    per (folder, run id) (see the module), schema dtypes."""
+    merged: dict[tuple[str, str], dict] = {}
     header: dict[str, None] = {}  # every column the folders' runs.csv files write
     for path in paths:
         for d in result_dirs(Path(path)):
             if (d / "runs.csv").is_file():  # an unreadable runs.csv is one clear error
                 header.update(dict.fromkeys(read_run_table(d / "runs.csv").header))
             for row in result_rows(d):
-                old = merged.get(row["run_id"])
+                key = (str(d.resolve()), row["run_id"])
+                old = merged.get(key)
                 if old is None or _rank(row) >= _rank(old):
-                    merged[row["run_id"]] = row | {RUN_DIR: str(d / row["run_id"])}
+                    merged[key] = row | {RESULTS_DIR: str(d), RUN_DIR: str(d / row["run_id"])}
     if not merged:
         shown = " ".join(str(p) for p in paths)
         raise UsageError(f"nothing to report: no results under {shown} "
@@ -62,6 +69,20 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]
     return df
+
+
+def shared_ids_note(df: pd.DataFrame) -> str:
+    """A note when one run id came from several folders: their rows are all kept (as repeats of
+    the same settings) rather than one hiding the others; '' otherwise."""
+    if RESULTS_DIR not in df or df.empty:
+        return ""
+    folders = df.groupby("run_id")[RESULTS_DIR].nunique()
+    shared = folders[folders > 1]
+    if shared.empty:
+        return ""
+    where = sorted(set(df.loc[df["run_id"].isin(shared.index), RESULTS_DIR]))
+    return (f"{len(shared)} run id(s) appear in more than one folder ({', '.join(where)}): every folder's row is "
+            "kept and counts as a repeat of its settings; `lora-bench compare` sets two folders side by side")
 
 
 def _rank(row: dict) -> tuple:

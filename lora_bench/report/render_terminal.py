@@ -1,6 +1,7 @@
 """A report on the terminal (rich): the question, the generated answer and the crossover table
 first, the details below. Tables print at their full width: a number is never clipped to fit a
-narrow terminal or a log's 80 columns."""
+narrow terminal or a log's 80 columns. Cells and notes are plain text, never rich markup (an
+interval '[1.47–1.53]' or a label from a results file prints as written)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ KEY_WIDTH = 30  # widest a name column gets before it wraps
 
 
 def table_rich(t: Table, *, title: str = "") -> RichTable:
-    rt = RichTable(title=title or None, title_justify="left", caption="\n".join(t.notes) or None,
-                   caption_justify="left", box=box.SIMPLE_HEAD, title_style="bold")
+    rt = RichTable(title=Text(title, style="bold") if title else None, title_justify="left",
+                   caption=Text("\n".join(t.notes)) if t.notes else None, caption_justify="left",
+                   box=box.SIMPLE_HEAD)
     for i, h in enumerate(t.head):
         if i < t.n_keys:  # names may wrap onto a second line; numbers never do
-            rt.add_column(h, justify="left", max_width=KEY_WIDTH, overflow="fold")
+            rt.add_column(Text(h), justify="left", max_width=KEY_WIDTH, overflow="fold")
         else:
-            rt.add_column(h, justify="right", no_wrap=True)
+            rt.add_column(Text(h), justify="right", no_wrap=True)
     for i, r in enumerate(t.rows):
-        rt.add_row(*r, end_section=(i + 1) in t.groups)
+        rt.add_row(*(Text(c) for c in r), end_section=(i + 1) in t.groups)
     return rt
 
 

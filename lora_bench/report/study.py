@@ -9,17 +9,18 @@ Rules (each stated where a reader sees its result):
   perturbs them); their kernel counts join the timed group with the same step shape and mode
   (model size, trainable layers, LoRA rank, batch, context, execution mode);
 - a seed that differs across repeats makes them repeats over seeds;
-- a ratio's range runs from min(group)/max(baseline) to max(group)/min(baseline) over repeats;
-- the within-spread mark is aggregate.within_spread, for step time and for accuracy alike."""
+- every median comes with its 95 % interval and every ratio of medians with its own, and a ratio's
+  verdict is read off its interval (lora_bench.report.stats); a difference in accuracy is outside
+  the seed noise where its interval leaves out 0."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 
+from lora_bench.report import stats
 from lora_bench.report.aggregate import (
     NOT_GROUPED,
     collapse_modes,
@@ -30,10 +31,11 @@ from lora_bench.report.aggregate import (
     same,
     text_summary,
     varying_settings,
-    within_spread,
 )
 from lora_bench.report.empty import why_empty
-from lora_bench.report.load import MODE, RUN_DIR, kernel_counts
+from lora_bench.report.load import MODE, RUN_DIR, kernel_counts, shared_ids_note
+from lora_bench.report.samples import estimate, sample
+from lora_bench.report.stats import Estimate
 from lora_bench.report.names import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.timing import PHASES
@@ -49,32 +51,9 @@ ACCURACIES = ("val_acc", "test_acc")
 
 
 @dataclass(frozen=True)
-class Spread:
-    """Median, IQR, min and max over the repeats of a group (NaN where unknown)."""
-    median: float
-    iqr: float
-    lo: float
-    hi: float
-    n: int
-
-    @classmethod
-    def of(cls, s: pd.Series) -> Spread:
-        v = pd.to_numeric(s, errors="coerce").to_numpy(dtype=float)
-        v = v[~np.isnan(v)]
-        if not len(v):
-            return cls(math.nan, math.nan, math.nan, math.nan, 0)
-        q1, med, q3 = np.quantile(v, (0.25, 0.5, 0.75))  # linear interpolation, as pandas' quantile
-        return cls(float(med), float(q3 - q1) if len(v) >= 2 else math.nan, float(v.min()), float(v.max()), len(v))
-
-    @property
-    def known(self) -> bool:
-        return self.n > 0
-
-
-@dataclass(frozen=True)
 class Phase:
-    device: Spread
-    host: Spread
+    device: Estimate  # median over repeats of each run's median, with its interval
+    host: Estimate
     bound: str  # 'host', 'device', 'host 1 · device 1' (repeats disagree) or ''
     launches: float | None = None  # kernels per step, from a profile
     kernel_ms: float | None = None  # summed kernel device time per step, from a profile
@@ -93,20 +72,22 @@ class Group:
     condition: str  # the other settings that differ between lines, e.g. 'batch 8'
     settings: dict  # the group's key columns and values
     runs: pd.DataFrame
-    step: Spread
+    step: Estimate  # median over repeats of each run's median step, with its interval
     phases: dict[str, Phase]
     seeds: list[str]
+    host_step: Estimate = stats.NONE  # the same of each run's median host step
     tokens_per_step: float = math.nan
-    tokens_per_s: float = math.nan
-    mfu: float = math.nan
+    tokens_per_s: Estimate = stats.NONE
+    mfu: Estimate = stats.NONE
     flops_per_step: float = math.nan
     params: float = math.nan  # parameters of the base model (the smallest count at this size)
-    accuracy: dict[str, Spread] = field(default_factory=dict)
+    accuracy: dict[str, Estimate] = field(default_factory=dict)
     is_baseline: bool = False
-    ratio: float = math.nan
-    ratio_lo: float = math.nan
+    ratio: float = math.nan  # median step / the baseline group's
+    ratio_lo: float = math.nan  # its 95 % interval
     ratio_hi: float = math.nan
-    within: bool | None = None
+    ratio_over: str = ""  # what the interval resamples: repeats, steps (of a one-run group) or nothing
+    verdict: str = ""  # lora_bench.report.stats.verdict of the ratio ('' for the baseline itself)
     profile: str = ""  # run id of the profiled run whose kernel counts are shown
     counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # its (launches, kernel ms) by phase
 
@@ -120,6 +101,10 @@ class Group:
         clocks = {str(v) for v in self.runs.get("timing_clock", [])}
         host_known = any(p.host.known for p in self.phases.values())
         return host_known and (not clocks or any(c.startswith("cuda") for c in clocks))
+
+    @property
+    def ratio_estimate(self) -> Estimate:
+        return Estimate(self.ratio, self.ratio_lo, self.ratio_hi, n=self.n, over=self.ratio_over)
 
     @property
     def line(self) -> tuple[str, str, str]:
@@ -192,6 +177,7 @@ class Study:
     profiles: list[Profile]
     seeds_vary: bool
     notes: list[str] = field(default_factory=list)
+    threshold: float = stats.THRESHOLD
 
     @property
     def device(self) -> str:
@@ -208,13 +194,19 @@ class Study:
         """test_acc where measured, else val_acc, else ''."""
         return next((a for a in reversed(ACCURACIES) if any(a in g.accuracy for g in self.groups)), "")
 
-    def accuracy_vs_base(self, g: Group) -> tuple[float, bool | None]:
-        """(Δ median accuracy in points against the baseline group, within the spread over seeds)."""
+    def accuracy_vs_base(self, g: Group) -> tuple[Estimate, bool | None]:
+        """(Δ median accuracy in points against the baseline group with its 95 % interval, whether
+        that interval leaves out 0: outside the spread over seeds; None without an interval)."""
         metric, b = self.accuracy_metric, self.base_of(g)
         if not metric or b is None or metric not in g.accuracy or metric not in b.accuracy:
-            return math.nan, None
-        ga, ba = g.accuracy[metric], b.accuracy[metric]
-        return ga.median - ba.median, within_spread(ga.median, ga.iqr, ba.median, ba.iqr)
+            return stats.NONE, None
+        d = stats.difference_interval(sample(g.runs, metric), sample(b.runs, metric))
+        return d, stats.excludes_zero(d)
+
+    @property
+    def per_step(self) -> bool:
+        """Some group has one run, so some interval is over the steps of that run."""
+        return any(g.step.per_step for g in self.groups)
 
     def conditions(self) -> list[str]:
         return list(dict.fromkeys(g.condition for g in self.groups))
@@ -230,11 +222,12 @@ def default_baseline(done: pd.DataFrame) -> str | None:
     return None
 
 
-def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "") -> Study:
+def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "",
+                threshold: float = stats.THRESHOLD) -> Study:
     done = df[df["status"] == "done"]
     profiled = _profiled(done)
-    timed = done[~done["run_id"].isin(profiled["run_id"])]
-    notes = []
+    timed = done.drop(index=profiled.index)
+    notes = [n for n in (shared_ids_note(df),) if n]
     if timed.empty:  # nothing but profiled runs: their times are all there is
         timed = done
         notes.append("every run had a profiler attached: its step times are perturbed by it")
@@ -257,7 +250,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     study = Study(header=_header(df, done, timed, title=title, spec=spec), baseline=spec,
                   baseline_text=", ".join(f"{setting_name(k)}={v}" for k, v in spec.items()),
                   variant_keys=list(spec), sizes=sizes, groups=groups, lines=[], profiles=[],
-                  seeds_vary=_seeds_vary(groups), notes=notes)
+                  seeds_vary=_seeds_vary(groups), notes=notes, threshold=threshold)
     untimed = [g for g in groups if not g.step.known]
     if untimed:
         runs = pd.concat([g.runs for g in untimed])
@@ -317,33 +310,35 @@ def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, res
     phases = {}
     for ph in PHASES:
         bound = text_summary(g[f"bound_{ph}"]) if f"bound_{ph}" in g else ""
-        phases[ph] = Phase(device=Spread.of(g.get(f"{ph}_ms_median", pd.Series(dtype=float))),
-                           host=Spread.of(g.get(f"host_{ph}_ms_median", pd.Series(dtype=float))), bound=bound)
+        phases[ph] = Phase(device=estimate(g, f"{ph}_ms_median"), host=estimate(g, f"host_{ph}_ms_median"),
+                           bound=bound)
     seeds = sorted({value_text(v) for v in g.get(SETTING_PREFIX + "seed", pd.Series(dtype=str)) if not is_blank(v)})
 
     def med(col: str) -> float:
-        return Spread.of(g[col]).median if col in g else math.nan
+        return float(numbers(g[col]).median()) if col in g and len(numbers(g[col])) else math.nan
 
     return Group(size=size, variant=variant, mode=value_text(_first(g, MODE)) if mode else "",
                  condition=condition_text({k: settings[k] for k in rest}), settings=settings, runs=g,
-                 step=Spread.of(g.get("step_ms_median", pd.Series(dtype=float))), phases=phases, seeds=seeds,
-                 tokens_per_step=med("tokens_per_step"), tokens_per_s=med("tokens_per_s"), mfu=med("mfu"),
+                 step=estimate(g, "step_ms_median"), host_step=estimate(g, "host_step_ms_median"), phases=phases,
+                 seeds=seeds,
+                 tokens_per_step=med("tokens_per_step"), tokens_per_s=estimate(g, "tokens_per_s"),
+                 mfu=estimate(g, "mfu"),
                  flops_per_step=med("flops_per_step"),
                  params=float(numbers(g["total_params"]).min()) if "total_params" in g and len(numbers(g["total_params"])) else math.nan,
-                 accuracy={a: acc for a in ACCURACIES if a in g and (acc := Spread.of(g[a])).known},
+                 accuracy={a: acc for a in ACCURACIES if a in g and (acc := estimate(g, a)).known},
                  is_baseline=bool(spec) and bool(matches(g, spec).all()))
 
 
 def _ratios(study: Study) -> None:
-    """Each group's step time against the baseline group of its size, mode and condition."""
+    """Each group's step time against the baseline group of its size, mode and condition: the ratio
+    of medians, its interval and its verdict."""
     for g in study.groups:
         b = study.base_of(g)
         if b is None or not (g.step.known and b.step.known) or not b.step.median:
             continue
-        g.ratio = g.step.median / b.step.median
-        g.ratio_lo = g.step.lo / b.step.hi if b.step.hi else math.nan
-        g.ratio_hi = g.step.hi / b.step.lo if b.step.lo else math.nan
-        g.within = None if g.is_baseline else within_spread(g.step.median, g.step.iqr, b.step.median, b.step.iqr)
+        r = stats.ratio_interval(sample(g.runs, "step_ms_median"), sample(b.runs, "step_ms_median"))
+        g.ratio, g.ratio_lo, g.ratio_hi, g.ratio_over = r.value, r.lo, r.hi, r.over
+        g.verdict = "" if g.is_baseline else stats.verdict(r, threshold=study.threshold)
     # the base model's size: LoRA adds adapter parameters, so the smallest count at a size is the model's
     smallest: dict[str, float] = {}
     for g in study.groups:

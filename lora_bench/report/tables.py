@@ -1,6 +1,7 @@
 """Every table of a report as plain text cells (one model for the terminal, Markdown and HTML
 renderers): the header facts, the crossover, where the time goes, kernel profiles, accuracy over
-seeds, and the table of all groups."""
+seeds, and the table of all groups. Every median and every ratio carries its 95 % interval in
+brackets (lora_bench.report.stats), marked † where it is over the steps of one run."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from lora_bench.report.aggregate import RULE, Report
+from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
+from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, Estimate, span_text
 from lora_bench.report.study import Group, Study
 from lora_bench.results.metrics import HOST_BOUND_RATIO
 from lora_bench.results.schema import column_index
 from lora_bench.timing import PHASES
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+CI = "[95 % CI]"
+STEP_STATISTIC = "median over repeats of each run's median step"
+STEPS_FOOTNOTE = f"{STEPS_MARK}: {STEPS_NOTE}"
 
 
 @dataclass
@@ -31,6 +36,23 @@ class Table:
 
 def num(v, digits: int = 1) -> str:
     return "-" if v is None or is_blank(v) or (isinstance(v, float) and math.isnan(v)) else f"{float(v):,.{digits}f}"
+
+
+def est(e: Estimate, digits: int = 1, *, lines: bool = False) -> str:
+    """A median and its interval: '33.4 [33.0–33.9]', on two lines where the renderer allows one."""
+    if not e.known:
+        return "-"
+    return f"{e.value:,.{digits}f}{chr(10) if lines else ' '}{span_text(e, digits=digits)}"
+
+
+NO_INTERVAL_NOTE = "(no interval): a group of one run with no steps.csv (or no per-step values) to resample"
+
+
+def interval_notes(*estimates: Estimate) -> list[str]:
+    """The footnotes for † (an interval over the steps of one run) and for a value without an
+    interval, where any of ``estimates`` is one."""
+    out = [STEPS_FOOTNOTE] if any(e.per_step for e in estimates) else []
+    return out + ([NO_INTERVAL_NOTE] if any(e.known and not e.has_interval for e in estimates) else [])
 
 
 # -- header --------------------------------------------------------------------------------------
@@ -67,13 +89,16 @@ def base_name(study: Study) -> str:
 
 
 def ratio_cell(g: Group | None) -> str:
+    """'1.50× slower' over '[1.47–1.53]' (a second line where the renderer allows one)."""
     if g is None or math.isnan(g.ratio):
         return "-"
-    mark = {True: " ≈", False: "", None: " ?"}[g.within]
-    rng = ""
-    if g.n > 1 or g.step.n > 1:
-        rng = f"\n({g.ratio_lo:.2f}–{g.ratio_hi:.2f})"  # a second line where the renderer allows one
-    return f"{g.ratio:.2f}×{mark}{rng}"
+    word = f" {g.verdict}" if g.verdict else ""
+    return f"{g.ratio:.2f}×{word}\n{span_text(g.ratio_estimate)}"
+
+
+def _shown(groups: list[Group]) -> list[Estimate]:
+    """The step medians and the ratios a table of these groups shows."""
+    return [*(g.step for g in groups), *(g.ratio_estimate for g in groups if not g.is_baseline)]
 
 
 def crossover_table(study: Study) -> Table:
@@ -88,15 +113,16 @@ def crossover_table(study: Study) -> Table:
             if not lines or not any(g.step.known for g in [*base.values(), *(g for ln in lines for g in ln.groups)]):
                 continue
             starts.append(len(rows))
-            rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{base_name(study)}: step ms"] +
-                        [num(base[s].step.median) if s in base else "-" for s in study.sizes])
+            rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{base_name(study)}: step ms {CI}"] +
+                        [est(base[s].step, lines=True) if s in base else "-" for s in study.sizes])
             for ln in lines:
                 by = {g.size: g for g in ln.groups}
                 rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
-    notes = [(f"ratio = median step time over repeats / the baseline's ({study.baseline_text}) at the same size, "
-             "mode and condition; (lo–hi): the ratio's range over repeats, min/max to max/min"),
-             RULE]
+    notes = [(f"step ms: {STEP_STATISTIC}; ratio = that median / the baseline's ({study.baseline_text}) at the "
+              "same size, mode and condition, then its verdict; [lo–hi]: the 95 % interval (percentile bootstrap, "
+              "each side's repeats resampled on their own)"),
+             rule(study.threshold), *interval_notes(*_shown(study.groups))]
     if legend(study):
         notes.append(legend(study))
     return Table(title=f"LoRA crossover: step time relative to {study.baseline_text} ({study.device})", head=head,
@@ -118,8 +144,10 @@ def why_tables(study: Study, *, min_share: float) -> list[Table]:
 
 def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
     profiled = any(g.kernels() for g in groups)
-    head = ["size", "variant", "n", "step ms (IQR)", *[f"{SHORT[p]} ms dev / host" for p in ("forward", "backward", "optimizer")],
-            "host-bound", *(["kernels fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", "tokens/s", "MFU"]
+    head = ["size", "variant", "n", f"step ms {CI}",
+            *[f"{SHORT[p]} ms dev / host {CI}" for p in ("forward", "backward", "optimizer")],
+            "host-bound", *(["kernels fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", f"tokens/s {CI}",
+            f"MFU {CI}"]
     rows, starts, last = [], [], None
     for g in groups:
         if g.size != last:
@@ -131,13 +159,16 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
         opt = g.phases["optimizer"].device
         share = f"{100 * opt.median / g.step.median:.0f} %" if opt.known and g.step.median else "-"
         rows.append([g.size if len(starts) and starts[-1] == len(rows) else "", g.variant, str(g.n),
-                     f"{num(g.step.median)} ({num(g.step.iqr, 2)})",
+                     est(g.step, lines=True),
                      *[_dev_host(g, p) for p in ("forward", "backward", "optimizer")], _bound(g, min_share=min_share),
-                     *([kern, num(k[1]) if k else "-"] if profiled else []), share, num(g.tokens_per_s, 0), num(g.mfu, 2)])
-    notes = [(f"fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA events), host: host time "
-             "(perf_counter); medians over repeats of each run's median. host-bound: every repeat recorded host ≥ "
-             f"{HOST_BOUND_RATIO} × device for the phase ('mixed': the repeats disagree); phases under "
-             f"{100 * min_share:.0f} % of the step are not listed")]
+                     *([kern, num(k[1]) if k else "-"] if profiled else []), share, est(g.tokens_per_s, 0, lines=True),
+                     est(g.mfu, 2, lines=True)])
+    notes = [(f"step ms: {STEP_STATISTIC}; fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA "
+              "events), host: host time (perf_counter); each a median over repeats of each run's median, with its "
+              "95 % interval. host-bound: every repeat recorded host ≥ "
+              f"{HOST_BOUND_RATIO} × device for the phase ('mixed': the repeats disagree); phases under "
+              f"{100 * min_share:.0f} % of the step are not listed"),
+             *interval_notes(*(g.step for g in groups))]
     if profiled:
         notes.append("kernels (launched per step) and kernel ms (their device time per step): torch.profiler counts "
                      "of a profiled run with the same step shape and mode (see Kernel profiles)")
@@ -147,7 +178,7 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
 
 def _dev_host(g: Group, phase: str) -> str:
     p = g.phases[phase]
-    return f"{num(p.device.median)} / {num(p.host.median)}" if p.device.known or p.host.known else "-"
+    return f"{est(p.device)} /\n{est(p.host)}" if p.device.known or p.host.known else "-"
 
 
 def _bound(g: Group, *, min_share: float) -> str:
@@ -192,23 +223,26 @@ def accuracy_table(study: Study) -> Table | None:
         return None
     label = column_label(metric)
     with_cond = any(study.conditions())
-    head = ["execution mode", *(["condition"] if with_cond else []), "size", "variant", "seeds", "step ms",
-            "step ratio", f"{label} median", "min–max", "IQR", "Δ vs baseline", "within seed noise"]
+    head = ["execution mode", *(["condition"] if with_cond else []), "size", "variant", "seeds", f"step ms {CI}",
+            f"step ratio {CI}", f"{label} median {CI}", "min–max", f"Δ vs baseline {CI}", "outside seed noise"]
     rows = []
     for g in study.groups:
         a = g.accuracy.get(metric)
         if a is None:
             continue
-        d, w = study.accuracy_vs_base(g)
-        mark = "baseline" if g.is_baseline else {True: "≈ yes", False: "no", None: "? (one run)"}[w]
+        d, outside = study.accuracy_vs_base(g)
+        mark = "baseline" if g.is_baseline else {True: "yes", False: "no", None: "? (no interval)"}[outside]
+        values = pd.to_numeric(g.runs[metric], errors="coerce").dropna()
+        delta = "-" if not d.known or g.is_baseline else f"{d.value:+.2f} {span_text(d)}"
         rows.append([g.mode or "-", *([g.condition or "-"] if with_cond else []), g.size, g.variant,
-                     f"{len(g.seeds)} ({', '.join(g.seeds)})" if g.seeds else str(g.n), num(g.step.median),
-                     ratio_cell(g) if not g.is_baseline else "1.00×", num(a.median, 2),
-                     f"{num(a.lo, 2)}–{num(a.hi, 2)}", num(a.iqr, 2),
-                     "-" if math.isnan(d) or g.is_baseline else f"{d:+.2f}", mark])
+                     f"{len(g.seeds)} ({', '.join(g.seeds)})" if g.seeds else str(g.n), est(g.step, lines=True),
+                     ratio_cell(g) if not g.is_baseline else "1.00× (baseline)", est(a, 2),
+                     f"{num(values.min(), 2)}–{num(values.max(), 2)}" if len(values) else "-", delta, mark])
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
-    notes = [(f"{label}: median, min–max and IQR over the repeats of each group ({over}); within seed noise: "
-             "|Δ median| ≤ max(IQR of the group, IQR of the baseline)")]
+    notes = [(f"{label}: median over the repeats of each group with its 95 % interval, and their min–max ({over}); "
+              "Δ: median minus the baseline's, with its 95 % interval (each side's repeats resampled on their own); "
+              "outside seed noise: that interval leaves out 0"), f"step ms and step ratio: as in the crossover table",
+             *interval_notes(*_shown(study.groups))]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)
 
 
@@ -228,26 +262,32 @@ def _cell(v, digits: int) -> str:
 
 
 def groups_table(rep: Report, *, title: str = "") -> Table:
-    """Every group with its metrics (median, IQR of the first), the ratio to the baseline."""
+    """Every group with the median of each metric and its interval, the ratio to the baseline."""
     head = [column_label(k) for k in rep.keys] + ["n"]
-    for i, m in enumerate(rep.metrics):
-        head += [column_label(m)] + (["IQR"] if i == 0 else [])
+    head += [f"{column_label(m)} {CI}" if m not in rep.text_metrics else column_label(m) for m in rep.metrics]
     if rep.baseline:
-        head.append("vs " + ",".join(f"{column_label(k)}={v}" for k, v in rep.baseline.items()))
-    rows = []
+        head.append("vs " + ",".join(f"{column_label(k)}={v}" for k, v in rep.baseline.items()) + f" {CI}")
+    rows, shown = [], []
     digits = {m: _digits(rep.groups[m], m) for m in rep.metrics}
     for rec in rep.groups.to_dict("records"):
         row = [str(rec[k]) if not is_blank(rec[k]) else "-" for k in rep.keys] + [str(rec["n"])]
-        for i, m in enumerate(rep.metrics):
-            row.append(_cell(rec[m], digits[m]))
-            if i == 0:
-                row.append(_cell(rec[f"{m}_iqr"], _digits(rep.groups[f"{m}_iqr"], m)))
+        for m in rep.metrics:
+            if m in rep.text_metrics:
+                row.append(_cell(rec[m], digits[m]))
+                continue
+            e = estimate_of(rec, m)
+            shown.append(e)
+            row.append(est(e, digits[m]))
         if rep.baseline:
             row.append(_groups_ratio(rec))
+            shown.append(estimate_of(rec, "ratio"))
         rows.append(row)
-    notes = [f"median over repeats of each configuration; IQR of {column_label(rep.primary)} over repeats"]
+    notes = [f"median over repeats of each configuration (each run's own value: for times its median over its "
+             f"measured steps), with its 95 % interval (percentile bootstrap over the repeats, seeded)"]
     if rep.baseline and "ratio" in rep.groups:
-        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's; {RULE}")
+        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval (each side's "
+                     f"repeats resampled on their own) and verdict; {rule(rep.threshold)}")
+    notes += interval_notes(*shown)
     for col, what in (("gpu_name", "GPUs"), ("hostname", "hosts")):
         seen = sorted({str(v) for v in rep.done.get(col, pd.Series(dtype=str)).dropna() if str(v)})
         if len(seen) > 1:
@@ -264,10 +304,39 @@ def _groups_ratio(rec: dict) -> str:
         return "-"
     if rec.get("is_baseline"):
         return f"{r:.2f}× (baseline)"
-    mark = {True: " ≈", False: "", None: " ?"}[rec.get("within")]
-    return f"{r:.2f}×{mark}"
+    word = f" {rec['verdict']}" if rec.get("verdict") else ""
+    return f"{r:.2f}× {span_text(estimate_of(rec, 'ratio'))}{word}"
 
 
 def to_csv(rep: Report) -> str:
-    out = rep.groups.rename(columns={k: column_label(k) for k in rep.keys})
+    """The groups as CSV: keys, n, per metric its median, interval (lo, hi) and what the interval
+    resamples, the p10/p90 and tokens/s beside them, the ratio with its interval and verdict."""
+    cols = [*rep.keys, "n"]
+    for m in [*rep.metrics, *rep.extras]:
+        cols += [c for c in (m, f"{m}_lo", f"{m}_hi", f"{m}_over") if c in rep.groups]
+    cols += [c for c in ("ratio", "ratio_lo", "ratio_hi", "ratio_over", "verdict", "is_baseline") if c in rep.groups]
+    return csv_text(rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys}))
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(v):
+    """A text cell a spreadsheet would run as a formula ('=…', '+…', '@…') gets a leading quote;
+    numbers, text that reads as one ('-100') and a lone '-' (blank) are left as they are."""
+    if not isinstance(v, str) or not v.startswith(FORMULA_START) or v in ("-", "+"):
+        return v
+    try:
+        float(v)
+    except ValueError:
+        return "'" + v
+    return v
+
+
+def csv_text(df: pd.DataFrame) -> str:
+    """The one CSV writer of reports and comparisons: formulas defused, floats to 6 significant digits."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
+            out[col] = out[col].map(csv_cell)
     return out.to_csv(index=False, float_format="%.6g")

@@ -27,6 +27,8 @@ from lora_bench.results.schema import column_index, run_column_names
 
 RUNS_CSV = "runs.csv"
 RUN_RECORD = "run.json"
+STEPS_CSV = "steps.csv"
+STEPS_MAX_BYTES = 512 * 2**20  # a million steps of every column is about 200 MiB
 TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
 REQUIRED = ("run_id", "status")
 
@@ -129,6 +131,26 @@ def read_runs(path) -> pd.DataFrame:
         df = pd.DataFrame(table.rows, columns=table.header, dtype=object).astype(str)
     else:
         df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    return runs_frame(df)
+
+
+def read_steps(run_dir: Path) -> pd.DataFrame | None:
+    """A run's ``steps.csv`` (schema dtypes), or None when the run wrote none. A file larger than
+    STEPS_MAX_BYTES, or one that does not parse as CSV, raises ResultsError naming it."""
+    path = Path(run_dir) / STEPS_CSV
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
+    if size > STEPS_MAX_BYTES:
+        raise ResultsError(f"{path} is {size / 2**20:.0f} MiB, more than the {STEPS_MAX_BYTES / 2**20:.0f} MiB "
+                           "a steps table of lora-bench reaches; not read")
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path} is not a lora-bench steps table ({str(e).splitlines()[0][:200]})") from None
     return runs_frame(df)
 
 

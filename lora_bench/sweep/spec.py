@@ -27,7 +27,8 @@ so a sweep file can point at data shipped beside it.
 Run ids are ``<size>-<layers>-<hash of the settings that differ from their defaults>-r<repeat>``.
 The paths and the device enter the hash *as the file declares them* (before overrides and path
 resolution): the same sweep run on two machines with different data paths or devices yields the
-same ids, so their results merge by run id. Every other override changes the ids.
+same ids, so shards of it share a results folder and resume there (a report over two folders keeps
+each folder's rows). Every other override changes the ids.
 
 A sweep is counted before it is expanded: one that would hold more than ``MAX_RUNS`` runs is
 refused."""

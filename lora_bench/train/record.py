@@ -16,7 +16,7 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.peers.hf import package_versions
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import RUN_RECORD, upsert_run, write_csv
+from lora_bench.results.store import RUN_RECORD, STEPS_CSV, upsert_run, write_csv
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import RunContext
 
@@ -64,7 +64,7 @@ def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, s
                 if row["status"] == "interrupted" and ctx is not None:
                     row.setdefault("steps", len(steps))
                     row.update(summary(ctx, timer, cfg, steps))  # what was measured so far
-            write_csv(run_dir / "steps.csv", steps, [c.name for c in STEP_COLUMNS])
+            write_csv(run_dir / STEPS_CSV, steps, [c.name for c in STEP_COLUMNS])
         except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
             row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,216 @@
+"""``lora-bench compare BASELINE CANDIDATE``: two results folders set side by side, setting by
+setting. Runs are matched by their settings (the ``cfg_*`` columns, paths left out, and the seed
+where seeds vary across repeats), never by run id, so two sweeps of one file on two machines, or
+before and after a change, line up. Per setting: the median of the metric on each side with its
+95 % interval, the ratio candidate ÷ baseline with its interval, and the verdict read off that
+interval (lora_bench.report.stats). A gate (``fail_above``) fails where a setting is worse by more
+than that fraction with its whole interval: a verdict of no difference or unclear never fails it.
+Differences between the folders' environments (GPU, driver, torch, CPU, Python) are stated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from lora_bench.config import SETTINGS
+from lora_bench.errors import UsageError
+from lora_bench.report import stats
+from lora_bench.report.aggregate import (
+    NOT_GROUPED,
+    REPEAT_SETTINGS,
+    collapse_modes,
+    is_text,
+    metric_sense,
+    order_key,
+    resolve_column,
+)
+from lora_bench.report.empty import is_empty, why_empty
+from lora_bench.report.load import MODE, load_results, result_dirs
+from lora_bench.report.names import MODE_FIELDS, mode_name, setting_name, value_text
+from lora_bench.report.samples import estimate, sample
+from lora_bench.report.stats import Estimate
+from lora_bench.results.schema import SETTING_PREFIX
+
+ENVIRONMENT = ("gpu_name", "gpu_driver", "torch_version", "cpu", "python_version")
+DEFAULT_METRIC = "step_ms_median"
+SIDES = ("baseline", "candidate")
+
+
+@dataclass
+class Row:
+    """One setting found on both sides."""
+
+    settings: dict[str, str]  # shown setting (or 'execution mode') -> value
+    baseline: Estimate
+    candidate: Estimate
+    ratio: Estimate
+    verdict: str
+    fails: bool = False  # worse by more than the gate's fraction with its whole interval
+
+
+@dataclass
+class Comparison:
+    baseline_dir: str
+    candidate_dir: str
+    metric: str
+    threshold: float
+    fail_above: float | None
+    keys: list[str]  # the settings shown (those that tell the compared settings apart)
+    rows: list[Row]
+    only: dict[str, list[dict[str, str]]]  # side -> settings found on that side alone
+    environment: list[str]  # one line per environment column that differs between the folders
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Row]:
+        return [r for r in self.rows if r.fails]
+
+
+def _done(path: Path, side: str) -> pd.DataFrame:
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{side} {path}: no such results folder")
+    if not result_dirs(path):
+        raise UsageError(f"{side} {path}: not a results folder (no runs.csv and no <run>/run.json under it)")
+    df = load_results([path])
+    done = df[df["status"] == "done"]
+    if done.empty:
+        raise UsageError(f"{side} {path}: none of its {len(df)} run(s) finished; nothing to compare")
+    return done
+
+
+def _default_text(col: str) -> str:
+    s = SETTINGS.get(setting_name(col))
+    return _text(s.default) if s is not None else "-"
+
+
+def _text(v) -> str:
+    """A setting's value as compared: '16' for 16.0, 'true' / 'false' for booleans in any spelling."""
+    t = value_text(v)
+    return t.lower() if t.lower() in ("true", "false") else t
+
+
+def _seed_varies(frames: list[pd.DataFrame], keys: list[str]) -> bool:
+    seed = next(iter(REPEAT_SETTINGS))
+    return any(seed in f and f.groupby(keys or (lambda _: 0), dropna=False)[seed].nunique().gt(1).any()
+               for f in frames)
+
+
+def _setting_columns(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]:
+    cols = sorted({c for f in (base, cand) for c in f.columns if c.startswith(SETTING_PREFIX)} - NOT_GROUPED)
+    rest = [c for c in cols if c not in REPEAT_SETTINGS]
+    filled = [_filled(f, cols) for f in (base, cand)]
+    return rest if _seed_varies(filled, rest) else cols
+
+
+def _filled(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+    """``cols`` as compared text; a setting a folder's table lacks counts as its default."""
+    return pd.DataFrame({c: df[c].map(_text) if c in df else _default_text(c) for c in cols}, index=df.index)
+
+
+def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, threshold: float = stats.THRESHOLD,
+            fail_above: float | None = None) -> Comparison:
+    """Compare ``candidate`` with ``baseline`` setting by setting (see the module)."""
+    base, cand = _done(baseline, "baseline"), _done(candidate, "candidate")
+    col = _metric(metric, base, cand)
+    higher, speed = metric_sense(col)
+    if fail_above is not None and higher is None:
+        raise UsageError(f"--fail-above needs a metric where lower or higher is better; {col} has no direction")
+    cols = _setting_columns(base, cand)
+    keyed = {side: _filled(f, cols) for side, f in zip(SIDES, (base, cand))}
+    groups = {side: _groups(frame, keyed[side], cols) for side, frame in zip(SIDES, (base, cand))}
+    all_keys = list(dict.fromkeys([*groups["baseline"], *groups["candidate"]]))
+    shown = _shown_keys(cols, all_keys)
+    rows = []
+    for key in all_keys:
+        if key not in groups["baseline"] or key not in groups["candidate"]:
+            continue
+        b, c = groups["baseline"][key], groups["candidate"][key]
+        ratio = stats.ratio_interval(sample(c, col), sample(b, col))
+        word = stats.verdict(ratio, threshold=threshold, higher_is_better=bool(higher), speed=speed)
+        fails = fail_above is not None and stats.verdict(
+            ratio, threshold=fail_above, higher_is_better=bool(higher), speed=speed) == stats.worse(
+            higher_is_better=bool(higher), speed=speed)
+        rows.append(Row(settings=_display(cols, key, shown), baseline=estimate(b, col), candidate=estimate(c, col),
+                        ratio=ratio, verdict=word, fails=fails))
+    rows.sort(key=lambda r: tuple(order_key(r.settings[k], col=_column(k)) for k in shown))
+    only = {side: [_display(cols, k, shown) for k in all_keys if k in groups[side] and k not in groups[other]]
+            for side, other in (SIDES, SIDES[::-1])}
+    notes = []
+    if not rows:
+        notes.append("no setting is on both sides: nothing to divide (see the settings found on one side only)")
+    return Comparison(baseline_dir=str(baseline), candidate_dir=str(candidate), metric=col, threshold=threshold,
+                      fail_above=fail_above, keys=shown, rows=rows, only=only,
+                      environment=environment_differences(base, cand), notes=notes)
+
+
+def _groups(frame: pd.DataFrame, keyed: pd.DataFrame, cols: list[str]) -> dict[tuple, pd.DataFrame]:
+    """The runs of one side by their settings (a tuple of compared texts, in ``cols`` order)."""
+    if not cols:
+        return {(): frame}
+    out = {}
+    for key, idx in keyed.groupby(cols, dropna=False).groups.items():
+        out[key if isinstance(key, tuple) else (key,)] = frame.loc[idx]
+    return out
+
+
+def _metric(metric: str, base: pd.DataFrame, cand: pd.DataFrame) -> str:
+    both = pd.concat([base, cand], ignore_index=True)
+    col = resolve_column(both, metric, metric=True)
+    if is_text(both, col):
+        raise UsageError(f"--metric {metric}: a column of words, not numbers; compare a numeric metric "
+                         f"such as {DEFAULT_METRIC}")
+    for side, df in zip(SIDES, (base, cand)):
+        if is_empty(df, col):
+            raise UsageError(f"--metric {metric}: the {side}'s {why_empty(df, col)}")
+    return col
+
+
+def _shown_keys(cols: list[str], keys: list[tuple]) -> list[str]:
+    """The settings whose values differ between the compared settings (execution modes by their
+    name); the size and trainable layers where nothing differs."""
+    varying = [c for i, c in enumerate(cols) if len({k[i] for k in keys}) > 1]
+    shown = collapse_modes(varying)
+    if not shown:
+        shown = [c for c in (SETTING_PREFIX + "model_size", SETTING_PREFIX + "trainable_layers") if c in cols]
+    return [MODE if c == MODE else setting_name(c) for c in shown]
+
+
+def _column(shown: str) -> str:
+    return MODE if shown == MODE else SETTING_PREFIX + shown
+
+
+def _display(cols: list[str], key: tuple, shown: list[str]) -> dict[str, str]:
+    values = dict(zip(cols, key))
+    return {k: mode_name({c: v for c, v in values.items() if c in MODE_FIELDS}) if k == MODE
+            else values.get(SETTING_PREFIX + k, "-") for k in shown}
+
+
+def environment_differences(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]:
+    """'gpu_name: NVIDIA H200 (baseline) vs NVIDIA A100 (candidate)' for each environment column
+    whose values differ between the two folders."""
+    out = []
+    for col in ENVIRONMENT:
+        seen = [sorted({str(v) for v in df[col].dropna() if str(v) not in ("", "<NA>", "nan")}) if col in df else []
+                for df in (base, cand)]
+        if seen[0] != seen[1]:
+            b, c = (", ".join(s) or "not recorded" for s in seen)
+            out.append(f"{col}: {b} (baseline) vs {c} (candidate)")
+    return out
+
+
+def gate_text(c: Comparison) -> str:
+    """What the gate says: which settings fail it, or that none does."""
+    if c.fail_above is None:
+        return ""
+    higher, speed = metric_sense(c.metric)
+    worse = stats.worse(higher_is_better=bool(higher), speed=speed)
+    t = stats.threshold_text(c.fail_above)
+    bound = f"upper end below 1 ÷ (1 + {t})" if higher else f"lower end above 1 + {t}"
+    if not c.failed:
+        return f"gate passed: no setting is {worse} by more than {t} with its interval's {bound}"
+    names = "; ".join(" · ".join(f"{k}={v}" for k, v in r.settings.items()) + f" ({r.ratio.value:.3f}×)"
+                      for r in c.failed)
+    return f"gate failed: {len(c.failed)} setting(s) {worse} by more than {t} with the interval's {bound}: {names}"

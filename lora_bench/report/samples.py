@@ -1,0 +1,91 @@
+"""What an interval resamples for a group of runs (lora_bench.report.stats): the repeats' values of
+a metric when the group has two runs or more; when it has one, that run's measured steps from its
+``steps.csv`` (warm-up steps left out, as in the run's own medians):
+
+- a ``<column>_median`` metric whose column the steps table holds (``step_ms_median`` ->
+  ``step_ms``, ``host_forward_ms_median`` -> ``host_forward_ms``): that column;
+- a throughput (``tokens_per_s``, ``achieved_tflops``, ``mfu``): the run's value scaled by its
+  median step over each step's time, since a throughput is the step's work over its time;
+- anything else (accuracies, training time): one value, no interval."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from lora_bench.errors import ResultsError
+from lora_bench.report.load import RUN_DIR
+from lora_bench.report.stats import REPEATS, STEPS, Estimate, Sample, median_interval
+from lora_bench.results.schema import STEP_COLUMNS
+from lora_bench.results.store import STEPS_CSV, read_steps
+
+STEP_VALUES = {c.name for c in STEP_COLUMNS if c.dtype == "float64"}
+THROUGHPUTS = ("tokens_per_s", "achieved_tflops", "mfu")  # inversely proportional to the step time
+
+
+def steps_column(metric: str) -> str | None:
+    """The steps-table column a run's ``metric`` summarises, or None."""
+    base = metric.removesuffix("_median")
+    return base if metric.endswith("_median") and base in STEP_VALUES else None
+
+
+def per_step(metric: str) -> bool:
+    """Whether a one-run group's interval for ``metric`` can come from its steps."""
+    return steps_column(metric) is not None or metric in THROUGHPUTS
+
+
+def sample(runs: pd.DataFrame, metric: str) -> Sample:
+    """The repeats of ``metric`` in ``runs``; for a single run, its steps (see the module)."""
+    values = pd.to_numeric(runs[metric], errors="coerce") if metric in runs else pd.Series(dtype=float)
+    values = values.dropna().astype(float)
+    if len(values) != 1 or len(runs) != 1:
+        return Sample.of(values.to_numpy(), over=REPEATS)
+    value = float(values.iloc[0])
+    steps = _measured_steps(runs.iloc[0])
+    if steps is None:
+        return Sample.of([value], over=REPEATS)
+    col = steps_column(metric)
+    if col is not None and col in steps:
+        return Sample.of(steps[col].to_numpy(dtype=float), over=STEPS, value=value)
+    if metric in THROUGHPUTS and "step_ms" in steps and "step_ms_median" in runs:
+        med = float(pd.to_numeric(runs["step_ms_median"], errors="coerce").iloc[0])
+        ms = steps["step_ms"].to_numpy(dtype=float)
+        if not math.isnan(med) and (ms > 0).all():
+            return Sample.of(value * med / ms, over=STEPS, value=value)
+    return Sample.of([value], over=REPEATS)
+
+
+def estimate(runs: pd.DataFrame, metric: str) -> Estimate:
+    """The median of ``metric`` over ``runs`` with its 95 % interval."""
+    return median_interval(sample(runs, metric))
+
+
+def _measured_steps(run: pd.Series) -> pd.DataFrame | None:
+    folder = run.get(RUN_DIR)
+    if not isinstance(folder, str) or not folder:
+        return None
+    path = Path(folder) / STEPS_CSV
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return _read(str(path.parent), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read(folder: str, mtime_ns: int, size: int) -> pd.DataFrame | None:
+    """The measured steps of one run (cached by the file's time and size, so a rewritten file is
+    read again); None when the table is unreadable: the group then has no interval."""
+    try:
+        df = read_steps(Path(folder))
+    except ResultsError:
+        return None
+    if df is None or df.empty:
+        return None
+    if "warmup" in df:
+        df = df[~df["warmup"].fillna(False).astype(bool)]
+    return df.reset_index(drop=True) if len(df) else None
+

@@ -1,0 +1,125 @@
+"""lora_bench.report.stats and samples: the median's and the ratio's bootstrap intervals on
+synthetic samples with known answers (a 5 % slowdown in 1 % noise is found slower; equal
+distributions are 'no difference' in at least 95 % of seeded trials and falsely slower or faster
+in at most 5 %), the verdict's band, reproducibility, and intervals over the steps of a one-run
+group read from its steps.csv."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lora_bench.report import stats
+from lora_bench.report.samples import sample
+from lora_bench.report.stats import Estimate, Sample, median_interval, ratio_interval, verdict
+from lora_bench.results.schema import STEP_COLUMNS
+from lora_bench.results.store import write_csv
+
+TRIALS = 200
+
+
+def _verdicts(*, n: int, noise: float, slowdown: float, trials: int = TRIALS) -> Counter:
+    """Verdicts of ``trials`` seeded comparisons: n repeats a side, Gaussian relative noise."""
+    out = Counter()
+    for t in range(trials):
+        rng = np.random.default_rng(10_000 + t)
+        base = 50.0 * (1 + noise * rng.standard_normal(n))
+        cand = 50.0 * slowdown * (1 + noise * rng.standard_normal(n))
+        out[verdict(ratio_interval(Sample.of(cand), Sample.of(base)))] += 1
+    return out
+
+
+def test_a_five_percent_slowdown_in_one_percent_noise_is_found_slower():
+    v = _verdicts(n=5, noise=0.01, slowdown=1.05)
+    assert v[stats.SLOWER] >= 0.9 * TRIALS, v
+    assert v[stats.FASTER] == 0 and v[stats.SAME] == 0, v  # never the wrong way, never 'no difference'
+
+
+def test_equal_distributions_are_no_difference_in_95_percent_of_trials():
+    v = _verdicts(n=5, noise=0.005, slowdown=1.0)  # noise a quarter of the 2 % threshold
+    assert v[stats.SAME] >= 0.95 * TRIALS, v
+    # with noise near the threshold the intervals widen: unclear, but still almost never a false difference
+    v = _verdicts(n=5, noise=0.01, slowdown=1.0)
+    assert v[stats.SLOWER] + v[stats.FASTER] <= 0.05 * TRIALS, v
+
+
+def test_the_interval_covers_the_true_median_about_95_percent_of_the_time():
+    hits = 0
+    for t in range(TRIALS):
+        x = np.random.default_rng(t).normal(100.0, 1.0, size=25)
+        e = median_interval(Sample.of(x))
+        hits += e.lo <= 100.0 <= e.hi
+    assert hits >= 0.9 * TRIALS  # percentile bootstrap of a median: near nominal at n = 25
+
+
+def test_intervals_are_reproducible_and_contain_the_estimate():
+    a, b = Sample.of([10.0, 10.4, 9.8, 10.1]), Sample.of([12.0, 12.5, 11.9])
+    assert ratio_interval(a, b) == ratio_interval(a, b)
+    e = median_interval(a)
+    assert e.value == pytest.approx(10.05) and e.lo <= e.value <= e.hi and e.over == stats.REPEATS
+    assert e.lo >= 9.8 and e.hi <= 10.4  # a median's resamples stay within the sample
+    r = ratio_interval(a, b)
+    assert r.value == pytest.approx(10.05 / 12.0) and r.lo < r.value < r.hi
+    assert r.lo >= 9.8 / 12.5 and r.hi <= 10.4 / 11.9
+
+
+def test_one_value_has_no_interval_and_an_unclear_verdict():
+    one = Sample.of([10.0])
+    assert not median_interval(one).has_interval and median_interval(one).value == 10.0
+    r = ratio_interval(one, Sample.of([5.0, 5.1, 4.9]))
+    assert r.value == pytest.approx(2.0) and not r.has_interval and verdict(r) == stats.UNCLEAR
+
+
+@pytest.mark.parametrize("lo, hi, expected", [
+    (1.03, 1.08, stats.SLOWER), (0.90, 0.97, stats.FASTER), (0.985, 1.015, stats.SAME),
+    (1.01, 1.05, stats.UNCLEAR), (0.95, 1.05, stats.UNCLEAR), (1.005, 1.019, stats.SAME)])
+def test_the_verdict_band(lo, hi, expected):
+    assert verdict(Estimate((lo + hi) / 2, lo, hi, n=3, over=stats.REPEATS)) == expected
+
+
+def test_the_threshold_and_the_direction_change_the_verdict():
+    e = Estimate(1.04, 1.03, 1.05, n=3, over=stats.REPEATS)
+    assert verdict(e, threshold=0.02) == stats.SLOWER
+    assert verdict(e, threshold=0.10) == stats.SAME
+    assert verdict(e, higher_is_better=True) == stats.FASTER  # a throughput that rose
+    assert verdict(e, speed=False) == stats.HIGHER
+    with pytest.raises(ValueError):
+        verdict(e, threshold=-0.1)
+
+
+def _one_run(tmp_path, step_ms: list[float], *, warmup: int = 2) -> pd.DataFrame:
+    run_dir = tmp_path / "r0"
+    run_dir.mkdir()
+    rows = [{"run_id": "r0", "step": i, "warmup": i < warmup, "step_ms": v, "forward_ms": v / 2, "tokens": 960}
+            for i, v in enumerate(step_ms)]
+    write_csv(run_dir / "steps.csv", rows, [c.name for c in STEP_COLUMNS])
+    measured = step_ms[warmup:]
+    return pd.DataFrame([{"run_id": "r0", "run_dir": str(run_dir), "step_ms_median": float(np.median(measured)),
+                          "tokens_per_s": 960 / np.median(measured) * 1e3, "test_acc": 95.0}])
+
+
+def test_a_one_run_group_is_resampled_over_its_measured_steps(tmp_path):
+    steps = [500.0, 400.0, *np.linspace(40.0, 44.0, 21)]  # two slow warm-up steps, then 40..44 ms
+    runs = _one_run(tmp_path, steps)
+    s = sample(runs, "step_ms_median")
+    assert s.over == stats.STEPS and len(s.values) == 21 and s.values.max() <= 44.0  # warm-up left out
+    e = median_interval(s)
+    assert e.value == pytest.approx(42.0) and e.per_step and 40.0 < e.lo < 42.0 < e.hi < 44.0
+    assert stats.STEPS_MARK in stats.interval_text(e)
+    fwd = median_interval(sample(runs.assign(forward_ms_median=21.0), "forward_ms_median"))
+    assert fwd.per_step and fwd.value == 21.0
+    tps = median_interval(sample(runs, "tokens_per_s"))  # a throughput: the step's work over its time
+    assert tps.per_step and tps.lo < tps.value < tps.hi and tps.value == pytest.approx(960 / 42.0 * 1e3)
+    acc = median_interval(sample(runs, "test_acc"))  # not a per-step quantity: no interval
+    assert acc.value == 95.0 and not acc.has_interval
+    r = ratio_interval(s, Sample.of([40.0, 40.2, 39.9]))
+    assert r.per_step  # either side over steps makes the ratio's interval over steps
+
+
+def test_a_one_run_group_without_steps_has_no_interval(tmp_path):
+    runs = pd.DataFrame([{"run_id": "r0", "run_dir": str(tmp_path / "missing"), "step_ms_median": 42.0}])
+    e = median_interval(sample(runs, "step_ms_median"))
+    assert e.value == 42.0 and not e.has_interval and stats.interval_text(e) == "42.00 (no interval)"
