@@ -55,22 +55,99 @@ STUDY = "answer/tokens-per-step"
 SIZES = ("124M", "355M", "774M", "1558M")
 
 
+ANSWER = "answer/study"  # the study with repeats: the README's headline
+ANSWER_MODES = (("reference", "reference mode: eager fp32, book ops"),
+                ("best", "CUDA graphs + bf16 autocast + SDPA + fused ops + fused AdamW"))
+
+
 def _study_step(label: str) -> dict[tuple[str, str], float]:
     df = runs(STUDY)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
     return {(r.model_size, r.trainable_layers): r.step_ms_median for r in df.itertuples()}
 
 
+def _repeats(label: str) -> dict[tuple[str, str], list[float]]:
+    """Each (size, layers) point's repeats (median step ms of each run) in the study with repeats."""
+    df = runs(ANSWER)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in df.itertuples():
+        out.setdefault((r.model_size, r.trainable_layers), []).append(r.step_ms_median)
+    return out
+
+
 def table_answer() -> str:
-    """The first screen of the README: median step ms, batch 8, both modes, 124M and 1558M."""
+    """The first screen of the README: median step ms over the study's repeats with 95 % intervals,
+    batch 8, 124M and 1558M, in each mode named in full, and LoRA ÷ all with its interval."""
+    from lora_bench.report.stats import Sample, interval_text, median_interval, ratio_interval
+
     rows = []
-    for label, mode in (("eager-fp32", "reference mode (eager fp32)"),
-                        ("graphs-bf16-fused-fopt", "CUDA graphs + bf16 + fused ops")):
-        step = _study_step(label)
+    for label, mode in ANSWER_MODES:
+        reps = _repeats(label)
         for size in ("124M", "1558M"):
-            a, lo = step[(size, "all")], step[(size, "lora")]
-            rows.append([f"GPT-2 {size}, {mode}", _ms(a), _ms(lo), f"**{lo / a:.2f}**"])
-    return _table(["median step ms, batch 8 × 120 tokens, one H200", "all layers", "LoRA r16", "LoRA ÷ all"], rows)
+            a, lo = (Sample.of(reps[(size, k)]) for k in ("all", "lora"))
+            n = min(len(reps[(size, "all")]), len(reps[(size, "lora")]))
+            rows.append([f"GPT-2 {size}, {mode}", interval_text(median_interval(a), digits=1),
+                         interval_text(median_interval(lo), digits=1), f"**{interval_text(ratio_interval(lo, a))}**",
+                         str(n)])
+    return _table(["median step ms [95 % interval], batch 8 × 120 tokens, one H200", "all layers", "LoRA r16",
+                   "LoRA ÷ all", "repeats"], rows)
+
+
+def table_study_repeats() -> str:
+    """The study with repeats: median step ms [95 %] of all, and lora and lora-kernel ÷ all [95 %]
+    with their verdicts, at every size, in both modes."""
+    from lora_bench.report.stats import Sample, interval_text, median_interval, ratio_interval, verdict
+
+    rows = []
+    for label, mode in ANSWER_MODES:
+        reps = _repeats(label)
+        for size in SIZES:
+            base = Sample.of(reps[(size, "all")])
+            cells = [f"{size}, {mode}", interval_text(median_interval(base), digits=1)]
+            for layers in ("lora", "lora-kernel"):
+                r = ratio_interval(Sample.of(reps[(size, layers)]), base)
+                cells.append(f"{interval_text(r)} {verdict(r)}")
+            rows.append(cells)
+    return _table(["batch 8 × 120 tokens, one H200, 3 repeats", "all: step ms", "lora ÷ all", "lora-kernel ÷ all"],
+                  rows)
+
+
+def table_cause() -> str:
+    """The GPU's busy fraction per phase in the reference mode: the profiled repeat's kernel ms per
+    step over the timed repeats' median device ms (lora_bench.report.study.Phase.busy)."""
+    df = runs(ANSWER)
+    done = df[df["status"] == "done"]
+    timed = done[done["sweep_label"] == "reference"]
+    prof = done[done["cfg_profile"] == "kernels"]
+    rows = []
+    for r in prof.sort_values(["cfg_n_layers", "trainable_layers"]).itertuples():
+        kernels = pd.read_csv(RESULTS / ANSWER / r.run_id / "kernels_by_phase.csv").set_index("phase")
+        t = timed[(timed.model_size == r.model_size) & (timed.trainable_layers == r.trainable_layers)]
+        cells = [f"{r.model_size} {r.trainable_layers}"]
+        for ph in ("forward", "backward", "optimizer"):
+            dev = float(t[f"{ph}_ms_median"].median())
+            cells.append(f"{100 * min(kernels.loc[ph, 'kernel_ms_per_step'] / dev, 1):.0f} %")
+        rows.append(cells)
+    return _table(["eager fp32, GPU busy (kernel time ÷ device time)", "forward", "backward", "optimizer"], rows)
+
+
+def table_fastest() -> str:
+    """The fastest measured LoRA configuration per size in the study with repeats (mode and layer)."""
+    from lora_bench.report.stats import Sample, interval_text, median_interval
+
+    rows = []
+    for size in ("124M", "355M", "774M", "1558M"):
+        best = None
+        for label, mode in ANSWER_MODES:
+            for layers, reps in _repeats(label).items():
+                if layers[0] == size and layers[1] != "all":
+                    est = median_interval(Sample.of(reps))
+                    if best is None or est.value < best[0].value:
+                        best = (est, mode, layers[1])
+        rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", interval_text(best[0], digits=2)])
+    return _table(["fastest measured LoRA step, batch 8 × 120 tokens, one H200", "configuration",
+                   "median step ms [95 % interval]"], rows, align="---|---|---:")
 
 
 def _study_sizes(label: str, *, title: str) -> list[list]:
@@ -102,12 +179,12 @@ def table_study_phases() -> str:
         for layers in LAYERS:
             r = df.loc[(size, layers)]
             rows.append([f"{size} {layers}", *(_ms(r[f"{p}_ms_median"]) for p in ("forward", "backward", "optimizer")),
-                         _ms(r["step_ms_median"]), r["bound_forward"], r["bound_backward"]])
-    return _table(["eager fp32, batch 8, device ms", "forward", "backward", "optimizer", "step",
-                   "forward bound", "backward bound"], rows, align="---|---:|---:|---:|---:|---|---")
+                         _ms(r["step_ms_median"])])
+    return _table(["eager fp32, batch 8, device ms", "forward", "backward", "optimizer", "step"], rows)
 
 
-# -- where a 124M step goes (results/method/phase-timing, results/method/kernel-counts-124m) -----
+# -- where a 124M step goes (results/method/phase-timing; kernels from the study's profiled repeat) --
+PROFILED_124M = {"all": "124M-all-0522a0d805-r0", "lora": "124M-lora-ef77143c2f-r0"}
 def table_phases_124m() -> str:
     df = runs("method/phase-timing").set_index("run_id")
     rows = []
@@ -117,7 +194,7 @@ def table_phases_124m() -> str:
         def med(col: str) -> float:
             return statistics.median(float(r[col]) for r in reps)
 
-        kernels = pd.read_csv(RESULTS / "method" / "kernel-counts-124m" / f"prof-{layers}" / "kernels_by_phase.csv")
+        kernels = pd.read_csv(RESULTS / ANSWER / PROFILED_124M[layers] / "kernels_by_phase.csv")
         k = kernels.set_index("phase")
         launches = " / ".join(f"{k.loc[p, 'launches_per_step']:,.0f}" for p in ("forward", "backward", "optimizer"))
         rows.append([layers if layers == "all" else "lora r16",
@@ -417,6 +494,9 @@ def table_plan_rules() -> str:
 
 TABLES = {
     "answer": table_answer,
+    "fastest": table_fastest,
+    "study-repeats": table_study_repeats,
+    "cause": table_cause,
     "plan-rules": table_plan_rules,
     "study-eager": table_study_eager,
     "study-graphs": table_study_graphs,

@@ -18,7 +18,7 @@ from lora_bench.results import manifest as man
 from lora_bench.results.index import render_index
 from lora_bench.results.prune import SUPERSEDED, find_superseded, prune_superseded
 from lora_bench.results.schema import run_column_names
-from lora_bench.results.store import write_csv
+from lora_bench.results.store import result_rows, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ def test_index_lists_commands_commits_and_counts(tmp_path, monkeypatch, run_cli,
     man.record_invocation(tmp_path / "bench", outputs=["k.csv"])
     (tmp_path / "bench" / "k.csv").write_text("a\n1\n")
     text = render_index(tmp_path)
-    assert "| [`study/`](#study) | A study | 2 | GPU X | 2026-01-01 to 2026-01-03 |" in text
+    assert "| [`study/`](#study) | A study | unknown | abc<br>unknown | GPU X | 2026-01-01 to 2026-01-03 | 2 |" in text
     assert "- command: unknown (reconstructed from rows)" in text and "abc, unknown" in text
     assert "`notes.csv` (2 rows)" in text and "`lora-bench kernel-bench --out bench/k.csv`" in text
     assert run_cli("results", "index", tmp_path, "--check")[0] == 1
@@ -209,11 +209,26 @@ def test_index_takes_provenance_and_runs_from_a_studys_sub_folders(tmp_path, mon
         monkeypatch.setattr(sys, "argv", ["lora-bench", "train", "--results-dir", str(study / sub)])
         man.record_invocation(study / sub, outputs=["runs.csv"])
     text = render_index(tmp_path)
-    assert "| [`study/`](#study) | Two machines | 2 | GPU X" in text and "| 2026-01-01 to " in text, text
+    row, = (line for line in text.splitlines() if line.startswith("| [`study/`](#study) | Two machines |"))
+    assert "GPU X" in row and "| 2026-01-01 to " in row and row.endswith("| 2 |") and "(+1 more)" in row, row
     assert f"`lora-bench train --results-dir {study / 'one'}`" in text, text
     assert f"`lora-bench train --results-dir {study / 'two'}`" in text, text
     assert "- runs: 2 in `one/runs.csv`, `two/runs.csv` (2 done)" in text, text
     assert "- command: unknown" not in text.split("## study")[1]
+
+
+def test_a_question_folder_gets_its_own_table_and_a_reproduce_command_stands_in_for_an_unknown_one(tmp_path):
+    """A folder of results folders with a description and no runs of its own is a question: its
+    folders are listed under it by their paths; a folder whose command the rows cannot tell shows
+    the command its description gives to reproduce it."""
+    man.set_description(tmp_path / "answer", "Why it is slower.")
+    study = tmp_path / "answer" / "study"
+    write_csv(study / "runs.csv", [_row("a", started="2026-01-01T00:00:00+00:00", commit="abc")], run_column_names())
+    man.update_manifest(study, lambda d: d.update(description="The study. Reproduce: `lora-bench sweep s.yaml`.",
+                                                  invocations=man.reconstruct_entries(result_rows(study))))
+    text = render_index(tmp_path)
+    assert "## answer: Why it is slower." in text
+    assert "| [`answer/study/`](#answerstudy) | The study | reproduce: `lora-bench sweep s.yaml` | abc |" in text, text
 
 
 def test_committed_results_have_manifests_and_an_up_to_date_index():
@@ -230,4 +245,10 @@ def test_committed_results_have_manifests_and_an_up_to_date_index():
     assert all(f"results/{n}/{man.MANIFEST}" in tracked for n in names)
     for n in names:
         assert json.loads((root / n / man.MANIFEST).read_text())["description"], n
-    assert (root / "README.md").read_text() == render_index(root, names=names), "run `lora-bench results index results`"
+    text = (root / "README.md").read_text()
+    assert text == render_index(root, names=names), "run `lora-bench results index results`"
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| [`")]
+    assert rows
+    for cells in rows:  # folder, what, command, commit, device, dates, runs: each folder names all three
+        assert cells[2].strip() != man.UNKNOWN and cells[4].strip() != man.UNKNOWN, cells[0]
+        assert any(c and c != man.UNKNOWN for c in cells[3].split("<br>")), cells[0]

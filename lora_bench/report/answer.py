@@ -7,9 +7,10 @@ rule is a small function of the measured groups and returns one clause or senten
   carries its interval in brackets;
 - ``crossover``: the two adjacent sizes between which a variant turns from slower to faster (it
   must stay faster at every larger size);
-- ``host_bound_phases``: the phases every repeat recorded as host-bound (the run's bound_* column:
-  host time ≥ HOST_BOUND_RATIO × device time, the GPU waiting for Python to queue kernels), left out
-  when the phase takes less than MIN_SHARE of the step;
+- ``host_bound_phases``: the phases where the GPU waits for Python, measured: the kernel time a
+  profiled repeat saw in the phase is under STARVED of the phase's device time in the timed repeats
+  (study.Phase.cause), left out when the phase takes less than MIN_SHARE of the step; without a
+  profiled repeat the cause is not stated;
 - ``launches_and_work``: the change in kernels launched per step and in their summed device time
   (torch.profiler counts, where a profile exists), else in analytic FLOPs per step;
 - ``phase_deltas``: the phases whose device time changes by at least MIN_CHANGE of the baseline's step;
@@ -27,8 +28,7 @@ from dataclasses import dataclass
 from lora_bench.report import stats
 from lora_bench.report.names import count_text
 from lora_bench.report.stats import Estimate, span_text
-from lora_bench.report.study import Group, Line, Study
-from lora_bench.results.metrics import HOST_BOUND_RATIO
+from lora_bench.report.study import STARVED, Group, Line, Study
 from lora_bench.timing import PHASES
 
 MIN_SHARE = 0.05  # a phase under 5 % of the step is not worth naming as host-bound
@@ -141,14 +141,16 @@ def why_slower(g: Group, b: Group) -> str:
     where = f"At {g.size}"
     hb = [ph for ph in host_bound_phases(b) if ph in host_bound_phases(g)]
     if hb:
+        busy = ", ".join(f"{ph} {100 * b.phases[ph].busy:.0f} / {100 * g.phases[ph].busy:.0f} %" for ph in hb)
         bound = (f"{_and(hb)} {'phase is' if len(hb) == 1 else 'phases are'} host-bound for both {b.variant} and "
-                 f"{g.variant} (host time ≥ {HOST_BOUND_RATIO} × device time in every repeat: the GPU waits for "
-                 "Python to queue kernels)")
+                 f"{g.variant} (in a profiled repeat the GPU ran kernels for {busy} of the phase's device time: "
+                 "it waits for Python to queue them)")
         work = launches_and_work(g, b)
         return f"{where} the {bound}{', and ' + work if work else ''}: {step_change(g, b)}."
     deltas = phase_deltas(g, b)
-    return (f"{where} no phase of both is host-bound; {g.variant} {deltas or 'changes no phase by much'}: "
-            f"{step_change(g, b)}.")
+    measured = _measured(b) and _measured(g)
+    return (f"{where} {'no phase of both is host-bound' if measured else 'the cause is not measured (no profiled repeat)'}; "
+            f"{g.variant} {deltas or 'changes no phase by much'}: {step_change(g, b)}.")
 
 
 def why_faster(g: Group, b: Group, *, smallest: Group | None) -> str:
@@ -167,15 +169,26 @@ def why_faster(g: Group, b: Group, *, smallest: Group | None) -> str:
     return out
 
 
+def _measured(g: Group) -> bool:
+    return any(p.busy is not None for p in g.phases.values())
+
+
 def host_bound_summary(groups: list[Group]) -> str:
-    """'no phase is host-bound at any size', or per smallest and largest size the phases host-bound
-    for every variant: 'at 124M forward and backward are host-bound for every variant; at 1558M no
-    phase is host-bound for every variant (backward for lora and lora-kernel)'."""
+    """The measured cause at the smallest and the largest size with a profiled repeat: 'at 124M
+    forward and backward are host-bound for every variant; at 1558M no phase is host-bound for
+    every variant (backward for lora and lora-kernel)', with the GPU's busy fraction of the largest
+    phase; sizes without one are named as not measured."""
     sizes = list(dict.fromkeys(g.size for g in groups))
+    measured = [s for s in sizes if any(_measured(g) for g in groups if g.size == s)]
+    unmeasured = [s for s in sizes if s not in measured]
+    tail = (f" (the cause is not measured at {_and(unmeasured)}: no profiled repeat)" if unmeasured else "")
+    if not measured:
+        return "the cause of each phase's time is not measured (no profiled repeat of these settings)"
     if not any(host_bound_phases(g) for g in groups):
-        return "no phase is host-bound at any size" if len(sizes) > 1 else f"no phase is host-bound at {sizes[0]}"
+        return (f"no phase is host-bound at {_and(measured)} (in a profiled repeat the GPU ran kernels for at least "
+                f"{STARVED:.0%} of every phase)" + tail)
     parts = []
-    for size in dict.fromkeys([sizes[0], sizes[-1]]):
+    for size in dict.fromkeys([measured[0], measured[-1]]):
         at = [g for g in groups if g.size == size]
         common = [ph for ph in PHASES if all(ph in host_bound_phases(g) for g in at)]
         if common:
@@ -187,7 +200,7 @@ def host_bound_summary(groups: list[Group]) -> str:
                 some.setdefault(ph, []).append(g.variant)
         detail = "; ".join(f"{ph} for {_and(v)}" for ph, v in some.items())
         parts.append(f"at {size} no phase is host-bound for every variant" + (f" ({detail})" if detail else ""))
-    return "; ".join(parts)
+    return "; ".join(parts) + f", measured as the GPU running kernels for under {STARVED:.0%} of the phase" + tail
 
 
 def accuracy_sentence(study: Study) -> str:

@@ -50,18 +50,41 @@ STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
 ACCURACIES = ("val_acc", "test_acc")
 
 
+# The cause of a phase's time, measured: the GPU's busy fraction, the kernel time a profiled repeat
+# saw in the phase over the phase's device time in the timed repeats. A GPU that runs kernels for
+# most of the phase is the bottleneck (the host then waits on a full launch queue, so host time ≈
+# device time there too); one that runs kernels for less than half of it waits for Python.
+GPU_BOUND = 0.9
+STARVED = 0.5
+
+
 @dataclass(frozen=True)
 class Phase:
     device: Estimate  # median over repeats of each run's median, with its interval
     host: Estimate
-    bound: str  # 'host', 'device', 'host 1 · device 1' (repeats disagree) or ''
+    bound: str  # the runs' bound_* verdicts (host ≥ 0.9 × device): not a cause, kept for the tables
     launches: float | None = None  # kernels per step, from a profile
     kernel_ms: float | None = None  # summed kernel device time per step, from a profile
 
     @property
+    def busy(self) -> float | None:
+        """The GPU's busy fraction in this phase (see GPU_BOUND), None without a profiled repeat."""
+        if self.kernel_ms is None or not self.device.known or not self.device.median:
+            return None
+        return min(float(self.kernel_ms) / self.device.median, 1.0)
+
+    @property
+    def cause(self) -> str:
+        """'GPU-bound', 'GPU waits for the host', 'mixed', or '' (not measured)."""
+        busy = self.busy
+        if busy is None:
+            return ""
+        return "GPU-bound" if busy >= GPU_BOUND else "GPU waits for the host" if busy < STARVED else "mixed"
+
+    @property
     def host_bound(self) -> bool:
-        """Every repeat recorded the phase as host-bound."""
-        return self.bound == "host"
+        """Measured: the GPU ran kernels for less than STARVED of the phase."""
+        return self.cause == "GPU waits for the host"
 
 
 @dataclass
@@ -111,8 +134,8 @@ class Group:
         return (self.condition, self.mode, self.variant)
 
     def host_bound_phases(self, *, min_share: float) -> list[str]:
-        """Phases every repeat recorded as host-bound, among those taking at least ``min_share`` of
-        the step (a phase of a few microseconds is host-bound by nature and says nothing)."""
+        """Phases where a profiled repeat measured the GPU waiting for the host (Phase.cause), among
+        those taking at least ``min_share`` of the step (a phase of a few microseconds says nothing)."""
         return [ph for ph, p in self.phases.items() if p.host_bound and p.device.known
                 and p.device.median >= min_share * self.step.median]
 

@@ -13,8 +13,7 @@ import pandas as pd
 from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, Estimate, span_text
-from lora_bench.report.study import Group, Study
-from lora_bench.results.metrics import HOST_BOUND_RATIO
+from lora_bench.report.study import GPU_BOUND, STARVED, Group, Study
 from lora_bench.results.schema import column_index
 from lora_bench.timing import PHASES
 
@@ -146,7 +145,7 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
     profiled = any(g.kernels() for g in groups)
     head = ["size", "variant", "n", f"step ms {CI}",
             *[f"{SHORT[p]} ms dev / host {CI}" for p in ("forward", "backward", "optimizer")],
-            "host-bound", *(["kernels fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", f"tokens/s {CI}",
+            "GPU busy", *(["kernels fwd·bwd·opt", "kernel ms"] if profiled else []), "opt share", f"tokens/s {CI}",
             f"MFU {CI}"]
     rows, starts, last = [], [], None
     for g in groups:
@@ -165,9 +164,10 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
                      est(g.mfu, 2, lines=True)])
     notes = [(f"step ms: {STEP_STATISTIC}; fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA "
               "events), host: host time (perf_counter); each a median over repeats of each run's median, with its "
-              "95 % interval. host-bound: every repeat recorded host ≥ "
-              f"{HOST_BOUND_RATIO} × device for the phase ('mixed': the repeats disagree); phases under "
-              f"{100 * min_share:.0f} % of the step are not listed"),
+              "95 % interval. GPU busy: the kernel time a profiled repeat saw in the phase over the phase's "
+              f"device time here (≥ {GPU_BOUND:.0%}: the GPU is the bottleneck; under {STARVED:.0%}: it waits for "
+              f"Python to queue kernels; '-': no profiled repeat); phases under {100 * min_share:.0f} % of the step "
+              "are not listed"),
              *interval_notes(*(g.step for g in groups))]
     if profiled:
         notes.append("kernels (launched per step) and kernel ms (their device time per step): torch.profiler counts "
@@ -182,15 +182,13 @@ def _dev_host(g: Group, phase: str) -> str:
 
 
 def _bound(g: Group, *, min_share: float) -> str:
+    """The GPU's busy fraction per phase, measured in a profiled repeat ('fwd 38 %'), '-' without one."""
     out = []
     for ph in PHASES:
         p = g.phases[ph]
-        if not p.device.known or p.device.median < min_share * g.step.median:
+        if not p.device.known or p.device.median < min_share * g.step.median or p.busy is None:
             continue
-        if p.bound == "host":
-            out.append(SHORT[ph])
-        elif "host" in p.bound:
-            out.append(SHORT[ph] + " (mixed)")
+        out.append(f"{SHORT[ph]} {100 * p.busy:.0f} %")
     return ", ".join(out) or "-"
 
 
