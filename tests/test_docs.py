@@ -70,3 +70,48 @@ def test_relative_links_point_at_files(doc):
         if not (path.parent / target).exists():
             broken.append(target)
     assert not broken, f"{doc}: {broken}"
+
+
+RESULTS_PATH = re.compile(r"(?<![\w./-])results/[A-Za-z0-9_.*{}/-]*[A-Za-z0-9_/]")
+DOCS_PATH = re.compile(r"(?<![\w./-])docs/[A-Za-z0-9_-]+\.md")
+# folders a command writes by default, never committed (.gitignore), and placeholders in examples
+NOT_COMMITTED = ("results/runs", "results/smoke", "results/kernel-bench", "results/tmp", "results/DIR",
+                 "results/FILE", "results/before", "results/after",
+                 *(f"results/{p.stem}" for p in (ROOT / "configs").glob("*.yaml")))  # a sweep's default folder
+OUTPUT_FLAG = re.compile(r"--(?:results-dir|out|output|plot)[ =](results/[^\s`'\"]+)")
+
+
+def _cited_texts():
+    yield from (ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+    yield from sorted((ROOT / "configs").glob("*.yaml"))
+    yield from sorted((ROOT / "lora_bench").rglob("*.py"))
+    yield from sorted((ROOT / "benchmarks").glob("*.py"))
+    yield from sorted((ROOT / "results").rglob("report.md"))
+
+
+def _missing_paths(text: str) -> list[str]:
+    """Cited paths that do not exist; a folder a command in the same text writes (--results-dir,
+    --out, --output, --plot) is an output, not a citation."""
+    outputs = tuple(p.rstrip("/.") for p in OUTPUT_FLAG.findall(text))
+    out = []
+    for path in RESULTS_PATH.findall(text) + DOCS_PATH.findall(text):
+        path = path.rstrip("/.")
+        if path.startswith(NOT_COMMITTED + outputs) or any(c in path for c in "*{}"):
+            continue
+        if not (ROOT / path).exists():
+            out.append(path)
+    return out
+
+
+def test_every_cited_results_folder_and_doc_exists():
+    """Every results/... and docs/... path that the docs, configs, package, benchmarks and committed
+    reports name, code spans included, exists (the recorded commands in results/README.md are history
+    and are not checked)."""
+    missing = {str(p.relative_to(ROOT)): m for p in _cited_texts() if (m := _missing_paths(p.read_text()))}
+    assert not missing, missing
+
+
+def test_the_path_check_sees_a_missing_folder_inside_a_code_span():
+    assert _missing_paths("see `results/answer/no-such-folder/` and docs/performance.md") == [
+        "results/answer/no-such-folder", "docs/performance.md"]
+    assert _missing_paths("`results/answer/study/`, results/runs/runs.csv") == []
