@@ -164,13 +164,28 @@ def locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def run_record(run_dir: Path) -> dict | None:
-    """The row in ``<run_dir>/run.json``, or None when absent, half-written or foreign."""
+def _record_row(run_dir: Path) -> dict | None:
+    """The row stored in ``<run_dir>/run.json`` whatever run it names, or None when absent,
+    half-written or not a record."""
     try:
         row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
+
+
+def run_record(run_dir: Path) -> dict | None:
+    """The row in ``<run_dir>/run.json``, or None when absent, half-written, foreign, or the
+    record of another run: a run's record lives in the folder named by its run id, so a copy of
+    the folder (``cp -r X X.bak``) never stands in for the run."""
+    row = _record_row(run_dir)
+    return row if row is not None and row["run_id"] == Path(run_dir).name else None
+
+
+def copied_record(run_dir: Path) -> str | None:
+    """The run id named by ``<run_dir>/run.json`` when it is another run's (a copied folder)."""
+    row = _record_row(run_dir)
+    return row["run_id"] if row is not None and row["run_id"] != Path(run_dir).name else None
 
 
 def _set_aside_torn(path: Path, table: RunTable) -> None:
@@ -277,6 +292,11 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
             if run_id in torn:
                 raise UsageError(f"run_id {run_id!r}: its row in {csv_path} is cut mid-way and the run has no "
                                  f"{RUN_RECORD}; its numbers cannot be trusted, so nothing is shown")
+            copy_of = copied_record(results_dir / run_id)
+            if copy_of is not None:
+                raise UsageError(f"{results_dir / run_id / RUN_RECORD} records run {copy_of!r}: the folder is a copy "
+                                 f"of another run's, and a run's record is read only from the folder named by its "
+                                 f"run id ({results_dir / copy_of})")
             latest = ", ".join(r["run_id"] for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
             raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
         pick = hits[0]
