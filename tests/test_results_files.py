@@ -174,3 +174,20 @@ def test_a_copy_of_a_run_folder_never_stands_in_for_the_run(tmp_path, run_cli):
     assert [r["cfg_trainable_layers"] for r in read_run_table(tmp_path / RUNS_CSV).rows] == ["all"]
     code, out = run_cli("show", tmp_path, "x.bak")
     _clean_error(code, out, "x.bak", "records run 'x'")
+
+
+@pytest.mark.parametrize("run_id", ["runs.csv", "manifest.json", "runs.csv.lock", "manifest.json.lock",
+                                    "runs-torn.csv", "superseded", "README.md", "RUNS.CSV"])
+def test_a_run_id_naming_a_results_file_is_refused_before_any_work(run_id, tmp_path, run_cli, no_training):
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", run_id)
+    _clean_error(code, out, repr(run_id), "reserved", "runs.csv", "manifest.json")
+    assert not list(tmp_path.iterdir())  # nothing made, nothing claimed
+
+
+def test_a_run_id_longer_than_a_file_name_is_refused_before_any_work(tmp_path, run_cli, no_training):
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", "r" * 256)
+    _clean_error(code, out, "256", "255")
+    assert not list(tmp_path.iterdir())
+    from lora_bench.train.identity import check_run_id
+
+    check_run_id("r" * 255)  # the longest name a folder can have

@@ -28,6 +28,7 @@ from lora_bench.results.schema import column_index, run_column_names
 RUNS_CSV = "runs.csv"
 RUN_RECORD = "run.json"
 TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
+LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
 REQUIRED = ("run_id", "status")
 
 
@@ -156,7 +157,7 @@ def locked(path: Path):
     folder (sweep shards on several GPUs) read-modify-write ``runs.csv`` one at a time."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as fh:
+    with open(path.with_name(path.name + LOCK_SUFFIX), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

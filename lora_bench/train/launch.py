@@ -41,6 +41,7 @@ from lora_bench.results.manifest import record_invocation, start_invocation
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
+from lora_bench.train.identity import check_run_id as check_name
 from lora_bench.train.identity import refuse_existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -74,6 +75,7 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 def check_run_id(results_dir: Path, run_id: str, *, overwrite: bool) -> None:
     """The run id is free (no process runs it; no earlier record, unless ``overwrite``, which drops
     it now, so that a rank that dies before recording cannot leave the old record standing)."""
+    check_name(run_id)
     run_dir = Path(results_dir) / run_id
     claim = try_claim(run_dir)
     if claim is None:
