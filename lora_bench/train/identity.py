@@ -14,7 +14,7 @@ from lora_bench.errors import UsageError
 from lora_bench.results.index import INDEX
 from lora_bench.results.manifest import MANIFEST
 from lora_bench.results.prune import SUPERSEDED
-from lora_bench.results.store import LOCK_SUFFIX, RUN_RECORD, RUNS_CSV, TORN_CSV, read_run_table, run_record
+from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, read_run_table, run_record
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ext4, XFS, Btrfs, APFS, tmpfs)
@@ -80,8 +80,3 @@ def refuse_existing_run(results_dir: Path, run_id: str) -> None:
         raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
                          f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
                          "--overwrite to replace it")
-
-
-def forget_earlier_attempt(run_dir: Path) -> None:
-    """Remove the record an earlier attempt of this run left, so it cannot pass for this one's."""
-    (run_dir / RUN_RECORD).unlink(missing_ok=True)
