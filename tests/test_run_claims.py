@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from tiny import TINY_BASE
 
-from lora_bench.results.claims import claimant, is_claimed, try_claim
+from lora_bench.results import claims
+from lora_bench.results.claims import claimant, try_claim
 from lora_bench.results.store import run_record
 from lora_bench.sweep.spec import load_sweep
 
@@ -287,8 +288,8 @@ def test_finished_folders_keep_no_claim_or_lock_and_a_removed_claim_is_never_hel
     fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the lock, on a file nobody can open now
     second = try_claim(tmp_path / "x")
     try:
-        assert second is not None and try_claim(tmp_path / "x") is None and is_claimed(tmp_path / "x")
+        assert second is not None and try_claim(tmp_path / "x") is None and claims.is_claimed(tmp_path / "x")
     finally:
         second.release()
         os.close(early)
-    assert not is_claimed(tmp_path / "x")
+    assert not claims.is_claimed(tmp_path / "x")
