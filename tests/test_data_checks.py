@@ -186,3 +186,70 @@ def test_data_prepare_out_naming_a_file(tmp_path, run_cli):
     code, out = run_cli("data", "prepare", "--out", tmp_path / "a-file", "--data-file", SAMPLE)
     assert code == 2 and "a file is in the way" in out and "Traceback" not in out, out
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def _other_corpus(tmp_path: Path) -> Path:
+    """A second usable corpus: the sample with its messages in another order (other splits)."""
+    lines = SAMPLE.read_text().splitlines()
+    return _corpus(tmp_path, "other", lines[::-1])
+
+
+def test_the_cached_splits_are_those_of_the_bytes_hashed(tmp_path, monkeypatch):
+    """A data file replaced while its splits are prepared: the cache entry named after the bytes
+    that were hashed holds those bytes' splits, never the replacement's."""
+    raw = tmp_path / "data.tsv"
+    raw.write_bytes(SAMPLE.read_bytes())
+    other = _other_corpus(tmp_path)
+    want = {k: p.read_bytes() for k, p in cached_splits(SAMPLE, tmp_path / "clean").items()}
+    real = sms_spam.pd.read_csv
+
+    def swap_then_read(*args, **kw):
+        raw.write_bytes(other.read_bytes())  # replaced between the hash and the parse
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sms_spam.pd, "read_csv", swap_then_read)
+    got = cached_splits(raw, tmp_path / "cache")
+    monkeypatch.undo()
+    assert {k: p.read_bytes() for k, p in got.items()} == want
+    raw.write_bytes(SAMPLE.read_bytes())
+    assert {k: p.read_bytes() for k, p in cached_splits(raw, tmp_path / "cache").items()} == want
+
+
+@pytest.mark.parametrize("manifest", ["without its source", "naming another source"])
+def test_a_cache_entry_holding_another_files_splits_is_prepared_again(manifest, tmp_path):
+    other = _other_corpus(tmp_path)
+    good = {k: p.read_bytes() for k, p in cached_splits(SAMPLE, tmp_path / "clean").items()}
+    entry = cached_splits(SAMPLE, tmp_path / "cache")["train"].parent
+    for name, path in cached_splits(other, tmp_path / "other").items():  # poison: the other file's splits
+        (entry / path.name).write_bytes(path.read_bytes())
+    hashes = {f: sha256_file(entry / f) for f in sms_spam.SPLIT_FILES}
+    if manifest == "naming another source":
+        hashes["source_sha256"] = sha256_file(other)
+    (entry / sms_spam.SPLITS_MANIFEST).write_text(__import__("json").dumps(hashes))
+    again = cached_splits(SAMPLE, tmp_path / "cache")
+    assert {k: p.read_bytes() for k, p in again.items()} == good
+
+
+def test_a_message_pandas_reads_as_missing_is_named_as_such(tmp_path, run_cli):
+    """``NA`` (and pandas' other missing-value markers) is no text for the reference's read_csv
+    too: refused, and the message says why rather than claiming the line is empty."""
+    lines = SAMPLE.read_text().splitlines()
+    path = _corpus(tmp_path, "na", lines[:5] + ["ham\tNA", "spam\tnull"] + lines[5:])
+    assert sms_spam.pd.read_csv(path, sep="\t", header=None, names=["Label", "Text"])["Text"].isna().sum() == 2
+    code, out = run_cli("data", "prepare", "--out", tmp_path / "splits", "--data-file", path)
+    assert code == 2 and "Traceback" not in out, out
+    assert "2 of" in out and "(messages 6, 7)" in out and "'NA', 'null' read as a missing value" in out, out
+    assert "read_csv" in out and "reference" in out
+
+
+def test_a_special_token_in_a_message_is_named_with_its_message(tmp_path, run_cli):
+    """tiktoken's encode refuses special tokens in text, in the reference as here: one message
+    naming the split file, the message and the token, instead of tiktoken's traceback."""
+    lines = SAMPLE.read_text().splitlines()
+    first_spam = next(i for i, x in enumerate(lines) if x.startswith("spam\t"))  # every spam message is kept
+    path = _corpus(tmp_path, "special", [x.replace("\t", "\tsee <|endoftext|> ", 1) if i == first_spam else x
+                                         for i, x in enumerate(lines)])
+    code, out = run_cli("train", *TINY, "--data-file", path, "--results-dir", tmp_path / "r",
+                        "--cache-dir", tmp_path / "c")
+    assert code == 2 and "Traceback" not in out, out
+    assert "'<|endoftext|>'" in out and "special token" in out and "tiktoken" in out and ".csv" in out, out
