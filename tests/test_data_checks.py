@@ -21,10 +21,11 @@ from lora_bench.data.sms_spam import (
     cached_splits,
     corpus_problem,
     ensure_sms_spam,
+    packaged_sms_spam,
 )
 from lora_bench.data.tokenizer import sha256_file
 from lora_bench.download import safe_extract_zip
-from lora_bench.errors import DataError
+from lora_bench.errors import DataError, DownloadError
 
 SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress", "--max-steps", "2",
@@ -47,26 +48,38 @@ def test_the_shipped_corpus_is_the_corpus():
     assert "CC BY 4.0" in PACKAGED_CORPUS.with_name("SMSSpamCollection.LICENSE").read_text()
 
 
-def test_offline_uses_the_shipped_copy_and_says_so(tmp_path, monkeypatch):
-    _offline(monkeypatch)
-    notes = []
-    assert ensure_sms_spam(tmp_path, progress=False, note=notes.append) == PACKAGED_CORPUS
-    assert len(notes) == 1 and "shipped with lora-bench" in notes[0] and "could not download" in notes[0]
-
-
-def test_offline_train_runs_on_the_shipped_copy(tmp_path, monkeypatch, run_cli):
-    _offline(monkeypatch)
+def test_train_and_prepare_use_the_shipped_copy_and_download_only_when_asked(tmp_path, http_server, monkeypatch,
+                                                                              run_cli):
+    corpus = PACKAGED_CORPUS.read_bytes()
+    http_server.routes["/sms.zip"] = ("ok", _zip(corpus))
+    monkeypatch.setattr(sms_spam, "SMS_URLS", [http_server.url + "/sms.zip"])
     code, out = run_cli("train", *TINY, "--cache-dir", tmp_path / "cache", "--results-dir", tmp_path / "r")
-    assert code == 0 and "using the SMS Spam Collection shipped with lora-bench" in out, out
+    assert code == 0 and "download" not in out, out
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "shipped", "--cache-dir", tmp_path / "cache")
+    assert code == 0 and "download" not in out and http_server.hits["/sms.zip"] == 0, out
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "fetched", "--download",
+                        "--cache-dir", tmp_path / "cache", "--no-progress")
+    assert code == 0 and http_server.hits["/sms.zip"] == 1, out
+    assert corpus_problem(tmp_path / "cache" / "sms_spam" / "SMSSpamCollection.tsv") is None
+    for name in sms_spam.SPLIT_FILES:
+        assert (tmp_path / "fetched" / name).read_bytes() == (tmp_path / "shipped" / name).read_bytes()
+
+
+def test_an_asked_download_that_cannot_be_done_says_so(tmp_path, monkeypatch, run_cli):
+    _offline(monkeypatch)
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "s", "--download", "--cache-dir", tmp_path / "c",
+                        "--no-progress")
+    assert code != 0 and "Traceback" not in out and "could not download SMS Spam Collection" in out, out
+    assert "leave out --download" in out or "--data-file" in out, out
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_damaged_shipped_copy_is_refused(tmp_path, monkeypatch):
-    _offline(monkeypatch)
     bad = tmp_path / "SMSSpamCollection.tsv"
     bad.write_bytes(PACKAGED_CORPUS.read_bytes()[:1000])
     monkeypatch.setattr(sms_spam, "PACKAGED_CORPUS", bad)
     with pytest.raises(DataError, match="is damaged: it has 1,000 bytes"):
-        ensure_sms_spam(tmp_path / "cache", progress=False, note=lambda m: None)
+        packaged_sms_spam()
 
 
 def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, monkeypatch):
@@ -77,7 +90,7 @@ def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, m
     folder.mkdir()
     (folder / "SMSSpamCollection.tsv").write_bytes(corpus[: len(corpus) // 3])  # a cut copy
     (folder / "sms_spam_collection.zip").write_bytes(_zip(corpus[: len(corpus) // 3]))  # and a cut archive
-    got = ensure_sms_spam(tmp_path, progress=False, note=pytest.fail)
+    got = ensure_sms_spam(tmp_path, progress=False)
     assert got == folder / "SMSSpamCollection.tsv" and corpus_problem(got) is None
     assert http_server.hits["/sms.zip"] == 1  # the cached archive failed verification: fetched again
 
@@ -85,9 +98,8 @@ def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, m
 def test_a_mirror_serving_another_file_is_not_used(tmp_path, http_server, monkeypatch):
     http_server.routes["/sms.zip"] = ("ok", _zip(b"ham\thello\n" * 100))
     monkeypatch.setattr(sms_spam, "SMS_URLS", [http_server.url + "/sms.zip"])
-    notes = []
-    assert ensure_sms_spam(tmp_path, progress=False, note=notes.append) == PACKAGED_CORPUS
-    assert "not the corpus" in notes[0] and "1,000 bytes" in notes[0]
+    with pytest.raises(DownloadError, match="not the corpus.*1,000 bytes"):
+        ensure_sms_spam(tmp_path, progress=False)
     assert not (tmp_path / "sms_spam" / "SMSSpamCollection.tsv").exists()
 
 
@@ -106,7 +118,8 @@ def test_a_zip_bomb_in_the_cache_is_not_extracted(tmp_path, monkeypatch):
             raise
 
     monkeypatch.setattr(sms_spam, "safe_extract_zip", spy)
-    assert ensure_sms_spam(tmp_path, progress=False, note=lambda m: None) == PACKAGED_CORPUS
+    with pytest.raises(DownloadError):  # offline: the bomb is refused, then no download can replace it
+        ensure_sms_spam(tmp_path, progress=False)
     assert len(refused) == 1 and "expands to 67,108,864 bytes, more than the" in refused[0]  # before writing
     assert not (folder / "sms_spam_collection.zip").exists()  # and the bomb is gone from the cache
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]

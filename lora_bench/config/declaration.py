@@ -150,7 +150,8 @@ class Settings:
     profile: str = _s("none", "line: line_profiler over the step; torch: a torch.profiler trace.", MEASUREMENT,
                       choices=PROFILES)
     # inputs
-    data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (skips the download).", DATA, path=True)
+    data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (default: the copy shipped with lora-bench).",
+                               DATA, path=True)
 
     # -- helpers -----------------------------------------------------------------------------
     @property

@@ -4,8 +4,8 @@ datasets and the loaders (whose RNG use is part of the reproducible sequence).
 The corpus is Almeida & Gómez Hidalgo, "SMS Spam Collection" (2011), UCI Machine Learning
 Repository dataset 228, https://doi.org/10.24432/C5CC84, licensed CC BY 4.0. A copy ships with
 lora-bench (``SMSSpamCollection.tsv`` beside this module, see ``SMSSpamCollection.LICENSE``) and is
-used when the download cannot be done. Every copy, downloaded, cached or shipped, is checked
-against the known size and sha256 before use."""
+what runs use unless given a data file: nothing is downloaded unless asked (``ensure_sms_spam``).
+Every copy, downloaded, cached or shipped, is checked against the known size and sha256 before use."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ import hashlib
 import io
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -45,10 +43,6 @@ SOURCE_KEY = "source_sha256"
 MIN_SPAM = 5
 
 
-def _stderr_note(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def corpus_problem(path: Path) -> str | None:
     """Why ``path`` is not the SMS Spam Collection's TSV byte for byte (size, then sha256), or None."""
     try:
@@ -72,12 +66,12 @@ def packaged_sms_spam() -> Path:
     return PACKAGED_CORPUS
 
 
-def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None,
-                    note: Callable[[str], None] = _stderr_note) -> Path:
-    """The raw TSV, verified: from the cache, else downloaded (primary then fallback URL) and
-    extracted into ``cache_dir`` once. A cached copy that fails verification (a partial file) is
-    fetched again; when the download cannot be done, the copy shipped with lora-bench is used and
-    ``note`` says so in one line."""
+def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None) -> Path:
+    """The raw TSV downloaded from the corpus's publishers (primary, then fallback URL), verified,
+    in ``cache_dir``: only when asked (``data prepare --download``); every other command uses the
+    copy shipped with lora-bench, which is the same file byte for byte (``packaged_sms_spam``). A
+    cached copy that fails verification (a partial file) is fetched again; DownloadError when no
+    URL gives the corpus."""
     folder = Path(cache_dir) / "sms_spam"
     tsv = folder / "SMSSpamCollection.tsv"
     if tsv.is_file():
@@ -88,23 +82,18 @@ def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] |
     if why:
         raise UsageError(f"cache folder {folder}: {why}; pass a writable --cache-dir (or --data-file)")
     zip_path = folder / "sms_spam_collection.zip"
-    try:
-        for fresh in (False, True):
-            if fresh or not zip_path.is_file():
-                zip_path.unlink(missing_ok=True)
-            download_file(list(urls or SMS_URLS), zip_path, description="SMS Spam Collection", progress=progress)
-            try:
-                _extract_verified(zip_path, tsv)
-                return tsv
-            except DataError as e:
-                zip_path.unlink(missing_ok=True)  # the cached or downloaded archive is not the corpus's
-                if fresh:
-                    raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}") from None
-    except DownloadError as e:
-        reason = str(e).splitlines()[0].rstrip(":")  # the first line; the URLs and their errors follow it
-        corpus = packaged_sms_spam()
-        note(f"note: using the SMS Spam Collection shipped with lora-bench ({reason})")
-        return corpus
+    for fresh in (False, True):
+        if fresh or not zip_path.is_file():
+            zip_path.unlink(missing_ok=True)
+        download_file(list(urls or SMS_URLS), zip_path, description="SMS Spam Collection", progress=progress)
+        try:
+            _extract_verified(zip_path, tsv)
+            return tsv
+        except DataError as e:
+            zip_path.unlink(missing_ok=True)  # the cached or downloaded archive is not the corpus's
+            if fresh:
+                raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}; the copy shipped "
+                                    "with lora-bench needs no download (leave out --download)") from None
     raise AssertionError("unreachable")
 
 
