@@ -6,6 +6,7 @@ import signal
 
 EXIT_RUNTIME = 1  # a run failed
 EXIT_USAGE = 2  # a bad option, value or input file: nothing ran
+EXIT_DOWNLOAD = 3  # something needed could not be downloaded (no network, a mirror serving another file)
 EXIT_NOT_SAVED = 4  # a result could not be saved in full (a full disk, a quota, a file-size limit)
 
 
@@ -39,9 +40,10 @@ class DataError(UsageError):
 
 
 class DownloadError(LoraBenchError):
-    """A needed download failed on every URL (no network, bad size or hash)."""
+    """A needed download failed on every URL (no network, bad size or hash): not a usage error,
+    so it has its own exit code."""
 
-    exit_code = EXIT_USAGE
+    exit_code = EXIT_DOWNLOAD
 
 
 class CheckpointError(LoraBenchError):

@@ -375,7 +375,7 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
     if run_id is None:
         if not rows:
             raise UsageError(f"{results_dir} holds no complete run")
-        pick = max(rows, key=lambda r: r.get("started_at") or "")
+        pick = latest_result(rows)
     else:
         hits = [r for r in rows if r["run_id"] == run_id]
         if not hits:
@@ -391,6 +391,22 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
             raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
         pick = hits[0]
     return runs_frame(pd.DataFrame([pick], dtype=object).astype(str)).iloc[0].to_dict()
+
+
+def latest_result(rows: list[dict]) -> dict:
+    """The run to show when none is named: the latest finished one (a newer run that failed
+    before it measured anything, an offline start without weights, is no result), else the
+    latest started."""
+    done = [r for r in rows if r.get("status") == "done"]
+    return max(done or rows, key=lambda r: r.get("started_at") or "")
+
+
+def unfinished_since(results_dir: Path, row: dict) -> list[dict]:
+    """The rows of runs started after ``row`` that did not finish (failed, interrupted, ...)."""
+    after = str(row.get("started_at") or "")
+    return sorted((r for r in result_rows(results_dir, warn=None)
+                   if r.get("status") != "done" and (r.get("started_at") or "") > after),
+                  key=lambda r: r.get("started_at") or "")
 
 
 def check_results_dir(results_dir: Path) -> None:
