@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import signal
 
-EXIT_USAGE = 2
-EXIT_RUNTIME = 1
+EXIT_RUNTIME = 1  # a run failed
+EXIT_USAGE = 2  # a bad option, value or input file: nothing ran
+EXIT_DOWNLOAD = 3  # something needed could not be downloaded (no network, a mirror serving another file)
+EXIT_NOT_SAVED = 4  # a result could not be saved in full (a full disk, a quota, a file-size limit)
 
 
 class LoraBenchError(Exception):
@@ -38,9 +40,10 @@ class DataError(UsageError):
 
 
 class DownloadError(LoraBenchError):
-    """A needed download failed on every URL (no network, bad size or hash)."""
+    """A needed download failed on every URL (no network, bad size or hash): not a usage error,
+    so it has its own exit code."""
 
-    exit_code = EXIT_USAGE
+    exit_code = EXIT_DOWNLOAD
 
 
 class CheckpointError(LoraBenchError):
@@ -52,6 +55,17 @@ class CheckpointError(LoraBenchError):
 class ResultsError(UsageError):
     """A results file (``runs.csv``) that cannot be read as lora-bench's table: binary, empty,
     unbalanced quotes, another program's CSV."""
+
+
+class SaveError(LoraBenchError):
+    """A run's record could not be saved in full: the folder takes no more. ``row`` is the run's
+    row as far as it was recorded (its measured columns, for the terminal when nothing fit)."""
+
+    exit_code = EXIT_NOT_SAVED
+
+    def __init__(self, message: str, *, row: dict | None = None):
+        super().__init__(message)
+        self.row = row or {}
 
 
 class RunClaimedError(UsageError):

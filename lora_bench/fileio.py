@@ -38,6 +38,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def overwrite_in_place(path: Path, data: bytes) -> None:
+    """Rewrite the existing file ``path`` in its own blocks: for a folder with no room left for a
+    temporary copy. Not atomic: a process stopped midway leaves the new bytes followed by the old
+    file's tail, which a reader must refuse (a JSON text then holds trailing data)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_writable_dir(path: Path) -> str | None:
     """Create the folder ``path`` if needed and prove it takes a new file; returns None when it
     does, else why not in a few words. Tried, not asked: ``os.access`` answers yes for root on a
@@ -55,3 +70,14 @@ def check_writable_dir(path: Path) -> str | None:
     os.close(fd)
     os.unlink(tmp)
     return None
+
+
+def names_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced since): a
+    lock taken on a file its holder has just removed guards nothing."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)

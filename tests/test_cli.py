@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import refused_url
 
 from lora_bench.results.store import read_runs
 
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress"]
+SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
 
 
 def _assert_clean_usage_error(code: int, out: str, *needles: str) -> None:
@@ -63,14 +66,15 @@ def test_missing_data_file(run_cli, tmp_path):
     _assert_clean_usage_error(code, out, "no such file", "nope.tsv", "--data-file")
 
 
-def test_no_network_for_needed_download(run_cli, tmp_path, monkeypatch):
-    """Offline, the corpus shipped with the package is used, and the run says so in one line."""
+def test_train_needs_no_network_for_the_corpus(run_cli, tmp_path, monkeypatch):
+    """The corpus shipped with the package is the corpus: train uses it without trying a download."""
     urls = [refused_url("/a.zip"), refused_url("/b.zip")]
     monkeypatch.setattr("lora_bench.data.sms_spam.SMS_URLS", urls)
+    monkeypatch.setattr("lora_bench.data.sms_spam.download_file", lambda *a, **k: pytest.fail("a download was tried"))
     code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",
                         "--cache-dir", str(tmp_path / "cache"), "--results-dir", str(tmp_path))
     assert code == 0, out
-    assert out.count("using the SMS Spam Collection shipped with lora-bench (could not download") == 1
+    assert "download" not in out, out
 
 
 def test_corrupt_checkpoint(run_cli, tmp_path, sms_file):
@@ -182,3 +186,19 @@ def test_machine_inputs_checked_before_a_run_or_sweep_starts(run_cli, tmp_path):
     assert not (res / "runs.csv").exists()
     code, out = run_cli("sweep", "configs/smoke.yaml", "--data-file", str(tmp_path / "none.tsv"), "--dry-run")
     _assert_clean_usage_error(code, out, "--data-file", "no such file")
+
+
+def test_an_offline_start_without_weights_has_its_own_exit_code_and_show_keeps_the_last_result(
+        run_cli, tmp_path, monkeypatch):
+    """No network and no checkpoint: exit 3 (not the usage code), one message pointing at
+    --weights random and --weights-dir; show without a run id still shows the last finished run."""
+    code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",
+                        "--results-dir", tmp_path / "r", "--run-id", "good")
+    assert code == 0, out
+    monkeypatch.setattr("lora_bench.model.checkpoints.BASE_URLS", (refused_url("/a"), refused_url("/b")))
+    code, out = run_cli("train", "--model-size", "124M", "--device", "cpu", "--no-progress",
+                        "--data-file", SAMPLE, "--cache-dir", tmp_path / "cache", "--results-dir", tmp_path / "r")
+    assert code == 3 and "Traceback" not in out, out
+    assert "could not download GPT-2 124M" in out and "--weights random" in out and "--weights-dir" in out, out
+    code, out = run_cli("show", tmp_path / "r")
+    assert code == 0 and "good" in out and "1 later run(s) did not finish" in out and "(failed)" in out, out

@@ -21,10 +21,11 @@ from lora_bench.data.sms_spam import (
     cached_splits,
     corpus_problem,
     ensure_sms_spam,
+    packaged_sms_spam,
 )
 from lora_bench.data.tokenizer import sha256_file
 from lora_bench.download import safe_extract_zip
-from lora_bench.errors import DataError
+from lora_bench.errors import DataError, DownloadError
 
 SAMPLE = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
 TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress", "--max-steps", "2",
@@ -47,26 +48,38 @@ def test_the_shipped_corpus_is_the_corpus():
     assert "CC BY 4.0" in PACKAGED_CORPUS.with_name("SMSSpamCollection.LICENSE").read_text()
 
 
-def test_offline_uses_the_shipped_copy_and_says_so(tmp_path, monkeypatch):
-    _offline(monkeypatch)
-    notes = []
-    assert ensure_sms_spam(tmp_path, progress=False, note=notes.append) == PACKAGED_CORPUS
-    assert len(notes) == 1 and "shipped with lora-bench" in notes[0] and "could not download" in notes[0]
-
-
-def test_offline_train_runs_on_the_shipped_copy(tmp_path, monkeypatch, run_cli):
-    _offline(monkeypatch)
+def test_train_and_prepare_use_the_shipped_copy_and_download_only_when_asked(tmp_path, http_server, monkeypatch,
+                                                                              run_cli):
+    corpus = PACKAGED_CORPUS.read_bytes()
+    http_server.routes["/sms.zip"] = ("ok", _zip(corpus))
+    monkeypatch.setattr(sms_spam, "SMS_URLS", [http_server.url + "/sms.zip"])
     code, out = run_cli("train", *TINY, "--cache-dir", tmp_path / "cache", "--results-dir", tmp_path / "r")
-    assert code == 0 and "using the SMS Spam Collection shipped with lora-bench" in out, out
+    assert code == 0 and "download" not in out, out
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "shipped", "--cache-dir", tmp_path / "cache")
+    assert code == 0 and "download" not in out and http_server.hits["/sms.zip"] == 0, out
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "fetched", "--download",
+                        "--cache-dir", tmp_path / "cache", "--no-progress")
+    assert code == 0 and http_server.hits["/sms.zip"] == 1, out
+    assert corpus_problem(tmp_path / "cache" / "sms_spam" / "SMSSpamCollection.tsv") is None
+    for name in sms_spam.SPLIT_FILES:
+        assert (tmp_path / "fetched" / name).read_bytes() == (tmp_path / "shipped" / name).read_bytes()
+
+
+def test_an_asked_download_that_cannot_be_done_says_so(tmp_path, monkeypatch, run_cli):
+    _offline(monkeypatch)
+    code, out = run_cli("data", "prepare", "--output", tmp_path / "s", "--download", "--cache-dir", tmp_path / "c",
+                        "--no-progress")
+    assert code != 0 and "Traceback" not in out and "could not download SMS Spam Collection" in out, out
+    assert "leave out --download" in out or "--data-file" in out, out
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_damaged_shipped_copy_is_refused(tmp_path, monkeypatch):
-    _offline(monkeypatch)
     bad = tmp_path / "SMSSpamCollection.tsv"
     bad.write_bytes(PACKAGED_CORPUS.read_bytes()[:1000])
     monkeypatch.setattr(sms_spam, "PACKAGED_CORPUS", bad)
     with pytest.raises(DataError, match="is damaged: it has 1,000 bytes"):
-        ensure_sms_spam(tmp_path / "cache", progress=False, note=lambda m: None)
+        packaged_sms_spam()
 
 
 def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, monkeypatch):
@@ -77,7 +90,7 @@ def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, m
     folder.mkdir()
     (folder / "SMSSpamCollection.tsv").write_bytes(corpus[: len(corpus) // 3])  # a cut copy
     (folder / "sms_spam_collection.zip").write_bytes(_zip(corpus[: len(corpus) // 3]))  # and a cut archive
-    got = ensure_sms_spam(tmp_path, progress=False, note=pytest.fail)
+    got = ensure_sms_spam(tmp_path, progress=False)
     assert got == folder / "SMSSpamCollection.tsv" and corpus_problem(got) is None
     assert http_server.hits["/sms.zip"] == 1  # the cached archive failed verification: fetched again
 
@@ -85,9 +98,8 @@ def test_a_partial_corpus_in_the_cache_is_fetched_again(tmp_path, http_server, m
 def test_a_mirror_serving_another_file_is_not_used(tmp_path, http_server, monkeypatch):
     http_server.routes["/sms.zip"] = ("ok", _zip(b"ham\thello\n" * 100))
     monkeypatch.setattr(sms_spam, "SMS_URLS", [http_server.url + "/sms.zip"])
-    notes = []
-    assert ensure_sms_spam(tmp_path, progress=False, note=notes.append) == PACKAGED_CORPUS
-    assert "not the corpus" in notes[0] and "1,000 bytes" in notes[0]
+    with pytest.raises(DownloadError, match="not the corpus.*1,000 bytes"):
+        ensure_sms_spam(tmp_path, progress=False)
     assert not (tmp_path / "sms_spam" / "SMSSpamCollection.tsv").exists()
 
 
@@ -106,7 +118,8 @@ def test_a_zip_bomb_in_the_cache_is_not_extracted(tmp_path, monkeypatch):
             raise
 
     monkeypatch.setattr(sms_spam, "safe_extract_zip", spy)
-    assert ensure_sms_spam(tmp_path, progress=False, note=lambda m: None) == PACKAGED_CORPUS
+    with pytest.raises(DownloadError):  # offline: the bomb is refused, then no download can replace it
+        ensure_sms_spam(tmp_path, progress=False)
     assert len(refused) == 1 and "expands to 67,108,864 bytes, more than the" in refused[0]  # before writing
     assert not (folder / "sms_spam_collection.zip").exists()  # and the bomb is gone from the cache
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -186,3 +199,70 @@ def test_data_prepare_out_naming_a_file(tmp_path, run_cli):
     code, out = run_cli("data", "prepare", "--out", tmp_path / "a-file", "--data-file", SAMPLE)
     assert code == 2 and "a file is in the way" in out and "Traceback" not in out, out
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def _other_corpus(tmp_path: Path) -> Path:
+    """A second usable corpus: the sample with its messages in another order (other splits)."""
+    lines = SAMPLE.read_text().splitlines()
+    return _corpus(tmp_path, "other", lines[::-1])
+
+
+def test_the_cached_splits_are_those_of_the_bytes_hashed(tmp_path, monkeypatch):
+    """A data file replaced while its splits are prepared: the cache entry named after the bytes
+    that were hashed holds those bytes' splits, never the replacement's."""
+    raw = tmp_path / "data.tsv"
+    raw.write_bytes(SAMPLE.read_bytes())
+    other = _other_corpus(tmp_path)
+    want = {k: p.read_bytes() for k, p in cached_splits(SAMPLE, tmp_path / "clean").items()}
+    real = sms_spam.pd.read_csv
+
+    def swap_then_read(*args, **kw):
+        raw.write_bytes(other.read_bytes())  # replaced between the hash and the parse
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sms_spam.pd, "read_csv", swap_then_read)
+    got = cached_splits(raw, tmp_path / "cache")
+    monkeypatch.undo()
+    assert {k: p.read_bytes() for k, p in got.items()} == want
+    raw.write_bytes(SAMPLE.read_bytes())
+    assert {k: p.read_bytes() for k, p in cached_splits(raw, tmp_path / "cache").items()} == want
+
+
+@pytest.mark.parametrize("manifest", ["without its source", "naming another source"])
+def test_a_cache_entry_holding_another_files_splits_is_prepared_again(manifest, tmp_path):
+    other = _other_corpus(tmp_path)
+    good = {k: p.read_bytes() for k, p in cached_splits(SAMPLE, tmp_path / "clean").items()}
+    entry = cached_splits(SAMPLE, tmp_path / "cache")["train"].parent
+    for name, path in cached_splits(other, tmp_path / "other").items():  # poison: the other file's splits
+        (entry / path.name).write_bytes(path.read_bytes())
+    hashes = {f: sha256_file(entry / f) for f in sms_spam.SPLIT_FILES}
+    if manifest == "naming another source":
+        hashes["source_sha256"] = sha256_file(other)
+    (entry / sms_spam.SPLITS_MANIFEST).write_text(__import__("json").dumps(hashes))
+    again = cached_splits(SAMPLE, tmp_path / "cache")
+    assert {k: p.read_bytes() for k, p in again.items()} == good
+
+
+def test_a_message_pandas_reads_as_missing_is_named_as_such(tmp_path, run_cli):
+    """``NA`` (and pandas' other missing-value markers) is no text for the reference's read_csv
+    too: refused, and the message says why rather than claiming the line is empty."""
+    lines = SAMPLE.read_text().splitlines()
+    path = _corpus(tmp_path, "na", lines[:5] + ["ham\tNA", "spam\tnull"] + lines[5:])
+    assert sms_spam.pd.read_csv(path, sep="\t", header=None, names=["Label", "Text"])["Text"].isna().sum() == 2
+    code, out = run_cli("data", "prepare", "--out", tmp_path / "splits", "--data-file", path)
+    assert code == 2 and "Traceback" not in out, out
+    assert "2 of" in out and "(messages 6, 7)" in out and "'NA', 'null' read as a missing value" in out, out
+    assert "read_csv" in out and "reference" in out
+
+
+def test_a_special_token_in_a_message_is_named_with_its_message(tmp_path, run_cli):
+    """tiktoken's encode refuses special tokens in text, in the reference as here: one message
+    naming the split file, the message and the token, instead of tiktoken's traceback."""
+    lines = SAMPLE.read_text().splitlines()
+    first_spam = next(i for i, x in enumerate(lines) if x.startswith("spam\t"))  # every spam message is kept
+    path = _corpus(tmp_path, "special", [x.replace("\t", "\tsee <|endoftext|> ", 1) if i == first_spam else x
+                                         for i, x in enumerate(lines)])
+    code, out = run_cli("train", *TINY, "--data-file", path, "--results-dir", tmp_path / "r",
+                        "--cache-dir", tmp_path / "c")
+    assert code == 2 and "Traceback" not in out, out
+    assert "'<|endoftext|>'" in out and "special token" in out and "tiktoken" in out and ".csv" in out, out

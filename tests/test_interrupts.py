@@ -5,6 +5,7 @@ summary of the steps measured so far, says where the files are, and exits 128 + 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import signal
@@ -85,3 +86,27 @@ def test_ctrl_c_in_a_real_train_process_exits_130(tmp_path):
     row = _row(tmp_path)
     assert row["status"] == "interrupted" and row["error"] == "interrupted by SIGINT", row
     assert int(row["measured_steps"]) >= 1 and "recorded as interrupted" in out and str(tmp_path / "r") in out
+
+
+def test_a_signal_while_the_finished_run_is_saved_waits_for_the_save(tmp_path, monkeypatch, run_cli):
+    """SIGTERM as the finished run's first file is written: the record is saved whole (done), the
+    process says so and then stops as the signal asks."""
+    import lora_bench.fileio as fileio
+
+    real, sent = fileio.publish, []
+
+    def publish(tmp, dest):
+        if Path(dest).name == "steps.csv" and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        real(tmp, dest)
+
+    monkeypatch.setattr(fileio, "publish", publish)
+    short = [a for a in LONG if a not in ("--num-epochs", "1000")] + ["--max-steps", "3"]
+    code, out = run_cli("train", *short, "--results-dir", tmp_path, "--run-id", "r")
+    assert sent and code == 128 + signal.SIGTERM, out
+    assert "Traceback" not in out and "SIGTERM came while the finished run was being saved" in out, out
+    row = _row(tmp_path)
+    assert row["status"] == "done" and int(row["steps"]) == 3
+    assert len(list(csv.DictReader(open(tmp_path / "r" / "steps.csv")))) == 3
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["row"]["status"] == "done"

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("fileio", "timing", "progress", "optional", "safe_yaml"),
+    ("fileio", "timing", "progress", "optional", "safe_yaml", "signals"),
     ("download",),
     ("model", "kernels"),
     ("config",),

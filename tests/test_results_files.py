@@ -154,3 +154,40 @@ def test_folders_that_take_no_file_are_refused_before_any_work(unwritable_dir, t
     _clean_error(code, out, str(unwritable_dir / "splits"), "cannot")
     code, out = run_cli("train", *TINY[:-2], "--results-dir", tmp_path / "res", "--cache-dir", unwritable_dir)
     _clean_error(code, out, "cache folder", str(unwritable_dir))
+
+
+def test_a_copy_of_a_run_folder_never_stands_in_for_the_run(tmp_path, run_cli):
+    """run.json names its run; only the folder of that name holds the run's record: a backup copy
+    (``cp -r X X.bak``) is not read as run X, by readers or by the repair of runs.csv."""
+    from lora_bench.results.store import find_run
+    from lora_bench.sweep.resume import repair_runs_csv
+
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", "x")
+    assert code == 0, out
+    shutil.copytree(tmp_path / "x", tmp_path / "x.bak")
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", "x", "--overwrite",
+                        "--trainable-layers", "all")
+    assert code == 0, out
+    assert [r["cfg_trainable_layers"] for r in result_rows(tmp_path)] == ["all"]
+    assert find_run(tmp_path, "x")["cfg_trainable_layers"] == "all"
+    repair_runs_csv(tmp_path)
+    assert [r["cfg_trainable_layers"] for r in read_run_table(tmp_path / RUNS_CSV).rows] == ["all"]
+    code, out = run_cli("show", tmp_path, "x.bak")
+    _clean_error(code, out, "x.bak", "records run 'x'")
+
+
+@pytest.mark.parametrize("run_id", ["runs.csv", "manifest.json", "runs.csv.lock", "manifest.json.lock",
+                                    "runs-torn.csv", "superseded", "README.md", "RUNS.CSV"])
+def test_a_run_id_naming_a_results_file_is_refused_before_any_work(run_id, tmp_path, run_cli, no_training):
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", run_id)
+    _clean_error(code, out, repr(run_id), "reserved", "runs.csv", "manifest.json")
+    assert not list(tmp_path.iterdir())  # nothing made, nothing claimed
+
+
+def test_a_run_id_longer_than_a_file_name_is_refused_before_any_work(tmp_path, run_cli, no_training):
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", "r" * 256)
+    _clean_error(code, out, "256", "255")
+    assert not list(tmp_path.iterdir())
+    from lora_bench.train.identity import check_run_id
+
+    check_run_id("r" * 255)  # the longest name a folder can have

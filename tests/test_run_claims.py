@@ -18,11 +18,15 @@ from pathlib import Path
 import pytest
 from tiny import TINY_BASE
 
+from lora_bench.results import claims
 from lora_bench.results.claims import claimant, try_claim
 from lora_bench.results.store import run_record
 from lora_bench.sweep.spec import load_sweep
 
 BASE = "base:\n" + TINY_BASE
+TINY_TRAIN = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress", "--max-steps", "2",
+              "--warmup-steps", "1", "--eval-freq", "0", "--skip-final-eval", "--data-file",
+              str(Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv")]
 
 
 def _sweep(tmp_path: Path, runs: str, name: str = "c") -> Path:
@@ -260,3 +264,32 @@ def test_die_with_parent_delivers_the_signal(tmp_path):
     parent.wait()
     # the file exists from open() on, before "TERM" is written: wait for the content
     _wait_for(lambda: marker.exists() and marker.read_text() == "TERM", 30, "the child to get SIGTERM")
+
+
+def test_finished_folders_keep_no_claim_or_lock_and_a_removed_claim_is_never_held_twice(tmp_path, run_cli):
+    """The process that claims a run folder, or locks runs.csv or manifest.json, removes the file
+    when it lets go; one that opened the file before its removal and locks it then sees that the
+    path names another file, and claims anew: never two holders."""
+    sweep = _sweep(tmp_path, "grid:\n  seed: [1, 2]\n")
+    code, out = run_cli("sweep", sweep, "--results-dir", tmp_path / "r", "--no-progress")
+    assert code == 0, out
+    code, out = run_cli("train", *TINY_TRAIN, "--results-dir", tmp_path / "r", "--run-id", "one")
+    assert code == 0, out
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "r").rglob("*")
+                  if p.name == ".claim" or p.name.endswith(".lock"))
+    assert left == []
+
+    first = try_claim(tmp_path / "x")
+    early = os.open(tmp_path / "x" / ".claim", os.O_RDWR)  # a waiter that opened the file in time
+    first.release()
+    assert not (tmp_path / "x" / ".claim").exists()
+    import fcntl
+
+    fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the lock, on a file nobody can open now
+    second = try_claim(tmp_path / "x")
+    try:
+        assert second is not None and try_claim(tmp_path / "x") is None and claims.is_claimed(tmp_path / "x")
+    finally:
+        second.release()
+        os.close(early)
+    assert not claims.is_claimed(tmp_path / "x")

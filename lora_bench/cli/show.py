@@ -6,14 +6,23 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from lora_bench.cli.options import console
 
 
 def show(results_dir: Annotated[Path, typer.Argument(help="A results folder holding runs.csv.")],
-         run_id: Annotated[Optional[str], typer.Argument(help="Run id (default: the latest run).")] = None) -> None:
-    """Print a run's phase breakdown again, from the files."""
+         run_id: Annotated[Optional[str], typer.Argument(help="Run id (default: the latest finished run).")] = None
+         ) -> None:
+    """Print a run's phase breakdown again, from the files (without RUN_ID: the latest finished run)."""
     from lora_bench.report.phase_table import phase_table
-    from lora_bench.results.store import find_run
+    from lora_bench.results.store import find_run, unfinished_since
 
-    console.print(phase_table(find_run(results_dir, run_id)))
+    row = find_run(results_dir, run_id)
+    console.print(phase_table(row))
+    if run_id is None and row.get("status") == "done":
+        later = unfinished_since(results_dir, row)
+        if later:
+            shown = escape(", ".join(f"{r['run_id']} ({r.get('status')})" for r in later[-3:]))
+            console.print(f"{len(later)} later run(s) did not finish: {shown}; `lora-bench show {results_dir} RUN_ID` "
+                          "shows one", highlight=False)

@@ -39,7 +39,7 @@ from lora_bench.config import (
     render,
     settings_problems,
 )
-from lora_bench.errors import ConfigError, Interrupted, LoraBenchError
+from lora_bench.errors import ConfigError, Interrupted, LoraBenchError, SaveError
 
 HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
 
@@ -106,8 +106,8 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
     torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
     from lora_bench.train.distributed import exit_rank, rank_device, rank_env, rank_errors
-    from lora_bench.train.preflight import check_machine
     from lora_bench.train.identity import make_run_id
+    from lora_bench.train.preflight import check_machine
     from lora_bench.train.run import execute_run
 
     env = rank_env()
@@ -143,6 +143,12 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
                           cache_dir=cache_dir, overwrite=overwrite)
     except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
         raise typer.Exit(e.exit_code) from None
+    except SaveError as e:  # the numbers on the terminal at least, whatever the folder kept
+        if e.row.get("timing_clock") not in (None, "off"):
+            from lora_bench.report.phase_table import phase_table
+
+            console.print(phase_table(e.row))
+        raise
     _report(row, results_dir)
 
 

@@ -157,7 +157,8 @@ class Settings:
                       "step times are perturbed: profile a repeat of its own.", MEASUREMENT,
                       choices=PROFILES)
     # inputs
-    data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (skips the download).", DATA, path=True)
+    data_file: str | None = _s(None, "The raw SMSSpamCollection TSV (default: the copy shipped with lora-bench).",
+                               DATA, path=True)
 
     # -- helpers -----------------------------------------------------------------------------
     @property

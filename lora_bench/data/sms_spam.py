@@ -4,19 +4,18 @@ datasets and the loaders (whose RNG use is part of the reproducible sequence).
 The corpus is Almeida & Gómez Hidalgo, "SMS Spam Collection" (2011), UCI Machine Learning
 Repository dataset 228, https://doi.org/10.24432/C5CC84, licensed CC BY 4.0. A copy ships with
 lora-bench (``SMSSpamCollection.tsv`` beside this module, see ``SMSSpamCollection.LICENSE``) and is
-used when the download cannot be done. Every copy, downloaded, cached or shipped, is checked
-against the known size and sha256 before use."""
+what runs use unless given a data file: nothing is downloaded unless asked (``ensure_sms_spam``).
+Every copy, downloaded, cached or shipped, is checked against the known size and sha256 before use."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -37,14 +36,11 @@ SMS_SHA256 = "7d039a24a6083ed9ef0f806ebad56bbb976e3aeb8de05669173bfdc4996c239d"
 SMS_EXTRACT_CAP = 4 * SMS_SIZE  # a larger archive member is refused before it is written (zip bombs)
 PACKAGED_CORPUS = Path(__file__).with_name("SMSSpamCollection.tsv")
 SPLIT_FILES = ("train.csv", "validation.csv", "test.csv")
-SPLITS_MANIFEST = "sha256.json"  # the splits' hashes, written with them, checked on reuse
+SPLITS_MANIFEST = "sha256.json"  # the splits' hashes and their source's, written with them, checked on reuse
+SOURCE_KEY = "source_sha256"
 # The reference balances by sampling as many ham as there are spam messages, then splits 70/10/20
 # with int() rounding: the validation split gets a message only from 10 balanced messages on.
 MIN_SPAM = 5
-
-
-def _stderr_note(message: str) -> None:
-    print(message, file=sys.stderr)
 
 
 def corpus_problem(path: Path) -> str | None:
@@ -70,12 +66,12 @@ def packaged_sms_spam() -> Path:
     return PACKAGED_CORPUS
 
 
-def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None,
-                    note: Callable[[str], None] = _stderr_note) -> Path:
-    """The raw TSV, verified: from the cache, else downloaded (primary then fallback URL) and
-    extracted into ``cache_dir`` once. A cached copy that fails verification (a partial file) is
-    fetched again; when the download cannot be done, the copy shipped with lora-bench is used and
-    ``note`` says so in one line."""
+def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] | None = None) -> Path:
+    """The raw TSV downloaded from the corpus's publishers (primary, then fallback URL), verified,
+    in ``cache_dir``: only when asked (``data prepare --download``); every other command uses the
+    copy shipped with lora-bench, which is the same file byte for byte (``packaged_sms_spam``). A
+    cached copy that fails verification (a partial file) is fetched again; DownloadError when no
+    URL gives the corpus."""
     folder = Path(cache_dir) / "sms_spam"
     tsv = folder / "SMSSpamCollection.tsv"
     if tsv.is_file():
@@ -86,23 +82,18 @@ def ensure_sms_spam(cache_dir: Path, *, progress: bool = True, urls: list[str] |
     if why:
         raise UsageError(f"cache folder {folder}: {why}; pass a writable --cache-dir (or --data-file)")
     zip_path = folder / "sms_spam_collection.zip"
-    try:
-        for fresh in (False, True):
-            if fresh or not zip_path.is_file():
-                zip_path.unlink(missing_ok=True)
-            download_file(list(urls or SMS_URLS), zip_path, description="SMS Spam Collection", progress=progress)
-            try:
-                _extract_verified(zip_path, tsv)
-                return tsv
-            except DataError as e:
-                zip_path.unlink(missing_ok=True)  # the cached or downloaded archive is not the corpus's
-                if fresh:
-                    raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}") from None
-    except DownloadError as e:
-        reason = str(e).splitlines()[0].rstrip(":")  # the first line; the URLs and their errors follow it
-        corpus = packaged_sms_spam()
-        note(f"note: using the SMS Spam Collection shipped with lora-bench ({reason})")
-        return corpus
+    for fresh in (False, True):
+        if fresh or not zip_path.is_file():
+            zip_path.unlink(missing_ok=True)
+        download_file(list(urls or SMS_URLS), zip_path, description="SMS Spam Collection", progress=progress)
+        try:
+            _extract_verified(zip_path, tsv)
+            return tsv
+        except DataError as e:
+            zip_path.unlink(missing_ok=True)  # the cached or downloaded archive is not the corpus's
+            if fresh:
+                raise DownloadError(f"the downloaded SMS Spam Collection is not the corpus: {e}; the copy shipped "
+                                    "with lora-bench needs no download (leave out --download)") from None
     raise AssertionError("unreachable")
 
 
@@ -118,34 +109,53 @@ def _extract_verified(zip_path: Path, dest: Path) -> None:
 
 
 def read_raw(path: Path) -> pd.DataFrame:
-    """Read the raw TSV with pandas' default quoting, as the reference does: 5,572 rows from
-    5,574 lines, because two quote characters swallow line breaks (kept on purpose). Refuses a
-    file the reference split cannot use (see ``check_corpus``)."""
+    """Read the raw TSV as the reference does (see ``parse_raw``); refuses a file the reference
+    split cannot use (see ``check_corpus``)."""
+    return parse_raw(raw_bytes(path), path)
+
+
+def raw_bytes(path: Path) -> bytes:
+    """The data file's bytes, read once: what is hashed is what is parsed."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path} (pass --data-file with the raw SMSSpamCollection TSV, "
-                        "or leave it out to download it)")
+                        "or leave it out to use the copy shipped with lora-bench)")
     try:
-        df = pd.read_csv(path, sep="\t", header=None, names=["Label", "Text"])
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {path} ({e.strerror or e})") from None
+
+
+def parse_raw(data: bytes, path: Path) -> pd.DataFrame:
+    """Parse the raw TSV's bytes with pandas' default quoting and missing-value markers, as the
+    reference's ``read_csv(sep="\\t", header=None, names=["Label", "Text"])`` does: 5,572 rows
+    from 5,574 lines, because two quote characters swallow line breaks (kept on purpose), and a
+    message such as ``NA`` or ``null`` read as no text. ``path`` names the file in messages."""
+    try:
+        df = pd.read_csv(io.BytesIO(data), sep="\t", header=None, names=["Label", "Text"])
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise DataError(f"cannot parse {path} as the SMS Spam Collection TSV: {e}") from e
-    check_corpus(df, path)
+    check_corpus(df, path, data=data)
     return df
 
 
-def check_corpus(df: pd.DataFrame, path: Path) -> None:
+def check_corpus(df: pd.DataFrame, path: Path, *, data: bytes | None = None) -> None:
     """Labels ham/spam only, every message with text, and enough of each class for the
     reference's balancing (as many ham as spam are sampled) and 70/10/20 split (every split
-    non-empty): at least MIN_SPAM spam messages and at least as many ham."""
+    non-empty): at least MIN_SPAM spam messages and at least as many ham. ``data``: the bytes
+    parsed, to quote a message that pandas read as missing."""
     labels = set(df["Label"].dropna().unique())
     if not labels or not labels <= {"ham", "spam"}:
         raise DataError(f"{path} does not look like the SMS Spam Collection "
                         f"(labels {sorted(map(str, labels))[:5]}, {len(df)} rows; expected ham/spam lines)")
     text = df["Text"]
-    empty = [i + 1 for i, t in enumerate(text) if not isinstance(t, str) or not t.strip()]
+    empty = [i for i, t in enumerate(text) if not isinstance(t, str) or not t.strip()]
     if empty:
-        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
-        raise DataError(f"{path}: {len(empty)} of {len(df)} messages have no text (rows {shown}); "
+        shown = ", ".join(str(i + 1) for i in empty[:5]) + (", ..." if len(empty) > 5 else "")
+        markers = _missing_markers(data, empty) if data is not None else []
+        why = (f"; {', '.join(repr(m) for m in markers[:5])} read as a missing value, as pandas' read_csv reads "
+               "it for the reference (its split cannot use such a message either)") if markers else ""
+        raise DataError(f"{path}: {len(empty)} of {len(df)} messages have no text (messages {shown}){why}; "
                         "every line must be '<ham|spam><TAB><message>'")
     spam = int((df["Label"] == "spam").sum())
     ham = int((df["Label"] == "ham").sum())
@@ -153,6 +163,17 @@ def check_corpus(df: pd.DataFrame, path: Path) -> None:
         raise DataError(f"{path} has {ham} ham and {spam} spam messages; the reference split needs at least "
                         f"{MIN_SPAM} spam messages and at least as many ham as spam (it samples ham down to the "
                         "spam count, then splits 70/10/20 so that every split gets a message)")
+
+
+def _missing_markers(data: bytes, rows: list[int]) -> list[str]:
+    """The texts of ``rows`` as written, where pandas' missing-value markers (NA, N/A, null, NaN,
+    ...) made them no text; the same rows, as pandas' quoting makes them either way."""
+    try:
+        raw = pd.read_csv(io.BytesIO(data), sep="\t", header=None, names=["Label", "Text"], dtype=str,
+                          keep_default_na=False)["Text"]
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        return []
+    return list(dict.fromkeys(str(raw.iloc[i]) for i in rows if i < len(raw) and str(raw.iloc[i]).strip()))
 
 
 def balance_and_split(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -173,8 +194,12 @@ def prepare_splits(raw_file: Path, out_dir: Path) -> dict[str, Path]:
     """Write train/validation/test CSVs (header ``Label,Text``, no index), each atomically. The
     data is checked before the folder is made, and a folder this call made is removed again
     when writing fails: a failed prepare leaves nothing behind."""
+    return write_splits(balance_and_split(read_raw(raw_file)), out_dir)
+
+
+def write_splits(parts: tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame], out_dir: Path) -> dict[str, Path]:
+    """``prepare_splits``'s writing half, for splits already made."""
     out_dir = Path(out_dir)
-    parts = balance_and_split(read_raw(raw_file))
     made = not out_dir.exists()
     why = check_writable_dir(out_dir)
     if why:
@@ -205,24 +230,27 @@ def prepare_splits(raw_file: Path, out_dir: Path) -> dict[str, Path]:
 
 
 def cached_splits(raw_file: Path, cache_dir: Path) -> dict[str, Path]:
-    """Splits of ``raw_file`` under the cache, keyed by the raw file's content; reused only when
-    their hashes match the ones recorded when they were written."""
-    if not Path(raw_file).is_file():
-        read_raw(raw_file)  # raises the clear "not found" error
-    digest = hashlib.sha256(Path(raw_file).read_bytes()).hexdigest()[:16]
-    folder = Path(cache_dir) / "sms_spam" / f"splits-{digest}"
+    """Splits of ``raw_file`` under the cache, keyed by the raw file's content. The file is read
+    once, and those bytes are both hashed and parsed, so an entry never holds the splits of a file
+    that replaced the one hashed; an entry is reused only when its manifest names those bytes'
+    hash as its source and the split files still have the hashes recorded with them."""
+    data = raw_bytes(raw_file)
+    source = hashlib.sha256(data).hexdigest()
+    folder = Path(cache_dir) / "sms_spam" / f"splits-{source[:16]}"
     manifest = folder / SPLITS_MANIFEST
     try:
         want = json.loads(manifest.read_text())
-        if all(sha256_file(folder / f) == want[f] for f in SPLIT_FILES):
+        if want[SOURCE_KEY] == source and all(sha256_file(folder / f) == want[f] for f in SPLIT_FILES):
             return {f.removesuffix(".csv"): folder / f for f in SPLIT_FILES}
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent, partial or altered: prepared again below
+        pass  # absent, partial, altered or of another source: prepared again below
     why = check_writable_dir(Path(cache_dir))
     if why:
         raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
-    paths = prepare_splits(raw_file, folder)
-    atomic_write_text(manifest, json.dumps({f: sha256_file(folder / f) for f in SPLIT_FILES}, indent=1))
+    manifest.unlink(missing_ok=True)  # the entry is not trusted while it is rewritten
+    paths = write_splits(balance_and_split(parse_raw(data, Path(raw_file))), folder)
+    hashes = {f: sha256_file(folder / f) for f in SPLIT_FILES}
+    atomic_write_text(manifest, json.dumps({SOURCE_KEY: source, **hashes}, indent=1))
     return paths
 
 
@@ -232,7 +260,7 @@ class SpamDataset(Dataset):
     def __init__(self, csv_file: Path, tokenizer, *, max_length: int | None = None, no_padding: bool = False,
                  pad_token_id: int = PAD_TOKEN_ID):
         self.data = pd.read_csv(csv_file)
-        self.encoded_texts = [tokenizer.encode(text) for text in self.data["Text"]]
+        self.encoded_texts = [_encode(tokenizer, text, csv_file, i) for i, text in enumerate(self.data["Text"])]
         if max_length is None:
             max_length = max(len(t) for t in self.encoded_texts)
         self.max_length = max_length
@@ -247,6 +275,22 @@ class SpamDataset(Dataset):
 
     def __len__(self):
         return len(self.data)
+
+
+def _encode(tokenizer, text: str, csv_file: Path, index: int) -> list[int]:
+    """``tokenizer.encode(text)``, as the reference calls it: tiktoken refuses a special token such
+    as ``<|endoftext|>`` inside a message (all special tokens are disallowed by default), in the
+    reference as here; here the refusal names the message."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError:
+        found = [t for t in sorted(tokenizer.special_tokens_set) if isinstance(text, str) and t in text]
+        if not found:
+            raise
+        excerpt = text if len(text) <= 60 else text[:57] + "..."
+        raise DataError(f"{csv_file}, message {index + 1} ({excerpt!r}): it holds {found[0]!r}, a GPT-2 special "
+                        "token, which tiktoken's encode refuses in text (the reference's tokenizer.encode refuses it "
+                        "too); remove it from the data file") from None
 
 
 @dataclass

@@ -74,7 +74,8 @@ def ensure_checkpoint(
                       progress=progress,
                       offline_hint=(f"to work offline, copy the GPT-2 {size} files "
                                     f"({', '.join(CHECKPOINT_FILES)}) into {folder}, "
-                                    "or pass --weights-dir <folder holding them>"))
+                                    "or pass --weights-dir <folder holding them>, or train from random "
+                                    "weights with --weights random"))
     return folder
 
 

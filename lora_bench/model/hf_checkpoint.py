@@ -84,7 +84,7 @@ def ensure_hf_checkpoint(
         kw["local_files_only"] = local_files_only
     hint = (f"to work offline, run `hf download {repo} {WEIGHTS_FILE} {CONFIG_FILE}` where there is a network "
             f"and copy the Hugging Face cache here, or put {WEIGHTS_FILE} in a folder and pass "
-            "--weights-dir <that folder>")
+            "--weights-dir <that folder>, or train from random weights with --weights random")
     quiet = not progress and not hub_utils.are_progress_bars_disabled()
     if quiet:
         hub_utils.disable_progress_bars()

@@ -6,10 +6,15 @@ the claim before touching the folder, so one run is never executed twice at once
 record is never overwritten by a process that lost the race. The lock belongs to the open file, so
 a process that dies (even by SIGKILL) releases it; a sweep hands its claim to the run's child
 process by passing the descriptor, and both hold it until both are done. The file's content, the
-pid of the process holding it, is only for messages."""
+pid of the process holding it, is only for messages.
+
+The process that made a claim removes the file when it lets go, while it still holds the lock; a
+process that was waiting on the removed file notices (the path no longer names the file it locked)
+and claims anew, so a finished run folder keeps no ``.claim`` and no run is ever held twice."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -17,27 +22,36 @@ from pathlib import Path
 from typing import Callable
 
 from lora_bench.errors import RunClaimedError
+from lora_bench.fileio import names_file
 
 CLAIM_NAME = ".claim"
+# A reader asking whether a claim is held (``is_claimed``) holds a shared lock for a moment: a claim
+# that finds the lock taken looks again a few times before it counts as held by another process.
+RETRIES = 5
+RETRY_S = 0.01
 
 
 class RunClaim:
     """A held claim; ``release`` (or leaving the ``with`` block) gives it up."""
 
-    def __init__(self, fd: int, run_dir: Path):
+    def __init__(self, fd: int, run_dir: Path, *, owner: bool = True):
         self.fd = fd
         self.run_dir = Path(run_dir)
+        self.owner = owner  # made the claim, so removes its file when letting go
 
     @classmethod
     def inherit(cls, fd: int, run_dir: Path) -> "RunClaim":
         """A claim taken by the parent process and passed down as descriptor ``fd``: the same
-        lock, now also naming this process as its holder."""
-        claim = cls(fd, run_dir)
+        lock, now also naming this process as its holder. The parent, which still holds it, is
+        the one that removes the file."""
+        claim = cls(fd, run_dir, owner=False)
         _write_pid(fd)
         return claim
 
     def release(self) -> None:
         if self.fd >= 0:
+            if self.owner and names_file(self.run_dir / CLAIM_NAME, self.fd):
+                (self.run_dir / CLAIM_NAME).unlink()  # still held: nobody else can hold this file now
             os.close(self.fd)  # closing the last descriptor of the open file drops the lock
             self.fd = -1
 
@@ -57,17 +71,49 @@ def try_claim(run_dir: Path) -> RunClaim | None:
     """Claim ``run_dir`` (created if needed) now, or None when another process holds it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / CLAIM_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
+    path = run_dir / CLAIM_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            if not _lock(fd, fcntl.LOCK_EX):
+                os.close(fd)
+                return None
+            if names_file(path, fd):
+                break
+            os.close(fd)  # its holder removed the file on letting go: claim the one there now
+        except BaseException:
+            os.close(fd)
+            raise
     _write_pid(fd)
     return RunClaim(fd, run_dir)
+
+
+def _lock(fd: int, kind: int) -> bool:
+    for attempt in range(RETRIES):
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < RETRIES:
+                time.sleep(RETRY_S)
+    return False
+
+
+def is_claimed(run_dir: Path) -> bool:
+    """Whether a process (this one included) holds ``run_dir``'s claim. Asks without taking it
+    and without making a file: a run recorded as running whose claim nobody holds is one whose
+    process died."""
+    try:
+        fd = os.open(Path(run_dir) / CLAIM_NAME, os.O_RDONLY)
+    except OSError as e:
+        return e.errno != errno.ENOENT  # a claim file that cannot be opened may well be held
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
 
 
 def claimant(run_dir: Path) -> int | None:

@@ -22,7 +22,8 @@ from typing import Callable, Iterable
 import pandas as pd
 
 from lora_bench.errors import ResultsError, UsageError
-from lora_bench.fileio import atomic_write_text, check_writable_dir
+from lora_bench.fileio import atomic_write_text, check_writable_dir, names_file
+from lora_bench.results.claims import is_claimed, try_claim
 from lora_bench.results.schema import column_index, run_column_names
 
 RUNS_CSV = "runs.csv"
@@ -30,14 +31,23 @@ RUN_RECORD = "run.json"
 STEPS_CSV = "steps.csv"
 STEPS_MAX_BYTES = 512 * 2**20  # a million steps of every column is about 200 MiB
 TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
+LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
+STEPS_CSV = "steps.csv"
 REQUIRED = ("run_id", "status")
+RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
+DIED = ("its process ended before recording how the run ended (killed outright, e.g. by SIGKILL or the "
+        "out-of-memory killer, or the machine stopped)")
+
+
+def csv_text(rows: Iterable[dict], columns: list[str]) -> str:
+    """Rows as CSV text: ``columns`` first, in order, then any other key the rows have."""
+    df = pd.DataFrame(list(rows))
+    extra = [c for c in df.columns if c not in columns]
+    return df.reindex(columns=columns + extra).to_csv(index=False)
 
 
 def write_csv(path: Path, rows: Iterable[dict], columns: list[str]) -> None:
-    df = pd.DataFrame(list(rows))
-    extra = [c for c in df.columns if c not in columns]
-    df = df.reindex(columns=columns + extra)
-    atomic_write_text(path, df.to_csv(index=False))
+    atomic_write_text(path, csv_text(rows, columns))
 
 
 @dataclass
@@ -188,24 +198,101 @@ def _convert(s: pd.Series, dtype: str) -> pd.Series:
 @contextlib.contextmanager
 def locked(path: Path):
     """An exclusive advisory lock beside ``path`` (``<name>.lock``), so processes sharing a results
-    folder (sweep shards on several GPUs) read-modify-write ``runs.csv`` one at a time."""
+    folder (sweep shards on several GPUs) read-modify-write ``runs.csv`` one at a time. The lock
+    file is removed when the lock is let go, so a folder at rest holds none."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    while True:
+        fh = open(lock, "a")
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except BaseException:
+            fh.close()
+            raise
+        if names_file(lock, fh.fileno()):
+            break
+        fh.close()  # its holder removed the file on letting go: lock the one there now
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # while held: a waiter on this file sees it gone and locks anew
+        fh.close()
 
 
-def run_record(run_dir: Path) -> dict | None:
-    """The row in ``<run_dir>/run.json``, or None when absent, half-written or foreign."""
+def _record_row(run_dir: Path) -> dict | None:
+    """The row stored in ``<run_dir>/run.json`` whatever run it names, or None when absent,
+    half-written or not a record."""
     try:
         row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
+
+
+def run_record(run_dir: Path) -> dict | None:
+    """The row in ``<run_dir>/run.json``, or None when absent, half-written, foreign, or the
+    record of another run: a run's record lives in the folder named by its run id, so a copy of
+    the folder (``cp -r X X.bak``) never stands in for the run. A record still ``running`` whose
+    claim no process holds is shown as interrupted (its process died; ``settle_run`` records so)."""
+    row = _record_row(run_dir)
+    if row is None or row["run_id"] != Path(run_dir).name:
+        return None
+    if row.get("status") == RUNNING and not is_claimed(run_dir):
+        row = {**row, "status": "interrupted", "error": DIED}
+    return row
+
+
+def record_text(record: dict) -> str:
+    """run.json's text: ``{"row": {...}, "log": [...], curves...}``."""
+    return json.dumps(record, indent=1, default=str)
+
+
+def write_record(run_dir: Path, text: str) -> None:
+    """Write ``<run_dir>/run.json`` (``record_text``) atomically."""
+    atomic_write_text(Path(run_dir) / RUN_RECORD, text)
+
+
+def with_row(run_dir: Path, row: dict) -> dict:
+    """The record in run.json with ``row`` in place of its own: the log and curves the run wrote stay."""
+    try:
+        record = json.loads((Path(run_dir) / RUN_RECORD).read_text())
+        if not isinstance(record, dict):
+            record = {"log": []}
+    except (OSError, ValueError):
+        record = {"log": []}
+    return {**record, "row": row}
+
+
+def rewrite_row(run_dir: Path, row: dict) -> None:
+    """Replace the row in run.json, keeping the log and curves the run wrote."""
+    write_record(run_dir, record_text(with_row(run_dir, row)))
+
+
+def settle_run(run_dir: Path) -> dict | None:
+    """``run_record``, and a record left ``running`` by a process that died is recorded as
+    interrupted in run.json (under the run's claim, so never while a process executes it); its
+    steps.csv, which no record describes, goes."""
+    row = run_record(run_dir)
+    if row is None or row.get("error") != DIED or row.get("status") != "interrupted":
+        return row
+    claim = try_claim(run_dir)
+    if claim is None:  # claimed meanwhile: a process executes the run again
+        return run_record(run_dir)
+    with claim:
+        row = _record_row(run_dir)
+        if row is None or row.get("status") != RUNNING:
+            return run_record(run_dir)
+        row = {**row, "status": "interrupted", "error": DIED}
+        (Path(run_dir) / STEPS_CSV).unlink(missing_ok=True)
+        rewrite_row(run_dir, row)
+    return row
+
+
+def copied_record(run_dir: Path) -> str | None:
+    """The run id named by ``<run_dir>/run.json`` when it is another run's (a copied folder)."""
+    row = _record_row(run_dir)
+    return row["run_id"] if row is not None and row["run_id"] != Path(run_dir).name else None
 
 
 def _set_aside_torn(path: Path, table: RunTable) -> None:
@@ -231,15 +318,30 @@ def upsert_run(path: Path, row: dict) -> None:
         rows = []
         if path.exists():
             table = read_run_table(path)
-            rows = [r for r in table.rows if r.get("run_id") != row["run_id"]]
+            rows = [_settled(path.parent, r) for r in table.rows if r.get("run_id") != row["run_id"]]
             have = {r["run_id"] for r in rows} | {row["run_id"]}
             for run_id in table.torn_ids():
-                record = run_record(path.parent / run_id) if run_id and "/" not in run_id else None
+                record = settle_run(path.parent / run_id) if _is_run_folder_name(run_id) else None
                 if record is not None and record["run_id"] not in have:
                     rows.append({k: _fmt(v) for k, v in record.items()})
             _set_aside_torn(path, table)
         rows.append({k: _fmt(v) for k, v in row.items()})
         write_csv(path, rows, run_column_names())
+
+
+def _settled(results_dir: Path, row: dict) -> dict:
+    """A row of runs.csv still ``running``, brought in line with its run's record: the run
+    finished (its process stopped between run.json and runs.csv) or its process died."""
+    if row.get("status") != RUNNING or not _is_run_folder_name(row.get("run_id")):
+        return row
+    record = settle_run(Path(results_dir) / row["run_id"])
+    if record is None or record.get("status") == RUNNING:
+        return row
+    return {k: _fmt(v) for k, v in record.items()}
+
+
+def _is_run_folder_name(run_id) -> bool:
+    return isinstance(run_id, str) and run_id not in ("", ".", "..") and "/" not in run_id and "\0" not in run_id
 
 
 def remove_runs(path: Path, run_ids: Iterable[str]) -> int:
@@ -275,6 +377,9 @@ def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = _stde
     csv_path = Path(results_dir) / RUNS_CSV
     table = read_run_table(csv_path) if csv_path.is_file() else RunTable()
     for r in table.rows:
+        if r.get("status") == RUNNING and _is_run_folder_name(r["run_id"]) and not is_claimed(
+                Path(results_dir) / r["run_id"]):
+            r = {**r, "status": "interrupted", "error": DIED}  # no process executes it (its run.json may say more)
         rows[r["run_id"]] = r
     for path in sorted(Path(results_dir).glob(f"*/{RUN_RECORD}")):
         row = run_record(path.parent)
@@ -305,17 +410,38 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
     if run_id is None:
         if not rows:
             raise UsageError(f"{results_dir} holds no complete run")
-        pick = max(rows, key=lambda r: r.get("started_at") or "")
+        pick = latest_result(rows)
     else:
         hits = [r for r in rows if r["run_id"] == run_id]
         if not hits:
             if run_id in torn:
                 raise UsageError(f"run_id {run_id!r}: its row in {csv_path} is cut mid-way and the run has no "
                                  f"{RUN_RECORD}; its numbers cannot be trusted, so nothing is shown")
+            copy_of = copied_record(results_dir / run_id)
+            if copy_of is not None:
+                raise UsageError(f"{results_dir / run_id / RUN_RECORD} records run {copy_of!r}: the folder is a copy "
+                                 f"of another run's, and a run's record is read only from the folder named by its "
+                                 f"run id ({results_dir / copy_of})")
             latest = ", ".join(r["run_id"] for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
             raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
         pick = hits[0]
     return runs_frame(pd.DataFrame([pick], dtype=object).astype(str)).iloc[0].to_dict()
+
+
+def latest_result(rows: list[dict]) -> dict:
+    """The run to show when none is named: the latest finished one (a newer run that failed
+    before it measured anything, an offline start without weights, is no result), else the
+    latest started."""
+    done = [r for r in rows if r.get("status") == "done"]
+    return max(done or rows, key=lambda r: r.get("started_at") or "")
+
+
+def unfinished_since(results_dir: Path, row: dict) -> list[dict]:
+    """The rows of runs started after ``row`` that did not finish (failed, interrupted, ...)."""
+    after = str(row.get("started_at") or "")
+    return sorted((r for r in result_rows(results_dir, warn=None)
+                   if r.get("status") != "done" and (r.get("started_at") or "") > after),
+                  key=lambda r: r.get("started_at") or "")
 
 
 def check_results_dir(results_dir: Path) -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
+from lora_bench.errors import EXIT_INTERRUPTED, Interrupted, SaveError
 from lora_bench.results.claims import RunClaim
+from lora_bench.signals import RaiseOnSignal
 from lora_bench.sweep.isolation import die_with_parent
 from lora_bench.train.run import execute_run
-from lora_bench.train.signals import RaiseOnSignal
 
 PARENT_EXIT_S = 2.0
 
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except SaveError as e:  # recorded as far as it fitted; the sweep stops on this exit code
+        print(f"error: {e}", flush=True)
+        return e.exit_code
     except Exception:  # recorded by execute_run (or by the parent from this traceback in the log)
         traceback.print_exc()
         return 1

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from lora_bench.errors import UsageError
@@ -45,7 +46,7 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
         parts.append(f"{result.elsewhere} done by another process")
     if result.count("interrupted") or result.not_started:
         parts += [f"{result.count('interrupted')} interrupted", f"{result.not_started} not started"]
-    colour = "red" if result.count("failed") or result.interrupted else "green"
+    colour = "red" if result.count("failed") or result.interrupted or result.not_saved else "green"
     console.print(f"[bold {colour}]sweep {sweep.name}[/bold {colour}]: {result.selected} runs — "
                   + ", ".join(parts), highlight=False)
     for row in result.rows:
@@ -54,6 +55,10 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
             console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
+                      highlight=False)
+    if result.not_saved:
+        console.print(f"[bold red]stopped:[/bold red] {escape(result.not_saved)}", highlight=False)
+        console.print("the runs after it were not started; run the same command again to resume once there is room",
                       highlight=False)
     console.print(f"results: {results_dir / 'runs.csv'}   report: lora-bench report {results_dir}", highlight=False)
 

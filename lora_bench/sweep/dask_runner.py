@@ -56,8 +56,9 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import atomic_write_bytes
 from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
-from lora_bench.results.store import RUN_RECORD, upsert_run
-from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, rewrite_record, run_job
+from lora_bench.results.save import save_row
+from lora_bench.results.store import upsert_run
+from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, run_job
 from lora_bench.sweep.resume import repair_runs_csv
 from lora_bench.sweep.runner import (
     SweepResult,
@@ -224,10 +225,7 @@ def record_lost(job: Job, *, status: str, error: str) -> dict:
     row = {**base_row(job), "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "status": status, "error": error[:2000]}
     record_invocation(job.results_dir, run_ids=[job.run_id])
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    rewrite_record(job.run_dir / RUN_RECORD, row)
-    upsert_run(job.results_dir / "runs.csv", row)
-    return row
+    return save_row(job.results_dir, row)
 
 
 def claim_runs(todo: list[PlannedRun], *, results_dir: Path, result: SweepResult, console) -> dict[str, RunClaim]:

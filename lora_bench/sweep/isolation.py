@@ -28,13 +28,14 @@ from pathlib import Path
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.errors import EXIT_INTERRUPTED, Interrupted
+from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import RunClaim
+from lora_bench.results.save import NO_ROOM, save_row
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUN_RECORD, run_record, upsert_run
+from lora_bench.signals import TERMINATING_SIGNALS, signal_name, signals_deferred
 from lora_bench.train import run as train_run
-from lora_bench.train.signals import TERMINATING_SIGNALS
 
 ISOLATION = ("process", "inline")
 GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
@@ -56,13 +57,6 @@ class Job:
         return self.results_dir / self.run_id
 
 
-def signal_name(signum: int | None) -> str:
-    try:
-        return signal.Signals(signum).name
-    except (TypeError, ValueError):
-        return f"signal {signum}"
-
-
 class Interrupts:
     """SIGINT / SIGTERM / SIGHUP while a sweep runs. The first signal is remembered and forwarded
     to the running child (process mode) or raised as Interrupted (inline mode, as Ctrl-C would);
@@ -72,6 +66,7 @@ class Interrupts:
         self.signum: int | None = None
         self.child: subprocess.Popen | None = None
         self.forwarded = False
+        self.killed = ""  # why this sweep killed its child, when it did
         self.inline = inline
         self._old: dict = {}
 
@@ -93,6 +88,7 @@ class Interrupts:
             if first:
                 self.forward()
             else:
+                self.killed = f"a second {signal_name(signum)} to the sweep"
                 self.child.kill()
         elif self.inline and first:
             raise Interrupted(signum)
@@ -115,24 +111,42 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim
     (job.run_dir / RUN_RECORD).unlink(missing_ok=True)
     log = job.run_dir / "worker.log"
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    if isolation == "inline":
-        rc = _run_inline(job, log, interrupts, claim)
-    else:
-        rc = _run_process(job, log, interrupts, claim)
+    try:
+        if isolation == "inline":
+            rc = _run_inline(job, log, interrupts, claim)
+        else:
+            rc = _run_process(job, log, interrupts, claim)
+    except OSError as e:  # the job's file or the worker's log: the folder takes no more
+        if e.errno not in NO_ROOM:
+            raise
+        raise SaveError(f"cannot start run {job.run_id}: {e.filename or job.run_dir}: {e.strerror or e}; "
+                        "free some space there") from None
     row = run_record(job.run_dir)
     if row is None or row.get("status") not in ("done", "failed", "interrupted"):
-        # the run never reached its own bookkeeping: record it here
+        # the run never reached its own bookkeeping (or never finished it): record it here
         status = "interrupted" if interrupts.stopped else "failed"
-        row = {**base_row(job), "started_at": started, "status": status, "error": _exit_text(rc, log)}
-        rewrite_record(job.run_dir / RUN_RECORD, row)
+        row = {**(row or base_row(job)), "started_at": (row or {}).get("started_at") or started, "status": status,
+               "error": _exit_text(rc, log, interrupts)}
+        save_row(job.results_dir, row)
     elif interrupts.stopped and row["status"] != "done":
         # an exception raised while the signal unwound the run is the interruption, not a bug
         error = str(row.get("error") or "")
         cause = "" if error.startswith("interrupted by") else f" ({error})"
         row = {**row, "status": "interrupted", "error": f"interrupted by {signal_name(interrupts.signum)}{cause}"}
-        rewrite_record(job.run_dir / RUN_RECORD, row)
-    # idempotent; also repairs runs.csv when the child died between run.json and runs.csv
-    upsert_run(job.results_dir / "runs.csv", row)
+        save_row(job.results_dir, row)
+    else:  # idempotent; also repairs runs.csv when the child died between run.json and runs.csv
+        with signals_deferred():
+            try:
+                upsert_run(job.results_dir / "runs.csv", row)
+            except OSError as e:
+                if e.errno not in NO_ROOM:
+                    raise
+                raise SaveError(f"cannot record run {job.run_id} in {job.results_dir / 'runs.csv'}: "
+                                f"{e.strerror or e}; free some space there", row=row) from None
+    if rc == EXIT_NOT_SAVED:  # the run's own save found the folder full: the next run's would too
+        raise SaveError(f"run {job.run_id} could not be saved in full in {job.results_dir} (the folder takes no "
+                        f"more): {str(row.get('error') or '').splitlines()[0][:300] if row.get('error') else ''}",
+                        row=row)
     return row
 
 
@@ -146,6 +160,9 @@ def _run_inline(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) ->
         except KeyboardInterrupt as e:
             interrupts.signum = interrupts.signum or getattr(e, "signum", signal.SIGINT)
             return EXIT_INTERRUPTED
+        except SaveError as e:  # recorded as far as it fitted; the message says what was kept
+            print(f"error: {e}", file=f)
+            return EXIT_NOT_SAVED
         except Exception:  # recorded by execute_run; the traceback goes to the run's log
             traceback.print_exc(file=f)
             return 1
@@ -180,6 +197,8 @@ def _wait(proc: subprocess.Popen, interrupts: Interrupts) -> int:
                 interrupts.forward()  # the signal may have come between Popen and registering the child
                 stop_seen = stop_seen or time.monotonic()
                 if time.monotonic() - stop_seen > GRACE_S:
+                    interrupts.killed = (f"it had not stopped {GRACE_S:.0f} s after the sweep passed on "
+                                         f"{signal_name(interrupts.signum)}")
                     proc.kill()
 
 
@@ -205,25 +224,20 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def rewrite_record(path: Path, row: dict) -> None:
-    """Replace the row in run.json, keeping the log and curves the run wrote."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {"log": []}
-    atomic_write_text(path, json.dumps({**record, "row": row}, indent=1, default=str))
-
-
 def base_row(job: Job) -> dict:
     """The row of a run recorded by someone other than the run itself: its settings and provenance."""
     return {"run_id": job.run_id, **cfg_columns(job.cfg), **job.extra}
 
 
-def _exit_text(rc: int, log: Path) -> str:
+def _exit_text(rc: int, log: Path, interrupts: Interrupts) -> str:
     if rc < 0:
         what = f"worker killed by {signal_name(-rc)} (exit code {rc})"
-        if -rc == signal.SIGKILL:
-            what += "; killed from outside, often the out-of-memory killer"
+        if -rc == signal.SIGKILL and interrupts.killed:
+            what += f"; the sweep killed it: {interrupts.killed}"
+        elif -rc == signal.SIGKILL:
+            what += "; killed from outside this sweep, often by the out-of-memory killer"
+    elif rc == EXIT_NOT_SAVED:
+        what = "the worker could not save the run: the results folder takes no more"
     else:
         what = f"worker exited with code {rc} before recording the run"
     tail = [line.strip() for line in _tail(log) if line.strip()]

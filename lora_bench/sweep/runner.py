@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lora_bench.config import render
-from lora_bench.errors import EXIT_INTERRUPTED, Interrupted, UsageError
+from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError, UsageError
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
 from lora_bench.results.store import check_results_dir, result_rows, run_record
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
@@ -43,6 +43,7 @@ class SweepResult:
     rows: list[dict]  # rows recorded by this invocation
     interrupted: bool
     elsewhere: int = 0  # finished meanwhile by another process sharing the results folder
+    not_saved: str = ""  # why the sweep stopped early: a run's record did not fit in the results folder
 
     def count(self, status: str) -> int:
         return sum(r.get("status") == status for r in self.rows)
@@ -53,8 +54,13 @@ class SweepResult:
 
     @property
     def exit_code(self) -> int:
-        """130 when interrupted (as a shell reports Ctrl-C), 1 when a run failed, else 0."""
-        return EXIT_INTERRUPTED if self.interrupted else (1 if self.count("failed") else 0)
+        """130 when interrupted (as a shell reports Ctrl-C), 4 when a record did not fit (the sweep
+        stopped there), 1 when a run failed, else 0."""
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.not_saved:
+            return EXIT_NOT_SAVED
+        return 1 if self.count("failed") else 0
 
 
 def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard: tuple[int, int] | None,
@@ -99,14 +105,18 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                 job = Job(cfg=run.cfg, run_id=run.run_id, results_dir=results_dir, extra=sweep.provenance(run),
                           cache_dir=cache_dir)
                 t0 = time.monotonic()
-                row = run_job(job, isolation=isolation, interrupts=stop, claim=claim)
+                try:
+                    row = run_job(job, isolation=isolation, interrupts=stop, claim=claim)
+                except SaveError as e:  # the folder takes no more: so would every later run's record
+                    result.not_saved = str(e)
+                    row = e.row or {"run_id": run.run_id, "status": "failed", "error": str(e)}
                 result.rows.append(row)
                 print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
 
         try:
             later = []
             for run in todo:
-                if stop.stopped:
+                if stop.stopped or result.not_saved:
                     break
                 claim = try_claim(results_dir / run.run_id)
                 if claim is None:
@@ -118,7 +128,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                 execute(run, claim)
                 bar.advance(task)
             for run in later:
-                if stop.stopped:
+                if stop.stopped or result.not_saved:
                     break
                 claim = wait_for_claim(results_dir / run.run_id, stop=lambda: stop.stopped)
                 if claim is None:
@@ -128,7 +138,8 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
         except KeyboardInterrupt as e:  # inline mode: a signal between runs; every record is complete
             stop.signum = stop.signum or (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
         result.interrupted = stop.stopped
-    repair_runs_csv(results_dir)
+    if not result.not_saved:  # a folder that takes no more would only refuse the repair too
+        repair_runs_csv(results_dir)
     return result
 
 

@@ -10,7 +10,7 @@ import torch
 
 from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
 from lora_bench.config import TrainConfig
-from lora_bench.data.sms_spam import build_loaders, cached_splits, ensure_sms_spam
+from lora_bench.data.sms_spam import build_loaders, cached_splits, packaged_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.kernels.policy import PlanLog, policy_for
 from lora_bench.lora.kernel import group_qkv
@@ -50,7 +50,7 @@ class RunContext:
 
     def _setup_splits(self, cache_dir: Path, *, progress: bool) -> dict[str, Path]:
         cfg = self.cfg
-        raw = Path(cfg.data_file) if cfg.data_file else ensure_sms_spam(cache_dir, progress=progress)
+        raw = Path(cfg.data_file) if cfg.data_file else packaged_sms_spam()  # no download: the same bytes
         return cached_splits(raw, cache_dir)
 
     def _setup_model(self, cache_dir: Path, *, progress: bool) -> None:

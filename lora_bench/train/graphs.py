@@ -16,8 +16,8 @@ import torch
 
 from lora_bench.kernels.policy import graph_plan
 from lora_bench.train.distributed import GRAPH_WARMUP_ITERS
-from lora_bench.train.graph_nodes import instantiate, kernel_count, new_graph
 from lora_bench.train.evaluate import calc_loss_batch
+from lora_bench.train.graph_nodes import instantiate, kernel_count, new_graph
 
 WARMUP_ITERS = 3
 

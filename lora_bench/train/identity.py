@@ -11,9 +11,16 @@ from pathlib import Path
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.results.store import RUN_RECORD, read_run_table, run_record
+from lora_bench.results.index import INDEX
+from lora_bench.results.manifest import MANIFEST
+from lora_bench.results.prune import SUPERSEDED
+from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, read_run_table, run_record
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ext4, XFS, Btrfs, APFS, tmpfs)
+# What a results folder holds beside its run folders: a run id naming one would turn it into a folder
+RESULTS_FILES = (RUNS_CSV, TORN_CSV, MANIFEST, SUPERSEDED, INDEX)
+RESERVED_IDS = frozenset(n.lower() for name in RESULTS_FILES for n in (name, name + LOCK_SUFFIX))
 
 
 def settings_hash(cfg: TrainConfig) -> str:
@@ -41,6 +48,13 @@ def check_run_id(run_id: str) -> None:
     if not RUN_ID_RE.match(run_id):
         raise UsageError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-', starting with a letter or "
                          "digit (it names a folder inside the results folder)")
+    if len(run_id.encode()) > NAME_MAX:
+        raise UsageError(f"run id {run_id[:40]}…: {len(run_id.encode())} characters, more than the {NAME_MAX} a "
+                         "file name may have (it names a folder inside the results folder); choose a shorter one")
+    if run_id.lower() in RESERVED_IDS:  # in any case: macOS's and Windows' file systems ignore it
+        raise UsageError(f"run id {run_id!r} is reserved: a results folder keeps its own files under the names "
+                         f"{', '.join(RESULTS_FILES)} and each with {LOCK_SUFFIX} (in any case); choose another "
+                         "--run-id")
 
 
 def existing_run(results_dir: Path, run_id: str) -> dict | None:
@@ -66,8 +80,3 @@ def refuse_existing_run(results_dir: Path, run_id: str) -> None:
         raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
                          f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
                          "--overwrite to replace it")
-
-
-def forget_earlier_attempt(run_dir: Path) -> None:
-    """Remove the record an earlier attempt of this run left, so it cannot pass for this one's."""
-    (run_dir / RUN_RECORD).unlink(missing_ok=True)

@@ -35,12 +35,13 @@ from rich.markup import escape
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import EXIT_INTERRUPTED, UsageError
-from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation, start_invocation
+from lora_bench.results.save import save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import RUN_RECORD, check_results_dir, upsert_run
+from lora_bench.results.store import RUN_RECORD, check_results_dir
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
+from lora_bench.train.identity import check_run_id as check_name
 from lora_bench.train.identity import refuse_existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -74,6 +75,7 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 def check_run_id(results_dir: Path, run_id: str, *, overwrite: bool) -> None:
     """The run id is free (no process runs it; no earlier record, unless ``overwrite``, which drops
     it now, so that a rank that dies before recording cannot leave the old record standing)."""
+    check_name(run_id)
     run_dir = Path(results_dir) / run_id
     claim = try_claim(run_dir)
     if claim is None:
@@ -198,7 +200,6 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
         row = {"run_id": run_id, "started_at": begun, **cfg_columns(cfg), **extra}
     row = {**row, "status": status, "error": error[:2000]}
     record_invocation(results_dir, run_ids=[run_id])
-    atomic_write_text(record_path, json.dumps({**record, "row": row}, indent=1, default=str))
-    upsert_run(results_dir / "runs.csv", row)
+    save_row(results_dir, row)
     console.print(f"[red]{status}[/red]: {escape(error)}", highlight=False)
     return EXIT_INTERRUPTED if status == "interrupted" else 1

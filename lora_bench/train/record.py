@@ -4,7 +4,6 @@ FLOP rate, memory) and its files (``<run_id>/steps.csv``, ``<run_id>/run.json``,
 
 from __future__ import annotations
 
-import json
 import resource
 from pathlib import Path
 
@@ -12,11 +11,10 @@ import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.fileio import atomic_write_text
 from lora_bench.peers.hf import package_versions
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
-from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import RUN_RECORD, STEPS_CSV, upsert_run, write_csv
+from lora_bench.results.save import save_record
+from lora_bench.signals import signal_name, signals_deferred
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import RunContext
 
@@ -56,21 +54,28 @@ def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[di
 def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, steps: list[dict] | None,
                cfg: TrainConfig, run_id: str, run_dir: Path, results_dir: Path, log: list[str], curves: dict,
                console: Console) -> None:
-    """Write the run's steps.csv, run.json and runs.csv row, whatever state the run ended in."""
-    if timer is not None and timer.enabled:
-        try:
-            if steps is None:  # the run stopped before its summary
-                steps = timer.step_rows(run_id)
-                if row["status"] == "interrupted" and ctx is not None:
-                    row.setdefault("steps", len(steps))
-                    row.update(summary(ctx, timer, cfg, steps))  # what was measured so far
-            write_csv(run_dir / STEPS_CSV, steps, [c.name for c in STEP_COLUMNS])
-        except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
-            row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
-    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    atomic_write_text(run_dir / RUN_RECORD, json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
-    upsert_run(results_dir / "runs.csv", row)
-    if row["status"] == "interrupted":
-        console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
-                      f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
-                      highlight=False)
+    """Save the run's steps.csv, run.json and runs.csv row as one (lora_bench.results.save),
+    whatever state the run ended in. A terminating signal that comes meanwhile waits until the
+    record is saved; it then ends the process, after saying so when the run was done."""
+    with signals_deferred() as pending:
+        if timer is not None and timer.enabled:
+            try:
+                if steps is None:  # the run stopped before its summary
+                    steps = timer.step_rows(run_id)
+                    if row["status"] == "interrupted" and ctx is not None:
+                        row.setdefault("steps", len(steps))
+                        row.update(summary(ctx, timer, cfg, steps))  # what was measured so far
+            except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
+                steps = None
+                row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+        row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        save_record(results_dir, row, steps=steps if timer is not None and timer.enabled else None, log=log,
+                    curves=curves)
+        if row["status"] == "interrupted":
+            console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
+                          f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
+                          highlight=False)
+        elif pending and row["status"] == "done":
+            console.print(f"{signal_name(pending[0])} came while the finished run was being saved: it is recorded "
+                          f"as done (run_id {run_id}, results: {results_dir / 'runs.csv'}); stopping now",
+                          highlight=False)

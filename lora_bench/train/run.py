@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.errors import Interrupted, UsageError
+from lora_bench.errors import Interrupted, SaveError, UsageError
 from lora_bench.fileio import check_writable_dir
 from lora_bench.kernels.policy import record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
@@ -22,20 +22,21 @@ from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
 from lora_bench.results.manifest import record_invocation
+from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import check_results_dir
+from lora_bench.results.store import RUNNING, check_results_dir
+from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
-from lora_bench.train.identity import check_run_id, forget_earlier_attempt, make_run_id, refuse_existing_run
+from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing_run
 from lora_bench.train.loop import TrainResult, train_classifier
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
 from lora_bench.train.record import peer_versions, record_run, summary
 from lora_bench.train.setup import rank_settings
-from lora_bench.train.signals import RaiseOnSignal
 
 
 def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
@@ -78,7 +79,6 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
         if main:
             if not overwrite:
                 refuse_existing_run(results_dir, run_id)
-            forget_earlier_attempt(run_dir)
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
             run = _Run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
                        cache_dir=cache_dir, env=env)
@@ -86,6 +86,8 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     finally:
         if held is not None and claim is None:
             held.release()
+            with contextlib.suppress(OSError):  # the folder of a run refused before it began: empty
+                run_dir.rmdir()
 
 
 @dataclass
@@ -104,6 +106,7 @@ class _Run:
     timer: PhaseTimer | None = None
     profiler: Profiler | None = None
     steps: list[dict] | None = None  # the per-step rows, built once
+    begun: bool = False  # its record says running (results.save.begin_record): it is to be finished
     log: list[str] = field(default_factory=list)
     curves: dict = field(default_factory=dict)
 
@@ -121,13 +124,13 @@ class _Run:
 
     def execute(self, *, extra: dict | None) -> dict:
         cfg, env = self.cfg, self.env
-        if self.main:
-            record_invocation(self.results_dir, run_ids=[self.run_id])
-        row: dict = {"run_id": self.run_id, "status": "running",
+        row: dict = {"run_id": self.run_id, "status": RUNNING,
                      "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      **cfg_columns(cfg), **peer_versions(cfg), **(extra or {}),
                      "world_size": env.world_size if env is not None else 1}
         try:
+            if self.main:
+                self._begin(row)
             dp = (DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size, cuda_graphs=cfg.cuda_graphs)
                   if env is not None else None)
             self.ctx = ctx = RunContext(cfg, cache_dir=self.cache_dir, progress=self.progress, dp=dp)
@@ -147,12 +150,26 @@ class _Run:
             row.update(ended_by(e))
             raise
         finally:
-            if self.main:
+            if self.begun:
                 record_run(row, ctx=self.ctx, timer=self.timer, steps=self.steps, cfg=cfg, run_id=self.run_id,
                            run_dir=self.run_dir, results_dir=self.results_dir, log=self.log, curves=self.curves,
                            console=self.console)
             # a data-parallel run keeps its process group: the rank's process ends without tearing it
             # down (distributed.exit_rank), and a later run in this process joins the same group
+
+    def _begin(self, row: dict) -> None:
+        """Say in the results folder that the run is executing: the invocation, then a record
+        that says running, so that a process killed outright leaves a run marked interrupted."""
+        with signals_deferred():  # a signal now comes once the run is begun, and is recorded
+            try:
+                record_invocation(self.results_dir, run_ids=[self.run_id])
+            except OSError as e:
+                if e.errno not in NO_ROOM:
+                    raise
+                raise SaveError(f"cannot record run {self.run_id} in {self.results_dir}: {e.strerror or e}; "
+                                "nothing was run. Free some space there (or choose another --results-dir)") from None
+            begin_record(self.results_dir, row)
+            self.begun = True
 
     def _train(self) -> dict:
         """The instrumented loop (profiled when asked, CUDA graphs when asked); its row columns."""
