@@ -153,3 +153,17 @@ def test_the_checker_sees_an_upward_and_a_sibling_import(edge, monkeypatch):
     monkeypatch.setitem(globals(), "_graph", with_edge)
     with pytest.raises(AssertionError, match="against the layer order"):
         test_imports_only_go_down_the_layers()
+
+
+def test_the_command_line_imports_no_torch_until_a_command_runs():
+    """``lora-bench --help`` and ``--version`` answer at once: importing the command line (and the
+    settings' declaration its options come from) loads neither torch nor pandas."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, lora_bench.cli; "
+             "print(' '.join(m for m in ('torch', 'pandas', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing lora_bench.cli loads {out.stdout.strip()}"

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES
+from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
 MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_bench.config.declaration import BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name
-from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
+from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
 
