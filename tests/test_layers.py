@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # Bottom to top. A unit (a top-level module or subpackage of lora_bench) may import units of lower
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),
+    ("errors", "escaping"),
     ("fileio", "timing", "progress", "optional", "safe_yaml"),
     ("download",),
     ("model",),
