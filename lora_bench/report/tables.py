@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from lora_bench.escaping import csv_cell
 from lora_bench.report.aggregate import RULE, Report
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.study import Group, Study
@@ -269,5 +270,10 @@ def _groups_ratio(rec: dict) -> str:
 
 
 def to_csv(rep: Report) -> str:
+    """The table of groups as CSV, each text cell as ``escaping.csv_cell`` stores it (none runs as a
+    spreadsheet formula); numbers stay numbers."""
     out = rep.groups.rename(columns={k: column_label(k) for k in rep.keys})
+    text = out.select_dtypes(include=["object", "string"]).columns
+    out[text] = out[text].map(csv_cell)
+    out.columns = [csv_cell(c) for c in out.columns]
     return out.to_csv(index=False, float_format="%.6g")
