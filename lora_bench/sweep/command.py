@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from lora_bench.errors import UsageError
+from lora_bench.escaping import markup, terminal
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.sweep.resume import resume_statuses
@@ -20,8 +22,8 @@ from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, se
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
     """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped."""
     status = resume_statuses(results_dir, runs, sweep.name)
-    table = Table(title=f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})",
-                  title_justify="left")
+    title = f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})"
+    table = Table(title=Text(terminal(title)), title_justify="left")
     for col in ("#", "run id", "repeat", "settings", "action"):
         table.add_column(col, no_wrap=col in ("run id", "action"))
     todo = 0
@@ -32,7 +34,7 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
         else:
             action = f"rerun ({st})" if st else "run"
         todo += st != "done"
-        table.add_row(str(r.index), r.run_id, str(r.repeat), r.describe(), action)
+        table.add_row(str(r.index), Text(terminal(r.run_id)), str(r.repeat), Text(terminal(r.describe())), action)
     console.print(table)
     console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
 
@@ -51,11 +53,12 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     for row in result.rows:
         if row.get("status") == "failed":
             error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
-            console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
+            console.print(f"  [red]failed[/red] {markup(row['run_id'])}: {markup(error)}", highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
                       highlight=False)
-    console.print(f"results: {results_dir / 'runs.csv'}   report: lora-bench report {results_dir}", highlight=False)
+    console.print(f"results: {markup(results_dir / 'runs.csv')}   report: lora-bench report {markup(results_dir)}",
+                  highlight=False)
 
 
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,

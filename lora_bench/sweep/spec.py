@@ -43,8 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from lora_bench.config import (
     DEFAULTS,
     PATH_SETTINGS,
@@ -58,6 +56,7 @@ from lora_bench.config import (
     value_problems,
 )
 from lora_bench.errors import ConfigError, UsageError
+from lora_bench.escaping import markup, terminal
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import short_repr
 from lora_bench.train.identity import make_run_id, settings_hash
@@ -198,11 +197,11 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
             sw = load_sweep(path)
         except UsageError as e:  # ConfigError (every problem) or a missing file
             bad += 1
-            console.print(f"[red]✗[/red] {escape(str(e))}", highlight=False)
+            console.print(f"[red]✗[/red] {markup(e, newlines=True)}", highlight=False)
             continue
         sweeps.append(sw)
         seeds = ", seed + repeat" if sw.vary_seed and sw.repeats > 1 else ""
-        console.print(f"[green]✓[/green] {escape(str(path))}: sweep {sw.name!r}, {len(sw.runs)} runs "
+        console.print(f"[green]✓[/green] {markup(path)}: sweep {sw.name!r}, {len(sw.runs)} runs "
                       f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats{seeds})", highlight=False)
     if bad:
         raise UsageError(f"{bad} of {len(paths)} sweep file(s) have problems (listed above)")
@@ -307,6 +306,10 @@ def _runs(runs: Any, problems: list[str]) -> list[tuple[str, dict]]:
         label = entry.pop("label", "") if isinstance(entry, dict) else ""
         if not isinstance(label, str) or len(label) > 200:
             problems.append(f"runs[{i}].label must be text of up to 200 characters, got {short_repr(label)}")
+            label = ""
+        elif terminal(label) != label:  # a label names a run on screens and in tables: printable text only
+            problems.append(f"runs[{i}].label {short_repr(label)} holds a control character; a label is "
+                            "printable text")
             label = ""
         out.append((label, _settings(entry, f"runs[{i}]" + (f" ({label})" if label else ""), problems)))
     return out

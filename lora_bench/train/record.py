@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
+from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 from lora_bench.peers.hf import package_versions
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
@@ -71,6 +72,6 @@ def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, s
     atomic_write_text(run_dir / RUN_RECORD, json.dumps({"row": row, "log": log, **curves}, indent=1, default=str))
     upsert_run(results_dir / "runs.csv", row)
     if row["status"] == "interrupted":
-        console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
+        console.print(f"{markup(row['error'])} after {row.get('steps') or 0} step(s): recorded as interrupted "
                       f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
                       highlight=False)
