@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "escaping"),
-    ("fileio", "timing", "progress", "optional", "safe_yaml"),
-    ("download",),
+    ("fileio", "timing", "progress", "optional"),
+    ("download", "safe_yaml"),
     ("model",),
     ("config", "kernels"),
     ("lora", "data"),

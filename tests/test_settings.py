@@ -267,6 +267,43 @@ def test_alias_bombs_are_refused_fast(run_cli, tmp_path, where):
     assert code == 2 and "alias bomb" in out and len(out) < 2000
 
 
+def _sparse(path: Path, size: int, head: bytes = b"name: big\n") -> Path:
+    """A file of ``size`` bytes that takes no disk space: ``head``, then holes."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    return path
+
+
+def test_settings_and_sweep_files_are_refused_by_their_size_before_reading(run_cli, tmp_path):
+    """A file past the limit is refused by its size, in bytes, not read first: a 6 GB file as fast as
+    one just past the limit."""
+    for size in (8_000_000, 6 * 10**9):
+        path = _sparse(tmp_path / f"big-{size}.yaml", size)
+        t0 = time.monotonic()
+        for args in (("train", "--config", path), ("validate", path), ("sweep", path, "--dry-run")):
+            code, out = run_cli(*args)
+            assert code == 2 and f"refused: {size:,} bytes; a settings file holds at most 1,000,000" in out, out
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("text", [
+    "".join(f"user{i}:$6$secretsalt$hashhash{i}:19000:0:99999:7:::\n" for i in range(20)),  # a password file
+    "-----BEGIN PRIVATE KEY-----\nMIIsecretsecret\n-----END PRIVATE KEY-----\n",
+    "token: [secret-value\n",  # not valid YAML: PyYAML would quote the line
+    "a: b: secret-value\n",
+])
+def test_a_file_not_meant_as_settings_is_not_quoted(run_cli, tmp_path, text):
+    path = tmp_path / "not-settings"
+    path.write_text(text)
+    for args in (("train", "--config", path), ("validate", path), ("sweep", path, "--dry-run")):
+        code, out = run_cli(*args)
+        assert code == 2 and "Traceback" not in out, out
+        assert "secret" not in out, out
+    code, out = run_cli("train", "--config", path)  # says what is wrong, and where, all the same
+    assert any(k in out for k in ("(line ", "this one holds text", "not setting names")), out
+
+
 def test_yaml_loader_rules():
     assert load("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n") == {"a": {"k": 1}, "b": {"k": 1, "j": 2}}  # merges work
     assert load("lr: 1e-05\nx: 3E4\ny: 1.5e3\nz: 12\ns: 1e5x\n") == {"lr": 1e-05, "x": 30000.0, "y": 1500.0, "z": 12,

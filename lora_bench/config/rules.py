@@ -219,17 +219,25 @@ def _model_shape_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list
     return out
 
 
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # what a mistyped setting looks like: a word
+
+
 def unknown_key_problems(data: Iterable[Any]) -> list[Problem]:
     """A problem for each key that is not a setting, with the closest setting as a suggestion (a
-    flag's spelling, such as lr or lora-rank, suggests its setting)."""
+    flag's spelling, such as lr or lora-rank, suggests its setting). Keys that are not even words
+    (a line of a file given here by mistake, such as a password file) are counted, not quoted."""
     out = []
+    not_names = 0
     for key in data:
         if key in SETTINGS:
             continue
-        text = str(key)[:100]
-        close = [BY_FLAG[text]] if text in BY_FLAG else difflib.get_close_matches(text, list(SETTINGS), n=1)
+        if not (isinstance(key, str) and NAME.fullmatch(key)):
+            not_names += 1
+            continue
+        close = [BY_FLAG[key]] if key in BY_FLAG else difflib.get_close_matches(key, list(SETTINGS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         out.append(problem(None, "unknown setting {k}" + hint, k=key))
+    if not_names:
+        out.append(problem(None, "{n} key(s) that are not setting names (a setting is a word such as lora_rank; "
+                                 "they are not shown): is this a file of settings?", n=raw(not_names)))
     return out
-
-

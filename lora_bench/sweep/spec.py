@@ -45,6 +45,7 @@ from typing import Any
 
 from lora_bench.config import (
     DEFAULTS,
+    NAME as KEY_NAME,
     PATH_SETTINGS,
     SETTINGS,
     TrainConfig,
@@ -58,6 +59,7 @@ from lora_bench.config import (
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.escaping import markup, terminal
 from lora_bench.safe_yaml import load as load_yaml
+from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import short_repr
 from lora_bench.train.identity import make_run_id, settings_hash
 
@@ -116,7 +118,7 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"sweep file not found: {path}")
-    raw = path.read_bytes()
+    raw = read_file(path)
     data = load_yaml(raw, source=str(path))
 
     problems: list[str] = []
@@ -212,15 +214,21 @@ def _structure(data: Any, problems: list[str]) -> _Layout:
     if not isinstance(data, dict):
         problems.append("a sweep file is a mapping with keys: " + ", ".join(SWEEP_KEYS))
         return _Layout("", {}, {}, [], 1, False)
+    not_names = 0
     for key in data:
         if key in SWEEP_KEYS:
             continue
         if key in SETTINGS:
             problems.append(f"{key!r} is a run setting: put it under base: (or grid: / runs:)")
+        elif not (isinstance(key, str) and KEY_NAME.fullmatch(key)):
+            not_names += 1  # a line of a file given here by mistake: counted, not quoted
         else:
-            close = difflib.get_close_matches(str(key)[:100], SWEEP_KEYS, n=1)
+            close = difflib.get_close_matches(key, SWEEP_KEYS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             problems.append(f"unknown top-level key {short_repr(key)}; {hint}allowed: {', '.join(SWEEP_KEYS)}")
+    if not_names:
+        problems.append(f"{not_names} top-level key(s) that are not names (not shown): is this a sweep file? "
+                        f"Its keys are {', '.join(SWEEP_KEYS)}")
     name = data.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 100:
         problems.append(f"name={short_repr(name)}: give the sweep a name of letters, digits, '.', '_' or '-' "
