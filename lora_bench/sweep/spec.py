@@ -52,7 +52,7 @@ from lora_bench.config import (
     coerce,
     render,
     resolve_paths,
-    settings_problems,
+    rule_problems,
     unknown_key_problems,
     value_problems,
 )
@@ -133,29 +133,31 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
         raise ConfigError(problems, source=str(path))
     checked_alone = not problems  # with bad values dropped above, runs may look alike: no duplicate check
     points = _points(layout.grid, layout.runs, problems)
-    planned: list[tuple[str, dict, TrainConfig, TrainConfig]] = []
+    planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]] = []
     by_message: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
-    id_overrides = {k: v for k, v in overrides.items() if k not in ID_AS_DECLARED}
+    # Every value of base, grid, runs and the overrides is checked on its own above; each run asks
+    # only the rules between its settings, with the values coerced once.
+    base = {**DEFAULTS, **_coerced(resolve_paths(layout.base, path.parent))}
+    forced = _coerced(overrides)
     for label, point, desc in points:
-        declared = {**DEFAULTS, **layout.base, **point, **id_overrides}
-        values = {**resolve_paths({**layout.base, **point}, path.parent), **overrides}
-        values = {**DEFAULTS, **values}
-        errs = render(settings_problems(values))
+        values = {**base, **_coerced(resolve_paths(point, path.parent)), **forced}
+        errs = render(rule_problems(values))
         for msg in errs:
             by_message.setdefault(msg, []).append(desc)
         if errs:
             continue
-        cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
+        cfg = TrainConfig(**values)
         # the id is the file's own settings: a --data-file or --device override leaves it alone
-        id_cfg = cfg.replace(**{k: coerce(k, declared[k]) for k in ID_AS_DECLARED})
+        declared = {k: coerce(k, point.get(k, layout.base.get(k, DEFAULTS[k]))) for k in ID_AS_DECLARED}
+        id_cfg = cfg if all(values[k] == v for k, v in declared.items()) else TrainConfig(**{**values, **declared})
         key = settings_hash(id_cfg)
         if checked_alone and key in seen:
             problems.append(f"{desc} has the same settings as {seen[key]} (they would share run ids); "
                             "remove one or give it a setting that differs")
             continue
         seen[key] = desc
-        planned.append((label, point, cfg, id_cfg))
+        planned.append((label, point, cfg, id_cfg, key))
     problems += [_group_message(msg, descs, len(points)) for msg, descs in by_message.items()]
     runs_out = [] if problems else _expand(planned, layout, problems)
     if problems:
@@ -164,13 +166,17 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
                  runs=tuple(runs_out), vary_seed=layout.vary_seed)
 
 
-def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig]], layout: _Layout,
+def _coerced(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: coerce(k, v) for k, v in settings.items()}
+
+
+def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]], layout: _Layout,
             problems: list[str]) -> list[PlannedRun]:
     """Every repeat of every planned run (repeat-major), with the repeat's seed when it varies."""
     out: list[PlannedRun] = []
     ids: dict[str, str] = {}
     for repeat in range(layout.repeats):
-        for label, point, cfg, id_cfg in planned:
+        for label, point, cfg, id_cfg, key in planned:
             if layout.vary_seed and repeat:
                 seed = cfg.seed + repeat
                 bad = value_problems("seed", seed)
@@ -178,9 +184,9 @@ def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig]], layout: _
                     problems.append(f"vary_seed: repeat {repeat} of {label or _describe(point)}: {bad[0].render()}")
                     return []
                 cfg, id_cfg = cfg.replace(seed=seed), id_cfg.replace(seed=seed)
-            run_id = make_run_id(id_cfg, repeat=repeat)
-            if layout.vary_seed:  # seed + r of one run can be another run's seed
                 key = settings_hash(id_cfg)
+            run_id = make_run_id(id_cfg, repeat=repeat, settings_key=key)
+            if layout.vary_seed:  # seed + r of one run can be another run's seed
                 where = f"{label or _describe(point)} (repeat {repeat}, seed {cfg.seed})"
                 if key in ids:
                     problems.append(f"vary_seed: {where} has the same settings as {ids[key]}; "
@@ -288,14 +294,16 @@ def _grid(grid: Any, problems: list[str]) -> dict[str, list]:
                             "(a single value belongs in base)")
             continue
         good: list = []
+        listed: set = set()  # (type, value): 1 and 1.0 and True are different values here
         for v in values:
             bad = value_problems(key, v)
             problems += [f"grid: {p.render()}" for p in bad]
             if bad:
                 continue
-            if any(type(g) is type(v) and g == v for g in good):
+            if (type(v), v) in listed:  # a scalar (checked above), so hashable
                 problems.append(f"grid.{key} lists {short_repr(v)} twice")
                 continue
+            listed.add((type(v), v))
             good.append(v)
         if good:
             out[key] = good
