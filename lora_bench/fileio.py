@@ -1,11 +1,50 @@
-"""Atomic file writes: a destination holds either its old content or the complete new one, never a
-torn file, and new files get ordinary permissions."""
+"""File I/O: atomic writes (a destination holds either its old content or the complete new one,
+never a torn file, and new files get ordinary permissions), and reads bounded by size (a file given
+as input is refused past a limit before more than the limit is read)."""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+CHUNK = 1 << 20
+
+
+class TooLarge(Exception):
+    """A file holds more bytes than the reader allows; ``size`` is its size when the file system
+    tells it, else the bytes read before stopping (limit + 1)."""
+
+    def __init__(self, path: Path, *, size: int, limit: int):
+        self.path, self.size, self.limit = Path(path), size, limit
+        super().__init__(f"{path}: {size:,} bytes; at most {limit:,} are read")
+
+
+def read_capped(path: Path | str, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, refused (TooLarge) past ``limit`` bytes: its size is
+    checked before reading, and at most ``limit + 1`` bytes are read, so a file that grows meanwhile
+    or a /proc file that reports size 0 cannot slip past. A pipe, device or socket is refused
+    (OSError) without waiting on it: it is opened non-blocking and never read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file (a folder, pipe, device or socket)")
+        if info.st_size > limit:
+            raise TooLarge(path, size=info.st_size, limit=limit)
+        parts, got = [], 0
+        while got <= limit:
+            part = os.read(fd, min(CHUNK, limit + 1 - got))
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        if got > limit:
+            raise TooLarge(path, size=max(got, info.st_size), limit=limit)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def publish(tmp: str | Path, dest: Path) -> None:

@@ -2,7 +2,8 @@
 
 ``yaml.safe_load``'s types, plus rules that only a mistake or an attack breaks:
 
-- a document has at most ``MAX_CHARS`` characters and nests at most ``MAX_DEPTH`` levels;
+- a file holds at most ``MAX_CHARS`` bytes, refused by its size before it is read (``load_file``),
+  and a document has at most ``MAX_CHARS`` characters and nests at most ``MAX_DEPTH`` levels;
 - with every alias counted at each place it is used, it holds at most ``MAX_NODES`` values, and no
   anchor contains itself: an alias bomb ("billion laughs") is refused from its composed node
   graph, before any value is built or printed;
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import re
 import reprlib
+from pathlib import Path
 from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from lora_bench.errors import ConfigError
+from lora_bench.fileio import TooLarge, read_capped
 
 MAX_NODES = 100_000  # values in a document with its aliases expanded: settings files hold hundreds
 MAX_CHARS = 1_000_000  # a settings file is a few kilobytes
@@ -130,9 +133,37 @@ def load(text: str | bytes, *, source: str | None = None) -> Any:
     except UnsafeDocument as e:
         raise ConfigError([f"refused: {e}"], source=source) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"not valid YAML: {e}"], source=source) from None
+        raise ConfigError([f"not valid YAML: {_yaml_problem(e)}"], source=source) from None
     except ValueError as e:  # an integer too long for int(): Python's own limit
         raise ConfigError([f"not valid YAML: {short_repr(str(e))}"], source=source) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where, without the line of the document it would quote: the file
+    may not be a settings file at all (a key, a password file), and its content stays unshown."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        what = "; ".join(p for p in (e.context, e.problem) if p) or "a syntax error"
+        mark = e.problem_mark or e.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        return (what if len(what) <= 160 else what[:159] + "…") + where
+    return str(e).splitlines()[0][:160]
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of a settings file, read only if it holds at most ``MAX_CHARS`` bytes; ConfigError
+    (naming the file) otherwise."""
+    try:
+        return read_capped(path, MAX_CHARS)
+    except TooLarge as e:
+        raise ConfigError([f"refused: {e.size:,} bytes; a settings file holds at most {MAX_CHARS:,}"],
+                          source=str(path)) from None
+    except OSError as e:
+        raise ConfigError([f"cannot read it ({e.strerror or e})"], source=str(path)) from None
+
+
+def load_file(path: Path) -> Any:
+    """The document in the settings file ``path`` (see ``read_file`` and ``load``)."""
+    return load(read_file(path), source=str(path))
 
 
 def parse_scalar(text: str) -> Any:
@@ -158,6 +189,18 @@ def short_repr(value: Any, limit: int = 80) -> str:
     else:
         text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe(value: Any) -> str:
+    """What kind of value a document holds, without quoting it ("text of 1,234 characters", "a list
+    of 3 items"): for a file that may not be meant as settings at all."""
+    if isinstance(value, str):
+        return f"text of {len(value):,} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value):,} items"
+    if isinstance(value, bool) or value is None:
+        return "true or false" if isinstance(value, bool) else "nothing"
+    return "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}"
 
 
 def _make_repr() -> reprlib.Repr:

@@ -202,3 +202,25 @@ def test_an_offline_start_without_weights_has_its_own_exit_code_and_show_keeps_t
     assert "could not download GPT-2 124M" in out and "--weights random" in out and "--weights-dir" in out, out
     code, out = run_cli("show", tmp_path / "r")
     assert code == 0 and "good" in out and "1 later run(s) did not finish" in out and "(failed)" in out, out
+
+
+def test_show_prints_a_hostile_row_as_text(run_cli, tmp_path):
+    """Every cell of runs.csv that show prints (the run id, sizes, the device, the error) reaches the
+    terminal as text: control sequences shown as escapes, rich markup as written."""
+    from lora_bench.results.schema import run_column_names
+    from lora_bench.results.store import write_csv
+
+    row = {"run_id": "r1", "status": "failed", "error": "\x1b]0;owned\x07boom [bold]x[/bold]\x1b[2J",
+           "model_size": "[red]m[/red]", "trainable_layers": "\x9b2J", "device": "cpu\x1b[5m",
+           "timing_clock": "host", "step_ms_median": 1.5, "started_at": "2026-01-01T00:00:00+00:00"}
+    write_csv(tmp_path / "runs.csv", [row], run_column_names())
+    code, out = run_cli("show", tmp_path, "r1")
+    assert code == 0, out
+    assert not any(c in out for c in ("\x1b", "\x07", "\x9b")), repr(out)
+    assert "[bold]x[/bold]" in out and "[red]m[/red]" in out and "\\x1b]0;owned" in out
+
+
+def test_an_error_naming_a_hostile_path_sends_no_control_sequence(run_cli, tmp_path):
+    code, out = run_cli("train", *TINY, "--config", tmp_path / "a\x1b[2J[bold]b[/bold].yaml")
+    _assert_clean_usage_error(code, out, "no such file", "\\x1b[2J[bold]b[/bold].yaml")
+    assert "\x1b" not in out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import struct
+import time
 import zipfile
 from pathlib import Path
 
@@ -266,3 +267,33 @@ def test_a_special_token_in_a_message_is_named_with_its_message(tmp_path, run_cl
                         "--cache-dir", tmp_path / "c")
     assert code == 2 and "Traceback" not in out, out
     assert "'<|endoftext|>'" in out and "special token" in out and "tiktoken" in out and ".csv" in out, out
+
+
+def test_a_data_file_past_the_size_limit_is_refused_unread(tmp_path, run_cli):
+    """The data file's size is checked before it is read (a 3 GB file was read whole, then killed
+    for memory), and the message names the limit."""
+    path = tmp_path / "big.tsv"
+    with open(path, "wb") as f:
+        f.write(b"ham\thello\n")
+        f.truncate(40 * 2**20)  # holes: no disk space used
+    with pytest.raises(DataError, match=r"41,943,040 bytes; a data file may hold at most 16,777,216"):
+        sms_spam.read_raw(path)
+    with open(path, "r+b") as f:
+        f.truncate(3 * 2**30)
+    t0 = time.monotonic()
+    code, out = run_cli("train", *TINY, "--data-file", path, "--results-dir", tmp_path / "r", "--cache-dir",
+                        tmp_path / "c")
+    assert code == 2 and "3,221,225,472 bytes" in out and "at most 16,777,216" in out and "Traceback" not in out, out
+    code, out = run_cli("data", "prepare", "--out", tmp_path / "splits", "--data-file", path)
+    assert code == 2 and "3,221,225,472 bytes" in out, out
+    assert time.monotonic() - t0 < 20 and not (tmp_path / "r").exists()
+
+
+def test_a_file_that_is_not_the_corpus_is_not_quoted(tmp_path, run_cli):
+    """A file given as data by mistake (here shaped like a password file) is refused without its
+    content in the message."""
+    path = tmp_path / "shadow"
+    path.write_text("".join(f"user{i}:$6$secretsalt$hashhashhash{i}:19000:0:99999:7:::\n" for i in range(30)))
+    code, out = run_cli("data", "prepare", "--out", tmp_path / "splits", "--data-file", path)
+    assert code == 2 and "does not look like the SMS Spam Collection" in out, out
+    assert "secret" not in out and "user" not in out, out

@@ -15,9 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lora_bench"
 # Bottom to top. A unit (a top-level module or subpackage of lora_bench) may import units of lower
 # layers and modules of its own unit, never a unit of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),
-    ("fileio", "timing", "progress", "optional", "safe_yaml", "signals"),
-    ("download",),
+    ("errors", "escaping"),
+    ("fileio", "timing", "progress", "optional", "signals"),
+    ("download", "safe_yaml"),
     ("model", "kernels"),
     ("config",),
     ("lora", "data"),
@@ -173,3 +173,17 @@ def test_the_bench_and_experiment_check_sees_such_an_import(monkeypatch):
                                                                           ("experiments.tma", 1, False)])
     with pytest.raises(AssertionError, match="imports experiments.tma"):
         test_the_package_imports_no_bench_or_experiment_code()
+
+
+def test_the_command_line_imports_no_torch_until_a_command_runs():
+    """``lora-bench --help`` and ``--version`` answer at once: importing the command line (and the
+    settings' declaration its options come from) loads neither torch nor pandas."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, lora_bench.cli; "
+             "print(' '.join(m for m in ('torch', 'pandas', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing lora_bench.cli loads {out.stdout.strip()}"

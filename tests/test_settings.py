@@ -267,6 +267,43 @@ def test_alias_bombs_are_refused_fast(run_cli, tmp_path, where):
     assert code == 2 and "alias bomb" in out and len(out) < 2000
 
 
+def _sparse(path: Path, size: int, head: bytes = b"name: big\n") -> Path:
+    """A file of ``size`` bytes that takes no disk space: ``head``, then holes."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    return path
+
+
+def test_settings_and_sweep_files_are_refused_by_their_size_before_reading(run_cli, tmp_path):
+    """A file past the limit is refused by its size, in bytes, not read first: a 6 GB file as fast as
+    one just past the limit."""
+    for size in (8_000_000, 6 * 10**9):
+        path = _sparse(tmp_path / f"big-{size}.yaml", size)
+        t0 = time.monotonic()
+        for args in (("train", "--config", path), ("validate", path), ("sweep", path, "--dry-run")):
+            code, out = run_cli(*args)
+            assert code == 2 and f"refused: {size:,} bytes; a settings file holds at most 1,000,000" in out, out
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("text", [
+    "".join(f"user{i}:$6$secretsalt$hashhash{i}:19000:0:99999:7:::\n" for i in range(20)),  # a password file
+    "-----BEGIN PRIVATE KEY-----\nMIIsecretsecret\n-----END PRIVATE KEY-----\n",
+    "token: [secret-value\n",  # not valid YAML: PyYAML would quote the line
+    "a: b: secret-value\n",
+])
+def test_a_file_not_meant_as_settings_is_not_quoted(run_cli, tmp_path, text):
+    path = tmp_path / "not-settings"
+    path.write_text(text)
+    for args in (("train", "--config", path), ("validate", path), ("sweep", path, "--dry-run")):
+        code, out = run_cli(*args)
+        assert code == 2 and "Traceback" not in out, out
+        assert "secret" not in out, out
+    code, out = run_cli("train", "--config", path)  # says what is wrong, and where, all the same
+    assert any(k in out for k in ("(line ", "this one holds text", "not setting names")), out
+
+
 def test_yaml_loader_rules():
     assert load("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n") == {"a": {"k": 1}, "b": {"k": 1, "j": 2}}  # merges work
     assert load("lr: 1e-05\nx: 3E4\ny: 1.5e3\nz: 12\ns: 1e5x\n") == {"lr": 1e-05, "x": 30000.0, "y": 1500.0, "z": 12,
@@ -299,6 +336,53 @@ def test_sweep_size_is_counted_before_expansion(run_cli, tmp_path, body, needle)
     code, out = run_cli("validate", path)
     assert time.monotonic() - t0 < 10
     assert code == 2 and needle in out, out
+
+
+def _grid_of_seeds(tmp_path: Path, n: int, *, ranks: int = 1) -> Path:
+    """A sweep of ``n`` × ``ranks`` distinct runs: ``n`` seeds (one grid key of many values, where a
+    per-value check against every earlier value grows with n squared) × ``ranks`` LoRA ranks."""
+    path = tmp_path / f"seeds-{n}x{ranks}.yaml"
+    path.write_text(f"name: s\nbase: {{model_size: tiny, weights: random, data_file: {SAMPLE}}}\n"
+                    f"grid:\n  seed: [{', '.join(map(str, range(n)))}]\n"
+                    f"  lora_rank: [{', '.join(map(str, range(1, ranks + 1)))}]\n")
+    return path
+
+
+def _expand_and_list(path: Path) -> tuple[float, int]:
+    import io
+
+    from rich.console import Console
+
+    from lora_bench.sweep.command import print_plan
+    from lora_bench.sweep.spec import load_sweep
+
+    t0 = time.perf_counter()
+    sw = load_sweep(path)
+    print_plan(sw, list(sw.runs), results_dir=path.parent / "results", console=Console(file=io.StringIO()))
+    return time.perf_counter() - t0, len(sw.runs)
+
+
+def test_sweep_expansion_grows_linearly_with_its_runs(tmp_path):
+    """Ten times the runs take about ten times as long to expand and list, not a hundred: 20 allows
+    for timer noise on the smaller sweep, and a cost per value that grows with the values fails it."""
+    _expand_and_list(_grid_of_seeds(tmp_path, 100))  # imports and first-call costs out of the timing
+    small, n_small = _expand_and_list(_grid_of_seeds(tmp_path, 2_000))
+    large, n_large = _expand_and_list(_grid_of_seeds(tmp_path, 20_000))
+    assert (n_small, n_large) == (2_000, 20_000)
+    assert large < 20 * small, (small, large)
+
+
+@pytest.mark.slow
+def test_a_sweep_at_the_run_cap_expands_and_lists_in_seconds(tmp_path):
+    """``validate`` and ``--dry-run`` of the largest sweep allowed (MAX_RUNS distinct runs) stay
+    under the 30 s a person waits for a check: this machine (2 shared cores) takes about 8 s, so
+    30 s leaves room for a slower one, while a per-run cost of a few hundred microseconds more (every
+    value checked again, settings deep-copied for each hash: 50 s and more) fails."""
+    from lora_bench.sweep.spec import MAX_RUNS
+
+    seconds, n = _expand_and_list(_grid_of_seeds(tmp_path, MAX_RUNS // 10, ranks=10))
+    assert n == MAX_RUNS
+    assert seconds < 30, seconds
 
 
 @pytest.mark.parametrize("text, needle", [

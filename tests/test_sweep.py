@@ -322,3 +322,21 @@ def test_usage_errors_exit_2_without_traceback(tmp_path, monkeypatch, capsys, ru
     if torch.cuda.device_count() < 8:  # checked before the first run, not failed run by run
         code, out = run_cli("sweep", path, "--device", "cuda:7", "--results-dir", tmp_path / "r")
         assert code == 2 and "CUDA device(s)" in out and not (tmp_path / "r").exists()
+
+
+def test_labels_reach_the_terminal_as_text(tmp_path, monkeypatch, capsys, run_cli):
+    """A label's rich markup is printed as it is written, in the plan and in each run's line; a
+    label with a control character (a terminal escape sequence) is refused, the character shown
+    as an escape."""
+    label = "[bold]x[/bold] [link=https://e.test]L[/link]"
+    path = write(tmp_path, "name: lab\nbase:\n" + TINY + f"runs:\n  - {{label: '{label}'}}\n")
+    code, out = run_cli("sweep", path, "--dry-run", "--results-dir", tmp_path / "r")
+    assert code == 0 and label in out, out
+    code, out = run_cli("sweep", path, "--isolation", "inline", "--no-progress", "--results-dir", tmp_path / "r",
+                        "--cache-dir", tmp_path / "cache")
+    assert code == 0 and label in out, out
+    bad = write(tmp_path, "name: esc\nbase:\n" + TINY + 'runs:\n  - {label: "\\e]0;owned\\a\\e[2J"}\n', "esc.yaml")
+    for args in (("sweep", bad, "--dry-run"), ("validate", bad)):
+        code, out = run_cli(*args)
+        assert code == 2 and "\x1b" not in out and "\x07" not in out, out
+        assert "runs[0].label" in out and "control character" in out and "\\x1b" in out, out

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.markup import escape
 
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
@@ -40,6 +39,7 @@ from lora_bench.config import (
     settings_problems,
 )
 from lora_bench.errors import ConfigError, Interrupted, LoraBenchError, SaveError
+from lora_bench.escaping import markup
 
 HELP = f"""Fine-tune GPT-2 on SMS spam and record accuracy and per-phase timings.
 
@@ -132,7 +132,7 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
         except Interrupted as e:
             code = e.exit_code
         except LoraBenchError as e:
-            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {escape(str(e))}", highlight=False)
+            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {markup(e, newlines=True)}", highlight=False)
             code = e.exit_code
         except BaseException:
             traceback.print_exc()

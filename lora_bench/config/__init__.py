@@ -50,12 +50,14 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
 )
 from lora_bench.config.files import parse_overrides, read_settings_file, resolve_paths  # noqa: F401  re-exported
 from lora_bench.config.rules import (  # noqa: F401  re-exported
+    NAME,
     SCALARS,
     Problem,
     hf_problems,
     problem,
     raw,
     render,
+    rule_problems,
     settings_problems,
     unknown_key_problems,
     value_problems,

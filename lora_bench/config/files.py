@@ -10,8 +10,8 @@ from typing import Any
 from lora_bench.config.declaration import PATH_SETTINGS, SETTINGS
 from lora_bench.config.rules import Problem, problem, raw, render, unknown_key_problems, value_problems
 from lora_bench.errors import ConfigError
-from lora_bench.safe_yaml import load as load_yaml
-from lora_bench.safe_yaml import parse_scalar, short_repr
+from lora_bench.safe_yaml import load_file
+from lora_bench.safe_yaml import describe, parse_scalar
 
 
 def parse_overrides(items: Iterable[str]) -> tuple[dict[str, Any], list[Problem]]:
@@ -57,12 +57,12 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"no such file{' (a folder)' if path.is_dir() else ''}"], source=str(path))
-    data = load_yaml(path.read_bytes(), source=str(path))
+    data = load_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([f"a settings file is one mapping of settings (such as lora_rank: 16), not "
-                           f"{short_repr(data)}"], source=str(path))
+        raise ConfigError([f"a settings file is one mapping of settings (such as lora_rank: 16); this one holds "
+                           f"{describe(data)}"], source=str(path))
     if isinstance(data.get("base"), dict) and not set(data) & set(SETTINGS):
         raise ConfigError(["this is a sweep file (it has base:); run it with `lora-bench sweep`, or give a file "
                            "of settings such as the contents of its base"], source=str(path))

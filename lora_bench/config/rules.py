@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_bench.config.declaration import BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name
-from lora_bench.model.gpt2 import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
+from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
 
@@ -102,10 +102,17 @@ def settings_problems(values: Mapping[str, Any]) -> list[Problem]:
     each value on its own, then the rules between settings whose values are valid."""
     out = [p for name in SETTINGS for p in value_problems(name, values[name])]
     bad = {p.setting for p in out}
-    v = {k: coerce(k, x) for k, x in values.items() if k not in bad}
+    return out + rule_problems({k: coerce(k, x) for k, x in values.items() if k not in bad}, bad=bad)
+
+
+def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """The problems between settings: ``v`` maps each setting to its coerced value, valid on its
+    own, except the settings named in ``bad``, whose rules are skipped. A sweep asks this alone for
+    each of its runs, whose values it has checked one by one already."""
+    out: list[Problem] = []
 
     def ok(*names: str) -> bool:
-        return not bad.intersection(names)
+        return not bad or not bad.intersection(names)
 
     if ok("compile_scope", "compile") and v["compile_scope"] != "model" and not v["compile"]:
         out.append(problem("compile_scope", "{compile_scope}={v} needs {compile} (it says what torch.compile "
@@ -222,17 +229,25 @@ def _model_shape_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list
     return out
 
 
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # what a mistyped setting looks like: a word
+
+
 def unknown_key_problems(data: Iterable[Any]) -> list[Problem]:
     """A problem for each key that is not a setting, with the closest setting as a suggestion (a
-    flag's spelling, such as lr or lora-rank, suggests its setting)."""
+    flag's spelling, such as lr or lora-rank, suggests its setting). Keys that are not even words
+    (a line of a file given here by mistake, such as a password file) are counted, not quoted."""
     out = []
+    not_names = 0
     for key in data:
         if key in SETTINGS:
             continue
-        text = str(key)[:100]
-        close = [BY_FLAG[text]] if text in BY_FLAG else difflib.get_close_matches(text, list(SETTINGS), n=1)
+        if not (isinstance(key, str) and NAME.fullmatch(key)):
+            not_names += 1
+            continue
+        close = [BY_FLAG[key]] if key in BY_FLAG else difflib.get_close_matches(key, list(SETTINGS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         out.append(problem(None, "unknown setting {k}" + hint, k=key))
+    if not_names:
+        out.append(problem(None, "{n} key(s) that are not setting names (a setting is a word such as lora_rank; "
+                                 "they are not shown): is this a file of settings?", n=raw(not_names)))
     return out
-
-

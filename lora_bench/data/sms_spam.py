@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError, UsageError
-from lora_bench.fileio import atomic_write_text, check_writable_dir, publish
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, publish, read_capped
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -38,6 +38,10 @@ PACKAGED_CORPUS = Path(__file__).with_name("SMSSpamCollection.tsv")
 SPLIT_FILES = ("train.csv", "validation.csv", "test.csv")
 SPLITS_MANIFEST = "sha256.json"  # the splits' hashes and their source's, written with them, checked on reuse
 SOURCE_KEY = "source_sha256"
+# A data file is refused past this size before it is read: 35 times the corpus (0.48 MB), room for a
+# corpus of the same kind many times larger, while the file, its pandas frame and its tokens (Python
+# ints, about ten times the file's bytes) stay within a few hundred MB on any machine that trains GPT-2.
+MAX_DATA_BYTES = 16 * 2**20
 # The reference balances by sampling as many ham as there are spam messages, then splits 70/10/20
 # with int() rounding: the validation split gets a message only from 10 balanced messages on.
 MIN_SPAM = 5
@@ -110,18 +114,22 @@ def _extract_verified(zip_path: Path, dest: Path) -> None:
 
 def read_raw(path: Path) -> pd.DataFrame:
     """Read the raw TSV as the reference does (see ``parse_raw``); refuses a file the reference
-    split cannot use (see ``check_corpus``)."""
+    split cannot use (see ``check_corpus``) or one too large to read (``raw_bytes``)."""
     return parse_raw(raw_bytes(path), path)
 
 
 def raw_bytes(path: Path) -> bytes:
-    """The data file's bytes, read once: what is hashed is what is parsed."""
+    """The data file's bytes, read once (what is hashed is what is parsed), refused (DataError)
+    when it is missing or larger than ``MAX_DATA_BYTES``, before more than that is read."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path} (pass --data-file with the raw SMSSpamCollection TSV, "
                         "or leave it out to use the copy shipped with lora-bench)")
     try:
-        return path.read_bytes()
+        return read_capped(path, MAX_DATA_BYTES)
+    except TooLarge as e:
+        raise DataError(f"data file {path} has {e.size:,} bytes; a data file may hold at most {MAX_DATA_BYTES:,} "
+                        f"(16 MiB; the SMS Spam Collection has {SMS_SIZE:,})") from None
     except OSError as e:
         raise DataError(f"cannot read data file {path} ({e.strerror or e})") from None
 
@@ -144,10 +152,14 @@ def check_corpus(df: pd.DataFrame, path: Path, *, data: bytes | None = None) -> 
     reference's balancing (as many ham as spam are sampled) and 70/10/20 split (every split
     non-empty): at least MIN_SPAM spam messages and at least as many ham. ``data``: the bytes
     parsed, to quote a message that pandas read as missing."""
-    labels = set(df["Label"].dropna().unique())
-    if not labels or not labels <= {"ham", "spam"}:
-        raise DataError(f"{path} does not look like the SMS Spam Collection "
-                        f"(labels {sorted(map(str, labels))[:5]}, {len(df)} rows; expected ham/spam lines)")
+    labels = df["Label"].dropna()
+    other = ~labels.isin(["ham", "spam"])
+    if labels.empty or other.any():
+        # what the file holds is not quoted: a file given here by mistake (a key, a password file) stays unshown
+        what = (f"{int(other.sum()):,} of its {len(df):,} rows (the first: row {int(labels.index[other][0]) + 1}) "
+                "have a label other than ham or spam" if other.any() else "no row has a label")
+        raise DataError(f"{path} does not look like the SMS Spam Collection: {what}; expected lines of "
+                        "'<ham|spam><TAB><message>'")
     text = df["Text"]
     empty = [i for i, t in enumerate(text) if not isinstance(t, str) or not t.strip()]
     if empty:

@@ -25,7 +25,7 @@ import torch
 
 from lora_bench.download import download_file
 from lora_bench.errors import CheckpointError
-from lora_bench.model.gpt2 import CHECKPOINT_NAMES, resolve_model_size
+from lora_bench.model.sizes import CHECKPOINT_NAMES, resolve_model_size
 
 CHECKPOINT_FILES = ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.data-00000-of-00001",
                     "model.ckpt.index", "model.ckpt.meta", "vocab.bpe")

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lora_bench.errors import UsageError
+from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 from lora_bench.report import figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
@@ -75,7 +76,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     for note in drawn["notes"]:
         status.print(note, highlight=False, markup=False)
     for path in wrote:
-        status.print(f"wrote {path}", highlight=False, markup=False)
+        status.print(f"wrote {markup(path)}", highlight=False)
 
 
 def _title(paths: list[Path]) -> str:

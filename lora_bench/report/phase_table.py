@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 from rich.table import Table
+from rich.text import Text
 
+from lora_bench.escaping import terminal
 from lora_bench.timing import PHASES
 
 
@@ -30,7 +32,7 @@ def phase_table(row: dict) -> Table:
     status = row.get("status")
     if status not in (None, "", "done"):  # a failed or interrupted run: say so before any number
         title += f"  ·  {status}" + (f": {row.get('error')}" if row.get("error") else "")
-    t = Table(title=title, title_justify="left")
+    t = Table(title=Text(terminal(title)), title_justify="left")
     two_clocks = clock != "host"  # on a CPU the host clock is the only one: no device columns
     t.add_column("phase")
     if two_clocks:

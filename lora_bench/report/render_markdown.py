@@ -1,29 +1,29 @@
-"""A report as Markdown: figures referenced by path (written beside the file by the command)."""
+"""A report as Markdown: figures referenced by path (written beside the file by the command). Table
+cells, titles and facts are shown literally (``escaping.markdown_cell``); the generated paragraphs keep
+their **bold** and `code` marks, with HTML and control characters escaped (``markdown_text``)."""
 
 from __future__ import annotations
 
+from lora_bench.escaping import markdown_cell, markdown_text
 from lora_bench.report.document import Document
 from lora_bench.report.tables import Table
 
 
-def _esc(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def table_markdown(t: Table) -> str:
     align = ["---"] * t.n_keys + ["---:"] * (len(t.head) - t.n_keys)
-    lines = ["| " + " | ".join(_esc(c) for c in r) + " |" for r in (t.head, align, *t.rows)]
+    lines = ["| " + " | ".join(markdown_cell(c) for c in r) + " |" for r in (t.head, *t.rows)]
+    lines.insert(1, "| " + " | ".join(align) + " |")
     out = "\n".join(lines) + "\n"
     if t.notes:
-        out += "\n" + "\n".join(f"- {n}" for n in t.notes) + "\n"
+        out += "\n" + "\n".join(f"- {markdown_text(n)}" for n in t.notes) + "\n"
     return out
 
 
 def points_markdown(points) -> str:
     lines = []
     for p in points:
-        lines.append(f"- **{p.heading}**")
-        lines += [f"  - {x}" for x in p.sentences]
+        lines.append(f"- **{markdown_cell(p.heading)}**")
+        lines += [f"  - {markdown_text(x)}" for x in p.sentences]
     return "\n".join(lines) + "\n"
 
 
@@ -32,26 +32,26 @@ def to_markdown(doc: Document, *, figures: dict[str, str] | None = None) -> str:
     figures = figures or {}
     parts = []
     if doc.title:
-        parts.append(f"# {doc.title}\n")
+        parts.append(f"# {markdown_cell(doc.title)}\n")
     if doc.question:
-        parts.append(f"**Question.** {doc.question}\n")
+        parts.append(f"**Question.** {markdown_text(doc.question)}\n")
     if doc.setting:
-        parts.append(f"*{doc.setting}*\n")
+        parts.append(f"*{markdown_cell(doc.setting)}*\n")
     for s in doc.sections:
         if s.title:
-            parts.append(f"## {s.title}\n")
+            parts.append(f"## {markdown_cell(s.title)}\n")
         for p in s.text:
-            parts.append(p + "\n")
+            parts.append(markdown_text(p) + "\n")
         if s.points:
             parts.append(points_markdown(s.points))
         if s.facts:
-            parts.append("\n".join(f"- **{k}:** {v}" for k, v in s.facts) + "\n")
+            parts.append("\n".join(f"- **{markdown_cell(k)}:** {markdown_cell(v)}" for k, v in s.facts) + "\n")
         figure = [f"![{s.figure}]({figures[s.figure]})\n"] if s.figure in figures else []
         if s.figure_first:
             parts += figure
         for t in s.tables:
             if t.title and t.title != s.title:
-                parts.append(f"**{t.title}**\n")
+                parts.append(f"**{markdown_cell(t.title)}**\n")
             parts.append(table_markdown(t))
         if not s.figure_first:
             parts += figure

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from lora_bench.escaping import csv_cell as stored_cell
 from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, Estimate, span_text
@@ -316,19 +317,10 @@ def to_csv(rep: Report) -> str:
     return csv_text(rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys}))
 
 
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
 def csv_cell(v):
-    """A text cell a spreadsheet would run as a formula ('=…', '+…', '@…') gets a leading quote;
-    numbers, text that reads as one ('-100') and a lone '-' (blank) are left as they are."""
-    if not isinstance(v, str) or not v.startswith(FORMULA_START) or v in ("-", "+"):
-        return v
-    try:
-        float(v)
-    except ValueError:
-        return "'" + v
-    return v
+    """A text cell as the results' writer stores it (``escaping.csv_cell``: no formula runs), a lone
+    '-' (a blank cell of the tables) left as it is."""
+    return v if v in ("-", "+") else stored_cell(v)
 
 
 def csv_text(df: pd.DataFrame) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from lora_bench.model.gpt2 import GPTConfig, matmul_params
+from lora_bench.model.sizes import GPTConfig, matmul_params
 from lora_bench.timing import PHASES
 
 # Dense datasheet peaks in TFLOP/s by precision; looked up by a substring of the device name.

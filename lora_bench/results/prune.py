@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from lora_bench.config import TrainConfig
+from lora_bench.escaping import csv_value
 from lora_bench.results.schema import SETTING_PREFIX, run_column_names
 from lora_bench.results.store import locked, text_value, write_csv
 
@@ -69,7 +70,7 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
     if not csv.is_file():
         return []
     with locked(csv):
-        rows = pd.read_csv(csv, dtype=str, keep_default_na=False).to_dict("records")
+        rows = _rows(csv)
         found = find_superseded(rows)
         if dry_run or not found:
             return found
@@ -79,7 +80,7 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
         dest = results_dir / SUPERSEDED
         old = dest / "runs.csv"
         if old.is_file():
-            earlier = pd.read_csv(old, dtype=str, keep_default_na=False).to_dict("records")
+            earlier = _rows(old)
             moved = [r for r in earlier if r["run_id"] not in by] + moved
         write_csv(old, moved, run_column_names() + ["superseded_by"])
         for s in found:
@@ -87,3 +88,9 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
                 shutil.move(str(results_dir / s.run_id), str(dest / s.run_id))
         write_csv(csv, keep, run_column_names())
     return found
+
+
+def _rows(csv: Path) -> list[dict]:
+    """The rows of a table ``write_csv`` wrote, as text, each cell read back as it was given."""
+    df = pd.read_csv(csv, dtype=str, keep_default_na=False)
+    return [{csv_value(k): csv_value(v) for k, v in r.items()} for r in df.to_dict("records")]

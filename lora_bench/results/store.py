@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import pandas as pd
 
 from lora_bench.errors import ResultsError, UsageError
+from lora_bench.escaping import csv_cell, csv_value
 from lora_bench.fileio import atomic_write_text, check_writable_dir, names_file
 from lora_bench.results.claims import is_claimed, try_claim
 from lora_bench.results.schema import column_index, run_column_names
@@ -40,13 +41,21 @@ DIED = ("its process ended before recording how the run ended (killed outright, 
 
 
 def csv_text(rows: Iterable[dict], columns: list[str]) -> str:
-    """Rows as CSV text: ``columns`` first, in order, then any other key the rows have."""
+    """Rows as lora-bench's result tables hold them: ``columns`` first, in order, then any other key
+    the rows have; every text cell as ``escaping.csv_cell`` stores it (no cell runs as a spreadsheet
+    formula; ``read_run_table`` reads each back unchanged), and quoted: the csv module leaves a lone
+    carriage return in a cell unquoted, which a reader takes for the end of the row."""
     df = pd.DataFrame(list(rows))
     extra = [c for c in df.columns if c not in columns]
-    return df.reindex(columns=columns + extra).to_csv(index=False)
+    df = df.reindex(columns=columns + extra)
+    text = df.select_dtypes(include=["object", "string"]).columns
+    df[text] = df[text].map(csv_cell)
+    df.columns = [csv_cell(c) for c in df.columns]
+    return df.to_csv(index=False, quoting=csv.QUOTE_NONNUMERIC)
 
 
 def write_csv(path: Path, rows: Iterable[dict], columns: list[str]) -> None:
+    """The one writer of lora-bench's result tables (``csv_text``), atomically."""
     atomic_write_text(path, csv_text(rows, columns))
 
 
@@ -118,7 +127,7 @@ def read_run_table(path: Path) -> RunTable:
             raise _not_a_table(path, f"it does not parse as CSV ({e}; e.g. a quote that is never closed)") from None
         # the torn tail (cut inside a quoted field), read leniently for its run id
         records.append(next(csv.reader(io.StringIO(text[lines.marked:], newline="")), []))
-    header = records[0] if records else []
+    header = [csv_value(h) for h in records[0]] if records else []
     if not set(REQUIRED) <= set(header):
         shown = ", ".join((header or [])[:6])
         raise _not_a_table(path, f"its header ({shown[:200]}) has no {' and '.join(REQUIRED)} columns")
@@ -129,13 +138,14 @@ def read_run_table(path: Path) -> RunTable:
         if len(rec) != len(header) or (last and cut):
             table.torn.append(rec)
         else:
-            table.rows.append(dict(zip(header, rec)))
+            table.rows.append(dict(zip(header, map(csv_value, rec))))
     return table
 
 
 def read_runs(path) -> pd.DataFrame:
-    """runs.csv (a path, read strictly, without torn rows; or an open CSV text buffer) with the
-    schema's dtypes applied."""
+    """runs.csv (a path, read strictly, without torn rows, its cells read back as written; or an open
+    CSV text buffer of rows as they are, not written by ``write_csv``) with the schema's dtypes
+    applied."""
     if isinstance(path, (str, Path)):
         table = read_run_table(Path(path))
         df = pd.DataFrame(table.rows, columns=table.header, dtype=object).astype(str)

@@ -7,10 +7,9 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from rich.markup import escape
-from rich.table import Table
 
 from lora_bench.errors import UsageError
+from lora_bench.escaping import markup, terminal
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.sweep.resume import resume_statuses
@@ -19,13 +18,12 @@ from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, se
 
 
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
-    """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped."""
+    """``--dry-run``: every run of the shard and whether it would run, rerun or be skipped, one
+    aligned line each, written as it is (a rich table takes minutes to lay out 100,000 rows, and
+    rich's wrapping seconds), every value shown as text (``escaping.terminal``)."""
     status = resume_statuses(results_dir, runs, sweep.name)
-    table = Table(title=f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})",
-                  title_justify="left")
-    for col in ("#", "run id", "repeat", "settings", "action"):
-        table.add_column(col, no_wrap=col in ("run id", "action"))
-    todo = 0
+    title = f"{sweep.path} → {results_dir}  (sweep {sweep.name}, sha256 {sweep.sha256[:12]})"
+    rows, todo = [], 0
     for r in runs:
         st, row_id = status.get(r.run_id, (None, None))
         if st == "done":
@@ -33,8 +31,16 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
         else:
             action = f"rerun ({st})" if st else "run"
         todo += st != "done"
-        table.add_row(str(r.index), r.run_id, str(r.repeat), r.describe(), action)
-    console.print(table)
+        rows.append((str(r.index), r.run_id, str(r.repeat), action, r.describe()))
+    head = ("#", "run id", "repeat", "action", "settings")
+    width = [max([len(head[i]), *(len(row[i]) for row in rows)]) for i in range(4)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        n, run_id, repeat, action, settings = (terminal(c) for c in cells)
+        return (f"{n:>{width[0]}}  {run_id:<{width[1]}}  {repeat:>{width[2]}}  {action:<{width[3]}}  "
+                f"{settings}").rstrip()
+
+    console.file.write("\n".join([terminal(title), line(head), *map(line, rows)]) + "\n")  # no rich wrapping
     console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
 
 
@@ -52,15 +58,16 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     for row in result.rows:
         if row.get("status") == "failed":
             error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
-            console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
+            console.print(f"  [red]failed[/red] {markup(row['run_id'])}: {markup(error)}", highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
                       highlight=False)
     if result.not_saved:
-        console.print(f"[bold red]stopped:[/bold red] {escape(result.not_saved)}", highlight=False)
+        console.print(f"[bold red]stopped:[/bold red] {markup(result.not_saved)}", highlight=False)
         console.print("the runs after it were not started; run the same command again to resume once there is room",
                       highlight=False)
-    console.print(f"results: {results_dir / 'runs.csv'}   report: lora-bench report {results_dir}", highlight=False)
+    console.print(f"results: {markup(results_dir / 'runs.csv')}   report: lora-bench report {markup(results_dir)}",
+                  highlight=False)
 
 
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lora_bench.config import render
 from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError, UsageError
+from lora_bench.escaping import markup
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
 from lora_bench.results.store import check_results_dir, result_rows, run_record
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
@@ -172,7 +173,7 @@ def preflight(runs: list[PlannedRun], console) -> None:
         require_packages(cfg)
     for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
         if not Path(path).is_file():
-            console.print(f"[yellow]warning:[/yellow] data_file {path} does not exist; runs using it will fail",
+            console.print(f"[yellow]warning:[/yellow] data_file {markup(path)} does not exist; runs using it will fail",
                           highlight=False)
 
 
@@ -181,8 +182,8 @@ def print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: 
     mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]"}.get(st, "[yellow]![/yellow]")
     step = row.get("step_ms_median")
     step_text = f"step {step:7.2f} ms" if st == "done" and isinstance(step, (int, float)) else ""
-    console.print(f"{mark} {st:<11} {seconds:6.1f} s  {step_text:<16} {run.run_id}  {run.describe()}",
+    console.print(f"{mark} {st:<11} {seconds:6.1f} s  {step_text:<16} {run.run_id}  {markup(run.describe())}",
                   highlight=False, no_wrap=True, overflow="ellipsis")
     if st != "done":
         err = str(row.get("error") or "").splitlines()[0][:300] if row.get("error") else ""
-        console.print(f"    {err}\n    log: {results_dir / run.run_id / 'worker.log'}", highlight=False)
+        console.print(f"    {markup(err)}\n    log: {markup(results_dir / run.run_id / 'worker.log')}", highlight=False)

@@ -44,22 +44,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
-
 from lora_bench.config import (
     DEFAULTS,
+    NAME as KEY_NAME,
     PATH_SETTINGS,
     SETTINGS,
     TrainConfig,
     coerce,
     render,
     resolve_paths,
-    settings_problems,
+    rule_problems,
     unknown_key_problems,
     value_problems,
 )
 from lora_bench.errors import ConfigError, UsageError
+from lora_bench.escaping import markup, terminal
 from lora_bench.safe_yaml import load as load_yaml
+from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import short_repr
 from lora_bench.train.identity import make_run_id, settings_hash
 
@@ -118,7 +119,7 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"sweep file not found: {path}")
-    raw = path.read_bytes()
+    raw = read_file(path)
     data = load_yaml(raw, source=str(path))
 
     problems: list[str] = []
@@ -133,29 +134,31 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
         raise ConfigError(problems, source=str(path))
     checked_alone = not problems  # with bad values dropped above, runs may look alike: no duplicate check
     points = _points(layout.grid, layout.runs, problems)
-    planned: list[tuple[str, dict, TrainConfig, TrainConfig]] = []
+    planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]] = []
     by_message: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
-    id_overrides = {k: v for k, v in overrides.items() if k not in ID_AS_DECLARED}
+    # Every value of base, grid, runs and the overrides is checked on its own above; each run asks
+    # only the rules between its settings, with the values coerced once.
+    base = {**DEFAULTS, **_coerced(resolve_paths(layout.base, path.parent))}
+    forced = _coerced(overrides)
     for label, point, desc in points:
-        declared = {**DEFAULTS, **layout.base, **point, **id_overrides}
-        values = {**resolve_paths({**layout.base, **point}, path.parent), **overrides}
-        values = {**DEFAULTS, **values}
-        errs = render(settings_problems(values))
+        values = {**base, **_coerced(resolve_paths(point, path.parent)), **forced}
+        errs = render(rule_problems(values))
         for msg in errs:
             by_message.setdefault(msg, []).append(desc)
         if errs:
             continue
-        cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
+        cfg = TrainConfig(**values)
         # the id is the file's own settings: a --data-file or --device override leaves it alone
-        id_cfg = cfg.replace(**{k: coerce(k, declared[k]) for k in ID_AS_DECLARED})
+        declared = {k: coerce(k, point.get(k, layout.base.get(k, DEFAULTS[k]))) for k in ID_AS_DECLARED}
+        id_cfg = cfg if all(values[k] == v for k, v in declared.items()) else TrainConfig(**{**values, **declared})
         key = settings_hash(id_cfg)
         if checked_alone and key in seen:
             problems.append(f"{desc} has the same settings as {seen[key]} (they would share run ids); "
                             "remove one or give it a setting that differs")
             continue
         seen[key] = desc
-        planned.append((label, point, cfg, id_cfg))
+        planned.append((label, point, cfg, id_cfg, key))
     problems += [_group_message(msg, descs, len(points)) for msg, descs in by_message.items()]
     runs_out = [] if problems else _expand(planned, layout, problems)
     if problems:
@@ -164,13 +167,17 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
                  runs=tuple(runs_out), vary_seed=layout.vary_seed)
 
 
-def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig]], layout: _Layout,
+def _coerced(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: coerce(k, v) for k, v in settings.items()}
+
+
+def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]], layout: _Layout,
             problems: list[str]) -> list[PlannedRun]:
     """Every repeat of every planned run (repeat-major), with the repeat's seed when it varies."""
     out: list[PlannedRun] = []
     ids: dict[str, str] = {}
     for repeat in range(layout.repeats):
-        for label, point, cfg, id_cfg in planned:
+        for label, point, cfg, id_cfg, key in planned:
             if layout.vary_seed and repeat:
                 seed = cfg.seed + repeat
                 bad = value_problems("seed", seed)
@@ -178,9 +185,9 @@ def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig]], layout: _
                     problems.append(f"vary_seed: repeat {repeat} of {label or _describe(point)}: {bad[0].render()}")
                     return []
                 cfg, id_cfg = cfg.replace(seed=seed), id_cfg.replace(seed=seed)
-            run_id = make_run_id(id_cfg, repeat=repeat)
-            if layout.vary_seed:  # seed + r of one run can be another run's seed
                 key = settings_hash(id_cfg)
+            run_id = make_run_id(id_cfg, repeat=repeat, settings_key=key)
+            if layout.vary_seed:  # seed + r of one run can be another run's seed
                 where = f"{label or _describe(point)} (repeat {repeat}, seed {cfg.seed})"
                 if key in ids:
                     problems.append(f"vary_seed: {where} has the same settings as {ids[key]}; "
@@ -199,11 +206,11 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
             sw = load_sweep(path)
         except UsageError as e:  # ConfigError (every problem) or a missing file
             bad += 1
-            console.print(f"[red]✗[/red] {escape(str(e))}", highlight=False)
+            console.print(f"[red]✗[/red] {markup(e, newlines=True)}", highlight=False)
             continue
         sweeps.append(sw)
         seeds = ", seed + repeat" if sw.vary_seed and sw.repeats > 1 else ""
-        console.print(f"[green]✓[/green] {escape(str(path))}: sweep {sw.name!r}, {len(sw.runs)} runs "
+        console.print(f"[green]✓[/green] {markup(path)}: sweep {sw.name!r}, {len(sw.runs)} runs "
                       f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats{seeds})", highlight=False)
     if bad:
         raise UsageError(f"{bad} of {len(paths)} sweep file(s) have problems (listed above)")
@@ -214,15 +221,21 @@ def _structure(data: Any, problems: list[str]) -> _Layout:
     if not isinstance(data, dict):
         problems.append("a sweep file is a mapping with keys: " + ", ".join(SWEEP_KEYS))
         return _Layout("", {}, {}, [], 1, False)
+    not_names = 0
     for key in data:
         if key in SWEEP_KEYS:
             continue
         if key in SETTINGS:
             problems.append(f"{key!r} is a run setting: put it under base: (or grid: / runs:)")
+        elif not (isinstance(key, str) and KEY_NAME.fullmatch(key)):
+            not_names += 1  # a line of a file given here by mistake: counted, not quoted
         else:
-            close = difflib.get_close_matches(str(key)[:100], SWEEP_KEYS, n=1)
+            close = difflib.get_close_matches(key, SWEEP_KEYS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             problems.append(f"unknown top-level key {short_repr(key)}; {hint}allowed: {', '.join(SWEEP_KEYS)}")
+    if not_names:
+        problems.append(f"{not_names} top-level key(s) that are not names (not shown): is this a sweep file? "
+                        f"Its keys are {', '.join(SWEEP_KEYS)}")
     name = data.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 100:
         problems.append(f"name={short_repr(name)}: give the sweep a name of letters, digits, '.', '_' or '-' "
@@ -282,14 +295,16 @@ def _grid(grid: Any, problems: list[str]) -> dict[str, list]:
                             "(a single value belongs in base)")
             continue
         good: list = []
+        listed: set = set()  # (type, value): 1 and 1.0 and True are different values here
         for v in values:
             bad = value_problems(key, v)
             problems += [f"grid: {p.render()}" for p in bad]
             if bad:
                 continue
-            if any(type(g) is type(v) and g == v for g in good):
+            if (type(v), v) in listed:  # a scalar (checked above), so hashable
                 problems.append(f"grid.{key} lists {short_repr(v)} twice")
                 continue
+            listed.add((type(v), v))
             good.append(v)
         if good:
             out[key] = good
@@ -308,6 +323,10 @@ def _runs(runs: Any, problems: list[str]) -> list[tuple[str, dict]]:
         label = entry.pop("label", "") if isinstance(entry, dict) else ""
         if not isinstance(label, str) or len(label) > 200:
             problems.append(f"runs[{i}].label must be text of up to 200 characters, got {short_repr(label)}")
+            label = ""
+        elif terminal(label) != label:  # a label names a run on screens and in tables: printable text only
+            problems.append(f"runs[{i}].label {short_repr(label)} holds a control character; a label is "
+                            "printable text")
             label = ""
         out.append((label, _settings(entry, f"runs[{i}]" + (f" ({label})" if label else ""), problems)))
     return out

@@ -32,12 +32,13 @@ def settings_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def make_run_id(cfg: TrainConfig, *, repeat: int | None = None) -> str:
-    """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs."""
+def make_run_id(cfg: TrainConfig, *, repeat: int | None = None, settings_key: str | None = None) -> str:
+    """Deterministic for sweeps (settings hash + repeat); time-stamped for one-off runs.
+    ``settings_key``: ``settings_hash(cfg)``, where the caller has it already."""
     slug = f"{cfg.model_size}-{cfg.trainable_layers}".replace(" ", "").replace("(", "").replace(")", "")
     if cfg.implementation != "book":
         slug += f"-{cfg.implementation}"
-    base = f"{slug}-{settings_hash(cfg)}"
+    base = f"{slug}-{settings_key or settings_hash(cfg)}"
     if repeat is not None:
         return f"{base}-r{repeat}"
     return f"{base}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S%f')}"

@@ -31,10 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.markup import escape
-
 from lora_bench.config import TrainConfig
 from lora_bench.errors import EXIT_INTERRUPTED, UsageError
+from lora_bench.escaping import markup
 from lora_bench.results.claims import claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation, start_invocation
 from lora_bench.results.save import save_row
@@ -181,7 +180,7 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
     if row is not None and row.get("status") == "done":
         if launched.returncode != 0:
             console.print(f"[yellow]warning:[/yellow] the run was recorded, but torchrun exited with code "
-                          f"{launched.returncode}" + (f" (rank {cause['rank']}: {escape(cause['error'])})" if cause else ""),
+                          f"{launched.returncode}" + (f" (rank {cause['rank']}: {markup(cause['error'])})" if cause else ""),
                           highlight=False)
         return 0
     if launched.signum is not None:
@@ -201,5 +200,5 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
     row = {**row, "status": status, "error": error[:2000]}
     record_invocation(results_dir, run_ids=[run_id])
     save_row(results_dir, row)
-    console.print(f"[red]{status}[/red]: {escape(error)}", highlight=False)
+    console.print(f"[red]{status}[/red]: {markup(error, newlines=True)}", highlight=False)
     return EXIT_INTERRUPTED if status == "interrupted" else 1

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
+from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.optional import require
 
@@ -35,7 +36,8 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
 
 
 def input_problems(cfg: TrainConfig) -> list[Problem]:
-    """The data file and the checkpoint folder the settings name: there, and of the right kind."""
+    """The data file and the checkpoint folder the settings name: there, of the right kind, and
+    the data file within the size a data file may have."""
     out = []
     if cfg.data_file:
         path = Path(cfg.data_file)
@@ -44,6 +46,9 @@ def input_problems(cfg: TrainConfig) -> list[Problem]:
                                p=str(path)))
         elif not path.is_file():
             out.append(problem("data_file", "{data_file} {p}: no such file", p=str(path)))
+        elif path.stat().st_size > MAX_DATA_BYTES:
+            out.append(problem("data_file", "{data_file} {p} has {n} bytes; a data file may hold at most {m}",
+                               p=str(path), n=raw(f"{path.stat().st_size:,}"), m=raw(f"{MAX_DATA_BYTES:,}")))
     if cfg.weights_dir and not Path(cfg.weights_dir).is_dir():
         what = ("the Hugging Face GPT-2 checkpoint: model.safetensors" if cfg.weights_source == "hf" else
                 "the OpenAI GPT-2 checkpoint files: checkpoint, hparams.json, model.ckpt.*")

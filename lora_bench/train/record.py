@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
+from lora_bench.escaping import markup
 from lora_bench.peers.hf import package_versions
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.save import save_record
@@ -72,7 +73,7 @@ def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, s
         save_record(results_dir, row, steps=steps if timer is not None and timer.enabled else None, log=log,
                     curves=curves)
         if row["status"] == "interrupted":
-            console.print(f"{row['error']} after {row.get('steps') or 0} step(s): recorded as interrupted "
+            console.print(f"{markup(row['error'])} after {row.get('steps') or 0} step(s): recorded as interrupted "
                           f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
                           highlight=False)
         elif pending and row["status"] == "done":

@@ -1,0 +1,90 @@
+"""Text from files and users, made safe where it is shown: a terminal, a CSV cell, a Markdown
+table. One function per place, applied where the text leaves lora-bench (the renderers, the CSV
+writers, the error printer), so the values themselves stay as they were given.
+
+- ``terminal``: control characters (C0, DEL, C1, and Unicode's invisible format characters such as
+  the bidirectional overrides) are shown as escapes (``\\x1b``, ``\\u202e``) instead of being sent:
+  a value cannot retitle the window, clear the screen or reorder what is printed around it.
+  ``markup`` also escapes rich's markup (``[bold]``, ``[link=…]``) for text that rich parses.
+- ``csv_cell`` / ``csv_value``: a text cell that a spreadsheet would read as a formula (it starts
+  with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return, or their full-width forms) gets a
+  leading ``'``, as OWASP's CSV-injection guidance recommends; a number (``-1.5``) stays a number.
+  A text that starts with ``'`` itself gets one more, so every written cell reads back exactly:
+  ``csv_value`` drops one leading ``'``, and lora-bench's readers apply it to every cell.
+- ``markdown_cell``: a Markdown table cell shows its text literally: ``|`` cannot end the cell,
+  backticks, brackets and HTML (``<script>``) are escaped, a line break becomes a space.
+  ``markdown_text`` escapes only HTML and control characters, for generated paragraphs whose
+  Markdown marks are meant."""
+
+from __future__ import annotations
+
+import html
+import re
+import unicodedata
+
+from rich.markup import escape as _rich_escape
+
+# Unicode categories never shown as themselves: controls (C0, DEL, C1), format characters (the
+# bidirectional overrides and isolates, zero-width characters), line and paragraph separators, and
+# lone surrogates (undecodable bytes of a file name), which cannot even be written out as UTF-8.
+_HIDDEN = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _shown(ch: str) -> str:
+    if ch in _SHORT:
+        return _SHORT[ch]
+    n = ord(ch)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def terminal(text: object, *, newlines: bool = False) -> str:
+    """``text`` with every control and invisible format character shown as an escape;
+    ``newlines`` keeps line breaks (a multi-line message) and tabs."""
+    text = str(text)
+    if text.isprintable():  # the common case, at C speed: nothing to escape
+        return text
+    keep = "\n\t" if newlines else ""
+    return "".join(_shown(ch) if ch not in keep and unicodedata.category(ch) in _HIDDEN else ch for ch in text)
+
+
+def markup(text: object, *, newlines: bool = False) -> str:
+    """``terminal(text)`` with rich's markup escaped: for text inside a string that rich parses."""
+    return _rich_escape(terminal(text, newlines=newlines))
+
+
+# -- CSV cells ------------------------------------------------------------------------------------
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
+QUOTE = "'"
+
+
+def csv_cell(value: object) -> object:
+    """A value as a CSV writer should store it: text a spreadsheet would run as a formula, or that
+    starts with a quote, gets a leading quote; numbers and other values are returned unchanged."""
+    if not isinstance(value, str) or not value:
+        return value
+    if value.startswith(QUOTE) or (value.startswith(_FORMULA_START) and not _NUMBER.fullmatch(value)):
+        return QUOTE + value
+    return value
+
+
+def csv_value(text: str) -> str:
+    """A cell as ``csv_cell`` stored it, read back: one leading quote dropped."""
+    return text[1:] if isinstance(text, str) and text.startswith(QUOTE) else text
+
+
+# -- Markdown -------------------------------------------------------------------------------------
+_MD_SPECIAL = re.compile(r"([\\`|\[\]])")
+
+
+def markdown_cell(text: object) -> str:
+    """``text`` shown literally in a Markdown table cell (GitHub's and CommonMark's tables)."""
+    out = _MD_SPECIAL.sub(r"\\\1", markdown_text(text))
+    return out.replace("\n", " ").replace("\t", " ")
+
+
+def markdown_text(text: object) -> str:
+    """Generated Markdown (a paragraph with **bold** and `code` marks) that may quote values: its
+    HTML (``<script>``) and control characters escaped, its Markdown marks kept."""
+    return html.escape(terminal(text, newlines=True), quote=False)
