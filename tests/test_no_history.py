@@ -43,6 +43,9 @@ def tracked_files() -> list[str]:
     return [f for f in out.split("\0") if f]
 
 
+EMBEDDED = re.compile(r"data:[\w/+.-]+;base64,[A-Za-z0-9+/=]+")
+
+
 def history_hits(files: list[str], *, root: Path = ROOT) -> list[str]:
     hits = []
     for rel in files:
@@ -58,7 +61,7 @@ def history_hits(files: list[str], *, root: Path = ROOT) -> list[str]:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(EMBEDDED.sub("data:", text).splitlines(), 1):  # an image's bytes are no text
             for pattern, what in HISTORY:
                 m = pattern.search(line)
                 if m:

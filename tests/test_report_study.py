@@ -141,12 +141,17 @@ def _e(v: float, half: float = 0.0) -> Estimate:
 
 
 def _g(size: str, ratio: float = math.nan, *, verdict: str = "", variant: str = "lora", step: float = 100.0,
-       phases: dict | None = None, bound: str = "device", kernels: dict | None = None, flops: float = math.nan,
+       phases: dict | None = None, busy: float | None = None, kernels: dict | None = None, flops: float = math.nan,
        mfu: float = math.nan) -> Group:
+    """A group; ``busy``: a profiled repeat's kernel time in every phase as that share of its device
+    time (None: not profiled)."""
     phases = phases or {"data": 1.0, "forward": 30.0, "backward": 55.0, "optimizer": 14.0}
     ph = {}
+    bound = "device"
     for name, ms in phases.items():
         launches, kms = (kernels or {}).get(name, (None, None))
+        if busy is not None and kms is None:
+            kms = busy * ms
         ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), bound=bound, launches=launches, kernel_ms=kms)
     return Group(size=size, variant=variant, mode="eager fp32", condition="batch 8", settings={}, runs=pd.DataFrame(),
                  step=_e(step, 1.0), phases=ph, seeds=["123"], ratio=ratio, ratio_lo=ratio - 0.01,
@@ -181,10 +186,15 @@ def test_verdict_and_crossover():
         "between 774M and 1558M")
 
 
-def test_host_bound_phases_leave_out_tiny_phases():
-    g = _g("124M", bound="host", phases={"data": 0.5, "forward": 30.0, "backward": 60.0, "optimizer": 9.5})
+def test_host_bound_phases_are_measured_and_leave_out_tiny_phases():
+    """Host-bound: a profiled repeat saw the GPU run kernels for under half of the phase's device
+    time; a busy GPU, one in between, or a phase no profile covers is not host-bound."""
+    g = _g("124M", busy=0.3, phases={"data": 0.5, "forward": 30.0, "backward": 60.0, "optimizer": 9.5})
     assert rules.host_bound_phases(g) == ["forward", "backward", "optimizer"]  # data: 0.5 % of the step
-    assert rules.host_bound_phases(_g("124M", bound="host 1 · device 1")) == []  # repeats disagree
+    assert g.phases["forward"].cause == "GPU waits for the host" and g.phases["forward"].busy == pytest.approx(0.3)
+    assert rules.host_bound_phases(_g("124M", busy=0.95)) == [] and _g("124M", busy=0.95).phases["forward"].cause == "GPU-bound"
+    assert rules.host_bound_phases(_g("124M", busy=0.7)) == [] and _g("124M", busy=0.7).phases["forward"].cause == "mixed"
+    assert rules.host_bound_phases(_g("124M")) == [] and _g("124M").phases["forward"].cause == ""  # not measured
 
 
 def test_launches_and_work_from_a_profile_or_from_flops():
@@ -200,12 +210,14 @@ def test_launches_and_work_from_a_profile_or_from_flops():
 
 
 def test_why_slower_and_why_faster():
-    b = _g("124M", variant="all", step=50.0, bound="host", phases={"data": 0.3, "forward": 14.0, "backward": 31.7, "optimizer": 4.0})
-    g = _g("124M", 1.54, verdict="slower", step=77.0, bound="host",
+    b = _g("124M", variant="all", step=50.0, busy=0.4, phases={"data": 0.3, "forward": 14.0, "backward": 31.7, "optimizer": 4.0})
+    g = _g("124M", 1.54, verdict="slower", step=77.0, busy=0.3,
            phases={"data": 0.6, "forward": 28.8, "backward": 44.5, "optimizer": 3.1})
     text = rules.why_slower(g, b)
     # all's optimizer (8 % of its step) is host-bound, lora's (4 %) too small to name: both means forward and backward
-    assert text.startswith("At 124M the forward and backward phases are host-bound for both all and lora")
+    assert text.startswith("At 124M the forward and backward phases are host-bound for both all and lora (in a "
+                           "profiled repeat the GPU ran kernels for forward 40 / 30 %, backward 40 / 30 % of the phase's "
+                           "device time")
     assert text.endswith("its step is 54 % longer (77.0 ms [76.0–78.0] vs 50.0 ms [49.0–51.0]).")
     b = _g("1558M", variant="all", step=295.0, phases={"data": 0.4, "forward": 89.4, "backward": 170.9, "optimizer": 34.1},
            mfu=0.43)
@@ -218,12 +230,17 @@ def test_why_slower_and_why_faster():
 
 
 def test_host_bound_summary():
-    assert rules.host_bound_summary([_g("124M"), _g("1558M")]) == "no phase is host-bound at any size"
-    groups = [_g("124M", variant="all", bound="host"), _g("124M", bound="host"), _g("1558M", variant="all"),
-              _g("1558M", bound="host")]
+    assert rules.host_bound_summary([_g("124M"), _g("1558M")]) == (
+        "the cause of each phase's time is not measured (no profiled repeat of these settings)")
+    assert rules.host_bound_summary([_g("124M", busy=0.95), _g("1558M", busy=0.6)]) == (
+        "no phase is host-bound at 124M and 1558M (in a profiled repeat the GPU ran kernels for at least 50 % of "
+        "every phase)")
+    groups = [_g("124M", variant="all", busy=0.3), _g("124M", busy=0.3), _g("355M"), _g("1558M", variant="all", busy=0.95),
+              _g("1558M", busy=0.3)]
     assert rules.host_bound_summary(groups) == (
         "at 124M forward, backward and optimizer are host-bound for every variant; at 1558M no phase is host-bound "
-        "for every variant (forward for lora; backward for lora; optimizer for lora)")
+        "for every variant (forward for lora; backward for lora; optimizer for lora), measured as the GPU running "
+        "kernels for under 50 % of the phase (the cause is not measured at 355M: no profiled repeat)")
 
 
 # -- the answer for real rows --------------------------------------------------------------------
@@ -236,13 +253,17 @@ def test_answer_for_the_study_fixture():
     assert (f"lora takes 1.54× {stats.span_text(small.ratio_estimate)} all's step time at 124M and 0.84× "
             f"{stats.span_text(big.ratio_estimate)} at 1558M: the crossover lies between 124M and 1558M") in eager
     assert small.verdict == "slower" and big.verdict == "faster" and small.n == 2
-    assert "At 124M forward and backward are host-bound for every variant" in eager
+    # measured: the profiled repeats at 124M (kernel ms over the timed repeats' device ms); none at 1558M
+    assert ("At 124M no phase is host-bound for every variant (backward for all and lora; forward for lora; optimizer "
+            "for lora), measured as the GPU running kernels for under 50 % of the phase (the cause is not measured "
+            "at 1558M: no profiled repeat)") in eager
+    assert "At 124M the backward phase is host-bound for both all and lora (in a profiled repeat the GPU ran " in eager
     # the profiles' counts: forward, backward, optimizer, data and the few launches outside any phase
     assert "lora launches 37 % more kernels per step (2,480 vs 1,808, torch.profiler)" in eager
     assert "its kernels run 20 % less device time (20.2 vs 25.3 ms): its step is 54 % longer (78.4 ms [" in eager
     assert "At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer" in eager
     graphs = " ".join(points[1].sentences)
-    assert "faster at every size" in graphs and "No phase is host-bound at any size" in graphs
+    assert "faster at every size" in graphs and "The cause of each phase's time is not measured" in graphs
 
 
 def test_accuracy_table_sits_next_to_speed(tmp_path):

@@ -186,7 +186,7 @@ def host_bound_summary(groups: list[Group]) -> str:
         return "the cause of each phase's time is not measured (no profiled repeat of these settings)"
     if not any(host_bound_phases(g) for g in groups):
         return (f"no phase is host-bound at {_and(measured)} (in a profiled repeat the GPU ran kernels for at least "
-                f"{STARVED:.0%} of every phase)" + tail)
+                f"{100 * STARVED:.0f} % of every phase)" + tail)
     parts = []
     for size in dict.fromkeys([measured[0], measured[-1]]):
         at = [g for g in groups if g.size == size]
@@ -200,7 +200,7 @@ def host_bound_summary(groups: list[Group]) -> str:
                 some.setdefault(ph, []).append(g.variant)
         detail = "; ".join(f"{ph} for {_and(v)}" for ph, v in some.items())
         parts.append(f"at {size} no phase is host-bound for every variant" + (f" ({detail})" if detail else ""))
-    return "; ".join(parts) + f", measured as the GPU running kernels for under {STARVED:.0%} of the phase" + tail
+    return "; ".join(parts) + f", measured as the GPU running kernels for under {100 * STARVED:.0f} % of the phase" + tail
 
 
 def accuracy_sentence(study: Study) -> str:

@@ -166,7 +166,7 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
     notes = [(f"step ms: {STEP_STATISTIC}; fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA "
               "events), host: host time (perf_counter); each a median over repeats of each run's median, with its "
               "95 % interval. GPU busy: the kernel time a profiled repeat saw in the phase over the phase's "
-              f"device time here (≥ {GPU_BOUND:.0%}: the GPU is the bottleneck; under {STARVED:.0%}: it waits for "
+              f"device time here (≥ {100 * GPU_BOUND:.0f} %: the GPU is the bottleneck; under {100 * STARVED:.0f} %: it waits for "
               f"Python to queue kernels; '-': no profiled repeat); phases under {100 * min_share:.0f} % of the step "
               "are not listed"),
              *interval_notes(*(g.step for g in groups))]
