@@ -32,6 +32,7 @@ TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv
 LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
 STEPS_CSV = "steps.csv"
 REQUIRED = ("run_id", "status")
+FINISHED = ("done", "diverged")  # ran to their end: a resume does not run them again (a diverged run would diverge again)
 RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
 DIED = ("its process ended before recording how the run ended (killed outright, e.g. by SIGKILL or the "
         "out-of-memory killer, or the machine stopped)")

@@ -13,6 +13,7 @@ from rich.table import Table
 from lora_bench.errors import UsageError
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
+from lora_bench.results.store import FINISHED
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
@@ -28,20 +29,23 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
     todo = 0
     for r in runs:
         st, row_id = status.get(r.run_id, (None, None))
-        if st == "done":
-            action = "skip (done)" if row_id == r.run_id else f"skip (done as {row_id})"
+        if st in FINISHED:
+            action = f"skip ({st})" if row_id == r.run_id else f"skip ({st} as {row_id})"
         else:
             action = f"rerun ({st})" if st else "run"
-        todo += st != "done"
+        todo += st not in FINISHED
         table.add_row(str(r.index), r.run_id, str(r.repeat), r.describe(), action)
     console.print(table)
-    console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
+    console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already finished", highlight=False)
 
 
 def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
-    """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
+    """Counts of done / failed / skipped (and diverged / interrupted / not started), then each run
+    that failed or diverged."""
     parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
-             f"{result.skipped} skipped (done earlier)"]
+             f"{result.skipped} skipped (finished earlier)"]
+    if result.count("diverged"):
+        parts.insert(1, f"{result.count('diverged')} diverged")
     if result.elsewhere:
         parts.append(f"{result.elsewhere} done by another process")
     if result.count("interrupted") or result.not_started:
@@ -50,9 +54,11 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     console.print(f"[bold {colour}]sweep {sweep.name}[/bold {colour}]: {result.selected} runs — "
                   + ", ".join(parts), highlight=False)
     for row in result.rows:
-        if row.get("status") == "failed":
+        if row.get("status") in ("failed", "diverged"):
             error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
-            console.print(f"  [red]failed[/red] {row['run_id']}: {error}", highlight=False)
+            colour = "red" if row["status"] == "failed" else "yellow"
+            console.print(f"  [{colour}]{row['status']}[/{colour}] {escape(str(row['run_id']))}: {escape(error)}",
+                          highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
                       highlight=False)

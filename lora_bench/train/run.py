@@ -35,7 +35,7 @@ from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing
 from lora_bench.train.loop import TrainResult, train_classifier
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
-from lora_bench.train.record import peer_versions, record_run, summary
+from lora_bench.train.record import divergence, peer_versions, record_run, summary
 from lora_bench.train.setup import rank_settings
 
 
@@ -145,6 +145,15 @@ class _Run:
             self.steps = self.timer.step_rows(self.run_id) if self.timer.enabled else []
             row.update(summary(ctx, self.timer, cfg, self.steps))
             row["status"] = "done"
+            # Judged after the loop, from losses read where it synchronises anyway: training goes on
+            # past a non-finite loss, as the reference's does, since looking at every step's loss as
+            # it is computed would add a device synchronisation per step to what is measured.
+            bad = divergence(self.steps, self.curves, eval_freq=cfg.eval_freq)
+            if bad is not None:  # measured as it ran; its losses and accuracies mean nothing
+                row.update(status="diverged", diverged_at_step=bad,
+                           error=f"diverged: the loss is not finite from step {bad} on (NaN or inf; a lower "
+                                 "learning_rate?); its accuracies and losses are not results")
+                self.say(f"warning: {row['error']}")
             return row
         except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
             row.update(ended_by(e))
