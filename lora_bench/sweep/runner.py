@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from lora_bench.config import render
 from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError, UsageError
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
+from lora_bench.results.manifest import read_manifest
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows, run_record
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
@@ -72,6 +73,7 @@ def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard:
     if check_machine:
         preflight(runs, console)
     check_results_dir(results_dir)  # a place to record, before the first run
+    read_manifest(results_dir)
     if fresh:
         forget_runs(results_dir, [r.run_id for r in runs])
     repair_runs_csv(results_dir)

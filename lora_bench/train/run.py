@@ -21,7 +21,7 @@ from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
-from lora_bench.results.manifest import record_invocation
+from lora_bench.results.manifest import read_manifest, record_invocation
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUNNING, check_results_dir
@@ -74,6 +74,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     held = None
     if main:
         check_results_dir(results_dir)
+        read_manifest(results_dir)  # a manifest it cannot add to is refused before any work
         held = claim if claim is not None else claim_run(run_dir)
     try:
         if main:
