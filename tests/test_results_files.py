@@ -211,3 +211,19 @@ def test_a_runs_csv_cell_its_column_cannot_hold_is_read_as_blank_with_a_warning(
         code, out = run_cli(*args)
         assert code == 0 and "Traceback" not in out, out
         assert f"column {column} holds 1 value(s)" in out and repr(value)[:40] in out and "read as blank" in out, out
+
+
+def test_things_in_the_way_of_a_runs_files_are_refused_before_any_work(tmp_path, run_cli, no_training):
+    (tmp_path / "a" / RUNS_CSV).mkdir(parents=True)  # runs.csv made a folder (by an older version's run id)
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "a", "--run-id", "x")
+    _clean_error(code, out, str(tmp_path / "a" / RUNS_CSV), "is not a file", "move it aside")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("a file")
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "b", "--run-id", "x")
+    _clean_error(code, out, "a file is in the way", str(tmp_path / "b" / "x"))
+    assert (tmp_path / "b" / "x").read_text() == "a file"
+    (tmp_path / "c" / "x.bak").mkdir(parents=True)  # a backup copy of run x's folder
+    (tmp_path / "c" / "x.bak" / "run.json").write_text(json.dumps({"row": {"run_id": "x", "status": "done"}}))
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "c", "--run-id", "x.bak")
+    _clean_error(code, out, "run id 'x.bak' already exists", "a copy of run 'x'")
+    assert json.loads((tmp_path / "c" / "x.bak" / "run.json").read_text())["row"]["run_id"] == "x"

@@ -466,6 +466,10 @@ def check_results_dir(results_dir: Path) -> None:
     why = check_writable_dir(results_dir)
     if why:
         raise UsageError(f"results folder {results_dir}: {why}")
+    for name in (RUNS_CSV, "manifest.json"):
+        if (results_dir / name).exists() and not (results_dir / name).is_file():
+            raise UsageError(f"{results_dir / name} is not a file (a folder where lora-bench keeps its {name}, "
+                             "perhaps a run named so by an older version); move it aside and run again")
     if (results_dir / RUNS_CSV).is_file():
         read_run_table(results_dir / RUNS_CSV)
 

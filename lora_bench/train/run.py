@@ -75,6 +75,9 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     if main:
         check_results_dir(results_dir)
         read_manifest(results_dir)  # a manifest it cannot add to is refused before any work
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UsageError(f"run id {run_id!r}: a file is in the way of the run's folder {run_dir}; move it "
+                             "aside or choose another --run-id")
         held = claim if claim is not None else claim_run(run_dir)
     try:
         if main:
