@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's 
 
 from lora_bench.config import TrainConfig  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
-from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STEP_COLUMNS  # noqa: E402
+from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS  # noqa: E402
 from lora_bench.results.store import read_runs  # noqa: E402
 from lora_bench.timing import PHASES  # noqa: E402
 
@@ -544,6 +544,18 @@ def results_schema() -> str:
         _table(["column", "unit", "meaning", "better"], cols(RUN_COLUMNS), align="---|---|---|---").rstrip(),
         "",
         f"The phase columns exist for each phase in {', '.join(PHASES)} (and `step`, their sum).",
+        "",
+        "## Statuses",
+        "",
+        _table(["status", "meaning"], [[f"`{k}`", v] for k, v in STATUSES.items()], align="---|---").rstrip(),
+        "",
+        "A run's record is saved as one: begun before the run trains (its row, then `run.json`, say `running`)",
+        "and finished when it ends (`steps.csv`, then `run.json`, then the row). `run.json` wins over `runs.csv`",
+        "wherever they differ, and the next write brings the row in line; a terminating signal waits until a",
+        "save is done. A run's record is read only from the folder named by its run id (a copied folder is not",
+        "the run). Commands exit with 0, 1 (a run failed), 2 (a usage error: nothing ran), 3 (a needed download",
+        "could not be done), 4 (a result did not fit on disk: the message names the folder and the space",
+        "needed; a sweep stops there) or 128 + N (stopped by signal N, 130 for Ctrl-C).",
         "",
         "## runs.csv: environment",
         "",

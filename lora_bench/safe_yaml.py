@@ -103,6 +103,9 @@ def _check_expansion(root: Node | None) -> None:
             open_nodes.discard(id(node))
             size[id(node)] = 1 + sum(size[id(c)] for c in _children(node))
             if size[id(node)] > MAX_NODES:
+                if len(size) > MAX_NODES:  # as many values written out: no alias made them
+                    raise UnsafeDocument(f"the document holds more than {MAX_NODES:,} values; a settings or "
+                                         "sweep file holds hundreds (split it, or use a grid of fewer values)")
                 raise UnsafeDocument(f"the document expands to more than {MAX_NODES:,} values once its "
                                      "aliases are copied out (an alias bomb?); write the values out instead")
             continue

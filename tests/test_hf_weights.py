@@ -293,3 +293,14 @@ def test_missing_safetensors_package_names_the_extra(hub_folder, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(UsageError, match=r'pip install "lora-bench\[peers\]"'):
         read_hf_state(hub_folder)
+
+
+@pytest.mark.parametrize("blob, needle", [(b"[1, 2]", "not an object"), (b'{"n_head": Infinity}', "Infinity"),
+                                          (b'{"n_head": "4"}', "n_head='4'"), (b"\xff\x00", "cannot read")])
+def test_malformed_config_json_is_one_clear_error(blob, needle, hub_folder, tmp_path):
+    folder = tmp_path / "w"
+    shutil.copytree(hub_folder, folder)
+    (folder / CONFIG_FILE).write_bytes(blob)
+    with pytest.raises(CheckpointError) as err:
+        load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
+    assert str(folder / CONFIG_FILE) in str(err.value) and needle in str(err.value), str(err.value)

@@ -252,3 +252,24 @@ def test_committed_results_have_manifests_and_an_up_to_date_index():
     for cells in rows:  # folder, what, command, commit, device, dates, runs: each folder names all three
         assert cells[2].strip() != man.UNKNOWN and cells[4].strip() != man.UNKNOWN, cells[0]
         assert any(c and c != man.UNKNOWN for c in cells[3].split("<br>")), cells[0]
+
+
+@pytest.mark.parametrize("blob, why", [(b"\xff\xd8\xff\xe0binary", "binary data"), (b"[1, 2]", "a JSON list"),
+                                       (b'"text"', "a JSON str"), (b"{not json", "does not parse as JSON"),
+                                       (b'{"invocations": {"a": 1}}', "not a list of objects"),
+                                       (b'{"invocations": [{"git_commit": 5}]}', "git_commit is a int")])
+def test_a_manifest_that_is_not_one_is_one_message_before_any_work(blob, why, tmp_path, run_cli, monkeypatch):
+    import lora_bench.train.run as run_mod
+
+    monkeypatch.setattr(run_mod, "RunContext", lambda *a, **k: pytest.fail("a run was started"))
+    folder = tmp_path / "root" / "f"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_bytes(blob)
+    sample = Path(__file__).parent / "fixtures" / "sms_spam_sample.tsv"
+    code, out = run_cli("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress",
+                        "--data-file", sample, "--results-dir", folder, "--run-id", "x")
+    assert code == 2 and "Traceback" not in out, out
+    assert str(folder / "manifest.json") in out and "not a lora-bench manifest" in out and why in out, out
+    code, out = run_cli("results", "index", tmp_path / "root")
+    assert code == 2 and "Traceback" not in out and "not a lora-bench manifest" in out, out
+    assert (folder / "manifest.json").read_bytes() == blob and not (folder / "x").exists()

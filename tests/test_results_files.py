@@ -192,3 +192,39 @@ def test_a_run_id_longer_than_a_file_name_is_refused_before_any_work(tmp_path, r
     from lora_bench.train.identity import check_run_id
 
     check_run_id("r" * 255)  # the longest name a folder can have
+
+
+@pytest.mark.parametrize("value, column", [("abc", "steps"), ("1.5", "steps"), ("99999999999999999999999", "steps"),
+                                           ("1e400", "measured_steps"), ("many", "step_ms_median"),
+                                           ("12x", "world_size")])
+def test_a_runs_csv_cell_its_column_cannot_hold_is_read_as_blank_with_a_warning(value, column, tmp_path, run_cli):
+    for rid in ("a", "b"):
+        code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", rid)
+        assert code == 0, out
+    shutil.rmtree(tmp_path / "a")  # runs.csv is a's only record
+    rows = list(csv.DictReader(open(tmp_path / RUNS_CSV)))
+    rows[0][column] = value
+    with open(tmp_path / RUNS_CSV, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for args in (["show", tmp_path, "a"], ["report", tmp_path]):
+        code, out = run_cli(*args)
+        assert code == 0 and "Traceback" not in out, out
+        assert f"column {column} holds 1 value(s)" in out and repr(value)[:40] in out and "read as blank" in out, out
+
+
+def test_things_in_the_way_of_a_runs_files_are_refused_before_any_work(tmp_path, run_cli, no_training):
+    (tmp_path / "a" / RUNS_CSV).mkdir(parents=True)  # runs.csv made a folder (by an older version's run id)
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "a", "--run-id", "x")
+    _clean_error(code, out, str(tmp_path / "a" / RUNS_CSV), "is not a file", "move it aside")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("a file")
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "b", "--run-id", "x")
+    _clean_error(code, out, "a file is in the way", str(tmp_path / "b" / "x"))
+    assert (tmp_path / "b" / "x").read_text() == "a file"
+    (tmp_path / "c" / "x.bak").mkdir(parents=True)  # a backup copy of run x's folder
+    (tmp_path / "c" / "x.bak" / "run.json").write_text(json.dumps({"row": {"run_id": "x", "status": "done"}}))
+    code, out = run_cli("train", *TINY, "--results-dir", tmp_path / "c", "--run-id", "x.bak")
+    _clean_error(code, out, "run id 'x.bak' already exists", "a copy of run 'x'")
+    assert json.loads((tmp_path / "c" / "x.bak" / "run.json").read_text())["row"]["run_id"] == "x"

@@ -293,3 +293,17 @@ def test_finished_folders_keep_no_claim_or_lock_and_a_removed_claim_is_never_hel
         second.release()
         os.close(early)
     assert not claims.is_claimed(tmp_path / "x")
+
+
+def test_a_claim_holds_on_a_disk_with_no_room_for_its_pid(tmp_path, monkeypatch):
+    """The pid in .claim is for messages; a full disk refusing those few bytes leaves the lock held,
+    so the run is refused later for want of room to record it, with one message."""
+    import errno
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    claim = try_claim(tmp_path / "x")
+    assert claim is not None and try_claim(tmp_path / "x") is None
+    claim.release()

@@ -456,3 +456,12 @@ def test_machine_checks_name_the_flag_before_anything_runs(run_cli, tmp_path):
     code, out = run_cli("train", "--weights", "random", "device=cuda:1", "--results-dir", tmp_path)
     assert code == 2 and "device='cuda:1' but this machine has 0 CUDA device(s); use device=cpu or auto" in out, out
     assert not (tmp_path / "runs.csv").exists()
+
+
+def test_a_large_document_without_aliases_is_not_called_an_alias_bomb(run_cli, tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\nbase: {model_size: tiny, weights: random}\ngrid:\n  seed: ["
+                    + ", ".join(str(i) for i in range(MAX_NODES + 10)) + "]\n")
+    code, out = run_cli("validate", path)
+    assert code == 2 and "Traceback" not in out, out[:2000]
+    assert "alias" not in out and f"more than {MAX_NODES:,} values" in out, out[:2000]

@@ -340,3 +340,40 @@ def test_labels_reach_the_terminal_as_text(tmp_path, monkeypatch, capsys, run_cl
         code, out = run_cli(*args)
         assert code == 2 and "\x1b" not in out and "\x07" not in out, out
         assert "runs[0].label" in out and "control character" in out and "\\x1b" in out, out
+
+
+def test_a_worker_the_sweep_kills_on_a_second_signal_is_not_blamed_on_the_oom_killer(tmp_path, monkeypatch):
+    """A worker that does not stop on the forwarded SIGTERM is killed by the sweep's second one: the
+    record says so, instead of pointing at the out-of-memory killer."""
+    import threading
+
+    from lora_bench.config import TrainConfig
+    from lora_bench.results.claims import try_claim
+    from lora_bench.sweep import isolation
+
+    (tmp_path / "stubborn.py").write_text(textwrap.dedent("""\
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(120)
+        """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(isolation, "CHILD_MODULE", "stubborn")
+    job = isolation.Job(cfg=TrainConfig(), run_id="r", results_dir=tmp_path / "res", extra={})
+    log = job.run_dir / "worker.log"
+
+    def two_signals():
+        deadline = time.monotonic() + 60
+        while not (log.is_file() and "ready" in log.read_text()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # forwarded to the worker, which ignores it
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # the second one kills it
+
+    threading.Thread(target=two_signals, daemon=True).start()
+    with isolation.Interrupts() as stop, try_claim(job.run_dir) as claim:
+        row = isolation.run_job(job, isolation="process", interrupts=stop, claim=claim)
+    assert row["status"] == "interrupted", row
+    assert "killed by SIGKILL" in row["error"] and "a second SIGTERM to the sweep" in row["error"], row
+    assert "out-of-memory" not in row["error"]

@@ -287,3 +287,29 @@ def test_ensure_checkpoint_unknown_size_and_cache_dir(tmp_path, monkeypatch):
     assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("LORA_BENCH_CACHE")
     assert default_cache_dir().parts[-2:] == (".cache", "lora-bench")
+
+
+MALFORMED_SETTINGS = {
+    "a list": (b"[12, 4]", "not an object"),
+    "a string": (b'"n_layer"', "not an object"),
+    "Infinity": (b'{"n_layer": Infinity}', "Infinity"),
+    "NaN": (b'{"n_layer": 2, "n_head": NaN}', "NaN"),
+    "text for a number": (b'{"n_layer": "2"}', "n_layer='2'"),
+    "a fraction": (b'{"n_layer": 2, "n_head": 1.5}', "n_head=1.5"),
+    "a boolean": (b'{"n_layer": true}', "n_layer=True"),
+    "negative": (b'{"n_layer": -2}', "n_layer=-2"),
+    "binary": (b"\xff\xfe\x00garbage", "cannot read"),
+    "not JSON": (b"{n_layer: 2", "not JSON"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED_SETTINGS))
+def test_malformed_hparams_are_one_clear_error(kind, tmp_path, monkeypatch):
+    blob, needle = MALFORMED_SETTINGS[kind]
+    _crafted(tmp_path / "w", n_blocks=LAYERS)
+    (tmp_path / "w" / CONVERTED_NAME).unlink()
+    (tmp_path / "w" / "hparams.json").write_bytes(blob)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # refused before TensorFlow would be needed
+    with pytest.raises(CheckpointError) as err:
+        load_pretrained_into(GPTModel(CFG), tmp_path / "w")
+    assert str(tmp_path / "w" / "hparams.json") in str(err.value) and needle in str(err.value), str(err.value)

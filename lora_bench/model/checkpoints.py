@@ -103,11 +103,37 @@ def _insert(params: dict, name: str, value) -> None:
 
 
 def _read_settings(ckpt_dir: Path) -> dict:
-    path = ckpt_dir / "hparams.json"
+    return read_settings_file(ckpt_dir / "hparams.json", hint=_missing_hint(ckpt_dir))
+
+
+# The size settings a checkpoint's settings file may hold (OpenAI's hparams.json, Hugging Face's
+# config.json): each, when present, a whole number; lora-bench compares them with the model's.
+SIZE_SETTINGS = ("n_layer", "n_head", "n_embd", "n_ctx", "n_vocab", "n_positions", "vocab_size")
+
+
+def read_settings_file(path: Path, *, hint: str) -> dict:
+    """A checkpoint's settings: a JSON object whose size settings are whole numbers, never
+    ``Infinity`` or ``NaN``; one CheckpointError naming the file and the value otherwise."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} ({exc}); {_missing_hint(ckpt_dir)}") from exc
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise CheckpointError(f"cannot read {path} ({why}); {hint}") from None
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        data = json.loads(text, parse_constant=refuse)
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not JSON settings ({exc}); {hint}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object of settings; {hint}")
+    for key in SIZE_SETTINGS:
+        value = data.get(key)
+        if key in data and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise CheckpointError(f"{path}: {key}={value!r} is not a count (a whole number, 0 or more); {hint}")
+    return data
 
 
 def _declared_blocks(settings: dict, source: str, expected: int | None) -> int:

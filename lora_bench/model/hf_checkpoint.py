@@ -14,7 +14,6 @@ only when used.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch.nn as nn
 
 from lora_bench.download import sha256_of
 from lora_bench.errors import CheckpointError, DownloadError
-from lora_bench.model.checkpoints import TF_FILES, load_weights_into_gpt
+from lora_bench.model.checkpoints import TF_FILES, load_weights_into_gpt, read_settings_file
 from lora_bench.model.gpt2 import CHECKPOINT_NAMES, GPTConfig, GPTModel, resolve_model_size
 from lora_bench.optional import require
 
@@ -178,10 +177,7 @@ def read_hf_settings(folder: Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} ({exc}); delete it, or pass --weights-dir") from exc
+    return read_settings_file(path, hint="delete it, or pass --weights-dir")
 
 
 def params_from_hf_state(state: dict[str, torch.Tensor]) -> dict:

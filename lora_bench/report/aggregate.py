@@ -77,7 +77,7 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
         raise UsageError(f"nothing to report: {len(df)} run(s) found, none finished ({what}); "
                          "their errors are in the error column of runs.csv")
     keys = [resolve_column(done, k) for k in group_by] if group_by else default_keys(done)
-    notes = [n for n in (shared_ids_note(df),) if n]
+    notes = [n for n in (shared_ids_note(df),) if n] + diverged_notes(df)
     if metrics:
         metrics = [resolve_column(done, m, metric=True) for m in metrics]
         for m in metrics:
@@ -140,6 +140,18 @@ def _float(v) -> float:
         return float(v)
     except (TypeError, ValueError):
         return math.nan
+
+
+def diverged_notes(df: pd.DataFrame) -> list[str]:
+    """One note naming the runs whose loss was not finite (status diverged, left out): their
+    numbers are measured, but they are not results."""
+    bad = df[df["status"] == "diverged"]
+    if bad.empty:
+        return []
+    at = bad["diverged_at_step"] if "diverged_at_step" in bad else pd.Series(pd.NA, index=bad.index)
+    named = [f"{r} (from step {s})" if not pd.isna(s) else str(r) for r, s in zip(bad["run_id"], at)]
+    more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+    return [f"diverged, not included (the loss is not finite, NaN or inf): {', '.join(named[:5])}{more}"]
 
 
 def varying_settings(done: pd.DataFrame) -> list[str]:

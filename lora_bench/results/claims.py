@@ -63,8 +63,14 @@ class RunClaim:
 
 
 def _write_pid(fd: int) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    """Name this process in the claim file, for messages; a file system with no room for the few
+    bytes (a full disk) leaves it unnamed: the lock, not the content, is the claim."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
 
 
 def try_claim(run_dir: Path) -> RunClaim | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lora_bench import __version__
+from lora_bench.errors import ResultsError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.environment import host_environment, source_commit
 from lora_bench.results.store import locked
@@ -96,14 +97,43 @@ def start_invocation() -> dict:
 
 
 def read_manifest(results_dir: Path) -> dict:
-    """The folder's manifest: ``{"description": str, "invocations": [entry, ...]}`` (empty when none)."""
+    """The folder's manifest: ``{"description": str, "invocations": [entry, ...]}`` (empty when none).
+    A file that is not one (binary, not JSON, not an object, entries that are not objects) raises
+    one ResultsError naming it: it is never overwritten by a command that could not read it."""
     path = Path(results_dir) / MANIFEST
     if not path.is_file():
         return {"description": "", "invocations": []}
-    data = json.loads(path.read_text())
+
+    def refuse(why: str) -> ResultsError:
+        return ResultsError(f"{path} is not a lora-bench manifest: {why}. Move it aside and run again (a new one is "
+                            "started; `lora-bench results reconstruct` rebuilds one from the folder's rows)")
+
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise refuse("it holds binary data, not text") from None
+    except ValueError as e:
+        raise refuse(f"it does not parse as JSON ({e})") from None
+    except OSError as e:
+        raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
+    if not isinstance(data, dict):
+        raise refuse(f"it holds a JSON {type(data).__name__}, not an object")
     data.setdefault("description", "")
     data.setdefault("invocations", [])
+    if not isinstance(data["description"], str):
+        raise refuse("its description is not text")
+    if not isinstance(data["invocations"], list) or not all(isinstance(e, dict) for e in data["invocations"]):
+        raise refuse("its invocations are not a list of objects")
+    for i, entry in enumerate(data["invocations"]):
+        for key, kind in ENTRY_TYPES.items():
+            if key in entry and entry[key] is not None and not isinstance(entry[key], kind):
+                raise refuse(f"invocation {i + 1}'s {key} is a {type(entry[key]).__name__}, not a {kind.__name__}")
     return data
+
+
+# The fields of an invocation entry that readers use, and their JSON types.
+ENTRY_TYPES = {"id": str, "source": str, "command": str, "git_commit": str, "commit_source": str, "started_at": str,
+               "lora_bench_version": str, "git_dirty": bool, "environment": dict, "run_ids": list, "outputs": list}
 
 
 def _write(results_dir: Path, data: dict) -> None:

@@ -29,6 +29,7 @@ from lora_bench.errors import SaveError
 from lora_bench.fileio import atomic_write_text, overwrite_in_place
 from lora_bench.results.schema import STEP_COLUMNS
 from lora_bench.results.store import (
+    FINISHED,
     RUN_RECORD,
     RUNS_CSV,
     STEPS_CSV,
@@ -115,7 +116,7 @@ def _save_what_fits(results_dir: Path, row: dict, *, log: list[str], error: OSEr
     head = f"cannot save run {row['run_id']} in {results_dir}: {why}; its record needs about {_kb(need)}"
     (run_dir / STEPS_CSV).unlink(missing_ok=True)
     earlier = f"{row['error']}; " if row.get("error") else ""
-    failed = {**row, "status": "failed" if row.get("status") == "done" else row.get("status"),
+    failed = {**row, "status": "failed" if row.get("status") in FINISHED else row.get("status"),
               "error": f"{earlier}not saved in full: {why} (the measured columns are kept, steps.csv is not)"}
     try:
         _write_compact(run_dir, record_text({"row": failed, "log": log}))
@@ -193,7 +194,7 @@ def save_row(results_dir: Path, row: dict) -> dict:
     with signals_deferred():
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if row.get("status") != "done":
+            if row.get("status") not in FINISHED:
                 (run_dir / STEPS_CSV).unlink(missing_ok=True)
             _write_compact(run_dir, record_text(with_row(run_dir, row)))
             upsert_run(results_dir / RUNS_CSV, row)

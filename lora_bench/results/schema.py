@@ -29,9 +29,22 @@ def _phase_cols() -> list[Column]:
     return cols
 
 
+# What a run's ``status`` says, for the schema page; the values are the writers' (train.run, sweep).
+STATUSES: dict[str, str] = {
+    "running": "begun and not yet ended: its process executes it; readers show it as interrupted once no process "
+               "holds its folder (the process was killed outright), and the next write records it so",
+    "done": "ran to its end; its numbers are results",
+    "diverged": "ran to its end, but a loss was not finite (NaN or inf) from `diverged_at_step` on: measured, not a "
+                "result; `report` leaves it out and names it, a resumed sweep does not run it again",
+    "failed": "an error ended it (`error`); also a run whose record did not fit on disk, kept with its measured "
+              "columns",
+    "interrupted": "a signal ended it (`error` names it), or its process died; the summary of the steps measured so "
+                   "far is kept",
+}
+
 RUN_COLUMNS: list[Column] = [
     Column("run_id", "string", "", "unique run id (settings hash, repeat or time stamp)"),
-    Column("status", "string", "", "done, failed or interrupted"),
+    Column("status", "string", "", "running, done, diverged, failed or interrupted (see Statuses below)"),
     Column("error", "string", "", "error message when not done"),
     Column("started_at", "string", "ISO-8601", "start time (UTC)"),
     Column("model_size", "string", "", "GPT-2 size"),
@@ -49,6 +62,8 @@ RUN_COLUMNS: list[Column] = [
     Column("training_time_s", "float64", "s", "wall time of the loop incl. periodic evaluation (the reference's figure)", "lower"),
     Column("training_time_min", "float64", "min", "the same in minutes", "lower"),
     Column("steps", "Int64", "steps", "training steps run"),
+    Column("diverged_at_step", "Int64", "step", "diverged runs: the first step whose training loss, or the periodic "
+           "evaluation after it, is not finite"),
     Column("device", "string", "", "torch device"),
     Column("backend", "string", "", "lora-kernel's plan(s) its layers ran in the training step, as they recorded them (docs/kernel-design.md): direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), fused (the Triton kernels: captured or compiled layers), cublas (cuBLAS GEMMs with Triton adapter gradients: captured or compiled layers in exact fp32, compiled layers of 1558M-MLP size), torch (CPU); joined with + when layers differ; blank for other choices. Runs recorded under earlier names read as these (triton: fused, cpp-direct: direct)"),
     Column("timing_clock", "string", "", "cuda_events, cuda_sync (perturbing), host (CPU) or off"),

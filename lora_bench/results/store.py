@@ -35,6 +35,7 @@ TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv
 LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
 STEPS_CSV = "steps.csv"
 REQUIRED = ("run_id", "status")
+FINISHED = ("done", "diverged")  # ran to their end: a resume does not run them again (a diverged run would diverge again)
 RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
 DIED = ("its process ended before recording how the run ended (killed outright, e.g. by SIGKILL or the "
         "out-of-memory killer, or the machine stopped)")
@@ -142,16 +143,18 @@ def read_run_table(path: Path) -> RunTable:
     return table
 
 
-def read_runs(path) -> pd.DataFrame:
+def read_runs(path, *, warn: Callable[[str], None] | None = None) -> pd.DataFrame:
     """runs.csv (a path, read strictly, without torn rows, its cells read back as written; or an open
     CSV text buffer of rows as they are, not written by ``write_csv``) with the schema's dtypes
-    applied."""
+    applied (see ``runs_frame``)."""
     if isinstance(path, (str, Path)):
         table = read_run_table(Path(path))
         df = pd.DataFrame(table.rows, columns=table.header, dtype=object).astype(str)
+        source = str(path)
     else:
         df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    return runs_frame(df)
+        source = "the results"
+    return runs_frame(df, source=source, warn=warn or _stderr_warning)
 
 
 def read_steps(run_dir: Path) -> pd.DataFrame | None:
@@ -178,12 +181,20 @@ def read_steps(run_dir: Path) -> pd.DataFrame | None:
 RENAMED_BACKENDS = {"triton": "fused", "cpp-direct": "direct", "cublas-streams": "streams"}
 
 
-def runs_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows as text (runs.csv's cells) -> the schema's dtypes, backend names as the plans'."""
+def runs_frame(df: pd.DataFrame, *, source: str = RUNS_CSV,
+               warn: Callable[[str], None] = lambda message: None) -> pd.DataFrame:
+    """Rows as text (runs.csv's cells) -> the schema's dtypes. A cell its column cannot hold (text
+    in a number column, a fraction, inf or a number past int64 in a count) is read as blank, and ``warn`` names the column, the runs and the values."""
     for name, col in column_index().items():
         if name in df.columns:
-            df[name] = _convert(df[name], col.dtype)
-    if "backend" in df.columns:
+            df[name], bad = _convert(df[name], col.dtype)
+            if bad:
+                runs = df["run_id"] if "run_id" in df.columns else pd.Series("?", index=df.index)
+                shown = ", ".join(f"{runs[i]}: {v[:40]!r}" for i, v in bad[:3]) + (" ..." if len(bad) > 3 else "")
+                what = {"Int64": "a whole number", "float64": "a number", "boolean": "True or False"}[col.dtype]
+                warn(f"{source}: column {name} holds {len(bad)} value(s) that are not {what} ({shown}); "
+                     "read as blank")
+    if "backend" in df.columns:  # backend names as the plans'
         df["backend"] = df["backend"].map(plan_names)
     return df
 
@@ -195,14 +206,52 @@ def plan_names(backend: str) -> str:
     return "+".join(sorted(RENAMED_BACKENDS.get(p, p) for p in backend.split("+")))
 
 
-def _convert(s: pd.Series, dtype: str) -> pd.Series:
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _convert(s: pd.Series, dtype: str) -> tuple[pd.Series, list[tuple[object, str]]]:
+    """The column as ``dtype``, and the (index, text) of the cells it cannot hold (read as blank)."""
+    if dtype not in ("float64", "Int64", "boolean"):
+        return s, []
+    values, bad = [], []
+    for i, text in s.items():
+        value = _cell(text, dtype)
+        if value is _BAD:
+            bad.append((i, str(text)))
+            value = None
+        values.append(value)
     if dtype == "float64":
-        return pd.to_numeric(s.replace("", None), errors="coerce").astype("float64")
-    if dtype == "Int64":
-        return pd.to_numeric(s.replace("", None), errors="coerce").astype("Int64")
+        return pd.Series([math.nan if v is None else v for v in values], index=s.index, dtype="float64"), bad
+    return pd.Series(pd.array(values, dtype=dtype), index=s.index), bad
+
+
+_BAD = object()
+
+
+def _cell(text, dtype: str):
+    """One cell's value (None for blank), or _BAD."""
+    if text is None or (isinstance(text, float) and math.isnan(text)):
+        return None
+    text = str(text).strip()
+    if text == "":
+        return None
     if dtype == "boolean":
-        return s.map({"True": True, "False": False, "true": True, "false": False}).astype("boolean")
-    return s
+        return {"true": True, "false": False}.get(text.lower(), _BAD)
+    try:
+        number = float(text)
+    except ValueError:
+        return _BAD
+    if dtype == "float64":  # inf stays: a diverged run's loss may be
+        return None if math.isnan(number) else number
+    if not math.isfinite(number):
+        return _BAD
+    try:
+        whole = int(text)  # exact, for counts beyond float's 53 bits
+    except ValueError:
+        if not number.is_integer():
+            return _BAD
+        whole = int(number)
+    return whole if INT64[0] <= whole <= INT64[1] else _BAD
 
 
 @contextlib.contextmanager
@@ -435,7 +484,8 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
             latest = ", ".join(r["run_id"] for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
             raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
         pick = hits[0]
-    return runs_frame(pd.DataFrame([pick], dtype=object).astype(str)).iloc[0].to_dict()
+    return runs_frame(pd.DataFrame([pick], dtype=object).astype(str), source=str(results_dir),
+                      warn=_stderr_warning).iloc[0].to_dict()
 
 
 def latest_result(rows: list[dict]) -> dict:
@@ -461,6 +511,10 @@ def check_results_dir(results_dir: Path) -> None:
     why = check_writable_dir(results_dir)
     if why:
         raise UsageError(f"results folder {results_dir}: {why}")
+    for name in (RUNS_CSV, "manifest.json"):
+        if (results_dir / name).exists() and not (results_dir / name).is_file():
+            raise UsageError(f"{results_dir / name} is not a file (a folder where lora-bench keeps its {name}, "
+                             "perhaps a run named so by an older version); move it aside and run again")
     if (results_dir / RUNS_CSV).is_file():
         read_run_table(results_dir / RUNS_CSV)
 

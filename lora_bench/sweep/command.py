@@ -12,6 +12,7 @@ from lora_bench.errors import UsageError
 from lora_bench.escaping import markup, terminal
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
+from lora_bench.results.store import FINISHED
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
@@ -26,11 +27,11 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
     rows, todo = [], 0
     for r in runs:
         st, row_id = status.get(r.run_id, (None, None))
-        if st == "done":
-            action = "skip (done)" if row_id == r.run_id else f"skip (done as {row_id})"
+        if st in FINISHED:
+            action = f"skip ({st})" if row_id == r.run_id else f"skip ({st} as {row_id})"
         else:
             action = f"rerun ({st})" if st else "run"
-        todo += st != "done"
+        todo += st not in FINISHED
         rows.append((str(r.index), r.run_id, str(r.repeat), action, r.describe()))
     head = ("#", "run id", "repeat", "action", "settings")
     width = [max([len(head[i]), *(len(row[i]) for row in rows)]) for i in range(4)]
@@ -41,13 +42,16 @@ def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, conso
                 f"{settings}").rstrip()
 
     console.file.write("\n".join([terminal(title), line(head), *map(line, rows)]) + "\n")  # no rich wrapping
-    console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already done", highlight=False)
+    console.print(f"{len(runs)} runs: {todo} to run, {len(runs) - todo} already finished", highlight=False)
 
 
 def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
-    """Counts of done / failed / skipped (and interrupted / not started), then each failure."""
+    """Counts of done / failed / skipped (and diverged / interrupted / not started), then each run
+    that failed or diverged."""
     parts = [f"{result.count('done')} done", f"{result.count('failed')} failed",
-             f"{result.skipped} skipped (done earlier)"]
+             f"{result.skipped} skipped (finished earlier)"]
+    if result.count("diverged"):
+        parts.insert(1, f"{result.count('diverged')} diverged")
     if result.elsewhere:
         parts.append(f"{result.elsewhere} done by another process")
     if result.count("interrupted") or result.not_started:
@@ -56,9 +60,11 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
     console.print(f"[bold {colour}]sweep {sweep.name}[/bold {colour}]: {result.selected} runs — "
                   + ", ".join(parts), highlight=False)
     for row in result.rows:
-        if row.get("status") == "failed":
+        if row.get("status") in ("failed", "diverged"):
             error = str(row.get("error") or "").splitlines()[0][:160] if row.get("error") else ""
-            console.print(f"  [red]failed[/red] {markup(row['run_id'])}: {markup(error)}", highlight=False)
+            colour = "red" if row["status"] == "failed" else "yellow"
+            console.print(f"  [{colour}]{markup(row['status'])}[/{colour}] {markup(row['run_id'])}: {markup(error)}",
+                          highlight=False)
     if result.interrupted:
         console.print("interrupted: finished results are kept; run the same command again to resume",
                       highlight=False)

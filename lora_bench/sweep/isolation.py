@@ -33,7 +33,7 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import RunClaim
 from lora_bench.results.save import NO_ROOM, save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import RUN_RECORD, run_record, upsert_run
+from lora_bench.results.store import FINISHED, RUN_RECORD, run_record, upsert_run
 from lora_bench.signals import TERMINATING_SIGNALS, signal_name, signals_deferred
 from lora_bench.train import run as train_run
 
@@ -122,13 +122,13 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim
         raise SaveError(f"cannot start run {job.run_id}: {e.filename or job.run_dir}: {e.strerror or e}; "
                         "free some space there") from None
     row = run_record(job.run_dir)
-    if row is None or row.get("status") not in ("done", "failed", "interrupted"):
+    if row is None or row.get("status") not in (*FINISHED, "failed", "interrupted"):
         # the run never reached its own bookkeeping (or never finished it): record it here
         status = "interrupted" if interrupts.stopped else "failed"
         row = {**(row or base_row(job)), "started_at": (row or {}).get("started_at") or started, "status": status,
                "error": _exit_text(rc, log, interrupts)}
         save_row(job.results_dir, row)
-    elif interrupts.stopped and row["status"] != "done":
+    elif interrupts.stopped and row["status"] not in FINISHED:
         # an exception raised while the signal unwound the run is the interruption, not a bug
         error = str(row.get("error") or "")
         cause = "" if error.startswith("interrupted by") else f" ({error})"

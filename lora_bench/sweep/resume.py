@@ -11,6 +11,7 @@ from lora_bench.config import TrainConfig
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
 from lora_bench.results.store import (
+    FINISHED,
     RUN_RECORD,
     RUNS_CSV,
     read_run_table,
@@ -56,8 +57,8 @@ def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) 
     defaults = TrainConfig()
     for run in runs:
         own = by_id.get(run.run_id)
-        if own is not None and own.get("status") == "done":
-            out[run.run_id] = ("done", run.run_id)
+        if own is not None and own.get("status") in FINISHED:
+            out[run.run_id] = (own["status"], run.run_id)
             continue
         match = next((r for r in finished if r["run_id"] not in claimed and r.get("repeat") == str(run.repeat)
                       and _same_settings(run.cfg, r, defaults, skip=ID_AS_DECLARED)), None)

@@ -20,7 +20,8 @@ from lora_bench.config import render
 from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError, UsageError
 from lora_bench.escaping import markup
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
-from lora_bench.results.store import check_results_dir, result_rows, run_record
+from lora_bench.results.manifest import read_manifest
+from lora_bench.results.store import FINISHED, check_results_dir, result_rows, run_record
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
@@ -73,11 +74,12 @@ def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard:
     if check_machine:
         preflight(runs, console)
     check_results_dir(results_dir)  # a place to record, before the first run
+    read_manifest(results_dir)
     if fresh:
         forget_runs(results_dir, [r.run_id for r in runs])
     repair_runs_csv(results_dir)
     status = {} if fresh else resume_statuses(results_dir, runs, sweep.name)
-    todo = [r for r in runs if status.get(r.run_id, ("",))[0] != "done"]
+    todo = [r for r in runs if status.get(r.run_id, ("",))[0] not in FINISHED]
     return todo, SweepResult(selected=len(runs), skipped=len(runs) - len(todo), rows=[], interrupted=False)
 
 
@@ -153,7 +155,7 @@ def finished_elsewhere(results_dir: Path, run_id: str, planned: dict[str, str | 
     """Whether another process sharing the folder finished ``run_id`` since the plan was made: its
     record is done and is not the one seen then. Asked while holding the run's claim."""
     mine = run_record(results_dir / run_id)
-    return mine is not None and mine.get("status") == "done" and mine.get("started_at") != planned.get(run_id)
+    return mine is not None and mine.get("status") in FINISHED and mine.get("started_at") != planned.get(run_id)
 
 
 def preflight(runs: list[PlannedRun], console) -> None:
@@ -179,7 +181,8 @@ def preflight(runs: list[PlannedRun], console) -> None:
 
 def print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> None:
     st = str(row.get("status"))
-    mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]"}.get(st, "[yellow]![/yellow]")
+    mark = {"done": "[green]✓[/green]", "failed": "[red]✗[/red]", "diverged": "[yellow]~[/yellow]"}.get(
+        st, "[yellow]![/yellow]")
     step = row.get("step_ms_median")
     step_text = f"step {step:7.2f} ms" if st == "done" and isinstance(step, (int, float)) else ""
     console.print(f"{mark} {st:<11} {seconds:6.1f} s  {step_text:<16} {run.run_id}  {markup(run.describe())}",

@@ -14,7 +14,7 @@ from lora_bench.errors import UsageError
 from lora_bench.results.index import INDEX
 from lora_bench.results.manifest import MANIFEST
 from lora_bench.results.prune import SUPERSEDED
-from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, read_run_table, run_record
+from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, copied_record, read_run_table, run_record
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ext4, XFS, Btrfs, APFS, tmpfs)
@@ -63,6 +63,9 @@ def existing_run(results_dir: Path, run_id: str) -> dict | None:
     row = run_record(results_dir / run_id)
     if row is not None:
         return row
+    copy_of = copied_record(results_dir / run_id)
+    if copy_of is not None:  # a copied folder (X.bak): replacing its record would lose the copy
+        return {"run_id": run_id, "status": f"a copy of run {copy_of!r}'s record is in its folder"}
     csv = results_dir / "runs.csv"
     if csv.is_file():
         table = read_run_table(csv)

@@ -38,7 +38,7 @@ from lora_bench.results.claims import claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation, start_invocation
 from lora_bench.results.save import save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import RUN_RECORD, check_results_dir
+from lora_bench.results.store import FINISHED, RUN_RECORD, check_results_dir
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
 from lora_bench.train.identity import check_run_id as check_name
 from lora_bench.train.identity import refuse_existing_run
@@ -177,7 +177,7 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
     row = record.get("row")
     failures = rank_failures(errors_dir)
     cause = root_cause(failures)
-    if row is not None and row.get("status") == "done":
+    if row is not None and row.get("status") in FINISHED:
         if launched.returncode != 0:
             console.print(f"[yellow]warning:[/yellow] the run was recorded, but torchrun exited with code "
                           f"{launched.returncode}" + (f" (rank {cause['rank']}: {markup(cause['error'])})" if cause else ""),

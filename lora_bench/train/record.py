@@ -4,6 +4,7 @@ FLOP rate, memory) and its files (``<run_id>/steps.csv``, ``<run_id>/run.json``,
 
 from __future__ import annotations
 
+import math
 import resource
 from pathlib import Path
 
@@ -50,6 +51,17 @@ def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[di
             if peak:
                 out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / (peak * gpus))
     return out
+
+
+def divergence(steps: list[dict] | None, curves: dict, *, eval_freq: int) -> int | None:
+    """The first step whose training loss (from the phase timer's per-step record, read where the
+    loop synchronises anyway) or whose periodic evaluation (after the step's update) is not
+    finite; None when every loss seen is finite."""
+    bad = [int(s["step"]) for s in steps or () if isinstance(s.get("loss"), float) and not math.isfinite(s["loss"])]
+    if eval_freq:
+        for name in ("train_losses", "val_losses"):
+            bad += [i * eval_freq for i, v in enumerate(curves.get(name) or ()) if not math.isfinite(v)]
+    return min(bad, default=None)
 
 
 def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, steps: list[dict] | None,

@@ -21,7 +21,7 @@ from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment
-from lora_bench.results.manifest import record_invocation
+from lora_bench.results.manifest import read_manifest, record_invocation
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUNNING, check_results_dir
@@ -35,7 +35,7 @@ from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing
 from lora_bench.train.loop import TrainResult, train_classifier
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
-from lora_bench.train.record import peer_versions, record_run, summary
+from lora_bench.train.record import divergence, peer_versions, record_run, summary
 from lora_bench.train.setup import rank_settings
 
 
@@ -74,6 +74,10 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     held = None
     if main:
         check_results_dir(results_dir)
+        read_manifest(results_dir)  # a manifest it cannot add to is refused before any work
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UsageError(f"run id {run_id!r}: a file is in the way of the run's folder {run_dir}; move it "
+                             "aside or choose another --run-id")
         held = claim if claim is not None else claim_run(run_dir)
     try:
         if main:
@@ -145,6 +149,15 @@ class _Run:
             self.steps = self.timer.step_rows(self.run_id) if self.timer.enabled else []
             row.update(summary(ctx, self.timer, cfg, self.steps))
             row["status"] = "done"
+            # Judged after the loop, from losses read where it synchronises anyway: training goes on
+            # past a non-finite loss, as the reference's does, since looking at every step's loss as
+            # it is computed would add a device synchronisation per step to what is measured.
+            bad = divergence(self.steps, self.curves, eval_freq=cfg.eval_freq)
+            if bad is not None:  # measured as it ran; its losses and accuracies mean nothing
+                row.update(status="diverged", diverged_at_step=bad,
+                           error=f"diverged: the loss is not finite from step {bad} on (NaN or inf; a lower "
+                                 "learning_rate?); its accuracies and losses are not results")
+                self.say(f"warning: {row['error']}")
             return row
         except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
             row.update(ended_by(e))
