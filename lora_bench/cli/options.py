@@ -61,6 +61,8 @@ def setting_help(s: Setting) -> str:
     parts = [s.spec.help]
     if s.spec.allowed_text():
         parts.append(f"Allowed: {s.spec.allowed_text()}.")
+    if s.spec.maximum is not None:
+        parts.append(f"At most {s.spec.maximum:,}.")
     if s.default is not None and s.type is not bool:
         parts.append(f"Default: {s.default}.")
     if s.type is bool and s.default is True:
