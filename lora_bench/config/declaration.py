@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES
+from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
 MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)
@@ -38,12 +38,7 @@ MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT = (
 PANELS = (MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT)
 
 MAX_INT = 2**63 - 1  # what torch and the results tables hold
-# Bounds of the size settings: 10 to 40 times GPT-2 1558M's (1600 wide, 48 blocks, 25 heads), so that
-# an extra zero is caught where it is typed; what fits the machine is checked from an estimate of
-# the run's memory before the model is built (lora_bench.train.memory).
-MAX_WIDTH = 65_536  # emb_dim, n_heads, lora_rank
-MAX_BLOCKS = 2_048  # n_layers
-MAX_BATCH = 1_048_576  # batch_size
+MAX_BATCH = 1_048_576  # batch_size; MAX_WIDTH bounds emb_dim, n_heads and lora_rank, MAX_BLOCKS n_layers
 
 
 @dataclass(frozen=True)

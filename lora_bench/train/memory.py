@@ -119,7 +119,8 @@ def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
     book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
     masks = n_layers * m.context_length ** 2 if book and not m.disable_causal_mask else 0
     body = params - e * m.vocab_size + e * CLASSES + CLASSES  # the vocabulary head replaced by the classifier's
-    weights = FLOAT * (body + adapters + masks) - (FLOAT - HALF) * (frozen_blocks * block_linear_params(e) if bf16 else 0)
+    halved = frozen_blocks * block_linear_params(e) if bf16 else 0  # frozen linear weights, cast once to bf16
+    weights = FLOAT * (body + adapters + masks) - (FLOAT - HALF) * halved
     t = _tokens(cfg, m)
     batch = max(1, cfg.batch_size // max(1, processes))
     maps = ACT_MAPS * m.n_heads * t if book and cfg.attention == "book" else 0  # sdpa keeps no attention map
