@@ -193,8 +193,9 @@ def test_truncated_and_foreign_files_are_named(hub_folder, tmp_path):
 
 def test_shape_and_head_mismatches_are_named(hub_folder, tmp_path):
     wide = GPTConfig(vocab_size=VOCAB, context_length=CTX, emb_dim=32, n_layers=LAYERS, n_heads=HEADS)
-    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(50, 32\).*another model size"):
-        load_hf_checkpoint_into_gpt(GPTModel(wide), hub_folder)
+    with pytest.raises(CheckpointError, match=r"wte.weight' has shape \(50, 16\) but the model needs \(50, 32\)"
+                                              r".*another model size"):
+        load_hf_checkpoint_into_gpt(GPTModel(wide), hub_folder)  # from the header, before any tensor is read
     folder = shutil.copytree(hub_folder, tmp_path / "heads")
     (folder / CONFIG_FILE).write_text(json.dumps({"n_head": 4}))
     with pytest.raises(CheckpointError, match="n_head=4 but the model has 2 heads"):
@@ -304,3 +305,65 @@ def test_malformed_config_json_is_one_clear_error(blob, needle, hub_folder, tmp_
     with pytest.raises(CheckpointError) as err:
         load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
     assert str(folder / CONFIG_FILE) in str(err.value) and needle in str(err.value), str(err.value)
+
+
+# -- hostile metadata: the header and config.json are bounded and checked before any tensor is read ---
+
+def _raw_safetensors(folder, header: dict, data: bytes = b"", *, declared: int | None = None):
+    """A safetensors file written byte by byte: its header length (``declared`` when it lies), the
+    header's JSON, then ``data``."""
+    folder.mkdir(exist_ok=True)
+    head = json.dumps(header).encode()
+    n = len(head) if declared is None else declared
+    (folder / WEIGHTS_FILE).write_bytes(n.to_bytes(8, "little") + head + data)
+    return folder
+
+
+def _f32(shape, begin=0):
+    end = begin + 4 * int(np.prod(shape))
+    return {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize("header, data, declared, needle", [
+    ({}, b"", 2**40, "its header declares 1,099,511,627,776 bytes"),
+    ({"wte.weight": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 16]}}, b"\0" * 16, None,
+     "tensor 'wte.weight' of shape (1000000, 1000000) does not lie in the file's 16 bytes of data"),
+    ({"wte.weight": {"dtype": "X99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None,
+     "tensor 'wte.weight' has no dtype, shape and data offsets lora-bench reads"),
+    ({f"h.{i}.ln_1.weight": _f32([0]) for i in range(40_000)}, b"", None, "a mapping of at most 32,784 tensors"),
+])
+def test_a_hostile_safetensors_header_is_refused_before_any_tensor_is_read(tmp_path, header, data, declared, needle):
+    folder = _raw_safetensors(tmp_path / "w", header, data, declared=declared)
+    with pytest.raises(CheckpointError) as err:
+        read_hf_state(folder)
+    assert needle in str(err.value) and len(str(err.value)) < 600, str(err.value)[:600]
+
+
+def test_a_block_number_far_beyond_the_model_is_refused_before_allocating(tmp_path):
+    import tracemalloc
+
+    state = {**_hf_state(_openai_arrays()), "h.1000000.ln_1.weight": torch.ones(EMB)}
+    (tmp_path / "w").mkdir()
+    safetensors_torch.save_file(state, str(tmp_path / "w" / WEIGHTS_FILE))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="of block 1000000, but the model has 2 blocks"):
+            load_hf_checkpoint_into_gpt(GPTModel(CFG), tmp_path / "w")
+        assert tracemalloc.get_traced_memory()[1] < 20 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_oversized_or_foreign_config_json_is_refused(hub_folder, tmp_path):
+    folder = shutil.copytree(hub_folder, tmp_path / "cfg")
+    with open(folder / CONFIG_FILE, "wb") as f:
+        f.truncate(2 * 2**30)  # holes: no disk space
+    with pytest.raises(CheckpointError, match=r"2,147,483,648 bytes, more than the 1,048,576 a config.json may have"):
+        load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
+    (folder / CONFIG_FILE).write_text('["n_head", 4]')
+    with pytest.raises(CheckpointError, match="not an object of settings"):
+        load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
+    (folder / CONFIG_FILE).write_text(json.dumps({"n_head": "x" * 10_000}))
+    with pytest.raises(CheckpointError) as err:
+        load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
+    assert "n_head='xxxx" in str(err.value) and len(str(err.value)) < 400

@@ -221,7 +221,7 @@ def test_a_question_folder_gets_its_own_table_and_a_reproduce_command_stands_in_
     """A folder of results folders with a description and no runs of its own is a question: its
     folders are listed under it by their paths; a folder whose command the rows cannot tell shows
     the command its description gives to reproduce it."""
-    man.set_description(tmp_path / "answer", "Why it is slower.")
+    man.set_description(tmp_path / "answer", "Why it is slower.", question=True)
     study = tmp_path / "answer" / "study"
     write_csv(study / "runs.csv", [_row("a", started="2026-01-01T00:00:00+00:00", commit="abc")], run_column_names())
     man.update_manifest(study, lambda d: d.update(description="The study. Reproduce: `lora-bench sweep s.yaml`.",

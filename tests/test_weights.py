@@ -313,3 +313,60 @@ def test_malformed_hparams_are_one_clear_error(kind, tmp_path, monkeypatch):
     with pytest.raises(CheckpointError) as err:
         load_pretrained_into(GPTModel(CFG), tmp_path / "w")
     assert str(tmp_path / "w" / "hparams.json") in str(err.value) and needle in str(err.value), str(err.value)
+
+
+# --- hostile metadata: bounded and checked before anything is allocated from it ---------------
+
+def test_an_oversized_or_foreign_hparams_json_is_refused(ckpt_copy):
+    path = ckpt_copy / "hparams.json"
+    with open(path, "wb") as f:
+        f.truncate(2 * 2**30)  # holes: no disk space
+    with pytest.raises(CheckpointError, match=r"2,147,483,648 bytes, more than the 65,536 an hparams.json may have"):
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)
+    path.write_text("[1, 2, 3]")
+    with pytest.raises(CheckpointError, match="not an object of settings"):
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("n_layer", 10**5, "n_layer=100000; lora-bench reads 0 to 2,048 blocks"),
+    ("n_embd", 10**9, "n_embd=1000000000; lora-bench reads 1 to 65,536"),
+    ("n_vocab", "50257" * 1000, "n_vocab='50257502575025750257"),
+])
+def test_hparams_read_without_a_model_are_bounded(ckpt_copy, key, value, needle):
+    """Without a model to compare with, the sizes hparams.json declares are bounded, and a value is
+    quoted cut short."""
+    hparams = {"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB, "n_head": HEADS, "n_layer": LAYERS, key: value}
+    (ckpt_copy / "hparams.json").write_text(json.dumps(hparams))
+    with pytest.raises(CheckpointError) as err:
+        load_tf_checkpoint(ckpt_copy)
+    assert needle in str(err.value) and len(str(err.value)) < 400, str(err.value)
+
+
+def test_an_oversized_index_is_refused_before_tensorflow_reads_it(ckpt_copy, monkeypatch):
+    with open(ckpt_copy / "model.ckpt.index", "r+b") as f:
+        f.truncate(100 << 20)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # refused before TensorFlow would be needed
+    with pytest.raises(CheckpointError, match=r"104,857,600 bytes, more than the 67,108,864 a GPT-2 index"):
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model/wte": np.ones((VOCAB, EMB + 1), np.float32)},
+     "model/wte declares shape (50, 17) but the model needs (50, 16): the checkpoint is for another model size"),
+    ({"model/h0/attn/c_attn/w": np.ones((1, EMB, 3 * EMB + 3), np.float32)}, "declares shape (1, 16, 51)"),
+    ({"model/h1/mlp/extra": np.ones((4, 4), np.float32)}, "holds variable 'model/h1/mlp/extra', which GPT-2 does not have"),
+])
+def test_variables_the_model_does_not_have_are_refused_before_any_is_read(tmp_path, monkeypatch, change, needle):
+    """The index's variables and shapes are compared with the model's first: TensorFlow allocates
+    what a variable declares, so none is read from a checkpoint that does not fit."""
+    tf = pytest.importorskip("tensorflow")
+    hparams = {"n_vocab": VOCAB, "n_ctx": CTX, "n_embd": EMB, "n_head": HEADS, "n_layer": LAYERS}
+    folder = write_tf_checkpoint(tmp_path, {**_openai_like_arrays(), **change}, hparams)
+    reads = []
+    real = tf.train.load_variable
+    monkeypatch.setattr(tf.train, "load_variable", lambda *a, **k: reads.append(a[1]) or real(*a, **k))
+    with pytest.raises(CheckpointError) as err:
+        load_pretrained_into(GPTModel(CFG), folder)
+    assert needle in str(err.value), str(err.value)
+    assert reads == []

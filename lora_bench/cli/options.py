@@ -19,7 +19,7 @@ from rich.markup import escape
 from lora_bench.config import PANELS, SETTINGS, Setting
 from lora_bench.errors import UsageError
 from lora_bench.fileio import check_writable_dir
-from lora_bench.report.stats import THRESHOLD
+from lora_bench.report.threshold import THRESHOLD
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 PRECEDENCE = ("Settings, from lowest to highest precedence: the defaults (the reference's book mode), a "
@@ -77,6 +77,8 @@ def setting_help(s: Setting) -> str:
     parts = [s.spec.help]
     if s.spec.allowed_text():
         parts.append(f"Allowed: {s.spec.allowed_text()}.")
+    if s.spec.maximum is not None:
+        parts.append(f"At most {s.spec.maximum:,}.")
     if s.default is not None and s.type is not bool:
         parts.append(f"Default: {s.default}.")
     if s.type is bool and s.default is True:

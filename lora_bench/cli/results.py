@@ -104,9 +104,11 @@ def reconstruct(
 @results_app.command("describe")
 def describe(folder: Folder,
              text: Annotated[str, typer.Argument(help="What the folder holds, in a sentence or two.",
-                                                 show_default=False)]) -> None:
-    """Set the folder's description (the 'what' column of the index)."""
+                                                 show_default=False)],
+             question: Annotated[bool, typer.Option("--question", help="The folder groups results folders by "
+                                                    "the question they answer; TEXT is the question.")] = False) -> None:
+    """Set the folder's description (the 'what' column of the index), or a group's question."""
     from lora_bench.results.manifest import set_description
 
-    set_description(_folder(folder), text)
+    set_description(_folder(folder), text, question=question)
     console.print(f"described: {folder}", highlight=False)

@@ -132,7 +132,8 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
         except Interrupted as e:
             code = e.exit_code
         except LoraBenchError as e:
-            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {markup(e, newlines=True)}", highlight=False)
+            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {markup(e, newlines=True)}",
+                              highlight=False)
             code = e.exit_code
         except BaseException:
             traceback.print_exc()

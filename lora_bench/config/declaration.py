@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lora_bench.kernels.names import AUTO, PLAN_NAMES
-from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES
+from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
 MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)
@@ -40,6 +40,7 @@ MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT = (
 PANELS = (MODEL, DATA, LORA, TRAINING, MODES, MEASUREMENT, OUTPUT)
 
 MAX_INT = 2**63 - 1  # what torch and the results tables hold
+MAX_BATCH = 1_048_576  # batch_size; MAX_WIDTH bounds emb_dim, n_heads and lora_rank, MAX_BLOCKS n_layers
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Spec:
     pattern_text: str = ""  # how the pattern reads in messages and help ("cuda:N")
     minimum: float | None = None
     exclusive: bool = False  # the minimum itself is not allowed
+    maximum: float | None = None  # a size beyond any model lora-bench trains (the memory check comes later)
     aliases: tuple[str, ...] = ()  # further command-line spellings (--rank for --lora-rank)
     path: bool = False  # a file or folder: relative values in a file are resolved against its folder
 
@@ -73,11 +75,12 @@ class Settings:
     # model
     model_size: str = _s("124M", "GPT-2 size, by its short or its reference name; tiny is a 2-block model for "
                          "smoke runs and tests.", MODEL, choices=MODEL_SIZE_NAMES)
-    emb_dim: int | None = _s(None, "Embedding width instead of the size's (random weights only).", MODEL, minimum=1)
+    emb_dim: int | None = _s(None, "Embedding width instead of the size's (random weights only).", MODEL, minimum=1,
+                             maximum=MAX_WIDTH)
     n_layers: int | None = _s(None, "Number of transformer blocks instead of the size's (random weights only).",
-                              MODEL, minimum=1)
+                              MODEL, minimum=1, maximum=MAX_BLOCKS)
     n_heads: int | None = _s(None, "Number of attention heads instead of the size's (random weights only).",
-                             MODEL, minimum=1)
+                             MODEL, minimum=1, maximum=MAX_WIDTH)
     weights: str = _s("pretrained", "pretrained: the OpenAI checkpoint; random: the reference's random "
                       "initialisation.", MODEL, choices=WEIGHTS)
     weights_source: str = _s("openai", "Where pretrained weights come from: openai, the OpenAI TensorFlow "
@@ -93,7 +96,7 @@ class Settings:
     trainable_layers: str = _s("last_block", "Which parameters train: a slice of the model, all of it, or "
                                "LoRA adapters (lora: the reference's layer; lora-merged: one merged weight; "
                                "lora-kernel: the fused kernels).", TRAINING, choices=TRAINABLE_LAYERS)
-    lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, aliases=("--rank",))
+    lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, maximum=MAX_WIDTH, aliases=("--rank",))
     lora_alpha: float = _s(8.0, "LoRA alpha; the update is alpha * A @ B, NOT divided by the rank (as in the "
                            "reference).", LORA, aliases=("--alpha",))
     group_qkv: bool = _s(True, "lora-kernel on a GPU: store each block's query, key and value layers side by "
@@ -111,7 +114,7 @@ class Settings:
                              "the model's context length, or a number of tokens.", DATA,
                              choices=CONTEXT_LENGTHS, pattern=r"[1-9][0-9]{0,8}", pattern_text="a positive integer")
     no_padding: bool = _s(False, "No padding: every text keeps its own length (needs batch size 1).", DATA)
-    batch_size: int = _s(8, "Training batch size.", DATA, minimum=1)
+    batch_size: int = _s(8, "Training batch size.", DATA, minimum=1, maximum=MAX_BATCH)
     accumulation_steps: int = _s(1, "Gradient accumulation steps per optimizer update.", TRAINING, minimum=1)
     num_epochs: int = _s(5, "Epochs.", TRAINING, minimum=1, aliases=("--epochs",))
     learning_rate: float = _s(5e-5, "AdamW learning rate.", TRAINING, minimum=0, exclusive=True, aliases=("--lr",))

@@ -94,6 +94,9 @@ def value_problems(name: str, value: Any) -> list[Problem]:
                 "must be 0 or more" if low == 0 else f"must be at least {low:g}")
         unset = " (or unset)" if s.optional else ""
         return [problem(name, "{setting}={v} {need}", v=raw(value), need=raw(need + unset))]
+    if s.spec.maximum is not None and value > s.spec.maximum:
+        return [problem(name, "{setting}={v} is too large: at most {m}", v=raw(f"{value:,}"),
+                        m=raw(f"{s.spec.maximum:,}"))]
     return []
 
 

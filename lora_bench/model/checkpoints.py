@@ -5,10 +5,12 @@ the cache, reading the TensorFlow checkpoint into the reference's nested ``param
 reference's checkpoint->model mapping (with shape checks), and a converted ``.pt`` copy beside the
 checkpoint so that only the first load of a checkpoint needs TensorFlow.
 
-Nothing a checkpoint folder declares is trusted before it is checked against the model: the number
-of blocks (hparams.json, the converted file's header, block names) is compared with the model's
-before anything is allocated for it, and the converted copy is written only after every tensor has
-been loaded into the model with its shape checked.
+Nothing a checkpoint folder declares is trusted before it is checked against the model: hparams.json
+is read only up to a size, the number of blocks (hparams.json, the converted file's header, block
+names) is compared with the model's, and every variable the index lists, with its shape, is compared
+with the model's (or, without a model, with the shapes hparams.json declares, each bounded) before
+anything is allocated for it; the converted copy is written only after every tensor has been loaded
+into the model with its shape checked.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ import torch
 
 from lora_bench.download import download_file
 from lora_bench.errors import CheckpointError
-from lora_bench.model.sizes import CHECKPOINT_NAMES, resolve_model_size
+from lora_bench.fileio import TooLarge, read_capped
+from lora_bench.model.sizes import (
+    CHECKPOINT_NAMES,
+    MAX_BLOCKS,
+    MAX_CONTEXT,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    GPTConfig,
+    resolve_model_size,
+)
+from lora_bench.safe_yaml import short_repr
 
 CHECKPOINT_FILES = ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.data-00000-of-00001",
                     "model.ckpt.index", "model.ckpt.meta", "vocab.bpe")
@@ -43,6 +55,8 @@ TF_FILES = ("hparams.json", "model.ckpt.index", "model.ckpt.data-00000-of-00001"
 CONVERTED_NAME = "lora_bench_state.pt"
 CONVERTED_FORMAT = 1
 _BLOCK = re.compile(r"h(\d+)$")
+MAX_HPARAMS_BYTES = 64 << 10  # OpenAI's hparams.json: 90 bytes
+MAX_INDEX_BYTES = 64 << 20  # the index lists the variables (1558M's: 23 KB); TensorFlow reads it whole
 
 
 def default_cache_dir() -> Path:
@@ -111,11 +125,15 @@ def _read_settings(ckpt_dir: Path) -> dict:
 SIZE_SETTINGS = ("n_layer", "n_head", "n_embd", "n_ctx", "n_vocab", "n_positions", "vocab_size")
 
 
-def read_settings_file(path: Path, *, hint: str) -> dict:
-    """A checkpoint's settings: a JSON object whose size settings are whole numbers, never
-    ``Infinity`` or ``NaN``; one CheckpointError naming the file and the value otherwise."""
+def read_settings_file(path: Path, *, hint: str, max_bytes: int = MAX_HPARAMS_BYTES) -> dict:
+    """A checkpoint's settings: a JSON object of at most ``max_bytes`` whose size settings are whole
+    numbers, never ``Infinity`` or ``NaN``; one CheckpointError naming the file and the value otherwise."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_capped(path, max_bytes).decode("utf-8")
+    except TooLarge as exc:
+        name = Path(path).name
+        raise CheckpointError(f"{path} has {exc.size:,} bytes, more than the {max_bytes:,} "
+                              f"a{'n' if name[0] in 'aeiouh' else ''} {name} may have; {hint}") from None
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
         raise CheckpointError(f"cannot read {path} ({why}); {hint}") from None
@@ -132,27 +150,71 @@ def read_settings_file(path: Path, *, hint: str) -> dict:
     for key in SIZE_SETTINGS:
         value = data.get(key)
         if key in data and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise CheckpointError(f"{path}: {key}={value!r} is not a count (a whole number, 0 or more); {hint}")
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"  # a value quoted cut short
+            raise CheckpointError(f"{path}: {key}={shown} is not a count (a whole number, 0 or more); {hint}")
     return data
 
 
 def _declared_blocks(settings: dict, source: str, expected: int | None) -> int:
     """The block count a checkpoint declares, checked against the model's (when given)."""
-    try:
-        n = int(settings.get("n_layer", 0))
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{source} declares n_layer={settings.get('n_layer')!r}, not a block count") from None
+    n = settings.get("n_layer", 0)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise CheckpointError(f"{source} declares n_layer={short_repr(n)}, not a block count")
     if expected is not None and n != expected:
-        raise CheckpointError(f"{source} declares {n} transformer blocks but the model has {expected}: "
+        raise CheckpointError(f"{source} declares {short_repr(n)} transformer blocks but the model has {expected}: "
                               "the checkpoint is for another model size (or damaged)")
-    if n < 0:
-        raise CheckpointError(f"{source} declares n_layer={n}")
+    if not 0 <= n <= MAX_BLOCKS:
+        raise CheckpointError(f"{source} declares n_layer={short_repr(n)}; lora-bench reads 0 to {MAX_BLOCKS:,} blocks")
     return n
 
 
-def load_tf_checkpoint(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[dict, dict]:
+def tf_shapes(m: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every variable of an OpenAI checkpoint for a model of shape ``m`` (without the ``model/``
+    prefix), with its shape as ``np.squeeze`` leaves it (the conv1d weights' leading 1 dropped)."""
+    e = m.emb_dim
+    out = {"wte": (m.vocab_size, e), "wpe": (m.context_length, e), "ln_f/g": (e,), "ln_f/b": (e,)}
+    for i in range(m.n_layers):
+        h = f"h{i}/"
+        out.update({h + "attn/c_attn/w": (e, 3 * e), h + "attn/c_attn/b": (3 * e,), h + "attn/c_proj/w": (e, e),
+                    h + "attn/c_proj/b": (e,), h + "mlp/c_fc/w": (e, 4 * e), h + "mlp/c_fc/b": (4 * e,),
+                    h + "mlp/c_proj/w": (4 * e, e), h + "mlp/c_proj/b": (e,)})
+        out.update({f"{h}{ln}/{p}": (e,) for ln in ("ln_1", "ln_2") for p in ("g", "b")})
+    return out
+
+
+def _declared_shape(settings: dict, source: str, n_blocks: int) -> GPTConfig:
+    """The model shape hparams.json declares, each size bounded (for a checkpoint read without a model)."""
+    sizes = {}
+    for key, top in (("n_vocab", MAX_VOCAB), ("n_ctx", MAX_CONTEXT), ("n_embd", MAX_WIDTH)):
+        v = settings.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise CheckpointError(f"{source} declares {key}={short_repr(v)}; lora-bench reads 1 to {top:,}")
+        sizes[key] = v
+    return GPTConfig(vocab_size=sizes["n_vocab"], context_length=sizes["n_ctx"], emb_dim=sizes["n_embd"],
+                     n_layers=n_blocks, n_heads=1)
+
+
+def _check_listed(listed: list[tuple[str, list[int]]], want: dict[str, tuple[int, ...]], prefix: str) -> None:
+    """Every variable the index lists under ``model/`` is one the model has, of its shape, before any is
+    read (TensorFlow allocates what a variable declares)."""
+    for name, shape in listed:
+        if not name.startswith("model/"):
+            continue
+        key = name[len("model/"):]
+        declared = tuple(int(d) for d in shape if d != 1)
+        if key not in want:
+            raise CheckpointError(f"the TensorFlow checkpoint {prefix}.* holds variable {short_repr(name)}, which "
+                                  "GPT-2 does not have: it is damaged or not an OpenAI GPT-2 checkpoint")
+        if declared != tuple(d for d in want[key] if d != 1):
+            raise CheckpointError(f"checkpoint variable {name} declares shape {short_repr(tuple(shape))} but the model "
+                                  f"needs {want[key]}: the checkpoint is for another model size (or damaged)")
+
+
+def load_tf_checkpoint(ckpt_dir: Path, *, n_blocks: int | None = None,
+                       shape: GPTConfig | None = None) -> tuple[dict, dict]:
     """Read an OpenAI TensorFlow checkpoint: (settings from hparams.json, nested params).
-    ``n_blocks``: the model's block count, which hparams.json must declare."""
+    ``n_blocks``: the model's block count, which hparams.json must declare; ``shape``: the model's,
+    which every variable must have (without it, the shape hparams.json declares)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist; {_missing_hint(ckpt_dir)}")
@@ -162,6 +224,11 @@ def load_tf_checkpoint(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[
                               + _missing_hint(ckpt_dir))
     settings = _read_settings(ckpt_dir)
     blocks = _declared_blocks(settings, str(ckpt_dir / "hparams.json"), n_blocks)
+    want = tf_shapes(shape if shape is not None else _declared_shape(settings, str(ckpt_dir / "hparams.json"), blocks))
+    index = ckpt_dir / "model.ckpt.index"
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index} has {index.stat().st_size:,} bytes, more than the {MAX_INDEX_BYTES:,} a GPT-2 "
+                              f"index may have; {_missing_hint(ckpt_dir)}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ start-up chatter is no help here
     try:
         import tensorflow as tf  # lazy: ~4 s, and only needed until the converted copy exists
@@ -170,18 +237,21 @@ def load_tf_checkpoint(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[
                               f"since it has no {CONVERTED_NAME} yet ({exc})") from exc
     prefix = str(ckpt_dir / "model.ckpt")
     params: dict = {"blocks": [{} for _ in range(blocks)]}
-    for name in _tf_read(tf, prefix, ckpt_dir, name=None):
+    listed = _tf_read(tf, prefix, ckpt_dir, name=None)
+    _check_listed(listed, want, prefix)
+    for name, _ in listed:
         if name.startswith("model/"):
             _insert(params, name[len("model/"):], np.squeeze(_tf_read(tf, prefix, ckpt_dir, name=name)))
     return settings, params
 
 
 def _tf_read(tf, prefix: str, ckpt_dir: Path, *, name: str | None):
-    """The variable names (name=None) or one variable's value; TF's failures -> CheckpointError.
-    TF reports some C++ statuses as builtin exceptions (a truncated data file: IndexError)."""
+    """The variables, (name, shape) each (name=None), or one variable's value; TF's failures ->
+    CheckpointError. TF reports some C++ statuses as builtin exceptions (a truncated data file:
+    IndexError)."""
     try:
         if name is None:
-            return [n for n, _ in tf.train.list_variables(prefix)]
+            return [(n, list(shape)) for n, shape in tf.train.list_variables(prefix)]
         return tf.train.load_variable(prefix, name)
     except (tf.errors.OpError, IndexError, RuntimeError, ValueError) as exc:
         what = "" if name is None else f" variable {name!r}"
@@ -303,12 +373,15 @@ def _read_converted(ckpt_dir: Path, *, n_blocks: int | None = None) -> tuple[dic
         return None  # the TF files changed since conversion: quietly convert again
     declared = payload.get("n_blocks", 0)
     if not isinstance(declared, int) or isinstance(declared, bool):
-        raise CheckpointError(f"{path} declares n_blocks={declared!r}, not a block count; delete it to have "
-                              "the TensorFlow checkpoint converted again")
+        raise CheckpointError(f"{path} declares n_blocks={short_repr(declared)}, not a block count; delete it to "
+                              "have the TensorFlow checkpoint converted again")
     if n_blocks is not None and declared != n_blocks:
-        raise CheckpointError(f"{path} declares {declared} transformer blocks but the model has {n_blocks}: "
+        raise CheckpointError(f"{path} declares {short_repr(declared)} transformer blocks but the model has "
+                              f"{n_blocks}: "
                               "it is for another model size or damaged; delete it to have the TensorFlow "
                               "checkpoint converted again")
+    if not 0 <= declared <= MAX_BLOCKS:
+        raise CheckpointError(f"{path} declares n_blocks={declared}; lora-bench reads 0 to {MAX_BLOCKS:,} blocks")
     _declared_blocks(payload["settings"], str(path), n_blocks)
     params: dict = {"blocks": [{} for _ in range(declared)]}
     for name, tensor in payload["tensors"].items():
@@ -327,10 +400,10 @@ def load_pretrained_into(model, ckpt_dir: Path) -> dict:
     n_blocks = len(model.trf_blocks)
     loaded = _read_converted(ckpt_dir, n_blocks=n_blocks)
     converted = loaded is not None
-    settings, params = loaded if converted else load_tf_checkpoint(ckpt_dir, n_blocks=n_blocks)
+    settings, params = loaded if converted else load_tf_checkpoint(ckpt_dir, n_blocks=n_blocks, shape=model.cfg)
     heads = settings.get("n_head")
     if heads is not None and model.trf_blocks and heads != model.trf_blocks[0].att.num_heads:
-        raise CheckpointError(f"checkpoint {ckpt_dir} has n_head={heads} but the model has "
+        raise CheckpointError(f"checkpoint {ckpt_dir} has n_head={short_repr(heads)} but the model has "
                               f"{model.trf_blocks[0].att.num_heads} heads; choose the matching model size")
     load_weights_into_gpt(model, params)
     if not converted and os.access(ckpt_dir, os.W_OK):

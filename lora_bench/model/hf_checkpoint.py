@@ -10,10 +10,18 @@ transformers' ``GPT2Model``.
 
 safetensors and huggingface_hub are optional (``pip install "lora-bench[peers]"``) and imported
 only when used.
+
+Nothing the files declare is trusted before it is checked: config.json is read only up to a size,
+and the safetensors header (its length, the number of tensors, each one's name, dtype, shape and
+place in the file, and, where the model is known, its shape against the model's) before any tensor
+is read.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
 from pathlib import Path
 
@@ -24,7 +32,9 @@ from lora_bench.download import sha256_of
 from lora_bench.errors import CheckpointError, DownloadError
 from lora_bench.model.checkpoints import TF_FILES, load_weights_into_gpt, read_settings_file
 from lora_bench.model.gpt2 import CHECKPOINT_NAMES, GPTConfig, GPTModel, resolve_model_size
+from lora_bench.model.sizes import MAX_BLOCKS
 from lora_bench.optional import require
+from lora_bench.safe_yaml import short_repr
 
 HF_REPOS = {
     "124M": "openai-community/gpt2",
@@ -42,6 +52,11 @@ _SKIPPED = re.compile(r"^(lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias))$")
 _BLOCK_KEY = re.compile(r"^h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj|ln_1|ln_2)\.(weight|bias)$")
 _TOP_KEYS = {"wte.weight": ("wte",), "wpe.weight": ("wpe",), "ln_f.weight": ("g",), "ln_f.bias": ("b",)}
 _SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+MAX_CONFIG_BYTES = 1 << 20  # GPT-2's config.json: under 1 KB
+MAX_HEADER_BYTES = 16 << 20  # the safetensors header of GPT-2 1558M: about 60 KB
+MAX_TENSORS = 16 * (MAX_BLOCKS + 1)  # a block holds 12 tensors, 14 with the old mask buffers
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def hf_repo_id(model_size: str) -> str:
@@ -142,15 +157,107 @@ def _local_folder(folder: Path) -> Path:
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def read_hf_state(folder: Path) -> dict[str, torch.Tensor]:
+def hf_shapes(m: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of GPT-2's body for a model of shape ``m``, in GPT2Model's layout (Conv1D in×out)."""
+    e = m.emb_dim
+    out = {"wte.weight": (m.vocab_size, e), "wpe.weight": (m.context_length, e), "ln_f.weight": (e,), "ln_f.bias": (e,)}
+    for i in range(m.n_layers):
+        h = f"h.{i}."
+        for module, (rows, cols) in (("attn.c_attn", (e, 3 * e)), ("attn.c_proj", (e, e)), ("mlp.c_fc", (e, 4 * e)),
+                                     ("mlp.c_proj", (4 * e, e))):
+            out[f"{h}{module}.weight"], out[f"{h}{module}.bias"] = (rows, cols), (cols,)
+        out.update({f"{h}{ln}.{p}": (e,) for ln in ("ln_1", "ln_2") for p in ("weight", "bias")})
+    return out
+
+
+def _bad_header(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is truncated or not a safetensors file of GPT-2 ({why}); delete it to have "
+                           "it downloaded again, or pass --weights-dir")
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, read and checked before any
+    tensor: a header of at most MAX_HEADER_BYTES and MAX_TENSORS entries, each a known dtype with a
+    shape of a few dimensions whose bytes lie inside the file and match the shape."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise _bad_header(path, f"{size} bytes, shorter than a header")
+        n = int.from_bytes(head, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise _bad_header(path, f"its header declares {n:,} bytes (the file has {size:,}; a header may have "
+                                    f"{MAX_HEADER_BYTES:,})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise _bad_header(path, "its header is not JSON") from None
+    if not isinstance(header, dict) or len(header) > MAX_TENSORS + 1:
+        raise _bad_header(path, f"its header is not a mapping of at most {MAX_TENSORS:,} tensors")
+    data = size - 8 - n
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+                                                      for x in v)
+        if dtype not in _DTYPE_BYTES or not ints(shape) or len(shape) > 4 or not ints(offsets) or len(offsets) != 2:
+            raise _bad_header(path, f"tensor {short_repr(name)} has no dtype, shape and data offsets lora-bench reads")
+        begin, end = offsets
+        if not begin <= end <= data or end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise _bad_header(path, f"tensor {short_repr(name)} of shape {short_repr(tuple(shape))} does not lie in "
+                                    f"the file's {data:,} bytes of data")
+        out[name] = (dtype, tuple(shape))
+    return out
+
+
+def _check_names(path: Path, header: dict[str, tuple[str, tuple[int, ...]]], shape: GPTConfig | None) -> None:
+    """GPT-2's names only, block numbers below MAX_BLOCKS (the model's count where it is known), and
+    with the model's shape known, each tensor of its shape and none of the others larger than its
+    largest."""
+    want = hf_shapes(shape) if shape is not None else None
+    blocks = shape.n_layers if shape is not None else MAX_BLOCKS
+    largest = max(map(math.prod, want.values())) if want else None
+    unknown = []
+    order = {name: i for i, name in enumerate(_TOP_KEYS)}  # the embeddings first: their mismatch says most
+    top_first = sorted(header.items(), key=lambda item: order.get(item[0].removeprefix(PREFIX), len(order)))
+    for key, (_, dims) in top_first:
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        block = re.match(r"h\.(\d+)\.", name)
+        if block and int(block.group(1)) >= blocks:
+            raise CheckpointError(f"{path} holds tensor {short_repr(key)} of block {short_repr(int(block.group(1)))}, "
+                                  f"but the model has {blocks} blocks: the checkpoint is for another model size")
+        if _SKIPPED.match(name):
+            if largest is not None and math.prod(dims) > largest:
+                raise CheckpointError(f"{path} holds {short_repr(key)} of shape {short_repr(dims)}, larger than any "
+                                      "tensor of the model: it is damaged or not GPT-2's")
+            continue
+        if name not in _TOP_KEYS and not _BLOCK_KEY.match(name):
+            unknown.append(key)
+        elif want is not None and dims != want.get(name, dims):
+            raise CheckpointError(f"checkpoint tensor {short_repr(key)} has shape {short_repr(dims)} but the model "
+                                  f"needs {want[name]}: the checkpoint is for another model size")
+    if unknown:
+        raise CheckpointError(f"{path} is not a GPT-2 checkpoint in the Hugging Face layout: unexpected "
+                              f"tensor(s) {', '.join(short_repr(k) for k in sorted(unknown)[:5])}")
+
+
+def read_hf_state(folder: Path, *, shape: GPTConfig | None = None) -> dict[str, torch.Tensor]:
     """The GPT-2 body of ``<folder>/model.safetensors`` in GPT2Model's key layout ('wte.weight',
     'h.0.attn.c_attn.weight', ...), float32 on the CPU; other keys of a GPT-2 checkpoint are dropped
-    (see ``_SKIPPED``), any further key is refused."""
+    (see ``_SKIPPED``), any further key is refused. The header is checked first (``read_header``;
+    with ``shape``, the model's, every tensor against it), before any tensor is read."""
     path = Path(folder) / WEIGHTS_FILE
     st = require("safetensors.torch", purpose=f"reading {WEIGHTS_FILE}")
     safetensors = require("safetensors", purpose=f"reading {WEIGHTS_FILE}")
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; pass --weights-dir <folder holding {WEIGHTS_FILE}>")
+    _check_names(path, read_header(path), shape)
     try:
         raw = st.load_file(str(path), device="cpu")
     except (safetensors.SafetensorError, OSError, ValueError) as exc:
@@ -177,7 +284,7 @@ def read_hf_settings(folder: Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         return {}
-    return read_settings_file(path, hint="delete it, or pass --weights-dir")
+    return read_settings_file(path, hint="delete it, or pass --weights-dir", max_bytes=MAX_CONFIG_BYTES)
 
 
 def params_from_hf_state(state: dict[str, torch.Tensor]) -> dict:
@@ -185,6 +292,9 @@ def params_from_hf_state(state: dict[str, torch.Tensor]) -> dict:
     them) from a Hugging Face state: a renaming only, since Conv1D weights are stored in×out like the
     TensorFlow variables."""
     n_blocks = 1 + max((int(m.group(1)) for k in state if (m := _BLOCK_KEY.match(k))), default=-1)
+    if n_blocks > MAX_BLOCKS:
+        raise CheckpointError(f"the checkpoint names block {short_repr(n_blocks - 1)}; lora-bench reads at most "
+                              f"{MAX_BLOCKS:,} blocks")
     params: dict = {"blocks": [{} for _ in range(n_blocks)]}
     for key, tensor in state.items():
         value = tensor.detach().to(torch.float32).cpu().numpy()
@@ -213,9 +323,9 @@ def load_hf_checkpoint_into_gpt(model: GPTModel, folder: Path) -> dict:
     settings = read_hf_settings(folder)
     heads = settings.get("n_head")
     if heads is not None and model.trf_blocks and heads != model.trf_blocks[0].att.num_heads:
-        raise CheckpointError(f"checkpoint {folder} has n_head={heads} but the model has "
+        raise CheckpointError(f"checkpoint {folder} has n_head={short_repr(heads)} but the model has "
                               f"{model.trf_blocks[0].att.num_heads} heads; choose the matching model size")
-    load_weights_into_gpt(model, params_from_hf_state(read_hf_state(folder)))
+    load_weights_into_gpt(model, params_from_hf_state(read_hf_state(folder, shape=model.cfg)))
     return settings
 
 

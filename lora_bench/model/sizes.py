@@ -21,6 +21,15 @@ class GPTConfig:
     ops: str = "book"  # book | fused
 
 
+# The largest shapes lora-bench builds or reads: 10 to 40 times GPT-2 1558M's (1600 wide, 48 blocks,
+# 25 heads), so an extra zero in a setting or a checkpoint's header is caught before anything is
+# allocated for it; whether a model fits the machine is estimated from its settings
+# (lora_bench.train.memory).
+MAX_WIDTH = 65_536  # emb_dim, n_heads, a LoRA rank
+MAX_BLOCKS = 2_048  # transformer blocks
+MAX_VOCAB = 1 << 20  # a checkpoint's vocabulary (GPT-2's: 50,257)
+MAX_CONTEXT = 1 << 16  # a checkpoint's positions (GPT-2's: 1,024)
+
 # name -> (emb_dim, n_layers, n_heads); the reference's long names map onto these.
 MODEL_SIZES: dict[str, tuple[int, int, int]] = {
     "124M": (768, 12, 12),

@@ -175,7 +175,7 @@ def base_state(cfg, mcfg: GPTConfig, *, cache_dir, progress: bool = True) -> dic
     if cfg.weights == "pretrained" and cfg.weights_source == "hf":
         folder = ensure_hf_checkpoint(resolve_model_size(cfg.model_size), weights_dir=cfg.weights_dir,
                                       progress=progress)
-        return read_hf_state(folder)
+        return read_hf_state(folder, shape=mcfg)
     return hf_state_from_gpt(load_base_model(cfg, mcfg, cache_dir=cache_dir, progress=progress))
 
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lora_bench.report.threshold import THRESHOLD
+
 CONFIDENCE = 0.95
 N_BOOT = 2000
 SEED = 20260101
-THRESHOLD = 0.02  # a ratio must clear 1 ± 2 % with its whole interval to count as a difference
 REPEATS, STEPS = "repeats", "steps"
 FASTER, SLOWER, SAME, UNCLEAR = "faster", "slower", "no difference", "unclear"
 HIGHER, LOWER = "higher", "lower"  # the words for a metric that is not a speed (accuracy, memory)

@@ -147,11 +147,9 @@ def command_cell(s: FolderSummary) -> str:
 
 
 def is_group(folder: Path) -> bool:
-    """A folder of results folders grouped by the question they answer: a manifest with a
-    description and no invocations of its own, no rows, and results folders inside."""
-    manifest = read_manifest(folder)
-    return (not manifest["invocations"] and not _has_rows(folder)
-            and any(p.is_dir() and (p / MANIFEST).is_file() for p in folder.rglob("*")))
+    """A folder of results folders grouped by the question they answer: its manifest says so
+    (``lora-bench results describe FOLDER QUESTION --question``)."""
+    return bool(read_manifest(folder).get("question"))
 
 
 def render_index(root: Path, *, names: list[str] | None = None) -> str:

@@ -186,9 +186,15 @@ def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs
     return entry
 
 
-def set_description(results_dir: Path, text: str) -> None:
-    """What the folder holds, in one or two sentences (shown by ``lora-bench results index``)."""
-    update_manifest(results_dir, lambda data: data.update(description=text.strip()))
+def set_description(results_dir: Path, text: str, *, question: bool = False) -> None:
+    """What the folder holds, in one or two sentences (shown by ``lora-bench results index``);
+    ``question``: the folder groups results folders by the question they answer, and ``text`` is it."""
+    def change(data: dict) -> None:
+        data.update(description=text.strip())
+        if question:
+            data["question"] = True
+
+    update_manifest(results_dir, change)
 
 
 # Row columns that describe where a run ran; a reconstructed entry takes them from the rows.

@@ -25,7 +25,7 @@ from lora_bench.results.store import FINISHED, check_results_dir, result_rows, r
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
-from lora_bench.train.preflight import device_problems, require_packages
+from lora_bench.train.preflight import device_problems, memory_problem, require_packages
 
 
 def sweep_progress(console: Console, *, progress: bool, current: bool = False) -> Progress:
@@ -173,6 +173,12 @@ def preflight(runs: list[PlannedRun], console) -> None:
              for r in runs}
     for cfg in needs.values():  # a missing optional package stops the sweep before its first row
         require_packages(cfg)
+    shapes = {(r.cfg.model_size, r.cfg.emb_dim, r.cfg.n_layers, r.cfg.n_heads, r.cfg.trainable_layers, r.cfg.lora_rank,
+               r.cfg.batch_size, r.cfg.context_length, r.cfg.precision): r for r in runs}
+    for run in shapes.values():  # the CPU's memory; a GPU's is asked by each run, on its device
+        too_big = memory_problem(run.cfg, cuda=False)
+        if too_big:
+            raise UsageError(f"{run.run_id} ({run.describe()}): {too_big}")
     for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
         if not Path(path).is_file():
             console.print(f"[yellow]warning:[/yellow] data_file {markup(path)} does not exist; runs using it will fail",

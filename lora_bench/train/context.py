@@ -12,6 +12,7 @@ from lora_bench.classifier.book import build_classifier, cast_frozen, model_conf
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, packaged_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
+from lora_bench.errors import UsageError
 from lora_bench.kernels.policy import PlanLog, policy_for
 from lora_bench.lora.kernel import group_qkv
 from lora_bench.model.gpt2 import count_params
@@ -19,6 +20,7 @@ from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf
 from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
+from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
 
 
@@ -55,6 +57,9 @@ class RunContext:
 
     def _setup_model(self, cache_dir: Path, *, progress: bool) -> None:
         cfg = self.cfg
+        too_big = fit_problem(cfg, self.device, processes=cfg.nproc)  # before anything is allocated
+        if too_big:
+            raise UsageError(too_big)
         self.mcfg = model_config(cfg)
         if cfg.implementation == "hf":  # transformers' GPT-2 (and PEFT): its Conv1D layers are not nn.Linear
             self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress)

@@ -15,6 +15,8 @@ from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.optional import require
+from lora_bench.train.memory import fit_problem
+from lora_bench.train.setup import resolve_device
 
 
 def device_problems(cfg: TrainConfig) -> list[Problem]:
@@ -70,11 +72,26 @@ def require_packages(cfg: TrainConfig) -> None:
             require("huggingface_hub", purpose="weights_source=hf without weights_dir (the download)")
 
 
+def memory_problem(cfg: TrainConfig, *, cuda: bool) -> str | None:
+    """Whether the run fits its device's free memory (``lora_bench.train.memory``): the CPU's always;
+    a CUDA device's only with ``cuda``, since asking makes a CUDA context, which a process that does
+    not train there (a sweep's parent, the launcher of data-parallel ranks) must not hold."""
+    on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if on_cuda and not (cuda and cfg.nproc == 1):
+        return None
+    device = resolve_device(cfg.device) if on_cuda else torch.device("cpu")
+    return fit_problem(cfg, device, processes=cfg.nproc)
+
+
 def check_machine(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:
     """UsageError listing every machine problem of a run's settings (named by ``name_of``), or
-    naming the optional package they need that is missing."""
+    naming the optional package they need that is missing; then whether the run fits in memory
+    (this process trains on the device it names, so a CUDA device is asked too)."""
     problems = render(device_problems(cfg) + input_problems(cfg), name_of)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else
                          f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
     require_packages(cfg)
+    too_big = memory_problem(cfg, cuda=True)
+    if too_big:
+        raise UsageError(too_big)

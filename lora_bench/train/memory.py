@@ -1,0 +1,186 @@
+"""Whether a run fits in its device's memory, asked before anything is built: the memory it needs,
+estimated from its settings alone (parameters × bytes, gradients and AdamW's two moments for the
+trainable ones, the causal masks, a rough activation term), against what the device has free (the
+CPU's available RAM from /proc/meminfo or sysconf, a CUDA device's from ``torch.cuda.mem_get_info``).
+
+The estimate is a floor, not a forecast: its parameter counts are exact, its activation term below
+what runs measured, and it leaves out the allocator's slack, the data and the evaluation, so a run
+it lets through may still run out, but one it refuses cannot fit."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_bench.config import TrainConfig
+from lora_bench.model.sizes import MODEL_SIZES, GPTConfig, resolve_model_size
+
+FLOAT, HALF = 4, 2  # bytes: fp32, and bf16 (frozen linear weights and activations in bf16 mode)
+ADAM = 3 * FLOAT  # a trainable parameter's gradient and AdamW's two moments, fp32 in every mode
+CLASSES = 2
+# Tokens per text when the length is the longest training text (known only once the data is
+# tokenised): the SMS Spam Collection's, 120. A floor: another corpus's texts may be longer.
+LONGEST_TRAINING_TEXT = 120
+# Activations a block keeps for backward, per token: 8 widths and one attention map of the
+# sequence's length per head; fewer than the block stores (the MLP alone keeps 4x-wide tensors), so
+# the term stays below what GPT-2 124M to 1558M measured in fp32 and bf16 (peak_mem_allocated_mib).
+ACT_WIDTHS, ACT_MAPS = 8, 1
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a run needs at least on its device, by what needs them."""
+
+    params: int  # parameters of the model as built (before the vocabulary-wide head is replaced)
+    trainable: int
+    weights: int  # parameters and causal masks while training (bf16: frozen linear weights halved)
+    training_state: int  # gradients and AdamW's moments
+    activations: int
+    host_copy: int  # on the CPU only: the random base's state, kept for the next run of that size
+
+    def total(self, device_type: str = "cpu") -> int:
+        host = self.host_copy if device_type == "cpu" else 0
+        return self.weights + self.training_state + self.activations + host
+
+    def text(self, device_type: str = "cpu") -> str:
+        host = f", the kept random base {self.host_copy / GIB:,.1f}" if device_type == "cpu" and self.host_copy else ""
+        return (f"about {self.total(device_type) / GIB:,.1f} GiB (weights {self.weights / GIB:,.1f}, gradients and "
+                f"AdamW state {self.training_state / GIB:,.1f}, activations {self.activations / GIB:,.1f}{host})")
+
+
+def _shape(cfg: TrainConfig) -> GPTConfig:
+    e, n_layers, h = MODEL_SIZES[resolve_model_size(cfg.model_size)]
+    return GPTConfig(emb_dim=cfg.emb_dim or e, n_layers=cfg.n_layers or n_layers, n_heads=cfg.n_heads or h,
+                     disable_causal_mask=cfg.disable_causal_mask)
+
+
+def block_linear_params(e: int) -> int:
+    """A block's linear layers: four e×e attention projections, the MLP's e×4e and 4e×e, biases."""
+    return 4 * (e * e + e) + (e * 4 * e + 4 * e) + (4 * e * e + e)
+
+
+def block_params(e: int) -> int:
+    """One transformer block: its linear layers and two layer norms."""
+    return block_linear_params(e) + 4 * e
+
+
+def model_params(m: GPTConfig) -> int:
+    """The book GPT-2 as built: embeddings, blocks, the final norm, the vocabulary-wide head."""
+    return m.vocab_size * m.emb_dim + m.context_length * m.emb_dim + m.n_layers * block_params(m.emb_dim) \
+        + 2 * m.emb_dim + m.emb_dim * m.vocab_size
+
+
+def lora_params(m: GPTConfig, rank: int) -> int:
+    """Adapters on every linear layer: (in + out)·r for the six of each block and the head."""
+    e = m.emb_dim
+    return rank * (m.n_layers * (4 * 2 * e + 5 * e + 5 * e) + e + CLASSES)
+
+
+def trainable_params(cfg: TrainConfig, m: GPTConfig) -> int:
+    """What the classifier trains: the new head, and the blocks or adapters the setting names."""
+    e = m.emb_dim
+    head = e * CLASSES + CLASSES
+    if cfg.trainable_layers == "all":
+        return model_params(m) - e * m.vocab_size + head
+    if cfg.is_lora:
+        return lora_params(m, cfg.lora_rank) + head
+    blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), m.n_layers)
+    return blocks * block_params(e) + (2 * e if blocks else 0) + head
+
+
+def _tokens(cfg: TrainConfig, m: GPTConfig) -> int:
+    if cfg.context_length == "model_context_length":
+        return m.context_length
+    if cfg.context_length.isdigit():
+        return int(cfg.context_length)
+    return min(LONGEST_TRAINING_TEXT, m.context_length)
+
+
+def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
+    """What one process of the run needs at least (``processes``: data-parallel ranks, each with
+    its share of the batch)."""
+    m = _shape(cfg)
+    e, n_layers = m.emb_dim, m.n_layers
+    params = model_params(m)
+    trainable = trainable_params(cfg, m)
+    if cfg.trainable_layers == "all":
+        saved_blocks, frozen_blocks = n_layers, 0
+    elif cfg.is_lora:
+        saved_blocks, frozen_blocks = n_layers, n_layers
+    else:
+        saved_blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), n_layers)
+        frozen_blocks = n_layers - saved_blocks
+    bf16 = cfg.precision == "bf16"
+    adapters = lora_params(m, cfg.lora_rank) if cfg.is_lora else 0
+    book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
+    masks = n_layers * m.context_length ** 2 if book and not m.disable_causal_mask else 0
+    body = params - e * m.vocab_size + e * CLASSES + CLASSES  # the vocabulary head replaced by the classifier's
+    halved = frozen_blocks * block_linear_params(e) if bf16 else 0  # frozen linear weights, cast once to bf16
+    weights = FLOAT * (body + adapters + masks) - (FLOAT - HALF) * halved
+    t = _tokens(cfg, m)
+    batch = max(1, cfg.batch_size // max(1, processes))
+    maps = ACT_MAPS * m.n_heads * t if book and cfg.attention == "book" else 0  # sdpa keeps no attention map
+    per_block = batch * t * (ACT_WIDTHS * e + maps)
+    activations = (HALF if bf16 else FLOAT) * per_block * (saved_blocks + 1)  # + the block the forward is in
+    return MemoryEstimate(params=params, trainable=trainable, weights=weights, training_state=ADAM * trainable,
+                          activations=activations, host_copy=FLOAT * params if cfg.weights == "random" else 0)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for a run on ``device``: a CUDA device's free memory (this makes its CUDA context,
+    so ask only in the process that runs on it), else the RAM available without swapping (a cgroup's
+    limit counts); None when the system does not say."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    ram = _meminfo_available()
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            ram = None
+    sizes = [s for s in (ram, _cgroup_room()) if s is not None]
+    return min(sizes) if sizes else None
+
+
+def _meminfo_available() -> int | None:
+    """MemAvailable: free memory plus the page cache the kernel can drop (sysconf's free pages,
+    the fallback, leave the cache out and so understate it)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """A cgroup v2 memory limit minus what the group uses, where one is set."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def fit_problem(cfg: TrainConfig, device: torch.device, *, processes: int = 1) -> str | None:
+    """Why the run cannot fit on ``device`` (its estimate and what is available), or None. Data-
+    parallel processes on the CPU share its memory: each needs its own copy."""
+    need = estimate(cfg, processes=processes)
+    have = available_bytes(device)
+    sharing = processes if device.type == "cpu" else 1
+    if have is None or need.total(device.type) * sharing <= have:
+        return None
+    each = f" for each of its {sharing} processes" if sharing > 1 else ""
+    return (f"the run needs {need.text(device.type)}{each}, estimated from its settings, but {device} has "
+            f"{have / GIB:,.1f} GiB available; choose a smaller model (model_size, emb_dim, n_layers), "
+            "lora_rank, batch_size or context_length")
