@@ -204,6 +204,27 @@ def test_an_offline_start_without_weights_has_its_own_exit_code_and_show_keeps_t
     assert code == 0 and "good" in out and "1 later run(s) did not finish" in out and "(failed)" in out, out
 
 
+def test_runs_begun_within_one_second_keep_their_order(run_cli, tmp_path):
+    """Start times are kept to the second: a run that failed in the same second as the finished
+    one before it is still named by show as a later run, a finished run updated later keeps its
+    place, and one begun after a failure in the same second is the one shown."""
+    from lora_bench.results.store import read_run_table, upsert_run, unfinished_since, find_run
+
+    res = tmp_path / "r"
+    code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",
+                        "--results-dir", res, "--run-id", "good")
+    assert code == 0, out
+    good = read_run_table(res / "runs.csv").rows[0]
+    upsert_run(res / "runs.csv", {**good, "run_id": "bad", "status": "failed", "error": "boom"})
+    code, out = run_cli("show", res)
+    assert code == 0 and "1 later run(s) did not finish: bad (failed)" in out, out
+    upsert_run(res / "runs.csv", {**good, "tokens_per_s": "1"})  # an update keeps the row's place
+    assert [r["run_id"] for r in read_run_table(res / "runs.csv").rows] == ["good", "bad"]
+    assert [r["run_id"] for r in unfinished_since(res, find_run(res))] == ["bad"]
+    upsert_run(res / "runs.csv", {**good, "run_id": "after"})
+    assert find_run(res)["run_id"] == "after" and unfinished_since(res, find_run(res)) == []
+
+
 def test_show_prints_a_hostile_row_as_text(run_cli, tmp_path):
     """Every cell of runs.csv that show prints (the run id, sizes, the device, the error) reaches the
     terminal as text: control sequences shown as escapes, rich markup as written."""

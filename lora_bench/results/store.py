@@ -293,23 +293,25 @@ def _set_aside_torn(path: Path, table: RunTable) -> None:
 
 
 def upsert_run(path: Path, row: dict) -> None:
-    """Add (or replace, by run_id) one row of runs.csv, rewriting the file atomically so an
-    interruption leaves either the old or the new table, never a torn row; under a lock, so
-    concurrent writers lose no row. A torn row found on the way is replaced by its run.json's
-    row, or set aside in ``runs-torn.csv`` when the run has none."""
+    """Add (or replace, by run_id, in its place) one row of runs.csv, rewriting the file atomically
+    so an interruption leaves either the old or the new table, never a torn row; under a lock, so
+    concurrent writers lose no row. Rows stay in the order the runs began. A torn row found on the
+    way is replaced by its run.json's row, or set aside in ``runs-torn.csv`` when the run has none."""
     path = Path(path)
+    new_row = {k: _fmt(v) for k, v in row.items()}
     with locked(path):
         rows = []
         if path.exists():
             table = read_run_table(path)
-            rows = [_settled(path.parent, r) for r in table.rows if r.get("run_id") != row["run_id"]]
+            rows = [new_row if r.get("run_id") == row["run_id"] else _settled(path.parent, r) for r in table.rows]
             have = {r["run_id"] for r in rows} | {row["run_id"]}
             for run_id in table.torn_ids():
                 record = settle_run(path.parent / run_id) if _is_run_folder_name(run_id) else None
                 if record is not None and record["run_id"] not in have:
                     rows.append({k: _fmt(v) for k, v in record.items()})
             _set_aside_torn(path, table)
-        rows.append({k: _fmt(v) for k, v in row.items()})
+        if not any(r is new_row for r in rows):
+            rows.append(new_row)
         write_csv(path, rows, run_column_names())
 
 
@@ -417,16 +419,25 @@ def latest_result(rows: list[dict]) -> dict:
     """The run to show when none is named: the latest finished one (a newer run that failed
     before it measured anything, an offline start without weights, is no result), else the
     latest started."""
+    order = _start_order(rows)
     done = [r for r in rows if r.get("status") == "done"]
-    return max(done or rows, key=lambda r: r.get("started_at") or "")
+    return max(done or rows, key=lambda r: order[r["run_id"]])
+
+
+def _start_order(rows: list[dict]) -> dict[str, tuple[str, int]]:
+    """Each run's place in start order: its start time (to the second), then its place in
+    runs.csv, where a run's row is written when it begins, so that two runs begun within one
+    second keep their order."""
+    return {r["run_id"]: (str(r.get("started_at") or ""), i) for i, r in enumerate(rows)}
 
 
 def unfinished_since(results_dir: Path, row: dict) -> list[dict]:
     """The rows of runs started after ``row`` that did not finish (failed, interrupted, ...)."""
-    after = str(row.get("started_at") or "")
-    return sorted((r for r in result_rows(results_dir, warn=None)
-                   if r.get("status") != "done" and (r.get("started_at") or "") > after),
-                  key=lambda r: r.get("started_at") or "")
+    rows = result_rows(results_dir, warn=None)
+    order = _start_order(rows)
+    after = order.get(row["run_id"], (str(row.get("started_at") or ""), -1))
+    return sorted((r for r in rows if r.get("status") != "done" and order[r["run_id"]] > after),
+                  key=lambda r: order[r["run_id"]])
 
 
 def check_results_dir(results_dir: Path) -> None:
