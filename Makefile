@@ -1,7 +1,8 @@
 # lora-bench on a fresh machine, two commands; each installs what it needs first (once: a stamp in
 # the virtual environment makes a second call quick).
 #   make run    the main job: LoRA fine-tuning of GPT-2 on the SMS Spam Collection, sized to the machine
-#   make test   the test suite (GPU tests skip without CUDA)
+#   make test   the test suite (GPU tests skip without CUDA); it names its slowest tests at the end
+#   (make test-fast leaves out the ones marked slow, for a quick check while working)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -30,7 +31,7 @@ RUN_ARGS  ?= --trainable-layers lora --rank 16 --alpha 16 \
 	$(if $(WEIGHTS_DIR),--weights-dir $(WEIGHTS_DIR),--weights random) \
 	$(if $(DATA_FILE),--data-file $(DATA_FILE)) $(SIZE_ARGS) --results-dir $(RESULTS)
 
-.PHONY: run test install install-test test-gpu smoke clean
+.PHONY: run test test-fast install install-test test-gpu smoke clean
 
 run: install
 	@$(if $(WEIGHTS_DIR),,echo "No GPT-2 checkpoint at hand ($(CACHE)/gpt2/124M): training from random weights.")
@@ -38,7 +39,10 @@ run: install
 	$(BIN)/lora-bench train $(RUN_ARGS)
 
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m "not slow"
 
 test-gpu: install-test
 	$(BIN)/python -m pytest -q -m gpu

@@ -1,7 +1,7 @@
 """When each lora-kernel plan runs: the default choice as a table, first match wins, each rule
 with the measurement behind it. :func:`lora_bench.kernels.policy.choose` walks the table, taking
 a rule's plan only where that plan can run the call (``runs`` of its module); the last rule always
-matches. ``tests/test_rules.py`` checks each rule against the committed measurement it cites, and
+matches. ``tests/kernels/test_rules.py`` checks each rule against the committed measurement it cites, and
 docs/kernel-design.md tabulates those measurements.
 
 Host time decides eager training at GPT-2 sizes (a layer costs its Python, dispatcher and launch

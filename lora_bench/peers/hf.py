@@ -25,7 +25,7 @@ What maps, and how:
   fused linear with one A (in×r) and one B (r×3·out). Per block that is 4·e·r attention adapter
   parameters instead of the book's 6·e·r, and the head gets no adapter (the book wraps the new head
   too: (e + 2)·r more). With the book's query/key/value A's equal, the two compute the same function
-  (tests/test_peers.py). PEFT draws A from kaiming_uniform(a=√5) over fan_in = in_features (bound
+  (tests/peers/test_peers.py). PEFT draws A from kaiming_uniform(a=√5) over fan_in = in_features (bound
   1/√in); the book over fan_in = r (its A is in×r: bound 1/√r); ``lora_init="book"`` redraws PEFT's A
   with the book's bound.
 """

@@ -1,0 +1,93 @@
+"""Every shipped sweep file in configs/ validates, opens with the command that runs it, and holds
+what it promises: the 19 published rows, the all-vs-LoRA timing grid, a download-free smoke run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lora_bench.model.gpt2 import MODEL_SIZES
+from lora_bench.sweep.spec import load_sweep, validate_files
+from paths import ROOT
+
+REPO = ROOT
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_the_three_promised_configs_ship():
+    assert {p.name for p in CONFIGS} >= {"book-table.yaml", "all-vs-lora.yaml", "smoke.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates_and_names_its_command(path):
+    sw = load_sweep(path)
+    assert sw.runs and sw.name == path.stem
+    first = path.read_text().splitlines()[0]
+    assert first == f"# lora-bench sweep configs/{path.name}" or first.startswith(f"# lora-bench sweep configs/{path.name} ")
+
+
+def test_validate_command_accepts_all_configs():
+    from rich.console import Console
+
+    assert len(validate_files(CONFIGS, console=Console(quiet=True))) == len(CONFIGS)
+
+
+def test_book_table_rows():
+    runs = load_sweep(REPO / "configs" / "book-table.yaml").runs
+    assert len(runs) == 19
+    row = {int(r.label.split(":")[0].removeprefix("row ")): r.cfg for r in runs}
+    assert sorted(row) == list(range(1, 20))
+    assert [n for n, c in row.items() if c.weights == "random"] == [10]
+    assert all(c.num_epochs == 5 and c.max_steps is None and not c.skip_final_eval for c in row.values())
+    expect = {
+        1: dict(model_size="124M", trainable_layers="last_block"),
+        2: dict(trainable_token_pos="first"), 3: dict(trainable_layers="last_layer"),
+        4: dict(trainable_layers="last_two_blocks"), 5: dict(trainable_layers="all"),
+        6: dict(model_size="355M", trainable_layers="last_block"), 7: dict(model_size="774M"),
+        8: dict(model_size="1558M", trainable_layers="last_block"),
+        9: dict(model_size="1558M", trainable_layers="all"),
+        10: dict(model_size="124M", trainable_layers="all", weights="random"),
+        11: dict(model_size="124M", trainable_layers="lora", lora_rank=16, lora_alpha=16.0),
+        12: dict(model_size="1558M", trainable_layers="lora", lora_rank=16, lora_alpha=8.0),
+        13: dict(context_length="model_context_length"),
+        14: dict(no_padding=True, batch_size=1, accumulation_steps=1),
+        15: dict(no_padding=True, batch_size=1, accumulation_steps=8),
+        16: dict(trainable_token_pos="flexible"), 17: dict(disable_causal_mask=True),
+        18: dict(ignore_index=50256), 19: dict(average_embeddings=True),
+    }
+    for n, settings in expect.items():
+        assert {k: getattr(row[n], k) for k in settings} == settings, f"row {n}"
+    # the ablation rows change exactly their own setting(s) from row 1
+    for n in (2, 3, 4, 5, 13, 14, 15, 16, 17, 18, 19):
+        diff = {k for k, v in row[n].to_dict().items() if v != row[1].to_dict()[k]}
+        assert diff == {k for k, v in expect[n].items() if getattr(row[1], k) != v}, f"row {n}"
+
+
+def test_all_vs_lora_grid():
+    path = REPO / "configs" / "all-vs-lora.yaml"
+    sw = load_sweep(path)
+    assert sw.repeats >= 3
+    got = {(r.cfg.model_size, r.cfg.trainable_layers) for r in sw.runs}
+    assert got == {(s, t) for s in ("124M", "355M", "774M", "1558M")
+                   for t in ("all", "lora", "lora-merged", "lora-kernel")}
+    modes = {(r.cfg.precision, r.cfg.attention, r.cfg.ops, r.cfg.cuda_graphs, r.cfg.optimizer) for r in sw.runs}
+    assert ("fp32", "book", "book", False, "book") in modes and ("bf16", "sdpa", "fused", True, "fused") in modes
+    assert {r.cfg.batch_size for r in sw.runs} == {8, 32}  # the tokens-per-step axis
+    assert len(sw.runs) == 16 * len(modes) * 2 * sw.repeats
+    for r in sw.runs:
+        c = r.cfg
+        assert c.weights == "random" and c.skip_final_eval and c.eval_freq == 0
+        assert c.max_steps and 30 <= c.max_steps <= 200 and c.warmup_steps < c.max_steps
+    assert "timing" in path.read_text().lower() and "skip_final_eval" in path.read_text()
+
+
+def test_smoke_needs_no_download_and_stays_small():
+    sw = load_sweep(REPO / "configs" / "smoke.yaml")
+    for r in sw.runs:
+        c = r.cfg
+        assert c.model_size == "tiny" and MODEL_SIZES["tiny"] and c.weights == "random"
+        assert c.device in ("cpu", "auto") and c.max_steps <= 10 and c.skip_final_eval
+        data = Path(c.data_file)
+        assert data.is_file() and REPO in data.parents  # shipped in the repo: no download
+    assert len(sw.runs) <= 16

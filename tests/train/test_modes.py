@@ -1,0 +1,381 @@
+"""Execution modes reproduce book mode: in float32, a mode's loss trajectory is as close to book
+mode's float64 evaluation as book mode's own float32 one (tests/numerics.py); bf16 is close.
+CPU tests for what runs here; GPU-marked tests for CUDA graphs, torch.compile and bf16 on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pandas as pd
+import pytest
+import torch
+from numerics import assert_same_function, float64_runs, without_key_bias
+from rich.console import Console
+
+from lora_bench.config import TrainConfig
+from lora_bench.errors import ConfigError
+from lora_bench.model.gpt2 import build_random_model, gpt_config
+from lora_bench.train.run import execute_run
+
+
+def _losses(cfg: TrainConfig, tmp_path, run_id: str) -> tuple[list[float], dict]:
+    row = execute_run(cfg, results_dir=tmp_path, run_id=run_id, console=Console(quiet=True), progress=False,
+                      cache_dir=tmp_path / "cache")
+    return pd.read_csv(tmp_path / run_id / "steps.csv")["loss"].tolist(), row
+
+
+def _losses64(cfg: TrainConfig, tmp_path, run_id: str) -> list[float]:
+    """The run's losses evaluated in float64 (numerics.float64_runs), checked to have run so."""
+    with float64_runs() as built:
+        losses, _ = _losses(cfg, tmp_path, run_id)
+    assert len(built) == 1 and {p.dtype for p in built[0].parameters()} == {torch.float64}
+    return losses
+
+
+def _assert_same_run(got: list[float], want: list[float], ref: list[float], what: str = "") -> None:
+    """``got`` is another rounding order of the run whose float32 losses are ``want`` and float64
+    losses ``ref`` (numerics.same_function_tol)."""
+    assert 0 < len(got) == len(want) == len(ref)
+    assert_same_function(*(torch.tensor(t, dtype=torch.float64) for t in (got, want, ref)), what=what)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return without_key_bias({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((ta - tb).norm() / tb.norm())
+
+
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_sdpa_and_fused_ops_match_book_on_cpu(tiny_cfg, tmp_path, layers):
+    """25 AdamW steps: each mode's loss trajectory is as close to book mode's float64 evaluation as
+    book mode's own float32 one (numerics.same_function_tol; fused GELU's √(2/π) differs from book's
+    float32-rounded constant by 1e-8 relative, well under the bound's λu)."""
+    base = tiny_cfg.replace(trainable_layers=layers, max_steps=25, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, f"{layers}-book")
+    ref = _losses64(base, tmp_path, f"{layers}-book64")
+    for attention, ops in (("sdpa", "book"), ("book", "fused"), ("sdpa", "fused")):
+        got, _ = _losses(base.replace(attention=attention, ops=ops), tmp_path, f"{layers}-{attention}-{ops}")
+        _assert_same_run(got, book, ref, what=f"{attention}, {ops}")
+
+
+def test_bf16_autocast_close_to_book_on_cpu(tiny_cfg, tmp_path):
+    base = tiny_cfg.replace(trainable_layers="lora", max_steps=20, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, "fp32")
+    got, row = _losses(base.replace(precision="bf16"), tmp_path, "bf16")
+    assert 0 < _rel(got, book) < 3e-2  # bf16: close, not equal
+    assert row["status"] == "done"
+
+
+def test_fused_ops_are_numerically_the_book_ops():
+    a = build_random_model(gpt_config("tiny"), seed=1).double()
+    b = build_random_model(gpt_config("tiny", ops="fused", attention="sdpa"), seed=1).double()
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 50257, (2, 17))
+    # the book GELU builds sqrt(2/pi) from a float32 tensor: 1e-8-level difference even in float64
+    assert torch.allclose(a(x), b(x), rtol=1e-7, atol=1e-7)
+    assert not torch.equal(a(x), b(x))
+    c = build_random_model(gpt_config("tiny", disable_causal_mask=True, attention="sdpa"), seed=1).double()
+    d = build_random_model(gpt_config("tiny", disable_causal_mask=True), seed=1).double()
+    d.load_state_dict(c.state_dict())
+    assert torch.allclose(c(x), d(x), rtol=1e-10, atol=1e-10)
+
+
+def test_impossible_combinations_are_refused():
+    cfg = TrainConfig(weights="random", cuda_graphs=True, device="cpu", no_padding=True, batch_size=1,
+                      optimizer="adam")
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    msg = str(e.value)
+    assert "cuda_graphs needs a CUDA device" in msg and "static shapes" in msg
+    assert "optimizer='adam' is not allowed; choose one of: book, fused" in msg
+    assert "compile_scope='blocks' needs compile" in str(
+        pytest.raises(ConfigError, TrainConfig(weights="random", compile_scope="blocks").validate).value)
+    # compile inside captured graphs is a valid combination (the graphs replay compiled kernels)
+    TrainConfig(weights="random", cuda_graphs=True, compile=True).validate()
+    # neither profiler sees inside a replayed graph: refused instead of a kernel table of copies
+    for prof in ("torch", "line"):
+        msg = str(pytest.raises(ConfigError, TrainConfig(weights="random", cuda_graphs=True, profile=prof).validate).value)
+        assert f"profile={prof} cannot see inside a replayed CUDA graph" in msg and "without cuda_graphs" in msg
+
+
+@pytest.mark.parametrize("layers", ["all", "lora-kernel"])
+def test_block_scoped_compile_compiles_once_for_any_depth(layers):
+    """compile_scope=blocks: every transformer block compiled in place; a deeper model costs no
+    more compiles (one graph for the first block, whose input needs no gradient, one reused by
+    all the others), and the outputs and gradients are the eager ones."""
+    from lora_bench.classifier.book import make_trainable
+    from lora_bench.train.setup import compile_model
+
+    counts = {}
+    for n_layers in (3, 6):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch.manual_seed(0)
+        model = build_random_model(gpt_config("tiny", n_layers=n_layers, context_length=32), seed=1)
+        ref = build_random_model(gpt_config("tiny", n_layers=n_layers, context_length=32), seed=1)
+        for m in (model, ref):
+            torch.manual_seed(2)
+            make_trainable(m, TrainConfig(model_size="tiny", weights="random", trainable_layers=layers,
+                                          lora_rank=4, lora_alpha=2.0, device="cpu"))
+        ref.load_state_dict(model.state_dict())
+        ref64 = copy.deepcopy(ref).double()
+        assert compile_model(model, "blocks", backend=backend) is model
+        x = torch.randint(0, 50257, (2, 10))
+        outs = [m(x) for m in (model, ref, ref64)]
+        assert_same_function(*outs, what="outputs")
+        for out in outs:
+            out[:, -1].sum().backward()
+        assert_same_function(*map(_grads, (model, ref, ref64)), what="gradients")
+        counts[n_layers] = len(graphs)
+    assert counts[3] == counts[6] <= 2
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_compiles_lora_kernel_blocks_on_cpu():
+    """The real compiler (inductor, the default backend) lowers the lora-kernel custom ops with
+    their fake implementations and autograd formula: forward and LoRA gradients equal eager's."""
+    from lora_bench.lora import inject_lora
+    from lora_bench.lora.kernel import LinearWithLoRAKernel
+    from lora_bench.train.setup import compile_model
+
+    torch._dynamo.reset()
+    models = []
+    for _ in range(2):
+        m = build_random_model(gpt_config("tiny", context_length=32, n_layers=2), seed=1)
+        m.requires_grad_(False)
+        torch.manual_seed(2)
+        inject_lora(m, cls=LinearWithLoRAKernel, rank=4, alpha=2.0)
+        models.append(m)
+    model, ref = models
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(std=0.1)  # B starts at zero: give every gradient something to carry
+    ref.load_state_dict(model.state_dict())
+    ref64 = copy.deepcopy(ref).double()
+    x = torch.randint(0, 50257, (2, 12))
+    outs = [compile_model(model, "blocks")(x), ref(x), ref64(x)]
+    assert_same_function(*outs, what="outputs")  # inductor's fused kernels: another rounding order
+    for out in outs:
+        out[:, -1].sum().backward()
+    grads = [_grads(m) for m in (model, ref, ref64)]
+    assert_same_function(*grads, what="gradients")
+    assert len(grads[0]) == 2 * (2 * 6 + 1)  # A and B of every wrapped linear (6 per block, and the head)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(trainable_layers=layers, max_steps=20, learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    book, _ = _losses(base, tmp_path, f"{layers}-book")
+    ref = _losses64(base, tmp_path, f"{layers}-book64")
+    fused, row = _losses(base.replace(optimizer="fused"), tmp_path, f"{layers}-fused")
+    assert row["cfg_optimizer"] == "fused"
+    _assert_same_run(fused, book, ref, what="fused AdamW")
+
+
+# ---- GPU (marked; run on the device) ---------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["all", "lora"])
+def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
+                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+    eager, eager_row = _losses(base, tmp_path, f"{layers}-eager")
+    ref = _losses64(base, tmp_path, f"{layers}-eager64")
+    graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")
+    _assert_same_run(graphed, eager, ref, what="graphs")  # capturable AdamW: another rounding order
+    assert row["status"] == "done" and row["step_ms_median"] > 0
+    # the captured graphs' kernels, counted from their node lists, and the capture's one-time cost
+    fwd, bwd, opt = (row[f"graph_kernels_{p}"] for p in ("forward", "backward", "optimizer"))
+    assert fwd >= 2 * 4 and bwd > fwd and opt >= 1, (fwd, bwd, opt)  # >= a few kernels per block (2 blocks)
+    assert 0 < row["graph_capture_s"] < row["training_time_s"]
+    assert all(eager_row.get(f"graph_kernels_{p}") is None for p in ("forward", "backward", "optimizer"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel"])
+def test_graph_replayed_evaluation_matches_eager(tiny_cfg, tmp_path, layers):
+    """Periodic eval losses and final accuracies: replayed eval graphs give the eager numbers."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=12, eval_freq=4, eval_iter=3,
+                            skip_final_eval=False, lora_rank=4, lora_alpha=8.0, precision="bf16",
+                            attention="sdpa", ops="fused")
+    _, eager = _losses(base, tmp_path, f"{layers}-eager")
+    _, graphed = _losses(base.replace(cuda_graphs=True, optimizer="fused"), tmp_path, f"{layers}-graphs")
+    ev = json.loads((tmp_path / f"{layers}-eager" / "run.json").read_text())
+    gr = json.loads((tmp_path / f"{layers}-graphs" / "run.json").read_text())
+    assert len(gr["val_losses"]) == len(ev["val_losses"]) == 3
+    assert _rel(gr["val_losses"], ev["val_losses"]) < 3e-2  # bf16: capturable fused AdamW rounds differently
+    for k in ("train_acc", "val_acc", "test_acc"):
+        assert abs(graphed[k] - eager[k]) <= 5.0, k
+
+
+@pytest.mark.gpu
+def test_graphed_eval_replays_the_eager_forward(tiny_cfg):
+    """Same weights, same inputs: the replayed eval forward equals the eager one exactly, for each
+    captured shape, and follows in-place weight updates."""
+    from lora_bench.train.graphs import GraphedEval
+
+    torch.manual_seed(0)
+    model = build_random_model(gpt_config("tiny", attention="sdpa", ops="fused"), seed=1).cuda()
+    ev = GraphedEval(model).eval()
+    with torch.no_grad():
+        for shape in ((8, 20), (3, 20), (8, 20)):
+            x = torch.randint(0, 50257, shape, device="cuda")
+            assert torch.equal(ev(x), model(x))
+        next(model.parameters()).add_(0.5)  # an in-place update, as the optimizer does
+        x = torch.randint(0, 50257, (8, 20), device="cuda")
+        assert torch.equal(ev(x), model(x))
+    assert len(ev.graphs) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers,scope", [("all", "model"), ("lora", "model"), ("lora-kernel", "model"),
+                                          ("lora-kernel", "blocks")])
+def test_compile_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, scope):
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3)
+    eager, _ = _losses(base, tmp_path, f"{layers}-eager")
+    ref = _losses64(base, tmp_path, f"{layers}-eager64")
+    got, row = _losses(base.replace(compile=True, compile_scope=scope, cuda_graphs=True, optimizer="fused"),
+                       tmp_path, f"{layers}-{scope}-cg")
+    assert row["status"] == "done"
+    _assert_same_run(got, eager, ref, what="compiled, in graphs")
+
+
+@pytest.mark.gpu
+def test_grouped_qkv_trains_like_ungrouped_inside_cuda_graphs_with_fewer_kernels(tiny_cfg, tmp_path):
+    """bf16 inside CUDA graphs: lora-kernel with each block's query, key and value side by side
+    (the default) trains like the same run with the layers one by one, and its captured graphs
+    launch fewer kernels each way (per block: one fused call instead of three, one input cast)."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
+                            cuda_graphs=True, optimizer="fused")
+    grouped, row_g = _losses(base, tmp_path, "grouped")
+    plain, row_p = _losses(base.replace(group_qkv=False), tmp_path, "plain")
+    assert row_g["backend"] == row_p["backend"] == "fused"
+    assert _rel(grouped, plain) < 3e-2
+    blocks = 2  # the tiny model
+    for phase in ("forward", "backward"):
+        assert row_g[f"graph_kernels_{phase}"] <= row_p[f"graph_kernels_{phase}"] - 2 * blocks, phase
+
+
+@pytest.mark.gpu
+def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path):
+    """bf16, block-compiled inside CUDA graphs: with the threshold lowered so the MLP layers count
+    as large, the custom ops run the cuBLAS plan there (backend says so) and train like the run
+    that keeps the fused kernels everywhere."""
+    from lora_bench.kernels.policy import PlanPolicy, use_policy
+    from lora_bench.model.gpt2 import gpt_config as cfg_of
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, precision="bf16", attention="sdpa", ops="fused",
+                            compile=True, compile_scope="blocks", cuda_graphs=True, optimizer="fused")
+    fused, row_f = _losses(base, tmp_path, "fused")
+    emb = cfg_of(base.model_size).emb_dim
+    with use_policy(PlanPolicy(cpp_graph_min_weight=4 * emb * emb)):  # the MLP's two projections count as large
+        got, row_c = _losses(base, tmp_path, "cublas")
+    assert row_f["backend"] == "fused" and row_c["backend"] == "cublas+fused"
+    assert _rel(got, fused) < 3e-2
+
+
+@pytest.mark.gpu
+def test_compile_matches_eager(tiny_cfg, tmp_path):
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora", max_steps=15, lora_rank=4, lora_alpha=8.0)
+    eager, _ = _losses(base, tmp_path, "eager")
+    ref = _losses64(base, tmp_path, "eager64")
+    compiled, _ = _losses(base.replace(compile=True), tmp_path, "compiled")
+    _assert_same_run(compiled, eager, ref, what="compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bf16_on_cuda_close_to_fp32(tiny_cfg, tmp_path, graphs):
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora", max_steps=20, lora_rank=4, lora_alpha=8.0,
+                            attention="sdpa", ops="fused")
+    ref, _ = _losses(base, tmp_path, f"fp32-{graphs}")
+    got, _ = _losses(base.replace(precision="bf16", cuda_graphs=graphs), tmp_path, f"bf16-{graphs}")
+    assert _rel(got, ref) < 3e-2
+
+
+def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
+    before = torch.get_float32_matmul_precision()
+    try:
+        _, row = _losses(tiny_cfg.replace(precision="tf32", max_steps=3), tmp_path, "tf32")
+        assert row["float32_matmul_precision"] == "high" and row["tf32_matmul"] == "True"
+        _, row = _losses(tiny_cfg.replace(max_steps=3), tmp_path, "fp32")
+        assert row["float32_matmul_precision"] == "highest" and row["tf32_matmul"] == "False"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_each_compiled_run_starts_from_fresh_compiler_caches(tiny_cfg, tmp_path, monkeypatch):
+    """Inline sweeps run many models in one process: every compiled run resets dynamo first, or
+    the recompile limit would silently turn later runs eager."""
+    from lora_bench.train.context import RunContext
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    for scope in ("model", "blocks"):
+        RunContext(tiny_cfg.replace(compile=True, compile_scope=scope), cache_dir=tmp_path, progress=False)
+    RunContext(tiny_cfg, cache_dir=tmp_path, progress=False)
+    assert len(resets) == 2
+
+
+def test_backend_column_names_every_path_the_layers_take(tiny_cfg, tmp_path, monkeypatch):
+    """The backend column is what the layers ran while the loop ran, as they noted it: eager CPU
+    layers the Python Function's torch ops; kernel_plan=cpp the C++ op; a compiled
+    model the custom ops (noted when traced: the C++ op cannot be traced, so torch ops here); a
+    block-scoped compile leaves the head eager, so a run whose layers differ says both."""
+    import functools
+
+    from lora_bench.kernels import lora_cpp
+
+    cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, lora_alpha=2.0, max_steps=3, eval_freq=0)
+    _, row = _losses(cfg, tmp_path, "eager")
+    assert row["backend"] == "torch"
+    _, row = _losses(cfg.replace(trainable_layers="lora"), tmp_path, "lora")
+    assert row["backend"] == ""
+    if not lora_cpp.cpp_available():
+        pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}")
+    cfg = cfg.replace(kernel_plan="cpp")
+    _, row = _losses(cfg, tmp_path, "eager-cpp")
+    assert row["backend"] == "cpp"
+    stored = pd.read_csv(tmp_path / "runs.csv").set_index("run_id")["backend"]
+    assert stored["eager-cpp"] == "cpp" and stored["eager"] == "torch"
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))  # fast on the CPU
+    _, row = _losses(cfg.replace(compile=True), tmp_path, "compiled")
+    assert row["backend"] == "torch"
+    _, row = _losses(cfg.replace(compile=True, compile_scope="blocks"), tmp_path, "blocks")
+    assert row["backend"] == "cpp+torch"  # the head runs eagerly: the C++ op
+    torch._dynamo.reset()
+
+
+def test_compiled_plan_gives_the_largest_weights_cublas():
+    """The custom ops' plan: what the Python Function would run, except that weights of at least
+    the policy's threshold take the cuBLAS plan (as captured layers take the C++ op), and a forced
+    plan is kept as forced."""
+    import dataclasses
+
+    from lora_bench.kernels.policy import Plan, PlanPolicy, choose
+
+    def traced(policy, *, device="cuda", numel):
+        return choose(policy, device=device, dtype=torch.bfloat16, capturing=False, compiling=True,
+                      weight_numel=numel, rank=4, exact_fp32=False, have_triton=True, have_cpp=True)
+
+    small, big = 8 * 8, 16 * 8
+    policy = PlanPolicy(cpp_graph_min_weight=big)
+    assert traced(policy, device="cpu", numel=big) is Plan.TORCH  # the CPU: torch ops whatever the size
+    assert traced(policy, numel=small) is Plan.FUSED  # what CUDA bf16 gets
+    assert traced(policy, numel=big) is Plan.CUBLAS
+    assert traced(dataclasses.replace(policy, forced=Plan.FUSED), numel=big) is Plan.FUSED
