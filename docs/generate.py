@@ -492,11 +492,48 @@ def table_plan_rules() -> str:
     return _table(["", "calls", "plan", "measured", "where"], rows, align="---:|---|---|---|---")
 
 
+def _is_reference_124m_all(df: pd.DataFrame) -> pd.Series:
+    """Rows of 124M, all layers, the reference's mode (eager fp32, book ops and optimizer), batch 8,
+    on an H200, timed and not profiled."""
+    def col(name, default):
+        return df[name].astype("string").fillna(default) if name in df else pd.Series(default, index=df.index)
+    return ((col("cfg_model_size", "") == "124M") & (col("cfg_trainable_layers", "") == "all")
+            & (col("status", "") == "done") & (col("cfg_batch_size", "") == "8")
+            & col("cfg_precision", "fp32").isin(["fp32"]) & (col("cfg_cuda_graphs", "False").str.lower() != "true")
+            & col("cfg_compile", "none").isin(["none", "False", "false"]) & (col("cfg_ops", "book") == "book")
+            & (col("cfg_attention", "book") == "book") & col("cfg_optimizer", "book").isin(["book", "adamw"])
+            & col("cfg_profile", "off").isin(["off", "none"]) & col("gpu_name", "").str.contains("H200")
+            & col("cfg_nproc", "1").isin(["1"])
+            & df["step_ms_median"].notna())
+
+
+def table_spread_124m() -> str:
+    """One setting in every committed folder that holds it: 124M all layers in the reference's
+    mode on an H200, one process. Median step ms of each folder's runs (range), the environment they recorded,
+    and the measured host op cost where the runs recorded it."""
+    rows = []
+    for path in sorted(RESULTS.rglob("runs.csv")):
+        df = read_runs(path)
+        part = df[_is_reference_124m_all(df)]
+        if part.empty:
+            continue
+        steps = sorted(float(v) for v in part["step_ms_median"])
+        env = " · ".join(sorted({f"{r.cpu}, Python {r.python_version}, torch {r.torch_version}, driver {r.gpu_driver}"
+                                 for r in part.itertuples()}))
+        probe = part["host_op_us"].dropna() if "host_op_us" in part else pd.Series(dtype=float)
+        rows.append([f"`{path.parent.relative_to(ROOT).as_posix()}`", len(steps), _ms(statistics.median(steps)),
+                     f"{_ms(steps[0])}–{_ms(steps[-1])}", env,
+                     f"{statistics.median(probe):.1f}" if len(probe) else "not recorded"])
+    return _table(["folder", "runs", "step ms (median)", "range", "recorded environment", "host op µs"], rows,
+                  align="---|---:|---:|---:|---|---:")
+
+
 TABLES = {
     "answer": table_answer,
     "fastest": table_fastest,
     "study-repeats": table_study_repeats,
     "cause": table_cause,
+    "spread-124m": table_spread_124m,
     "plan-rules": table_plan_rules,
     "study-eager": table_study_eager,
     "study-graphs": table_study_graphs,

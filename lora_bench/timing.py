@@ -6,12 +6,37 @@ Modes: ``events`` (default), ``sync`` (synchronise at every boundary: perturbing
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 PHASES = ("data", "forward", "backward", "optimizer")
+HOST_PROBE_OPS = 200  # per block: far below CUDA's launch queue (about a thousand), so no launch waits
+HOST_PROBE_BLOCKS = 5
+
+
+def host_op_us(device: torch.device, *, ops: int = HOST_PROBE_OPS, blocks: int = HOST_PROBE_BLOCKS) -> float:
+    """The host's time for one small tensor op on ``device``, in µs: the median over ``blocks``
+    blocks of ``ops`` in-place adds to a one-element tensor, after one block of warm-up. On a GPU
+    the adds are launched asynchronously and the device is synchronised between blocks, outside
+    the clock, so this is the host's cost of one kernel launch through torch's dispatcher: what a
+    host-bound step pays per kernel. Two machines that report the same CPU model can differ in it
+    (clock, neighbours, power state), and so in every host-bound step time."""
+    x = torch.ones(1, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    per_op = []
+    for block in range(blocks + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            x.add_(1.0)
+        t = time.perf_counter() - t0
+        if block:
+            per_op.append(t / ops * 1e6)
+    sync(device)
+    return statistics.median(per_op)
 
 
 @dataclass

@@ -34,6 +34,8 @@ from lora_bench.report.stats import Estimate
 from lora_bench.results.schema import SETTING_PREFIX
 
 ENVIRONMENT = ("gpu_name", "gpu_driver", "torch_version", "cpu", "python_version")
+HOST_SPEED = "host_op_us"  # measured per run (timing.host_op_us): differs between hosts of one CPU model
+HOST_SPEED_TOLERANCE = 0.10  # runs of one host differ by less (the study's repeats: a few percent)
 DEFAULT_METRIC = "step_ms_median"
 SIDES = ("baseline", "candidate")
 
@@ -198,6 +200,13 @@ def environment_differences(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]
         if seen[0] != seen[1]:
             b, c = (", ".join(s) or "not recorded" for s in seen)
             out.append(f"{col}: {b} (baseline) vs {c} (candidate)")
+    probes = [pd.to_numeric(df[HOST_SPEED], errors="coerce").dropna() if HOST_SPEED in df else pd.Series(dtype=float)
+              for df in (base, cand)]
+    if all(len(p) for p in probes):
+        b, c = (float(p.median()) for p in probes)
+        if b > 0 and abs(c / b - 1) > HOST_SPEED_TOLERANCE:
+            out.append(f"{HOST_SPEED}: {b:.2f} µs (baseline) vs {c:.2f} µs (candidate), {c / b - 1:+.0%}: the hosts "
+                       "run torch ops at different speeds, and a host-bound step follows them")
     return out
 
 

@@ -87,6 +87,33 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _cpu_mhz() -> float | None:
+    """The CPU clock the OS reports: the median ``cpu MHz`` of /proc/cpuinfo over the CPUs this
+    process may run on (None where the OS does not say)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+        mhz, cpu = [], None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "processor":
+                cpu = int(value)
+            elif key.strip() == "cpu MHz" and (cpu is None or cpu in allowed):
+                mhz.append(float(value))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sorted(mhz)[len(mhz) // 2] if mhz else None
+
+
+def host_speed() -> dict:
+    """What a host-bound step's time depends on besides the CPU model: the clock the OS reports,
+    how many CPUs the process may use (pinning) and torch's intra-op threads."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    return {"cpu_mhz": _cpu_mhz(), "cpu_affinity": affinity, "torch_threads": torch.get_num_threads()}
+
+
 def _triton_version() -> str:
     try:
         import triton  # noqa: PLC0415

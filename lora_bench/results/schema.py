@@ -90,6 +90,12 @@ RUN_COLUMNS: list[Column] = [
     Column("peak_mem_allocated_mib", "float64", "MiB", "peak CUDA memory allocated", "lower"),
     Column("peak_mem_reserved_mib", "float64", "MiB", "peak CUDA memory reserved", "lower"),
     Column("peak_rss_mib", "float64", "MiB", "peak host resident memory of the process", "lower"),
+    # the host's speed, which a host-bound step's time follows (environment.host_speed, timing.host_op_us)
+    Column("host_op_us", "float64", "µs", "host time of one small tensor op on the run's device (on a GPU its "
+           "launch), median of 5 blocks of 200 before training", "lower"),
+    Column("cpu_mhz", "float64", "MHz", "CPU clock the OS reports (median over the CPUs the process may use)"),
+    Column("cpu_affinity", "Int64", "CPUs", "CPUs the process may run on"),
+    Column("torch_threads", "Int64", "threads", "torch's intra-op threads"),
     # data parallelism (`nproc` > 1: one process per GPU under torchrun; the step times are the global step's)
     Column("world_size", "Int64", "processes", "processes that ran the step together (1: one process)"),
     Column("rank_step_ms_min", "float64", "ms", "smallest per-rank median step time", "lower"),

@@ -20,13 +20,13 @@ from lora_bench.kernels.policy import record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
-from lora_bench.results.environment import environment
+from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.manifest import read_manifest, record_invocation
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUNNING, check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
-from lora_bench.timing import PhaseTimer
+from lora_bench.timing import PhaseTimer, host_op_us
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
@@ -139,7 +139,7 @@ class _Run:
                   if env is not None else None)
             self.ctx = ctx = RunContext(cfg, cache_dir=self.cache_dir, progress=self.progress, dp=dp)
             row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
-                       **environment(ctx.device))
+                       **environment(ctx.device), **host_speed(), host_op_us=host_op_us(ctx.device))
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
             row.update(self._train())

@@ -72,6 +72,19 @@ def test_settings_on_one_side_and_environment_differences_are_listed(tmp_path):
     assert c.environment == ["gpu_name: NVIDIA H200 (baseline) vs NVIDIA A100 (candidate)"]
 
 
+def test_hosts_of_different_speed_are_named(tmp_path):
+    """Two hosts that record the same environment but run torch ops at different speeds (the
+    measured host_op_us) get a warning with both medians; a 5 % difference is one host's noise."""
+    def with_probe(rows, us):
+        return [{**r, "host_op_us": us} for r in rows]
+    a = _folder(tmp_path / "a", with_probe(_rows(BASE), 6.0))
+    b = _folder(tmp_path / "b", with_probe(_rows(BASE), 9.0))
+    same = _folder(tmp_path / "c", with_probe(_rows(BASE), 6.3))
+    assert compare(a, same).environment == []
+    (warning,) = compare(a, b).environment
+    assert warning.startswith("host_op_us: 6.00 µs (baseline) vs 9.00 µs (candidate), +50%"), warning
+
+
 def test_a_setting_that_differs_is_not_matched(tmp_path):
     a = _folder(tmp_path / "a", _rows(BASE))
     b = _folder(tmp_path / "b", [dict(r, cfg_batch_size=16) for r in _rows(BASE)])

@@ -227,3 +227,41 @@ def test_gpu_timer_cost_is_small():
     from benchmarks.timer_overhead import timer_cost_us
 
     assert timer_cost_us(torch.device("cuda"), steps=500) < 1000
+
+
+def test_host_op_probe_is_the_median_block_after_a_warm_up(monkeypatch):
+    """host_op_us: the first block (warm-up) is left out and the median of the others is taken,
+    per op, in µs; read with a clock that makes block i take (i + 1) ms, the warm-up 100 ms."""
+    from lora_bench import timing
+
+    durations = iter([0.100, 0.001, 0.002, 0.003, 0.004, 0.005])
+    clock = {"t": 0.0, "start": True}
+
+    def fake_perf_counter():
+        if not clock["start"]:
+            clock["t"] += next(durations)
+        clock["start"] = not clock["start"]
+        return clock["t"]
+
+    monkeypatch.setattr(timing.time, "perf_counter", fake_perf_counter)
+    got = timing.host_op_us(torch.device("cpu"), ops=10, blocks=5)
+    assert got == pytest.approx(0.003 / 10 * 1e6)  # 300 µs: block 3 of 1..5; the 100 ms warm-up is not among them
+
+
+def test_a_run_records_the_host_speed_it_ran_at(tiny_cfg, tmp_path):
+    """What a host-bound step's time follows is recorded with every run: the op cost measured on
+    the run's device, the clock the OS reports, the CPUs the process may use, torch's threads."""
+    import os
+    from pathlib import Path
+
+    _run(tiny_cfg, tmp_path, "hs")
+    row = read_runs(tmp_path / "runs.csv").iloc[0]
+    assert 0 < row["host_op_us"] < 10_000
+    assert row["cpu_affinity"] == len(os.sched_getaffinity(0)) and row["torch_threads"] == torch.get_num_threads()
+    cpuinfo = Path("/proc/cpuinfo")
+    mhz = [float(line.split(":")[1]) for line in cpuinfo.read_text().splitlines()
+           if line.startswith("cpu MHz")] if cpuinfo.exists() else []
+    if mhz:
+        assert min(mhz) <= row["cpu_mhz"] <= max(mhz)
+    else:
+        assert pd.isna(row["cpu_mhz"])
