@@ -4,7 +4,8 @@ a lock) and the per-step CSVs, each written atomically.
 ``runs.csv`` is read strictly: a file that is not lora-bench's table (binary, empty, a quote never
 closed, another program's CSV without ``run_id``) raises one ResultsError naming the file, and a
 row cut mid-way (fewer fields than the header, or a last line without its newline) is never read as
-a result. Each run's ``<run_id>/run.json`` is written before its row and wins over it."""
+a result. Each run's ``<run_id>/run.json`` wins over its row: it is the commit point of a save
+(lora_bench.results.save), and only the folder named by a run's id holds its record."""
 
 from __future__ import annotations
 
@@ -385,7 +386,7 @@ def _stderr_warning(message: str) -> None:
 
 def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = _stderr_warning) -> list[dict]:
     """Rows (as text, like runs.csv) of one results folder: runs.csv, plus any ``<run_id>/run.json``
-    it lacks. run.json is written before runs.csv, so it is never older and wins. A row of runs.csv
+    it lacks. run.json is a save's commit point (runs.csv may lag it by one write), so it wins. A row of runs.csv
     cut mid-way counts only through its run.json; without one it is left out, with a warning."""
     rows: dict[str, dict] = {}
     csv_path = Path(results_dir) / RUNS_CSV
