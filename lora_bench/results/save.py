@@ -27,20 +27,9 @@ from pathlib import Path
 
 from lora_bench.errors import SaveError
 from lora_bench.fileio import atomic_write_text, overwrite_in_place
+from lora_bench.results.records import RUN_RECORD, STEPS_CSV, record_text, run_record, with_row, write_record
 from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import (
-    FINISHED,
-    RUN_RECORD,
-    RUNS_CSV,
-    STEPS_CSV,
-    csv_text,
-    record_text,
-    remove_runs,
-    run_record,
-    upsert_run,
-    with_row,
-    write_record,
-)
+from lora_bench.results.store import FINISHED, RUNS_CSV, csv_text, remove_runs, upsert_run
 from lora_bench.signals import signals_deferred
 
 # what a file system says when it takes no more: full, over quota, past the file-size limit

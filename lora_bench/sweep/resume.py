@@ -10,14 +10,13 @@ from pathlib import Path
 from lora_bench.config import TrainConfig
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
+from lora_bench.results.records import RUN_RECORD, settle_run
 from lora_bench.results.store import (
     FINISHED,
-    RUN_RECORD,
     RUNS_CSV,
     read_run_table,
     remove_runs,
     result_rows,
-    settle_run,
     text_value,
     upsert_run,
 )
