@@ -21,7 +21,8 @@ from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, Sav
 from lora_bench.escaping import markup
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
 from lora_bench.results.manifest import read_manifest
-from lora_bench.results.store import FINISHED, check_results_dir, result_rows, run_record
+from lora_bench.results.records import run_record
+from lora_bench.results.store import FINISHED, check_results_dir, result_rows
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
