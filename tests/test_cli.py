@@ -201,3 +201,26 @@ def test_an_error_naming_a_hostile_path_sends_no_control_sequence(run_cli, tmp_p
     code, out = run_cli("train", *TINY, "--config", tmp_path / "a\x1b[2J[bold]b[/bold].yaml")
     _assert_clean_usage_error(code, out, "no such file", "\\x1b[2J[bold]b[/bold].yaml")
     assert "\x1b" not in out
+
+
+def test_the_summary_under_the_phase_table_breaks_between_items_only():
+    """At 100 columns (and narrower) every item of the run's summary stays on one line."""
+    import io
+
+    from rich.console import Console
+
+    from lora_bench.report.phase_table import phase_table
+
+    row = {"run_id": "tiny-all-0123456789-r0", "model_size": "tiny", "trainable_layers": "all", "device": "cpu",
+           "timing_clock": "host", "status": "done", "tokens_per_s": 1241.0, "achieved_tflops": 0.001,
+           "eval_s": 0.22, "training_time_s": 0.58, "measured_steps": 2, "phase_sum_pct": 0.0,
+           **{f"{p}_ms_{s}": 1.0 for p in ("data", "forward", "backward", "optimizer", "step")
+              for s in ("median", "p10", "p90")}}
+    items = ["tokens/s 1241", "TFLOP/s 0.00", "eval s 0.22", "train s 0.58", "steps measured 2",
+             "Σ phase medians vs step % 0.0"]
+    for width in (100, 72, 40):
+        buf = io.StringIO()
+        Console(file=buf, width=width, color_system=None).print(phase_table(row))
+        lines = buf.getvalue().splitlines()
+        for item in items:
+            assert any(item in line for line in lines), (width, item, lines[-4:])
