@@ -224,3 +224,16 @@ def test_the_summary_under_the_phase_table_breaks_between_items_only():
         lines = buf.getvalue().splitlines()
         for item in items:
             assert any(item in line for line in lines), (width, item, lines[-4:])
+
+
+def test_piped_training_prints_plain_progress_lines(run_cli, tmp_path, sms_file):
+    """Off a terminal the live progress line becomes plain lines (first step, each epoch, the last
+    step); --no-progress prints none."""
+    args = ("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu", "--max-steps", "3",
+            "--warmup-steps", "0", "--eval-freq", "0", "--skip-final-eval", "--data-file", sms_file,
+            "--cache-dir", tmp_path / "c")
+    code, out = run_cli(*args, "--results-dir", tmp_path / "a")
+    assert code == 0, out
+    assert "epoch 1  1/3  loss" in out and "epoch 1  3/3  loss" in out and "\x1b" not in out, out
+    code, out = run_cli(*args, "--results-dir", tmp_path / "b", "--no-progress")
+    assert code == 0 and "1/3  loss" not in out, out

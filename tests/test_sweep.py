@@ -340,3 +340,18 @@ def test_labels_reach_the_terminal_as_text(tmp_path, monkeypatch, capsys, run_cl
         code, out = run_cli(*args)
         assert code == 2 and "\x1b" not in out and "\x07" not in out, out
         assert "runs[0].label" in out and "control character" in out and "\\x1b" in out, out
+
+
+def test_piped_output_says_which_run_starts(tmp_path, monkeypatch, capsys, run_cli):
+    """Off a terminal there is no live bar: each run's start is a plain line (and not with
+    --no-progress); its end was one already."""
+    path = write(tmp_path, "name: piped\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    common = ("--isolation", "inline", "--cache-dir", tmp_path / "cache")
+    code, out = run_cli("sweep", path, *common, "--results-dir", tmp_path / "a")
+    assert code == 0, out
+    ids = [r.run_id for r in load_sweep(path).runs]
+    assert f"started 1/2  {ids[0]}" in out and f"started 2/2  {ids[1]}" in out, out
+    assert out.index("started 1/2") < out.index("done") < out.index("started 2/2")
+    assert "\r" not in out and "\x1b" not in out
+    code, out = run_cli("sweep", path, *common, "--results-dir", tmp_path / "b", "--no-progress")
+    assert code == 0 and "started 1/2" not in out, out
