@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError, UsageError
-from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, publish, read_capped
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, not_a_file, publish, read_capped
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -126,9 +126,12 @@ def read_data_file(path: Path) -> bytes:
     """The bytes of a raw data file, refused (DataError) when it is missing or larger than
     ``MAX_DATA_BYTES``, before more than that is read."""
     path = Path(path)
-    if not path.is_file():
+    why = not_a_file(path)
+    if why == "no such file":
         raise DataError(f"data file not found: {path} (pass --data-file with the raw SMSSpamCollection TSV, "
                         "or leave it out to download it)")
+    if why:
+        raise DataError(f"data file {path}: {why}; give the raw SMSSpamCollection TSV file")
     try:
         return read_capped(path, MAX_DATA_BYTES)
     except TooLarge as e:

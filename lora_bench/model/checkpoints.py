@@ -122,8 +122,8 @@ def _read_settings(ckpt_dir: Path) -> dict:
     except TooLarge as exc:
         raise CheckpointError(f"{path} has {exc.size:,} bytes, more than the {MAX_HPARAMS_BYTES:,} an hparams.json may "
                               f"have; {_missing_hint(ckpt_dir)}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} ({exc}); {_missing_hint(ckpt_dir)}") from exc
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+        raise CheckpointError(f"cannot read {path} ({exc}); {_missing_hint(ckpt_dir)}") from None
     if not isinstance(settings, dict):
         raise CheckpointError(f"{path} is not a mapping of settings (n_layer, n_embd, …); {_missing_hint(ckpt_dir)}")
     return settings

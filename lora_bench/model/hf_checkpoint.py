@@ -240,8 +240,8 @@ def read_hf_settings(folder: Path) -> dict:
     except TooLarge as exc:
         raise CheckpointError(f"{path} has {exc.size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config.json may "
                               "have; delete it, or pass --weights-dir") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} ({exc}); delete it, or pass --weights-dir") from exc
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+        raise CheckpointError(f"cannot read {path} ({exc}); delete it, or pass --weights-dir") from None
     if not isinstance(settings, dict):
         raise CheckpointError(f"{path} is not a mapping of settings; delete it, or pass --weights-dir")
     return settings

@@ -41,7 +41,7 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         raise _bad_header(path, "its header is not JSON") from None
     if not isinstance(header, dict) or len(header) > MAX_TENSORS + 1:
         raise _bad_header(path, f"its header is not a mapping of at most {MAX_TENSORS:,} tensors")
