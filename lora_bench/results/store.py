@@ -23,13 +23,18 @@ import pandas as pd
 
 from lora_bench.errors import ResultsError, UsageError
 from lora_bench.escaping import csv_cell, csv_value
-from lora_bench.fileio import atomic_write_text, check_writable_dir
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, read_capped
 from lora_bench.results.schema import column_index, run_column_names
+from lora_bench.safe_yaml import short_repr
 
 RUNS_CSV = "runs.csv"
 RUN_RECORD = "run.json"
 TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
 REQUIRED = ("run_id", "status")
+# Read only up to these sizes: a 100,000-run sweep's runs.csv holds about 300 MB (3 KB a row); a
+# run.json holds one row, the run's log lines and its loss curves (kilobytes).
+MAX_TABLE_BYTES = 1 << 30
+MAX_RECORD_BYTES = 64 << 20
 
 
 def write_csv(path: Path, rows: Iterable[dict], columns: list[str]) -> None:
@@ -90,7 +95,10 @@ def read_run_table(path: Path) -> RunTable:
     """Parse ``runs.csv`` strictly (see the module's docstring); raises ResultsError."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, MAX_TABLE_BYTES)
+    except TooLarge as e:
+        raise _not_a_table(path, f"it has {e.size:,} bytes, more than the {MAX_TABLE_BYTES:,} a runs.csv may have") \
+            from None
     except OSError as e:
         raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
     if not data.strip():
@@ -116,8 +124,8 @@ def read_run_table(path: Path) -> RunTable:
         records.append(next(csv.reader(io.StringIO(text[lines.marked:], newline="")), []))
     header = [csv_value(h) for h in records[0]] if records else []
     if not set(REQUIRED) <= set(header):
-        shown = ", ".join((header or [])[:6])
-        raise _not_a_table(path, f"its header ({shown[:200]}) has no {' and '.join(REQUIRED)} columns")
+        shown = ", ".join(short_repr(h, 24) for h in (header or [])[:6])  # cut short: maybe not a table at all
+        raise _not_a_table(path, f"its header ({shown}) has no {' and '.join(REQUIRED)} columns")
     table = RunTable(header=header)
     body = records[1:]
     for i, rec in enumerate(body):
@@ -176,8 +184,8 @@ def locked(path: Path):
 def run_record(run_dir: Path) -> dict | None:
     """The row in ``<run_dir>/run.json``, or None when absent, half-written or foreign."""
     try:
-        row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
-    except (OSError, ValueError, KeyError, TypeError):
+        row = json.loads(read_capped(Path(run_dir) / RUN_RECORD, MAX_RECORD_BYTES))["row"]
+    except (OSError, ValueError, KeyError, TypeError, TooLarge, RecursionError):
         return None
     return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
 
