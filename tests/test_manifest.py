@@ -231,3 +231,13 @@ def test_committed_results_have_manifests_and_an_up_to_date_index():
     for n in names:
         assert json.loads((root / n / man.MANIFEST).read_text())["description"], n
     assert (root / "README.md").read_text() == render_index(root, names=names), "run `lora-bench results index results`"
+
+
+def test_index_shows_a_rows_device_as_text(tmp_path):
+    """A device name from the rows (any text a runs.csv holds) cannot inject HTML or break the table."""
+    row = {**_row("r1", started="2026-01-01T00:00:00+00:00"), "gpu_name": "<script>x</script> | [a](javascript:y)"}
+    write_csv(tmp_path / "f" / "runs.csv", [row], run_column_names())
+    text = render_index(tmp_path)
+    assert "<script>" not in text and "&lt;script&gt;" in text and "\\[a\\]" in text
+    table = [line for line in text.splitlines() if line.startswith("| [`f/`]")]
+    assert len(table) == 1 and table[0].count(" | ") == 4, table
