@@ -43,6 +43,10 @@ SPLITS_MANIFEST = "sha256.json"  # the splits' hashes, written with them, checke
 # corpus of the same kind many times larger, while the file, its pandas frame and its tokens (Python
 # ints, about ten times the file's bytes) stay within a few hundred MB on any machine that trains GPT-2.
 MAX_DATA_BYTES = 16 * 2**20
+# Tokens of a split once every text is padded to the same length: 50 times the corpus's training
+# split at the model's whole context (1,045 texts × 1,024 tokens), about 400 MB of token lists. A
+# file within MAX_DATA_BYTES of many short texts and one long one would otherwise pad to many GB.
+MAX_PADDED_TOKENS = 50_000_000
 # The reference balances by sampling as many ham as there are spam messages, then splits 70/10/20
 # with int() rounding: the validation split gets a message only from 10 balanced messages on.
 MIN_SPAM = 5
@@ -262,6 +266,10 @@ class SpamDataset(Dataset):
             max_length = max(len(t) for t in self.encoded_texts)
         self.max_length = max_length
         self.encoded_texts = [t[:max_length] for t in self.encoded_texts]
+        if not no_padding and len(self.encoded_texts) * max_length > MAX_PADDED_TOKENS:
+            raise DataError(f"{csv_file}: {len(self.encoded_texts):,} texts padded to {max_length:,} tokens each would "
+                            f"hold {len(self.encoded_texts) * max_length:,} tokens, more than {MAX_PADDED_TOKENS:,}; "
+                            "pass a shorter --context-length (texts are cut to it) or use a smaller data file")
         if not no_padding:
             self.encoded_texts = [t + [pad_token_id] * (max_length - len(t)) for t in self.encoded_texts]
         self.labels = self.data["Label"].tolist()
