@@ -237,3 +237,20 @@ def test_piped_training_prints_plain_progress_lines(run_cli, tmp_path, sms_file)
     assert "epoch 1  1/3  loss" in out and "epoch 1  3/3  loss" in out and "\x1b" not in out, out
     code, out = run_cli(*args, "--results-dir", tmp_path / "b", "--no-progress")
     assert code == 0 and "1/3  loss" not in out, out
+
+
+def test_a_bad_setting_is_refused_before_torch_is_imported(tmp_path):
+    """A value past a setting's bound, or a settings file past its size, answers at once: the
+    training stack (torch, seconds to import) is not loaded for it."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(2 * 10**9)
+    for args in (["--n-layers", "100000000"], ["--config", str(big)]):
+        probe = ("import sys; from lora_bench.cli import main\n"
+                 f"sys.argv = ['lora-bench', 'train', *{args!r}]\n"
+                 "try:\n    main()\nexcept SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip().endswith("exit 2 False"), out.stdout + out.stderr
