@@ -8,22 +8,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lora_bench.fileio import atomic_write_text
+from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
 from lora_bench.results.claims import is_claimed, try_claim
 
 RUN_RECORD = "run.json"
 STEPS_CSV = "steps.csv"
 RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
+# read only up to this size: a run.json holds one row, the run's log lines and its loss curves (kilobytes)
+MAX_RECORD_BYTES = 64 << 20
 DIED = ("its process ended before recording how the run ended (killed outright, e.g. by SIGKILL or the "
         "out-of-memory killer, or the machine stopped)")
 
 
 def _record_row(run_dir: Path) -> dict | None:
     """The row stored in ``<run_dir>/run.json`` whatever run it names, or None when absent,
-    half-written or not a record."""
+    half-written, past MAX_RECORD_BYTES (not read), or not a record."""
     try:
-        row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
-    except (OSError, ValueError, KeyError, TypeError):
+        row = json.loads(read_capped(Path(run_dir) / RUN_RECORD, MAX_RECORD_BYTES))["row"]
+    except (OSError, ValueError, KeyError, TypeError, TooLarge, RecursionError):  # RecursionError: nested deep
         return None
     return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
 

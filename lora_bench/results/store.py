@@ -24,11 +24,12 @@ import pandas as pd
 
 from lora_bench.errors import ResultsError, UsageError
 from lora_bench.escaping import csv_cell, csv_value
-from lora_bench.fileio import atomic_write_text, check_writable_dir, names_file
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, names_file, read_capped
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
 from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, STEPS_CSV, copied_record, run_record, settle_run
 from lora_bench.results.schema import run_column_names
+from lora_bench.safe_yaml import short_repr
 
 RUNS_CSV = "runs.csv"
 STEPS_MAX_BYTES = 512 * 2**20  # a million steps of every column is about 200 MiB
@@ -37,6 +38,8 @@ LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modif
 REQUIRED = ("run_id", "status")
 # ran to their end: a resume does not run them again (a diverged run would diverge again)
 FINISHED = ("done", "diverged")
+# Read only up to this size: a 100,000-run sweep's runs.csv holds about 300 MB (3 KB a row)
+MAX_TABLE_BYTES = 1 << 30
 
 
 def csv_text(rows: Iterable[dict], columns: list[str]) -> str:
@@ -102,7 +105,10 @@ def read_run_table(path: Path) -> RunTable:
     """Parse ``runs.csv`` strictly (see the module's docstring); raises ResultsError."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, MAX_TABLE_BYTES)
+    except TooLarge as e:
+        raise _not_a_table(path, f"it has {e.size:,} bytes, more than the {MAX_TABLE_BYTES:,} a runs.csv may have") \
+            from None
     except OSError as e:
         raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
     if not data.strip():
@@ -128,8 +134,8 @@ def read_run_table(path: Path) -> RunTable:
         records.append(next(csv.reader(io.StringIO(text[lines.marked:], newline="")), []))
     header = [csv_value(h) for h in records[0]] if records else []
     if not set(REQUIRED) <= set(header):
-        shown = ", ".join((header or [])[:6])
-        raise _not_a_table(path, f"its header ({shown[:200]}) has no {' and '.join(REQUIRED)} columns")
+        shown = ", ".join(short_repr(h, 24) for h in (header or [])[:6])  # cut short: maybe not a table at all
+        raise _not_a_table(path, f"its header ({shown}) has no {' and '.join(REQUIRED)} columns")
     table = RunTable(header=header)
     body = records[1:]
     for i, rec in enumerate(body):
