@@ -12,6 +12,17 @@ from pathlib import Path
 CHUNK = 1 << 20
 
 
+def not_a_file(path: Path | str) -> str | None:
+    """Why ``path`` cannot be read as an input file, in a few words ("no such file", "a folder", "not
+    a regular file (a pipe, device or socket)"), or None when it is a regular file."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "a folder, not a file"
+    return "not a regular file (a pipe, device or socket)" if path.exists() else "no such file"
+
+
 class TooLarge(Exception):
     """A file holds more bytes than the reader allows; ``size`` is its size when the file system
     tells it, else the bytes read before stopping (limit + 1)."""

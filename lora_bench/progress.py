@@ -8,7 +8,11 @@ would synchronise the GPU), format one line and rewrite it in place. There is no
 background redraw takes the GIL at random points of a host-bound step), and the line is written
 directly rather than laid out by rich's Live/Progress, whose redraw costs a few milliseconds of
 Python. Whatever the console prints meanwhile (evaluation lines) clears the line first, through a
-rich render hook, so nothing is garbled; the next refresh draws it again below."""
+rich render hook, so nothing is garbled; the next refresh draws it again below.
+
+Off a terminal (a pipe, a log file) nothing is rewritten in place: a plain line is printed on the
+first step, when an epoch begins, at most every ``PLAIN_EVERY_S`` seconds in between, and after the
+last step, so a log shows the run moving. ``enabled=False`` (``--no-progress``) prints nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from rich.control import Control
 from rich.segment import ControlType
 
 REFRESH_PER_S = 2.0
+PLAIN_EVERY_S = 30.0  # off a terminal: a line at most this often (and at each epoch)
 CLEAR = "\r\x1b[2K"  # carriage return, erase the whole line
 
 
@@ -52,12 +57,14 @@ class _StatusLine(RenderHook):
 
 class TrainProgress:
     def __init__(self, console: Console, *, total: int, enabled: bool, timer=None,
-                 refresh_per_s: float = REFRESH_PER_S):
+                 refresh_per_s: float = REFRESH_PER_S, plain_every_s: float = PLAIN_EVERY_S):
         self.console = console
-        self.enabled = enabled and console.is_terminal  # a log file gets the evaluation lines only
+        self.enabled = enabled and console.is_terminal  # the line rewritten in place
+        self.plain = enabled and not console.is_terminal  # a pipe or a log: plain lines now and then
         self.timer = timer
         self.total = total
-        self.interval = 1.0 / refresh_per_s
+        self.interval = 1.0 / refresh_per_s if self.enabled else plain_every_s
+        self._shown_step = -1  # the step of the last plain line
         self.refreshes = 0
         self._line = _StatusLine(console) if self.enabled else None
         self._last_loss = float("nan")
@@ -76,39 +83,52 @@ class TrainProgress:
         if self.enabled:
             self.console.pop_render_hook()
             self._line.clear()
+        elif self.plain and self._step > self._shown_step:  # where the run ended
+            self.refresh()
         return False
 
     def update(self, step: int, epoch: int, loss) -> None:
-        """Called after every step: a clock read and a comparison; a redraw when one is due."""
-        if not self.enabled:
+        """Called after every step: a clock read and a comparison; a redraw when one is due (off a
+        terminal also when an epoch begins)."""
+        if not (self.enabled or self.plain):
             return
+        new_epoch = epoch != self._epoch
         self._step, self._epoch = step, epoch
         now = time.perf_counter()
-        if now < self._next:
+        if now < self._next and not (self.plain and new_epoch):
             return
         self._next = now + self.interval
         self.refresh(now)
 
     def refresh(self, now: float | None = None) -> None:
-        """Read the last loss the timer has resolved (no sync), format the line and draw it."""
+        """Read the last loss the timer has resolved (no sync), format the line and draw it (off a
+        terminal: print it)."""
         if self.timer is not None and self.timer.records:
             last = self.timer.records[-1].loss
             if isinstance(last, float):
                 self._last_loss = last
-        self._line.show(self.line(time.perf_counter() if now is None else now))
+        now = time.perf_counter() if now is None else now
+        if self.enabled:
+            self._line.show(self.line(now))
+        else:
+            self.console.print(self.line(now), markup=False, highlight=False)
+            self._shown_step = self._step
         self.refreshes += 1
 
     def line(self, now: float) -> str:
-        """'epoch 1  ━━━━━━━━━━━━──────────  120/450  loss 0.512  0:00:12 < 0:00:33'"""
+        """'epoch 1  ━━━━━━━━━━━━──────────  120/450  loss 0.512  0:00:12 < 0:00:33'; off a terminal
+        without the bar."""
         done = self._step + 1
         frac = min(done / self.total, 1.0) if self.total else 0.0
-        width = max(10, min(40, self._line.width - 60))
-        filled = int(frac * width)
         elapsed = now - self._t0
         eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
         loss = "-" if math.isnan(self._last_loss) else f"{self._last_loss:.3f}"
-        return (f"epoch {self._epoch}  {'━' * filled}{'─' * (width - filled)}  {done}/{self.total}  "
-                f"loss {loss}  {_clock(elapsed)} < {_clock(eta)}")
+        bar = ""
+        if self._line is not None:
+            width = max(10, min(40, self._line.width - 60))
+            filled = int(frac * width)
+            bar = f"{'━' * filled}{'─' * (width - filled)}  "
+        return f"epoch {self._epoch}  {bar}{done}/{self.total}  loss {loss}  {_clock(elapsed)} < {_clock(eta)}"
 
 
 def _clock(seconds: float) -> str:

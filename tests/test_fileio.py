@@ -49,3 +49,15 @@ def test_a_pipe_is_refused_without_blocking(tmp_path):
     t.join(timeout=10)
     assert not t.is_alive(), "reading a pipe blocked"
     assert result and "not a regular file" in str(result[0])
+
+
+def test_not_a_file_says_what_is_there(tmp_path):
+    from lora_bench.fileio import not_a_file
+
+    (tmp_path / "f").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    assert not_a_file(tmp_path / "f") is None
+    assert not_a_file(tmp_path) == "a folder, not a file"
+    assert not_a_file(tmp_path / "fifo").startswith("not a regular file")
+    assert not_a_file("/dev/zero").startswith("not a regular file")
+    assert not_a_file(tmp_path / "missing") == "no such file"

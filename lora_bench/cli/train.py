@@ -105,13 +105,14 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
     it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
     torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
+    # the settings alone first: a bad value or file answers before torch and the training stack load
+    cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
     from lora_bench.train.distributed import exit_rank, rank_device, rank_env, rank_errors
     from lora_bench.train.identity import make_run_id
     from lora_bench.train.preflight import check_machine
     from lora_bench.train.run import execute_run
 
     env = rank_env()
-    cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
     if env is not None:
         rank_device(env, cfg.device)
     check_machine(cfg, name_of=name_of)

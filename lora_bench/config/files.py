@@ -10,6 +10,7 @@ from typing import Any
 from lora_bench.config.declaration import PATH_SETTINGS, SETTINGS
 from lora_bench.config.rules import Problem, problem, raw, render, unknown_key_problems, value_problems
 from lora_bench.errors import ConfigError
+from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load_file
 from lora_bench.safe_yaml import describe, parse_scalar
 
@@ -55,8 +56,9 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     ``base``), path settings resolved against the file's folder; ConfigError (naming the file)
     lists every unknown key and bad value."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"no such file{' (a folder)' if path.is_dir() else ''}"], source=str(path))
+    why = not_a_file(path)
+    if why:
+        raise ConfigError([why], source=str(path))
     data = load_file(path)
     if data is None:
         return {}

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError, UsageError
-from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, publish, read_capped
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, not_a_file, publish, read_capped
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -42,6 +42,10 @@ SOURCE_KEY = "source_sha256"
 # corpus of the same kind many times larger, while the file, its pandas frame and its tokens (Python
 # ints, about ten times the file's bytes) stay within a few hundred MB on any machine that trains GPT-2.
 MAX_DATA_BYTES = 16 * 2**20
+# Tokens of a split once every text is padded to the same length: 50 times the corpus's training
+# split at the model's whole context (1,045 texts × 1,024 tokens), about 400 MB of token lists. A
+# file within MAX_DATA_BYTES of many short texts and one long one would otherwise pad to many GB.
+MAX_PADDED_TOKENS = 50_000_000
 # The reference balances by sampling as many ham as there are spam messages, then splits 70/10/20
 # with int() rounding: the validation split gets a message only from 10 balanced messages on.
 MIN_SPAM = 5
@@ -122,9 +126,12 @@ def raw_bytes(path: Path) -> bytes:
     """The data file's bytes, read once (what is hashed is what is parsed), refused (DataError)
     when it is missing or larger than ``MAX_DATA_BYTES``, before more than that is read."""
     path = Path(path)
-    if not path.is_file():
+    why = not_a_file(path)
+    if why == "no such file":
         raise DataError(f"data file not found: {path} (pass --data-file with the raw SMSSpamCollection TSV, "
                         "or leave it out to use the copy shipped with lora-bench)")
+    if why:
+        raise DataError(f"data file {path}: {why}; give the raw SMSSpamCollection TSV file")
     try:
         return read_capped(path, MAX_DATA_BYTES)
     except TooLarge as e:
@@ -277,6 +284,10 @@ class SpamDataset(Dataset):
             max_length = max(len(t) for t in self.encoded_texts)
         self.max_length = max_length
         self.encoded_texts = [t[:max_length] for t in self.encoded_texts]
+        if not no_padding and len(self.encoded_texts) * max_length > MAX_PADDED_TOKENS:
+            raise DataError(f"{csv_file}: {len(self.encoded_texts):,} texts padded to {max_length:,} tokens each would "
+                            f"hold {len(self.encoded_texts) * max_length:,} tokens, more than {MAX_PADDED_TOKENS:,}; "
+                            "pass a shorter --context-length (texts are cut to it) or use a smaller data file")
         if not no_padding:
             self.encoded_texts = [t + [pad_token_id] * (max_length - len(t)) for t in self.encoded_texts]
         self.labels = self.data["Label"].tolist()

@@ -145,6 +145,8 @@ def read_settings_file(path: Path, *, hint: str, max_bytes: int = MAX_HPARAMS_BY
         data = json.loads(text, parse_constant=refuse)
     except ValueError as exc:
         raise CheckpointError(f"{path} is not JSON settings ({exc}); {hint}") from None
+    except RecursionError:  # JSON nested thousands deep: past the parser's recursion limit
+        raise CheckpointError(f"cannot read {path} (its JSON is nested too deep); {hint}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object of settings; {hint}")
     for key in SIZE_SETTINGS:

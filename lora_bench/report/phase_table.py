@@ -1,9 +1,11 @@
-"""Terminal rendering of one run's phase breakdown (device vs host, median and spread)."""
+"""Terminal rendering of one run's phase breakdown (device vs host, median and spread), and the
+run's summary under it (tokens/s, TFLOP/s, …), wrapped between its items, never inside one."""
 
 from __future__ import annotations
 
 import math
 
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -24,8 +26,32 @@ def _fmt(v, digits: int = 2) -> str:
     return "-" if f is None else f"{f:.{digits}f}"
 
 
-def phase_table(row: dict) -> Table:
-    """Median [p10–p90] per phase, device and host, with the bound verdict."""
+class Summary:
+    """Items such as 'tokens/s 1241' on as few lines as the console's width allows, separated by
+    ' · ': a line breaks between two items, never inside one (rich would wrap a caption at the
+    table's width, in the middle of a label)."""
+
+    SEP = "  ·  "
+
+    def __init__(self, items: list[str]):
+        self.items = items
+
+    def lines(self, width: int) -> list[str]:
+        out: list[str] = []
+        for item in self.items:
+            if out and len(out[-1]) + len(self.SEP) + len(item) <= width:
+                out[-1] += self.SEP + item
+            else:
+                out.append(item)
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for line in self.lines(options.max_width):
+            yield Text(line, no_wrap=True, overflow="fold")
+
+
+def phase_table(row: dict) -> Group:
+    """Median [p10–p90] per phase, device and host, with the bound verdict; the run's summary under it."""
     clock = row.get("timing_clock") or "off"
     title = (f"{row.get('run_id', '')}  ·  {row.get('model_size')} {row.get('trainable_layers')}"
              f"  ·  {row.get('device', '')} {row.get('gpu_name') or ''}  ·  clock: {clock}")
@@ -59,7 +85,4 @@ def phase_table(row: dict) -> Table:
                           ("phase_sum_pct", "Σ phase medians vs step %", 1)):
         if _num(row.get(key)) is not None:
             extras.append(f"{label} {_fmt(row.get(key), d)}")
-    if extras:
-        t.caption = "  ·  ".join(extras)
-        t.caption_justify = "left"
-    return t
+    return Group(t, Summary(extras)) if extras else Group(t)

@@ -19,8 +19,9 @@ import pandas as pd
 from lora_bench.errors import ResultsError
 from lora_bench.report.load import RUN_DIR
 from lora_bench.report.stats import REPEATS, STEPS, Estimate, Sample, median_interval
+from lora_bench.results.records import STEPS_CSV
 from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import STEPS_CSV, read_steps
+from lora_bench.results.store import read_steps
 
 STEP_VALUES = {c.name for c in STEP_COLUMNS if c.dtype == "float64"}
 THROUGHPUTS = ("tokens_per_s", "achieved_tflops", "mfu")  # inversely proportional to the step time

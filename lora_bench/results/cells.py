@@ -18,7 +18,8 @@ RENAMED_BACKENDS = {"triton": "fused", "cpp-direct": "direct", "cublas-streams":
 def runs_frame(df: pd.DataFrame, *, source: str = "runs.csv",
                warn: Callable[[str], None] = lambda message: None) -> pd.DataFrame:
     """Rows as text (runs.csv's cells) -> the schema's dtypes. A cell its column cannot hold (text
-    in a number column, a fraction, inf or a number past int64 in a count) is read as blank, and ``warn`` names the column, the runs and the values."""
+    in a number column, a fraction, inf or a number past int64 in a count) is read as blank, and
+    ``warn`` names the column, the runs and the values."""
     for name, col in column_index().items():
         if name in df.columns:
             df[name], bad = _convert(df[name], col.dtype)

@@ -50,8 +50,10 @@ def source_commit() -> SourceCommit:
         sha = proc.stdout.strip() if proc.returncode == 0 else ""
         if not sha:
             return SourceCommit("", None, "unknown")
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        # no optional locks: asking must not write .git/index.lock, which a process killed meanwhile
+        # (or past its file-size limit) would leave behind, blocking the user's next git command
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return SourceCommit("", None, "unknown")
     return SourceCommit(sha, bool(dirty), "git")

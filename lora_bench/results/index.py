@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lora_bench.escaping import markdown_cell
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import CLAIM_NAME
 from lora_bench.results.manifest import MANIFEST, RECONSTRUCTED, UNKNOWN, read_manifest
@@ -129,7 +130,8 @@ def summarise(folder: Path) -> FolderSummary:
 def _cell(items: list[str], *, code: bool = False) -> str:
     if not items:
         return UNKNOWN
-    return "<br>".join(f"`{i}`" if code and i != UNKNOWN else i for i in items).replace("|", "\\|")
+    # a pipe is escaped once: markdown_cell escapes its own, and a second backslash would end the cell
+    return "<br>".join(f"`{i}`".replace("|", "\\|") if code and i != UNKNOWN else markdown_cell(i) for i in items)
 
 
 REPRODUCE = re.compile(r"Reproduce: `([^`]+)`")
@@ -202,7 +204,7 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
             lines.append(f"- command{'s' if len(s.commands) > 1 else ''}: {commands}"
                          + (f" ({RECONSTRUCTED})" if s.reconstructed else ""))
             lines.append(f"- source commit{'s' if len(s.commits) > 1 else ''}: {', '.join(s.commits) or UNKNOWN}")
-            lines.append(f"- device: {', '.join(s.devices) or UNKNOWN}")
+            lines.append(f"- device: {', '.join(map(markdown_cell, s.devices)) or UNKNOWN}")  # from the rows: any text
             lines.append(f"- dates (UTC): {' to '.join(s.dates) or UNKNOWN}")
             if s.runs:
                 lines.append(f"- runs: {s.runs} in {_cell(s.row_files, code=True).replace('<br>', ', ')} "

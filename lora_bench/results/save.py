@@ -9,7 +9,7 @@ behind, never a record at odds with itself, and the next write into the folder b
 line. Terminating signals that arrive during a save wait until it is done
 (lora_bench.signals.signals_deferred). A process killed outright (SIGKILL, the out-of-memory
 killer, a power cut) leaves a ``running`` record that no process claims: readers show it as
-interrupted and the next write records it so (``store.settle_run``).
+interrupted and the next write records it so (``records.settle_run``).
 
 A file system that takes no more (full, over quota, a file-size limit) ends a save with a
 SaveError naming the folder and the space the record needs; the run is then recorded as failed
@@ -27,20 +27,9 @@ from pathlib import Path
 
 from lora_bench.errors import SaveError
 from lora_bench.fileio import atomic_write_text, overwrite_in_place
+from lora_bench.results.records import RUN_RECORD, STEPS_CSV, record_text, run_record, with_row, write_record
 from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import (
-    FINISHED,
-    RUN_RECORD,
-    RUNS_CSV,
-    STEPS_CSV,
-    csv_text,
-    record_text,
-    remove_runs,
-    run_record,
-    upsert_run,
-    with_row,
-    write_record,
-)
+from lora_bench.results.store import FINISHED, RUNS_CSV, csv_text, remove_runs, upsert_run
 from lora_bench.signals import signals_deferred
 
 # what a file system says when it takes no more: full, over quota, past the file-size limit

@@ -4,7 +4,8 @@ a lock) and the per-step CSVs, each written atomically.
 ``runs.csv`` is read strictly: a file that is not lora-bench's table (binary, empty, a quote never
 closed, another program's CSV without ``run_id``) raises one ResultsError naming the file, and a
 row cut mid-way (fewer fields than the header, or a last line without its newline) is never read as
-a result. Each run's ``<run_id>/run.json`` is written before its row and wins over it."""
+a result. Each run's ``<run_id>/run.json`` wins over its row: it is the commit point of a save
+(lora_bench.results.save), and only the folder named by a run's id holds its record."""
 
 from __future__ import annotations
 
@@ -23,22 +24,22 @@ import pandas as pd
 
 from lora_bench.errors import ResultsError, UsageError
 from lora_bench.escaping import csv_cell, csv_value
-from lora_bench.fileio import atomic_write_text, check_writable_dir, names_file
+from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, names_file, read_capped
 from lora_bench.results.cells import runs_frame
-from lora_bench.results.claims import is_claimed, try_claim
+from lora_bench.results.claims import is_claimed
+from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, STEPS_CSV, copied_record, run_record, settle_run
 from lora_bench.results.schema import run_column_names
+from lora_bench.safe_yaml import short_repr
 
 RUNS_CSV = "runs.csv"
-RUN_RECORD = "run.json"
-STEPS_CSV = "steps.csv"
 STEPS_MAX_BYTES = 512 * 2**20  # a million steps of every column is about 200 MiB
 TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rewritten
 LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
 REQUIRED = ("run_id", "status")
-FINISHED = ("done", "diverged")  # ran to their end: a resume does not run them again (a diverged run would diverge again)
-RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
-DIED = ("its process ended before recording how the run ended (killed outright, e.g. by SIGKILL or the "
-        "out-of-memory killer, or the machine stopped)")
+# ran to their end: a resume does not run them again (a diverged run would diverge again)
+FINISHED = ("done", "diverged")
+# Read only up to this size: a 100,000-run sweep's runs.csv holds about 300 MB (3 KB a row)
+MAX_TABLE_BYTES = 1 << 30
 
 
 def csv_text(rows: Iterable[dict], columns: list[str]) -> str:
@@ -104,7 +105,10 @@ def read_run_table(path: Path) -> RunTable:
     """Parse ``runs.csv`` strictly (see the module's docstring); raises ResultsError."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, MAX_TABLE_BYTES)
+    except TooLarge as e:
+        raise _not_a_table(path, f"it has {e.size:,} bytes, more than the {MAX_TABLE_BYTES:,} a runs.csv may have") \
+            from None
     except OSError as e:
         raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
     if not data.strip():
@@ -130,8 +134,8 @@ def read_run_table(path: Path) -> RunTable:
         records.append(next(csv.reader(io.StringIO(text[lines.marked:], newline="")), []))
     header = [csv_value(h) for h in records[0]] if records else []
     if not set(REQUIRED) <= set(header):
-        shown = ", ".join((header or [])[:6])
-        raise _not_a_table(path, f"its header ({shown[:200]}) has no {' and '.join(REQUIRED)} columns")
+        shown = ", ".join(short_repr(h, 24) for h in (header or [])[:6])  # cut short: maybe not a table at all
+        raise _not_a_table(path, f"its header ({shown}) has no {' and '.join(REQUIRED)} columns")
     table = RunTable(header=header)
     body = records[1:]
     for i, rec in enumerate(body):
@@ -202,81 +206,6 @@ def locked(path: Path):
     finally:
         lock.unlink(missing_ok=True)  # while held: a waiter on this file sees it gone and locks anew
         fh.close()
-
-
-def _record_row(run_dir: Path) -> dict | None:
-    """The row stored in ``<run_dir>/run.json`` whatever run it names, or None when absent,
-    half-written or not a record."""
-    try:
-        row = json.loads((Path(run_dir) / RUN_RECORD).read_text())["row"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
-
-
-def run_record(run_dir: Path) -> dict | None:
-    """The row in ``<run_dir>/run.json``, or None when absent, half-written, foreign, or the
-    record of another run: a run's record lives in the folder named by its run id, so a copy of
-    the folder (``cp -r X X.bak``) never stands in for the run. A record still ``running`` whose
-    claim no process holds is shown as interrupted (its process died; ``settle_run`` records so)."""
-    row = _record_row(run_dir)
-    if row is None or row["run_id"] != Path(run_dir).name:
-        return None
-    if row.get("status") == RUNNING and not is_claimed(run_dir):
-        row = {**row, "status": "interrupted", "error": DIED}
-    return row
-
-
-def record_text(record: dict) -> str:
-    """run.json's text: ``{"row": {...}, "log": [...], curves...}``."""
-    return json.dumps(record, indent=1, default=str)
-
-
-def write_record(run_dir: Path, text: str) -> None:
-    """Write ``<run_dir>/run.json`` (``record_text``) atomically."""
-    atomic_write_text(Path(run_dir) / RUN_RECORD, text)
-
-
-def with_row(run_dir: Path, row: dict) -> dict:
-    """The record in run.json with ``row`` in place of its own: the log and curves the run wrote stay."""
-    try:
-        record = json.loads((Path(run_dir) / RUN_RECORD).read_text())
-        if not isinstance(record, dict):
-            record = {"log": []}
-    except (OSError, ValueError):
-        record = {"log": []}
-    return {**record, "row": row}
-
-
-def rewrite_row(run_dir: Path, row: dict) -> None:
-    """Replace the row in run.json, keeping the log and curves the run wrote."""
-    write_record(run_dir, record_text(with_row(run_dir, row)))
-
-
-def settle_run(run_dir: Path) -> dict | None:
-    """``run_record``, and a record left ``running`` by a process that died is recorded as
-    interrupted in run.json (under the run's claim, so never while a process executes it); its
-    steps.csv, which no record describes, goes."""
-    row = run_record(run_dir)
-    if row is None or row.get("error") != DIED or row.get("status") != "interrupted":
-        return row
-    claim = try_claim(run_dir)
-    if claim is None:  # claimed meanwhile: a process executes the run again
-        return run_record(run_dir)
-    with claim:
-        row = _record_row(run_dir)
-        if row is None or row.get("status") != RUNNING:
-            return run_record(run_dir)
-        row = {**row, "status": "interrupted", "error": DIED}
-        (Path(run_dir) / STEPS_CSV).unlink(missing_ok=True)
-        rewrite_row(run_dir, row)
-    return row
-
-
-def copied_record(run_dir: Path) -> str | None:
-    """The run id named by ``<run_dir>/run.json`` when it is another run's (a copied folder)."""
-    row = _record_row(run_dir)
-    return row["run_id"] if row is not None and row["run_id"] != Path(run_dir).name else None
 
 
 def _set_aside_torn(path: Path, table: RunTable) -> None:
@@ -357,7 +286,7 @@ def _stderr_warning(message: str) -> None:
 
 def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = _stderr_warning) -> list[dict]:
     """Rows (as text, like runs.csv) of one results folder: runs.csv, plus any ``<run_id>/run.json``
-    it lacks. run.json is written before runs.csv, so it is never older and wins. A row of runs.csv
+    it lacks. run.json is a save's commit point (runs.csv may lag it by one write), so it wins. A row of runs.csv
     cut mid-way counts only through its run.json; without one it is left out, with a warning."""
     rows: dict[str, dict] = {}
     csv_path = Path(results_dir) / RUNS_CSV

@@ -31,9 +31,10 @@ from lora_bench.config import TrainConfig
 from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import RunClaim
+from lora_bench.results.records import RUN_RECORD, run_record
 from lora_bench.results.save import NO_ROOM, save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import FINISHED, RUN_RECORD, run_record, upsert_run
+from lora_bench.results.store import FINISHED, upsert_run
 from lora_bench.signals import TERMINATING_SIGNALS, signal_name, signals_deferred
 from lora_bench.train import run as train_run
 

@@ -10,14 +10,13 @@ from pathlib import Path
 from lora_bench.config import TrainConfig
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
+from lora_bench.results.records import RUN_RECORD, settle_run
 from lora_bench.results.store import (
     FINISHED,
-    RUN_RECORD,
     RUNS_CSV,
     read_run_table,
     remove_runs,
     result_rows,
-    run_record,
     text_value,
     upsert_run,
 )
@@ -25,15 +24,16 @@ from lora_bench.sweep.spec import ID_AS_DECLARED, PlannedRun
 
 
 def repair_runs_csv(results_dir: Path) -> int:
-    """Bring runs.csv in line with the per-run run.json files (written first). Writers of runs.csv
-    take a lock, so this only matters when a process died between its run.json and its runs.csv
-    row (or a row was cut mid-way); each sweep repairs that when it starts and ends. Returns the
-    number of rows fixed."""
+    """Bring runs.csv in line with the per-run run.json files (each save's commit point). Writers
+    of runs.csv take a lock, so this only matters when a process died between its run.json and its
+    runs.csv row (or a row was cut mid-way); each sweep repairs that when it starts and ends, and
+    a record left running by a dead process is recorded as interrupted. Returns the number of rows
+    fixed."""
     csv = Path(results_dir) / RUNS_CSV
     have = {r["run_id"]: r for r in read_run_table(csv).rows} if csv.is_file() else {}
     fixed = 0
     for path in sorted(Path(results_dir).glob(f"*/{RUN_RECORD}")):
-        row = run_record(path.parent)
+        row = settle_run(path.parent)
         if row is None:
             continue
         old = have.get(row["run_id"], {})

@@ -21,7 +21,8 @@ from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, Sav
 from lora_bench.escaping import markup
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
 from lora_bench.results.manifest import read_manifest
-from lora_bench.results.store import FINISHED, check_results_dir, result_rows, run_record
+from lora_bench.results.records import run_record
+from lora_bench.results.store import FINISHED, check_results_dir, result_rows
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
@@ -96,6 +97,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
         task = bar.add_task(sweep.name, total=len(todo), current="")
+        started: list[str] = []
 
         def execute(run: PlannedRun, claim: RunClaim) -> None:
             with claim:
@@ -105,6 +107,10 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                                       highlight=False)
                     return
                 bar.update(task, current=run.run_id)
+                started.append(run.run_id)
+                if progress and not bar.console.is_terminal:  # a log has no live bar: say what starts
+                    bar.console.print(f"started {len(started)}/{len(todo)}  {run.run_id}  {markup(run.describe())}",
+                                      highlight=False)
                 job = Job(cfg=run.cfg, run_id=run.run_id, results_dir=results_dir, extra=sweep.provenance(run),
                           cache_dir=cache_dir)
                 t0 = time.monotonic()

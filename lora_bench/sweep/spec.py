@@ -59,6 +59,7 @@ from lora_bench.config import (
 )
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.escaping import markup, terminal
+from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import short_repr
@@ -117,8 +118,9 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     """Parse, validate and expand a sweep file; ConfigError lists every problem found.
     ``overrides`` (settings, already resolved paths) apply to every run."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"sweep file not found: {path}")
+    why = not_a_file(path)
+    if why:
+        raise UsageError(f"sweep file not found: {path}" if why == "no such file" else f"sweep file {path}: {why}")
     raw = read_file(path)
     data = load_yaml(raw, source=str(path))
 

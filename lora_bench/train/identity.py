@@ -14,7 +14,8 @@ from lora_bench.errors import UsageError
 from lora_bench.results.index import INDEX
 from lora_bench.results.manifest import MANIFEST
 from lora_bench.results.prune import SUPERSEDED
-from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, copied_record, read_run_table, run_record
+from lora_bench.results.records import copied_record, run_record
+from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, read_run_table
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ext4, XFS, Btrfs, APFS, tmpfs)

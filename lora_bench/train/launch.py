@@ -36,9 +36,10 @@ from lora_bench.errors import EXIT_INTERRUPTED, UsageError
 from lora_bench.escaping import markup
 from lora_bench.results.claims import claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation, start_invocation
+from lora_bench.results.records import RUN_RECORD
 from lora_bench.results.save import save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import FINISHED, RUN_RECORD, check_results_dir
+from lora_bench.results.store import FINISHED, check_results_dir
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
 from lora_bench.train.identity import check_run_id as check_name
 from lora_bench.train.identity import refuse_existing_run

@@ -162,7 +162,8 @@ def _meminfo_available() -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    """A unified-hierarchy cgroup's memory limit minus what the group uses, where one is set."""
+    """The memory limit of this process's control group (memory.max) minus what the group uses, where
+    one is set."""
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit == "max":

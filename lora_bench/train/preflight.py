@@ -14,6 +14,7 @@ import torch
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
+from lora_bench.fileio import not_a_file
 from lora_bench.optional import require
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
@@ -43,11 +44,12 @@ def input_problems(cfg: TrainConfig) -> list[Problem]:
     out = []
     if cfg.data_file:
         path = Path(cfg.data_file)
+        why = not_a_file(path)
         if path.is_dir():
             out.append(problem("data_file", "{data_file} {p} is a folder; give the raw SMSSpamCollection TSV file",
                                p=str(path)))
-        elif not path.is_file():
-            out.append(problem("data_file", "{data_file} {p}: no such file", p=str(path)))
+        elif why:
+            out.append(problem("data_file", "{data_file} {p}: {why}", p=str(path), why=raw(why)))
         elif path.stat().st_size > MAX_DATA_BYTES:
             out.append(problem("data_file", "{data_file} {p} has {n} bytes; a data file may hold at most {m}",
                                p=str(path), n=raw(f"{path.stat().st_size:,}"), m=raw(f"{MAX_DATA_BYTES:,}")))

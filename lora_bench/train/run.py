@@ -22,9 +22,10 @@ from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
 from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.manifest import read_manifest, record_invocation
+from lora_bench.results.records import RUNNING
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import RUNNING, check_results_dir
+from lora_bench.results.store import check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer, host_op_us
 from lora_bench.train.context import RunContext

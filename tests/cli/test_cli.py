@@ -245,3 +245,56 @@ def test_an_error_naming_a_hostile_path_sends_no_control_sequence(run_cli, tmp_p
     code, out = run_cli("train", *TINY, "--config", tmp_path / "a\x1b[2J[bold]b[/bold].yaml")
     _assert_clean_usage_error(code, out, "no such file", "\\x1b[2J[bold]b[/bold].yaml")
     assert "\x1b" not in out
+
+
+def test_the_summary_under_the_phase_table_breaks_between_items_only():
+    """At 100 columns (and narrower) every item of the run's summary stays on one line."""
+    import io
+
+    from rich.console import Console
+
+    from lora_bench.report.phase_table import phase_table
+
+    row = {"run_id": "tiny-all-0123456789-r0", "model_size": "tiny", "trainable_layers": "all", "device": "cpu",
+           "timing_clock": "host", "status": "done", "tokens_per_s": 1241.0, "achieved_tflops": 0.001,
+           "eval_s": 0.22, "training_time_s": 0.58, "measured_steps": 2, "phase_sum_pct": 0.0,
+           **{f"{p}_ms_{s}": 1.0 for p in ("data", "forward", "backward", "optimizer", "step")
+              for s in ("median", "p10", "p90")}}
+    items = ["tokens/s 1241", "TFLOP/s 0.00", "eval s 0.22", "train s 0.58", "steps measured 2",
+             "Σ phase medians vs step % 0.0"]
+    for width in (100, 72, 40):
+        buf = io.StringIO()
+        Console(file=buf, width=width, color_system=None).print(phase_table(row))
+        lines = buf.getvalue().splitlines()
+        for item in items:
+            assert any(item in line for line in lines), (width, item, lines[-4:])
+
+
+def test_piped_training_prints_plain_progress_lines(run_cli, tmp_path, sms_file):
+    """Off a terminal the live progress line becomes plain lines (first step, each epoch, the last
+    step); --no-progress prints none."""
+    args = ("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu", "--max-steps", "3",
+            "--warmup-steps", "0", "--eval-freq", "0", "--skip-final-eval", "--data-file", sms_file,
+            "--cache-dir", tmp_path / "c")
+    code, out = run_cli(*args, "--results-dir", tmp_path / "a")
+    assert code == 0, out
+    assert "epoch 1  1/3  loss" in out and "epoch 1  3/3  loss" in out and "\x1b" not in out, out
+    code, out = run_cli(*args, "--results-dir", tmp_path / "b", "--no-progress")
+    assert code == 0 and "1/3  loss" not in out, out
+
+
+def test_a_bad_setting_is_refused_before_torch_is_imported(tmp_path):
+    """A value past a setting's bound, or a settings file past its size, answers at once: the
+    training stack (torch, seconds to import) is not loaded for it."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(2 * 10**9)
+    for args in (["--n-layers", "100000000"], ["--config", str(big)]):
+        probe = ("import sys; from lora_bench.cli import main\n"
+                 f"sys.argv = ['lora-bench', 'train', *{args!r}]\n"
+                 "try:\n    main()\nexcept SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip().endswith("exit 2 False"), out.stdout + out.stderr

@@ -64,8 +64,29 @@ def test_console_output_clears_the_line_first():
     assert out.endswith(CLEAR)  # and gone at the end
 
 
-def test_nothing_drawn_off_a_terminal_or_when_disabled():
-    for console, enabled in ((_console(terminal=False), True), (_console(), False)):
-        with TrainProgress(console, total=3, enabled=enabled) as bar:
+def test_nothing_drawn_when_disabled():
+    for terminal in (True, False):
+        console = _console(terminal=terminal)
+        with TrainProgress(console, total=3, enabled=False) as bar:
             bar.update(0, 1, None)
         assert console.file.getvalue() == "" and bar.refreshes == 0
+
+
+def test_off_a_terminal_plain_lines_show_the_run_moving():
+    """A pipe or a log gets a plain line (nothing rewritten in place) on the first step, when each
+    epoch begins, and after the last step; between them at most every plain_every_s seconds."""
+    console = _console(terminal=False)
+    timer = SimpleNamespace(records=[SimpleNamespace(loss=0.5)])
+    with TrainProgress(console, total=9, enabled=True, timer=timer, plain_every_s=3600) as bar:
+        for step in range(9):
+            bar.update(step, 1 + step // 3, None)  # three epochs of three steps
+    lines = console.file.getvalue().splitlines()
+    assert [line.split("  ")[:2] for line in lines] == [["epoch 1", "1/9"], ["epoch 2", "4/9"], ["epoch 3", "7/9"],
+                                                        ["epoch 3", "9/9"]]
+    assert all("loss 0.500" in line for line in lines)
+    assert "\r" not in console.file.getvalue() and "\x1b" not in console.file.getvalue()
+    console = _console(terminal=False)
+    with TrainProgress(console, total=50, enabled=True, plain_every_s=0) as bar:
+        for step in range(50):
+            bar.update(step, 1, None)
+    assert len(console.file.getvalue().splitlines()) == 50  # every step once the interval has passed

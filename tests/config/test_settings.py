@@ -305,6 +305,17 @@ def test_a_file_not_meant_as_settings_is_not_quoted(run_cli, tmp_path, text):
     assert any(k in out for k in ("(line ", "this one holds text", "not setting names")), out
 
 
+def test_a_pipe_or_device_given_as_a_settings_file_is_named_as_such(run_cli, tmp_path):
+    """Neither opened (a pipe would block) nor reported as missing."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for path in (tmp_path / "fifo.yaml", "/dev/zero"):
+        for args in (("train", "--config", path), ("validate", path), ("sweep", path, "--dry-run")):
+            code, out = run_cli(*args)
+            assert code == 2 and "not a regular file (a pipe, device or socket)" in out, out
+
+
 def test_yaml_loader_rules():
     assert load("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n") == {"a": {"k": 1}, "b": {"k": 1, "j": 2}}  # merges work
     assert load("lr: 1e-05\nx: 3E4\ny: 1.5e3\nz: 12\ns: 1e5x\n") == {"lr": 1e-05, "x": 30000.0, "y": 1500.0, "z": 12,

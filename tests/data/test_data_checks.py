@@ -298,3 +298,18 @@ def test_a_file_that_is_not_the_corpus_is_not_quoted(tmp_path, run_cli):
     code, out = run_cli("data", "prepare", "--out", tmp_path / "splits", "--data-file", path)
     assert code == 2 and "does not look like the SMS Spam Collection" in out, out
     assert "secret" not in out and "user" not in out, out
+
+
+def test_many_texts_padded_to_one_long_text_are_refused_before_padding(tmp_path, monkeypatch, run_cli):
+    """Short texts and one long one: every text would be padded to the long one's length. The limit
+    is lowered here so that a small file shows it; the real one is 50 times the corpus at the
+    model's whole context."""
+    monkeypatch.setattr(sms_spam, "MAX_PADDED_TOKENS", 20_000)
+    lines = [f"{'spam' if i % 2 else 'ham'}\tmessage {i}" for i in range(400)]
+    lines += [f"{label}\t" + "word " * 900 for label in ("ham", "spam") * 5]  # some land in the training split
+    path = tmp_path / "long.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    code, out = run_cli("train", *TINY, "--data-file", path, "--results-dir", tmp_path / "r", "--cache-dir",
+                        tmp_path / "c")
+    assert code == 2 and "Traceback" not in out, out
+    assert "texts padded to" in out and "more than 20,000" in out and "--context-length" in out, out

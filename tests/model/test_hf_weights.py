@@ -367,3 +367,14 @@ def test_an_oversized_or_foreign_config_json_is_refused(hub_folder, tmp_path):
     with pytest.raises(CheckpointError) as err:
         load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
     assert "n_head='xxxx" in str(err.value) and len(str(err.value)) < 400
+
+
+def test_json_nested_thousands_deep_is_a_checkpoint_error(hub_folder, tmp_path):
+    folder = shutil.copytree(hub_folder, tmp_path / "deep")
+    (folder / CONFIG_FILE).write_text("[" * 30_000 + "]" * 30_000)
+    with pytest.raises(CheckpointError, match="cannot read .*config.json"):
+        load_hf_checkpoint_into_gpt(GPTModel(CFG), folder)
+    deep = ("[" * 30_000 + "]" * 30_000).encode()
+    (folder / WEIGHTS_FILE).write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(CheckpointError, match="its header is not JSON"):
+        read_hf_state(folder)

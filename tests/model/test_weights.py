@@ -370,3 +370,9 @@ def test_variables_the_model_does_not_have_are_refused_before_any_is_read(tmp_pa
         load_pretrained_into(GPTModel(CFG), folder)
     assert needle in str(err.value), str(err.value)
     assert reads == []
+
+
+def test_json_nested_thousands_deep_is_a_checkpoint_error(ckpt_copy):
+    (ckpt_copy / "hparams.json").write_text("[" * 30_000 + "]" * 30_000)  # 60 KB: within the size limit
+    with pytest.raises(CheckpointError, match="cannot read .*hparams.json"):
+        load_pretrained_into(GPTModel(CFG), ckpt_copy)

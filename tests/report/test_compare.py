@@ -20,8 +20,9 @@ from tiny import SAMPLE
 from lora_bench.fileio import atomic_write_text
 from lora_bench.report import stats
 from lora_bench.report.compare import compare
+from lora_bench.results.records import RUN_RECORD
 from lora_bench.results.schema import STEP_COLUMNS, run_column_names
-from lora_bench.results.store import RUN_RECORD, read_run_table, read_steps, write_csv
+from lora_bench.results.store import read_run_table, read_steps, write_csv
 
 
 # -- synthetic folders ---------------------------------------------------------------------------

@@ -276,3 +276,15 @@ def test_a_manifest_that_is_not_one_is_one_message_before_any_work(blob, why, tm
     code, out = run_cli("results", "index", tmp_path / "root")
     assert code == 2 and "Traceback" not in out and "not a lora-bench manifest" in out, out
     assert (folder / "manifest.json").read_bytes() == blob and not (folder / "x").exists()
+
+
+def test_index_shows_a_rows_device_as_text(tmp_path):
+    """A device name from the rows (any text a runs.csv holds) cannot inject HTML or break the table."""
+    row = {**_row("r1", started="2026-01-01T00:00:00+00:00"), "gpu_name": "<script>x</script> | [a](javascript:y)"}
+    write_csv(tmp_path / "f" / "runs.csv", [row], run_column_names())
+    text = render_index(tmp_path)
+    assert "<script>" not in text and "&lt;script&gt;" in text and "\\[a\\]" in text
+    table = [line for line in text.splitlines() if line.startswith("| [`f/`]")]
+    # folder, what, command, commit, device, dates, runs: seven cells, the device's pipe escaped once
+    assert len(table) == 1 and table[0].count(" | ") == 6 and "\\\\|" not in table[0], table
+    assert "- device: &lt;script&gt;x&lt;/script&gt; \\| \\[a\\](javascript:y)" in text.splitlines(), text

@@ -93,3 +93,35 @@ def test_a_carriage_return_inside_a_cell_keeps_its_row(tmp_path):
     table = read_run_table(path)
     assert {r["run_id"]: r["error"] for r in table.rows} == {"a": "first\rsecond", "b": "x\r\ny"}
     assert not table.torn
+
+
+def test_a_huge_or_foreign_runs_csv_is_refused_without_being_read_or_quoted(tmp_path, run_cli):
+    import time
+
+    path = tmp_path / "runs.csv"
+    with open(path, "wb") as f:
+        f.truncate(2 * 2**30)  # holes: no disk space
+    t0 = time.monotonic()
+    for args in (("show", tmp_path), ("report", tmp_path)):
+        code, out = run_cli(*args)
+        assert code == 2 and "2,147,483,648 bytes, more than the 1,073,741,824 a runs.csv may have" in out, out
+    assert time.monotonic() - t0 < 10
+    path.write_text("secret-" + "s" * 300 + ",b\n1,2\n")  # another program's file: its header is cut short
+    code, out = run_cli("report", tmp_path)
+    assert code == 2 and "has no run_id and status columns" in out and "s" * 30 not in out, out
+
+
+def test_a_run_json_past_its_size_limit_is_not_read(tmp_path):
+    """A run.json holds one row, its log and its curves (kilobytes): one larger than MAX_RECORD_BYTES,
+    even valid JSON, is no record (it is not read into memory)."""
+    import json
+
+    from lora_bench.results.records import MAX_RECORD_BYTES, RUN_RECORD, run_record
+
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    text = json.dumps({"row": {"run_id": "r1", "status": "done"}, "log": []})
+    (run_dir / RUN_RECORD).write_text(text)
+    assert run_record(run_dir)["status"] == "done"
+    (run_dir / RUN_RECORD).write_text(text + " " * (MAX_RECORD_BYTES + 1 - len(text)))  # still valid JSON
+    assert run_record(run_dir) is None

@@ -18,8 +18,9 @@ import pytest
 import lora_bench.fileio as fileio
 from lora_bench.errors import SaveError
 from lora_bench.results.claims import claim_run
+from lora_bench.results.records import run_record
 from lora_bench.results.save import begin_record, save_record
-from lora_bench.results.store import RUNS_CSV, find_run, read_run_table, result_rows, run_record, upsert_run
+from lora_bench.results.store import RUNS_CSV, find_run, read_run_table, result_rows, upsert_run
 from lora_bench.signals import signals_deferred
 from paths import FIXTURES
 
@@ -245,7 +246,7 @@ def test_train_and_sweep_into_a_folder_that_takes_no_more_stop_with_one_message(
     def limited():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "200", "LORA_BENCH_GIT_COMMIT": "0" * 40}  # no git under the limit
     tiny = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress", "--max-steps", "2",
             "--warmup-steps", "0", "--eval-freq", "0", "--skip-final-eval", "--data-file", str(SAMPLE),
             "--cache-dir", str(tmp_path / "cache")]

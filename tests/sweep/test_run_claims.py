@@ -20,7 +20,7 @@ from tiny import TINY_BASE
 
 from lora_bench.results import claims
 from lora_bench.results.claims import claimant, try_claim
-from lora_bench.results.store import run_record
+from lora_bench.results.records import run_record
 from lora_bench.sweep.spec import load_sweep
 from paths import FIXTURES
 

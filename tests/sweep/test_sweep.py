@@ -379,3 +379,18 @@ def test_a_worker_the_sweep_kills_on_a_second_signal_is_not_blamed_on_the_oom_ki
     assert row["status"] == "interrupted", row
     assert "killed by SIGKILL" in row["error"] and "a second SIGTERM to the sweep" in row["error"], row
     assert "out-of-memory" not in row["error"]
+
+
+def test_piped_output_says_which_run_starts(tmp_path, monkeypatch, capsys, run_cli):
+    """Off a terminal there is no live bar: each run's start is a plain line (and not with
+    --no-progress); its end was one already."""
+    path = write(tmp_path, "name: piped\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    common = ("--isolation", "inline", "--cache-dir", tmp_path / "cache")
+    code, out = run_cli("sweep", path, *common, "--results-dir", tmp_path / "a")
+    assert code == 0, out
+    ids = [r.run_id for r in load_sweep(path).runs]
+    assert f"started 1/2  {ids[0]}" in out and f"started 2/2  {ids[1]}" in out, out
+    assert out.index("started 1/2") < out.index("done") < out.index("started 2/2")
+    assert "\r" not in out and "\x1b" not in out
+    code, out = run_cli("sweep", path, *common, "--results-dir", tmp_path / "b", "--no-progress")
+    assert code == 0 and "started 1/2" not in out, out

@@ -61,3 +61,18 @@ def test_a_sweep_names_its_diverged_runs_and_does_not_rerun_them(tmp_path, run_c
     assert "1 done" in out and "1 diverged" in out and "diverged" in out.split("sweep s:")[1], out
     code, out = run_cli(*args)  # resumed: a diverged run would diverge again
     assert code == 0 and "2 skipped" in out, out
+
+
+def test_a_sweep_whose_runs_all_diverge_exits_0_in_worker_processes(tmp_path, run_cli):
+    """A diverged run is a measured result, not a failure: a sweep whose runs all diverge (each in
+    its own worker process, the default isolation) records them so and exits 0."""
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(f"name: s\nbase: {{model_size: tiny, weights: random, device: cpu, data_file: {SAMPLE}, "
+                     "max_steps: 2, warmup_steps: 0, eval_freq: 0, skip_final_eval: true, learning_rate: 1.0e30}\n"
+                     "grid: {seed: [1, 2]}\n")
+    code, out = run_cli("sweep", sweep, "--results-dir", tmp_path / "r", "--isolation", "process", "--no-progress")
+    assert code == 0, out
+    summary = " ".join(out.split("sweep s:")[1].split())
+    assert "0 done, 2 diverged, 0 failed" in summary, out
+    rows = list(csv.DictReader(open(tmp_path / "r" / "runs.csv")))
+    assert [r["status"] for r in rows] == ["diverged", "diverged"], rows
