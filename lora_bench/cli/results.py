@@ -1,5 +1,6 @@
 """``lora-bench results``: provenance of results folders — the generated index
-(``results/README.md``), superseded sweep runs, manifests rebuilt from rows, descriptions."""
+(``results/README.md``), superseded sweep runs, manifests rebuilt from rows, descriptions, and the
+reports each folder declares, rendered again from its runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-results_app = typer.Typer(no_args_is_help=True, help="Results folders: index, provenance, superseded runs.")
+results_app = typer.Typer(no_args_is_help=True, help="Results folders: index, provenance, superseded runs, reports.")
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 Folder = Annotated[Path, typer.Argument(help="A results folder (holding runs.csv and/or manifest.json).",
