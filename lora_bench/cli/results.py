@@ -1,5 +1,6 @@
 """``lora-bench results``: provenance of results folders — the generated index
-(``results/README.md``), superseded sweep runs, manifests rebuilt from rows, descriptions."""
+(``results/README.md``), superseded sweep runs, manifests rebuilt from rows, descriptions, and the
+reports each folder declares, rendered again from its runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-results_app = typer.Typer(no_args_is_help=True, help="Results folders: index, provenance, superseded runs.")
+results_app = typer.Typer(no_args_is_help=True, help="Results folders: index, provenance, superseded runs, reports.")
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 Folder = Annotated[Path, typer.Argument(help="A results folder (holding runs.csv and/or manifest.json).",
@@ -112,3 +113,45 @@ def describe(folder: Folder,
 
     set_description(_folder(folder), text, question=question)
     console.print(f"described: {folder}", highlight=False)
+
+
+@results_app.command("render")
+def render(
+    folders: Annotated[Optional[list[Path]], typer.Argument(help="Results folders whose manifest declares reports "
+                                                            "(default: every one under --root).",
+                                                            show_default=False)] = None,
+    root: Annotated[Path, typer.Option(help="The folder of results folders; reports name their inputs from "
+                                            "the folder above it.")] = Path("results"),
+    check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 naming every report that is not what "
+                                                        "its runs give today.")] = False,
+) -> None:
+    """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs."""
+    from lora_bench.errors import UsageError
+    from lora_bench.escaping import markup
+    from lora_bench.report.committed import declared_folders, recipes, render_all, stale_reports
+
+    _folder(root)
+    declared = declared_folders(root)
+    if folders:
+        for f in folders:
+            _folder(f)
+            if not f.resolve().is_relative_to(root.resolve()):
+                raise UsageError(f"{f} is not inside the results root --root {root}; give --root the folder above it")
+            if not recipes(f, root=root):
+                raise UsageError(f"{f}: its manifest.json declares no reports (a 'reports' list of recipes: "
+                                 "format, output and the report's options)")
+    chosen = list(folders) if folders else declared
+    if check:
+        stale = stale_reports(root, chosen if folders else None)
+        for path, why in stale:
+            console.print(f"stale: {markup(path)}: {markup(why)}", highlight=False)
+        if stale:
+            console.print(f"{len(stale)} report file(s) out of date: run `lora-bench results render`", highlight=False)
+            raise typer.Exit(1)
+        console.print(f"{len(chosen)} folder(s): every report is what its runs give", highlight=False)
+        return
+    for folder, files in render_all(chosen, root=root).items():
+        for r in recipes(folder, root=root):
+            console.print(f"rendered: {markup(r.command())}", highlight=False, soft_wrap=True)
+        for p in dict.fromkeys(files):
+            console.print(f"wrote {markup(p)}", highlight=False)

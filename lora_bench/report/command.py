@@ -34,8 +34,11 @@ FIGURES = ("crossover", "phases")
 
 
 def report_command(paths: list[Path], *, group_by: str | None, baseline: str | None, metrics: str | None,
-                   fmt: str, output: Path | None, plot: Path | None, console, threshold: float = THRESHOLD) -> None:
-    """What ``lora-bench report`` does: read, aggregate, explain, render, draw."""
+                   fmt: str, output: Path | None, plot: Path | None, console, threshold: float = THRESHOLD,
+                   names: list[str] | None = None) -> list[Path]:
+    """What ``lora-bench report`` does: read, aggregate, explain, render, draw; returns the files
+    written. ``names``: how the report names ``paths`` (default: as given), so that a report
+    rendered from elsewhere reads the same."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not allowed; choose one of: {', '.join(FORMATS)}")
 
@@ -52,7 +55,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     drawn = _draw(study, fmt=fmt, output=output, plot=plot, table_only=table_only)
     wrote = list(dict.fromkeys(drawn["files"].values()))
     if table_only:
-        doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(map(str, paths))}")
+        doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(names or map(str, paths))}")
     else:
         doc = build_document(study, rep, figures=set(drawn["files"]) | set(drawn["embedded"]))
     if fmt == "csv":
@@ -77,6 +80,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
         status.print(note, highlight=False, markup=False)
     for path in wrote:
         status.print(f"wrote {markup(path)}", highlight=False)
+    return [Path(p) for p in wrote]
 
 
 def _title(paths: list[Path]) -> str:

@@ -14,10 +14,12 @@ note under a figure says where an interval is over the steps of one run (†).""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import math
 from pathlib import Path
 
+from lora_bench.fileio import atomic_write_bytes
 from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, span_text
 from lora_bench.report.study import Group, Study
 
@@ -217,17 +219,70 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
     ax.margins(x=0.25)
 
 
+# PNG text chunk naming what a figure draws (see content_digest); a figure file holds nothing else
+# that depends on the machine: no matplotlib version, no creation date.
+CONTENT_KEY = "lora-bench figure content"
+DPI = 110
+
+
+def content_digest(fig) -> str:
+    """A digest of what ``fig`` draws, independent of how it is rasterised: every text string, and
+    every line's, bar's and error bar's data coordinates (6 significant digits). Two renderings of
+    the same runs by other matplotlib or FreeType versions share it; a figure of other numbers or
+    labels does not."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+    from matplotlib.text import Text
+
+    def num(v) -> str:
+        return f"{float(v):.6g}"
+
+    parts = []
+    for obj in fig.findobj():
+        if isinstance(obj, Text) and obj.get_visible() and obj.get_text():
+            parts.append("t:" + obj.get_text())
+        elif isinstance(obj, Line2D) and obj.axes is not None:
+            parts.append("l:" + ",".join(num(v) for v in obj.get_xydata().ravel()))
+        elif isinstance(obj, Rectangle) and obj.axes is not None and obj is not obj.axes.patch:
+            parts.append("r:" + ",".join(num(v) for v in (obj.get_x(), obj.get_y(), obj.get_width(), obj.get_height())))
+        elif isinstance(obj, LineCollection) and obj.axes is not None:
+            parts.append("c:" + ";".join(",".join(num(v) for v in seg.ravel()) for seg in obj.get_segments()))
+    return "sha256:" + hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+
+
+def _metadata(fig, fmt: str) -> dict:
+    """Metadata that keeps the file the same on every machine: no software version or date, and
+    for PNG the content digest."""
+    if fmt == "png":
+        return {"Software": None, CONTENT_KEY: content_digest(fig)}
+    if fmt == "pdf":
+        return {"Creator": None, "Producer": None, "CreationDate": None}
+    if fmt == "svg":
+        return {"Creator": None, "Date": None}
+    return {}
+
+
+def _savefig(fig, target, fmt: str) -> None:
+    import matplotlib
+
+    with matplotlib.rc_context({"svg.hashsalt": "lora-bench"}):  # SVG ids from a fixed salt, not a random one
+        fig.savefig(target, format=fmt, dpi=DPI, metadata=_metadata(fig, fmt))
+
+
 def save(fig, path: Path) -> Path:
     """Write ``fig`` (format by the file's suffix); the figure stays open for another format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    _savefig(fig, buf, path.suffix.lower().lstrip("."))
+    atomic_write_bytes(path, buf.getvalue())  # a reader never sees half a figure
     return path
 
 
 def png_base64(fig) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    _savefig(fig, buf, "png")
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

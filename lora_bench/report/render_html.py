@@ -25,7 +25,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.block td { border-top: 2px solid #8c959f; }
 .scroll { overflow-x: auto; }
 .notes { color: #555; font-size: .85em; margin: .2em 0 1em; padding-left: 1.2em; }
-img { max-width: 100%; height: auto; border: 1px solid #eee; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; box-sizing: border-box; }  /* the border inside the width */
 dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: .2em 1em; font-size: .9em; }
 dl.facts dt { font-weight: 600; }
 dl.facts dd { margin: 0; }

@@ -133,3 +133,38 @@ def test_figures_state_the_statistic_they_draw():
     # each bar's number is the group's median step with its interval: the tables' step ms, not a sum of phases
     g = next(g for g in study.groups if g.size == "124M" and g.variant == "all" and g.mode == "eager fp32")
     assert any(t.get_text().strip().startswith(f"{g.step.median:.1f} [") for t in first.texts)
+
+
+def test_plot_of_one_run_without_a_baseline_writes_the_phase_figure(tmp_path, run_cli):
+    folder = tmp_path / "one-run"
+    folder.mkdir()
+    rows = pd.read_csv(STUDY / "runs.csv", dtype=str, keep_default_na=False)
+    rows[rows["cfg_model_size"] == "124M"].head(1).to_csv(folder / "runs.csv", index=False)
+    png = tmp_path / "fig.png"
+    code, out = run_cli("report", folder, "--plot", png)
+    assert code == 0, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "no baseline to divide by" in out
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".pdf"])
+def test_a_figure_file_is_the_same_from_one_drawing_to_the_next(tmp_path, suffix):
+    """No date, software version or random id inside: the same runs give the same bytes."""
+    study = build_study(load_results([STUDY]))
+    a, b = save(crossover_figure(study), tmp_path / f"a{suffix}"), save(crossover_figure(study), tmp_path / f"b{suffix}")
+    assert a.read_bytes() == b.read_bytes()
+    assert b"Matplotlib" not in a.read_bytes() and b"matplotlib.org" not in a.read_bytes()
+
+
+def test_the_content_digest_follows_what_is_drawn():
+    from lora_bench.report.figures import content_digest
+
+    study = build_study(load_results([STUDY]))
+    fig = crossover_figure(study)
+    digest = content_digest(fig)
+    assert digest == content_digest(crossover_figure(study))
+    fig.axes[0].set_title("another title")
+    assert content_digest(fig) != digest
+    other = crossover_figure(study)
+    line = other.axes[0].containers[0].lines[0]
+    line.set_ydata([y * 1.01 for y in line.get_ydata()])
+    assert content_digest(other) != digest
