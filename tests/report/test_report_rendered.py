@@ -30,8 +30,9 @@ from lora_bench.report.committed import (
     recipes,
     stale_reports,
 )
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
 RESULTS = ROOT / "results"
 
 

@@ -21,8 +21,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+
 PAGES = sorted((ROOT / "results").rglob("report.html"))
 SIZES = ((1280, 800), (1920, 1080))  # window sizes; the viewport is what the window leaves
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
