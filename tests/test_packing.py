@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pandas as pd
 import pytest
@@ -16,7 +21,7 @@ import torch
 import torch.nn as nn
 from numerics import assert_same_function, float64_runs
 from rich.console import Console
-from tiny import SAMPLE
+from tiny import SAMPLE, TINY_BASE
 
 from lora_bench.classifier.book import build_classifier
 from lora_bench.classifier.packed import build_packed_classifier
@@ -24,6 +29,7 @@ from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.packed import PackedLoRALinear, point_parameters, point_state_dict
+from lora_bench.sweep.spec import load_sweep
 from lora_bench.train.pack import PackPoint, execute_pack, pack_problem
 from lora_bench.train.run import execute_run
 
@@ -167,3 +173,137 @@ def test_a_failing_pack_marks_every_point_failed(tmp_path, cache_dir, monkeypatc
     table = pd.read_csv(tmp_path / "runs.csv")
     assert sorted(table["run_id"]) == ["p0", "p1", "p2"] and set(table["status"]) == {"failed"}
     assert all("its pack of 3 runs failed: RuntimeError: the step broke" in e for e in table["error"])
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+def _sweep_file(tmp_path, body: str, name: str = "s.yaml"):
+    path = tmp_path / name
+    path.write_text(f"# lora-bench sweep {name}\n" + textwrap.dedent(body))
+    return path
+
+
+def _rows(results) -> pd.DataFrame:
+    return pd.read_csv(results / "runs.csv", dtype=str, keep_default_na=False)
+
+
+PACKED_SWEEP = "name: pk\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+    pack: 3
+    runs:
+      - {label: a, lora_rank: 4}
+      - {label: b, lora_rank: 8, learning_rate: 0.001}
+      - {label: c, lora_rank: 2, weight_decay: 0.0}
+      - {label: d, lora_rank: 4, lora_alpha: 2.0}
+      - {label: k, trainable_layers: lora-kernel}
+      - {label: big, batch_size: 4}
+    """)
+
+
+def test_a_sweep_packs_what_packs_and_says_why_the_rest_runs_alone(tmp_path, run_cli):
+    """Process isolation: a, b, c train as one pack (pack: 3), each with its own row and steps.csv;
+    d (no partner left), the lora-kernel run and the one with another batch size run alone, and
+    the sweep says why."""
+    path = _sweep_file(tmp_path, PACKED_SWEEP)
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache", "--no-progress")
+    assert code == 0, out
+    flat = " ".join(out.split())
+    assert "3 runs in 1 pack(s)" in flat
+    assert "1 run(s) train alone" in flat and "lora-kernel's op runs one adapter per call" in flat
+    assert "2 run(s) train alone" in flat and "no other run left to do shares its settings" in flat
+    df = _rows(results).set_index("sweep_label")
+    assert set(df["status"]) == {"done"} and len(df) == 6
+    assert set(df.loc[["a", "b", "c"], "pack_size"]) == {"3"} and df.loc[["a", "b", "c"], "pack_id"].nunique() == 1
+    assert set(df.loc[["d", "k", "big"], "pack_size"]) == {""} and set(df.loc[["d", "k", "big"], "pack_id"]) == {""}
+    losses = {}
+    for label in "abc":
+        steps = pd.read_csv(results / df.loc[label, "run_id"] / "steps.csv")
+        assert list(steps["step"]) == [0, 1] and steps["share_step_ms"].notna().all()
+        losses[label] = tuple(steps["loss"])
+        assert (results / df.loc[label, "run_id"] / "worker.log").is_file()
+    assert len(set(losses.values())) == 3  # each its own losses (the second step's differ)
+    # the same points, each run alone: the same first-step losses (the same initial weights and batch)
+    solo = _rows(results).set_index("sweep_label")
+    assert pd.read_csv(results / solo.loc["d", "run_id"] / "steps.csv")["loss"][0] == losses["a"][0]
+
+
+def test_a_failing_pack_in_a_sweep_fails_each_of_its_runs(tmp_path, run_cli):
+    path = _sweep_file(tmp_path, "name: pf\nbase:\n" + TINY_BASE.replace(str(SAMPLE), "missing.tsv")
+                       + "  trainable_layers: lora\ngrid:\n  lora_rank: [2, 4]\n")
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--pack", "2", "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--no-progress")
+    assert code == 1, out
+    df = _rows(results)
+    assert len(df) == 2 and set(df["status"]) == {"failed"} and set(df["pack_size"]) == {"2"}
+    assert all("its pack of 2 runs failed" in e and "data file not found" in e for e in df["error"]), list(df["error"])
+    assert "0 done, 2 failed" in out
+
+
+def test_pack_flag_and_key_usage(tmp_path, run_cli):
+    path = _sweep_file(tmp_path, PACKED_SWEEP)
+    code, out = run_cli("sweep", path, "--dry-run", "--pack", "2", "--results-dir", tmp_path / "r")
+    assert code == 0, out
+    assert "4 runs in 2 pack(s)" in " ".join(out.split())  # a+b, c+d
+    code, out = run_cli("sweep", path, "--pack", "0", "--results-dir", tmp_path / "r")
+    assert code == 2 and "--pack 0" in out and "Traceback" not in out
+    code, out = run_cli("sweep", path, "--workers", "1", "--results-dir", tmp_path / "r")
+    assert code == 2 and "not on a Dask cluster" in out and "drop --workers 1" in out
+    bad = _sweep_file(tmp_path, PACKED_SWEEP.replace("pack: 3", "pack: many"), "bad.yaml")
+    code, out = run_cli("validate", bad)
+    assert code == 2 and "pack='many'" in out
+
+
+def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch, run_cli):
+    """SIGINT while a pack trains: both of its runs are recorded interrupted, the finished run
+    stays, the run after is not started; the resumed sweep packs the two again and runs the rest:
+    every run once in runs.csv, none lost."""
+    path = _sweep_file(tmp_path, "name: pi\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+        pack: 2
+        runs:
+          - {label: quick, batch_size: 4}
+          - {label: slow1, lora_rank: 2, max_steps: 2000, num_epochs: 1000}
+          - {label: slow2, lora_rank: 4, max_steps: 2000, num_epochs: 1000}
+          - {label: after, seed: 7}
+        """))
+    results = tmp_path / "res"
+    ids = {r.label: r.run_id for r in load_sweep(path).runs}
+    proc = subprocess.Popen([sys.executable, "-c", "from lora_bench.cli import main; main()", "sweep", str(path),
+                             "--results-dir", str(results), "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (results / ids["slow1"] / "pack.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(2.5)  # into the pack (its child imports torch first; either moment must work)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    df = _rows(results)
+    assert sorted(df["run_id"]) == sorted([ids["quick"], ids["slow1"], ids["slow2"]]), out
+    status = dict(zip(df["run_id"], df["status"]))
+    assert status == {ids["quick"]: "done", ids["slow1"]: "interrupted", ids["slow2"]: "interrupted"}, out
+    assert set(df.set_index("run_id").loc[[ids["slow1"], ids["slow2"]], "pack_size"]) == {"2"}
+
+    import lora_bench.train.pack as pack_mod
+    import lora_bench.train.run as run_mod
+
+    packs, solos = [], []
+    real_pack, real_run = pack_mod.execute_pack, run_mod.execute_run
+
+    def short_pack(points, **kw):  # rerun for real, a few steps only (the ids stay the sweep's)
+        packs.append([p.run_id for p in points])
+        return real_pack([PackPoint(p.cfg.replace(max_steps=2), p.run_id, p.extra) for p in points], **kw)
+
+    def short_run(cfg, **kw):
+        solos.append(kw["run_id"])
+        return real_run(cfg.replace(max_steps=2), **kw)
+
+    monkeypatch.setattr(pack_mod, "execute_pack", short_pack)
+    monkeypatch.setattr(run_mod, "execute_run", short_run)
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--isolation", "inline", "--no-progress")
+    assert code == 0, out
+    assert packs == [[ids["slow1"], ids["slow2"]]] and solos == [ids["after"]]
+    df = _rows(results)
+    assert len(df) == 4 and df["run_id"].is_unique and set(df["status"]) == {"done"}
+    assert "1 skipped" in out
