@@ -11,6 +11,7 @@ import typer
 
 from lora_bench.cli.options import PRECEDENCE, CacheDir, NoProgress, Overrides, console, results_dir_option
 from lora_bench.config import (
+    ADAPTER_SETTINGS,
     PATH_SETTINGS,
     TrainConfig,
     flag_name,
@@ -92,14 +93,21 @@ def sweep(
     scheduler: Annotated[Optional[str], typer.Option(
         metavar="tcp://HOST:PORT", help="Run on an existing Dask cluster, through its scheduler (its workers: one "
                                         "thread and one GPU each).", show_default=False)] = None,
+    pack: Annotated[Optional[int], typer.Option(
+        metavar="N", help=f"Train up to N runs at once on one model, in one process (default: the sweep file's "
+                          f"pack key, else 1): runs that differ only in {', '.join(ADAPTER_SETTINGS)} pack; "
+                          "only trainable_layers=lora, eager (docs/packing.md).", show_default=False)] = None,
     no_progress: NoProgress = False,
 ) -> None:
     from lora_bench.sweep.command import sweep_command
     from lora_bench.sweep.isolation import ISOLATION
+    from lora_bench.sweep.spec import pack_size_problem
     from lora_bench.train.preflight import input_problems
 
     if isolation not in ISOLATION:
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
+    if pack is not None and pack_size_problem(pack):
+        raise UsageError(f"--pack {pack}: {pack_size_problem(pack)}")
     values, name_of = sweep_overrides(overrides or [], device=device, data_file=data_file)
     paths = {k: v for k, v in values.items() if k in PATH_SETTINGS and v}
     missing = render(input_problems(TrainConfig(**paths)), name_of) if paths else []
@@ -110,4 +118,4 @@ def sweep(
     raise typer.Exit(sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
                                    progress=not no_progress, console=console, workers=workers,
-                                   scheduler=scheduler))
+                                   scheduler=scheduler, pack=pack))

@@ -104,6 +104,11 @@ RUN_COLUMNS: list[Column] = [
     Column("allreduce_ms_median", "float64", "ms", "per step, time during which a gradient bucket's all-reduce was pending or running (rank 0; empty for a step captured as CUDA graphs)", "lower"),
     Column("allreduce_exposed_ms_median", "float64", "ms", "per step, all-reduce time after backward's compute ended: what backward did not hide", "lower"),
     Column("allreduce_buckets", "Int64", "buckets", "DDP gradient buckets all-reduced per step"),
+    # packing (`sweep --pack N`: runs trained together on one model; blank for a run trained alone)
+    Column("pack_size", "Int64", "runs", "runs trained together in the run's pack, on one frozen model (blank: alone)"),
+    Column("pack_id", "string", "", "the pack the run trained in (its runs share it; blank: alone)"),
+    Column("share_step_ms_median", "float64", "ms", "packed runs: the pack's median step time over its size, the "
+           "run's share of the step (the step_ms columns are the whole pack's step)", "lower"),
     # sweep provenance (blank for one-off `lora-bench train` runs)
     Column("sweep_name", "string", "", "name of the sweep the run belongs to"),
     Column("sweep_file", "string", "", "sweep YAML file the run was expanded from"),
@@ -143,7 +148,9 @@ STEP_COLUMNS: list[Column] = [
     Column("allreduce_ms", "float64", "ms", "data-parallel runs: union of the buckets' all-reduce intervals (inside backward)"),
     Column("allreduce_exposed_ms", "float64", "ms", "data-parallel runs: all-reduce time after the last bucket was ready"),
     Column("allreduce_buckets", "Int64", "buckets", "data-parallel runs: buckets all-reduced in the step"),
-    Column("tokens", "Int64", "tokens", "tokens in the (global) batch"),
+    Column("share_step_ms", "float64", "ms", "packed runs: the pack's step time over its size (the run's share)"),
+    Column("share_host_step_ms", "float64", "ms", "packed runs: the pack's host step time over its size"),
+    Column("tokens", "Int64", "tokens", "tokens in the (global) batch; packed runs: the run's own batch"),
     Column("loss", "float64", "", "training loss of the batch (after division by accumulation steps)"),
 ]
 

@@ -13,6 +13,7 @@ from lora_bench.escaping import markup, terminal
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.results.store import FINISHED
+from lora_bench.sweep.packs import describe_plan, plan_packs
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
@@ -78,16 +79,26 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
 
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,
                   isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console,
-                  workers: int | None = None, scheduler: str | None = None) -> int:
+                  workers: int | None = None, scheduler: str | None = None, pack: int | None = None) -> int:
     """What ``lora-bench sweep`` does: validate, then list (dry run) or run, here or on a Dask
-    cluster (see ``use_dask``); returns the exit code."""
+    cluster (see ``use_dask``); returns the exit code. ``pack``: --pack, over the file's key."""
     sw = load_sweep(file, overrides=overrides)
     results_dir = Path(results_dir) if results_dir else Path("results") / sw.name
     selected = parse_shard(shard)
+    size = sw.pack if pack is None else pack
+    if size > 1 and (scheduler is not None or workers):
+        where = "--scheduler" if scheduler is not None else f"--workers {workers}"
+        raise UsageError(f"packing ({'--pack' if pack is not None else 'the sweep key pack:'} {size}) trains its packs "
+                         f"in this sweep's own process, not on a Dask cluster; drop {where}, or pack 1")
     if dry_run:
-        print_plan(sw, select_shard(sw.runs, selected), results_dir=results_dir, console=console)
+        runs = select_shard(sw.runs, selected)
+        print_plan(sw, runs, results_dir=results_dir, console=console)
+        status = resume_statuses(results_dir, runs, sw.name)
+        units, alone = plan_packs([r for r in runs if status.get(r.run_id, ("",))[0] not in FINISHED], size)
+        for line in describe_plan(units, alone, size):
+            console.print(markup(line), highlight=False)
         return 0
-    dask = use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)
+    dask = size <= 1 and use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)
     start_invocation()  # its runs, also in child processes, record this command line and commit
     if dask:
         require("distributed", purpose="lora-bench sweep --workers / --scheduler", extra="distributed")
@@ -98,7 +109,7 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
                                 cache_dir=cache_dir)
     else:
         result = run_sweep(sw, results_dir=results_dir, console=console, isolation=isolation, fresh=fresh,
-                           shard=selected, progress=progress, cache_dir=cache_dir)
+                           shard=selected, progress=progress, cache_dir=cache_dir, pack=size)
     print_summary(sw, result, results_dir=results_dir, console=console)
     return result.exit_code
 

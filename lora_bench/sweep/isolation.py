@@ -122,6 +122,12 @@ def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim
             raise
         raise SaveError(f"cannot start run {job.run_id}: {e.filename or job.run_dir}: {e.strerror or e}; "
                         "free some space there") from None
+    return settle_job(job, rc=rc, log=log, interrupts=interrupts, started=started)
+
+
+def settle_job(job: Job, *, rc: int, log: Path, interrupts: Interrupts, started: str) -> dict:
+    """After the job's process (or call) ended with ``rc``: its row as recorded, recorded here when
+    the run could not record it itself; SaveError when the folder took no more."""
     row = run_record(job.run_dir)
     if row is None or row.get("status") not in (*FINISHED, "failed", "interrupted"):
         # the run never reached its own bookkeeping (or never finished it): record it here

@@ -24,6 +24,8 @@ from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import run_record
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
+from lora_bench.sweep.pack_job import run_pack_job
+from lora_bench.sweep.packs import Pack, describe_plan, plan_packs
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.preflight import device_problems, memory_problem, require_packages
@@ -86,13 +88,19 @@ def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard:
 
 def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "process", fresh: bool = False,
               shard: tuple[int, int] | None = None, progress: bool = True,
-              cache_dir: Path | None = None) -> SweepResult:
+              cache_dir: Path | None = None, pack: int | None = None) -> SweepResult:
     """Run the (shard's) runs not yet done, each isolated; a failure is recorded and the sweep
-    goes on; SIGINT / SIGTERM / SIGHUP stops it after recording the interrupted run."""
+    goes on; SIGINT / SIGTERM / SIGHUP stops it after recording the interrupted run. ``pack``
+    (default: the sweep file's): train up to that many compatible runs at once on one model
+    (lora_bench.sweep.packs); a pack is isolated as one run is."""
     if isolation not in ISOLATION:
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
     results_dir = Path(results_dir)
     todo, result = start_sweep(sweep, results_dir=results_dir, console=console, fresh=fresh, shard=shard)
+    size = sweep.pack if pack is None else pack
+    units, alone = plan_packs(todo, size)
+    for line in describe_plan(units, alone, size):
+        console.print(markup(line), highlight=False)
     seen = planned_records(results_dir)
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
@@ -122,11 +130,63 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                 result.rows.append(row)
                 print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
 
+        def execute_pack(runs: list[PlannedRun], claims: list[RunClaim]) -> None:
+            try:
+                mine = []
+                for run, claim in zip(runs, claims):
+                    if finished_elsewhere(results_dir, run.run_id, seen):
+                        result.elsewhere += 1
+                        bar.console.print(f"[green]✓[/green] done elsewhere {'':>22}{run.run_id}  (by another "
+                                          "process)", highlight=False)
+                        claim.release()
+                    else:
+                        mine.append((run, claim))
+                if len(mine) == 1:
+                    run, claim = mine[0]
+                    execute(run, claim)
+                    return
+                if not mine:
+                    return
+                runs, claims = [r for r, _ in mine], [c for _, c in mine]
+                bar.update(task, current=f"pack of {len(runs)}: {runs[0].run_id} …")
+                jobs = [Job(cfg=r.cfg, run_id=r.run_id, results_dir=results_dir, extra=sweep.provenance(r),
+                            cache_dir=cache_dir) for r in runs]
+                t0 = time.monotonic()
+                try:
+                    rows = run_pack_job(jobs, isolation=isolation, interrupts=stop, claims=claims)
+                except SaveError as e:
+                    result.not_saved = str(e)
+                    rows = getattr(e, "rows", None) or [{"run_id": r.run_id, "status": "failed", "error": str(e)}
+                                                        for r in runs]
+                result.rows.extend(rows)
+                for run, row in zip(runs, rows):
+                    print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
+            finally:
+                for claim in claims:
+                    claim.release()
+
         try:
             later = []
-            for run in todo:
+            for unit in units:
                 if stop.stopped or result.not_saved:
                     break
+                if isinstance(unit, Pack):
+                    claimed, runs = [], []
+                    for run in unit.runs:
+                        claim = try_claim(results_dir / run.run_id)
+                        if claim is None:
+                            pid = claimant(results_dir / run.run_id)
+                            bar.console.print(f"[yellow]…[/yellow] {run.run_id} is running in another process"
+                                              f"{f' (pid {pid})' if pid else ''}; coming back to it later (alone)",
+                                              highlight=False)
+                            later.append(run)
+                        else:
+                            claimed.append(claim)
+                            runs.append(run)
+                    execute_pack(runs, claimed)
+                    bar.advance(task, len(runs))
+                    continue
+                run = unit
                 claim = try_claim(results_dir / run.run_id)
                 if claim is None:
                     pid = claimant(results_dir / run.run_id)

@@ -13,6 +13,7 @@ A sweep file is a mapping with these keys::
       - {label: small, lora_rank: 4}
     repeats: 3                 # run everything this many times (default 1)
     vary_seed: true            # repeat r runs with seed + r (default false: the same seed)
+    pack: 4                    # train up to 4 runs at once on one model (default 1; docs/packing.md)
 
 Repeats are repeat-major (all runs once, then all again), so drift over a long sweep spreads over
 every setting. By default each repeat uses the same seed: the repeats measure timing noise. With
@@ -65,7 +66,7 @@ from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import short_repr
 from lora_bench.train.identity import make_run_id, settings_hash
 
-SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed")
+SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed", "pack")
 ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (see module docstring)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_RUNS = 100_000
@@ -94,6 +95,7 @@ class Sweep:
     repeats: int
     runs: tuple[PlannedRun, ...]
     vary_seed: bool = False
+    pack: int = 1  # runs trained at once on one model, at most (lora_bench.sweep.packs)
 
     def provenance(self, run: PlannedRun) -> dict:
         """Extra result columns that tie a run to the file it came from."""
@@ -111,6 +113,7 @@ class _Layout:
     runs: list[tuple[str, dict]]
     repeats: int
     vary_seed: bool
+    pack: int = 1
 
 
 # -- loading and validation ----------------------------------------------------------------------
@@ -166,7 +169,7 @@ def load_sweep(path: Path, *, overrides: dict[str, Any] | None = None) -> Sweep:
     if problems:
         raise ConfigError(problems, source=str(path))
     return Sweep(name=layout.name, path=path, sha256=hashlib.sha256(raw).hexdigest(), repeats=layout.repeats,
-                 runs=tuple(runs_out), vary_seed=layout.vary_seed)
+                 runs=tuple(runs_out), vary_seed=layout.vary_seed, pack=layout.pack)
 
 
 def _coerced(settings: dict[str, Any]) -> dict[str, Any]:
@@ -253,7 +256,23 @@ def _structure(data: Any, problems: list[str]) -> _Layout:
     if not isinstance(vary_seed, bool):
         problems.append(f"vary_seed={short_repr(vary_seed)} must be true or false")
         vary_seed = False
-    return _Layout(str(name), base, grid, runs, repeats, vary_seed)
+    pack = data.get("pack", 1)
+    bad_pack = pack_size_problem(pack)
+    if bad_pack:
+        problems.append(f"pack={short_repr(pack)}: {bad_pack}")
+        pack = 1
+    return _Layout(str(name), base, grid, runs, repeats, vary_seed, pack)
+
+
+MAX_PACK = 1024
+
+
+def pack_size_problem(pack: object) -> str | None:
+    """What is wrong with a pack size (the sweep key or --pack), or None."""
+    if isinstance(pack, bool) or not isinstance(pack, int) or not 1 <= pack <= MAX_PACK:
+        return (f"the most runs to train at once on one model must be a whole number from 1 (no packing) "
+                f"to {MAX_PACK}")
+    return None
 
 
 def _checked(mapping: dict, where: str, problems: list[str]) -> dict:

@@ -1,0 +1,40 @@
+"""Which runs can train together in one pack (one process, one frozen base model, one adapter per
+run; lora_bench.train.pack): runs whose settings agree on everything but their adapter's own.
+Nothing here imports torch (``lora-bench sweep --help`` names ADAPTER_SETTINGS)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lora_bench.config.declaration import Settings
+
+# What may differ between the runs of one pack: each adapter has its own rank and alpha, and its
+# own optimizer parameter group (learning rate, weight decay).
+ADAPTER_SETTINGS = ("lora_rank", "lora_alpha", "learning_rate", "weight_decay")
+
+
+def solo_reason(cfg: Settings) -> str | None:
+    """Why a run with these settings cannot train in a pack (None: it can)."""
+    if cfg.trainable_layers != "lora":
+        if cfg.trainable_layers == "lora-kernel":
+            return ("lora-kernel's op runs one adapter per call (its kernels take one A and one B), so its "
+                    "points run one by one; pack them with trainable_layers=lora")
+        if cfg.trainable_layers == "lora-merged":
+            return "lora-merged materialises one merged weight per layer, which adapters cannot share"
+        return f"trainable_layers={cfg.trainable_layers} trains no adapter (only lora packs)"
+    if cfg.implementation != "book":
+        return f"implementation={cfg.implementation}: only the book model packs"
+    if cfg.compile:
+        return "compile: packed runs are eager for now"
+    if cfg.cuda_graphs:
+        return "cuda_graphs: packed runs are eager for now"
+    if cfg.nproc != 1:
+        return f"nproc={cfg.nproc}: a packed run is one process"
+    if cfg.profile != "none":
+        return f"profile={cfg.profile}: a profile measures one run; profile the point on its own"
+    return None
+
+
+def pack_key(cfg: Settings) -> tuple[tuple[str, Any], ...]:
+    """Runs with equal keys can share a pack: every setting but the adapter's own."""
+    return tuple((k, v) for k, v in sorted(cfg.to_dict().items()) if k not in ADAPTER_SETTINGS)

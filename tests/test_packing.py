@@ -1,0 +1,309 @@
+"""Packing (lora_bench.lora.packed, lora_bench.classifier.packed, lora_bench.train.pack): a packed
+point trains as its solo run does. Its initial head and adapters are its solo run's, bit for bit;
+a packed layer computes each adapter's solo layer; and on the tiny model each point's per-step
+losses, periodic losses and accuracies match its solo run's, as far as another rounding order of
+the same function can move them from the float64 evaluation of the solo run
+(numerics.same_function_tol), with mixed ranks, alphas, learning rates and weight decays."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+from numerics import assert_same_function, float64_runs
+from rich.console import Console
+from tiny import SAMPLE, TINY_BASE
+
+from lora_bench.classifier.book import build_classifier
+from lora_bench.classifier.packed import build_packed_classifier
+from lora_bench.config import TrainConfig
+from lora_bench.errors import UsageError
+from lora_bench.lora import LinearWithLoRA
+from lora_bench.lora.packed import PackedLoRALinear, point_parameters, point_state_dict
+from lora_bench.sweep.spec import load_sweep
+from lora_bench.train.pack import PackPoint, execute_pack, pack_problem
+from lora_bench.train.run import execute_run
+
+BASE = dict(model_size="tiny", weights="random", trainable_layers="lora", device="cpu", data_file=str(SAMPLE),
+            num_epochs=2, eval_freq=4, eval_iter=2, warmup_steps=1)  # two epochs of the sample's batches
+# mixed ranks (4, 8, 4: the rank-4 group is not every point), alphas, learning rates, weight decays
+POINTS = [dict(lora_rank=4, lora_alpha=8.0, learning_rate=5e-4, weight_decay=0.1),
+          dict(lora_rank=8, lora_alpha=16.0, learning_rate=1e-3, weight_decay=0.0),
+          dict(lora_rank=4, lora_alpha=2.0, learning_rate=2e-4, weight_decay=0.5)]
+
+
+def cfgs(points=POINTS, **kw) -> list[TrainConfig]:
+    return [TrainConfig(**{**BASE, **kw, **p}) for p in points]
+
+
+def test_packed_points_start_from_their_solo_weights(cache_dir):
+    """Every tensor of each point, under its solo model's names, equals its solo model's bit for
+    bit; the trainable ones are exactly the solo model's trainable ones."""
+    points = cfgs()
+    packed = build_packed_classifier(points, cache_dir=cache_dir, progress=False)
+    for p, cfg in enumerate(points):
+        solo = build_classifier(cfg, cache_dir=cache_dir, progress=False)
+        mine = point_state_dict(packed, p)
+        theirs = solo.state_dict(keep_vars=True)
+        assert mine.keys() == theirs.keys()
+        for name, t in theirs.items():
+            assert torch.equal(mine[name], t), name
+            assert mine[name].requires_grad == t.requires_grad, name
+        trainable = {id(t) for t in point_parameters(packed, p)}
+        assert trainable == {id(mine[n]) for n, t in theirs.items() if t.requires_grad}
+
+
+@pytest.mark.parametrize("ranks, shared", [((3, 5, 3), True), ((4, 4), True), ((2, 6), False)])
+def test_packed_layer_computes_each_solo_layer(ranks, shared):
+    """Output and every gradient of a packed layer, per point, against that point's own
+    LinearWithLoRA (float32), within another rounding order's distance from float64."""
+    torch.manual_seed(0)
+    k, n_out, rows, t = 12, 10, 3, 5
+    base = nn.Linear(k, n_out)
+    solos = []
+    for p, r in enumerate(ranks):
+        layer = LinearWithLoRA(copy.deepcopy(base) if shared else nn.Linear(k, n_out), r, 1.5 + p)
+        layer.lora.B.data.normal_()
+        layer.linear.requires_grad_(not shared)
+        solos.append(layer)
+    adapters = [copy.deepcopy(s.lora) for s in solos]
+    packed = (PackedLoRALinear(adapters, linear=copy.deepcopy(base).requires_grad_(False)) if shared
+              else PackedLoRALinear(adapters, heads=[copy.deepcopy(s.linear) for s in solos]))
+    x = torch.randn(len(ranks) * rows, t, k, requires_grad=True)
+    g = torch.randn(len(ranks) * rows, t, n_out)
+    y = packed(x)
+    y.backward(g)
+    for p, solo in enumerate(solos):
+        own = slice(p * rows, (p + 1) * rows)
+        results = {}
+        for name, layer, dtype in (("want", solo, torch.float32), ("ref", copy.deepcopy(solo).double(), torch.float64)):
+            xp = x[own].detach().to(dtype).requires_grad_()
+            yp = layer(xp)
+            yp.backward(g[own].to(dtype))
+            results[name] = {"y": yp, "x": xp.grad, "A": layer.lora.A.grad, "B": layer.lora.B.grad,
+                             **({} if shared else {"W": layer.linear.weight.grad, "b": layer.linear.bias.grad})}
+        got = {"y": y[own], "x": x.grad[own], "A": packed.adapters[p].A.grad, "B": packed.adapters[p].B.grad,
+               **({} if shared else {"W": packed.heads[p].weight.grad, "b": packed.heads[p].bias.grad})}
+        assert_same_function(got, results["want"], results["ref"], what=f"point {p} (rank {ranks[p]})")
+
+
+def _solo(cfg, tmp_path, cache_dir, run_id, context=None):
+    results = tmp_path / "solo"
+    if context is None:
+        execute_run(cfg, results_dir=results, run_id=run_id, console=Console(quiet=True), progress=False,
+                    cache_dir=cache_dir)
+    else:
+        with context:
+            execute_run(cfg, results_dir=results, run_id=run_id, console=Console(quiet=True), progress=False,
+                        cache_dir=cache_dir)
+    record = json.loads((results / run_id / "run.json").read_text())
+    steps = pd.read_csv(results / run_id / "steps.csv")
+    return record, steps
+
+
+def _trajectory(record, steps) -> torch.Tensor:
+    """Every loss a run measured, in float64: its per-step training losses, then its periodic ones."""
+    return torch.tensor(list(steps["loss"]) + record["train_losses"] + record["val_losses"], dtype=torch.float64)
+
+
+def test_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
+    points = cfgs()
+    ids = [f"p{i}" for i in range(len(points))]
+    rows = execute_pack([PackPoint(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                        console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    assert [r["status"] for r in rows] == ["done"] * len(points)
+    table = pd.read_csv(tmp_path / "pack" / "runs.csv").set_index("run_id")
+    assert set(table["pack_size"]) == {len(points)} and table["pack_id"].nunique() == 1
+    for i, (cfg, run_id) in enumerate(zip(points, ids)):
+        want, want_steps = _solo(cfg, tmp_path, cache_dir, f"s{i}")
+        ref, ref_steps = _solo(cfg, tmp_path, cache_dir, f"d{i}", float64_runs())
+        got = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
+        got_steps = pd.read_csv(tmp_path / "pack" / run_id / "steps.csv")
+        assert list(got_steps["step"]) == list(want_steps["step"])
+        assert list(got_steps["epoch"]) == list(want_steps["epoch"]) and set(want_steps["epoch"]) == {1, 2}
+        assert_same_function(_trajectory(got, got_steps), _trajectory(want, want_steps), _trajectory(ref, ref_steps),
+                             what=f"point {i} ({cfg.lora_rank=}, {cfg.learning_rate=}, {cfg.weight_decay=}) losses")
+        assert got["train_accs"] == want["train_accs"] and got["val_accs"] == want["val_accs"]
+        row = table.loc[run_id]
+        for col in ("train_acc", "val_acc", "test_acc", "steps", "trainable_params", "total_params", "lora_rank"):
+            assert row[col] == want["row"][col], col
+        assert (got_steps["share_step_ms"] * len(points) - got_steps["step_ms"]).abs().max() < 1e-9
+        assert row["share_step_ms_median"] == pytest.approx(row["step_ms_median"] / len(points), rel=1e-12)
+
+
+def test_the_points_losses_differ_from_each_other(tmp_path, cache_dir):
+    """The comparison above is not vacuous: the points' settings move their losses apart."""
+    points = cfgs(max_steps=6, eval_freq=0, skip_final_eval=True)
+    execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
+                 console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    losses = [tuple(pd.read_csv(tmp_path / f"p{i}" / "steps.csv")["loss"]) for i in range(len(points))]
+    assert len(set(losses)) == len(points)
+
+
+def test_incompatible_runs_do_not_pack(tmp_path, cache_dir):
+    a, b = cfgs(POINTS[:2])
+    assert pack_problem([a, b]) is None
+    assert "batch_size" in pack_problem([a, b.replace(batch_size=4)])
+    assert "lora-kernel" in pack_problem([a, b.replace(trainable_layers="lora-kernel")])
+    with pytest.raises(UsageError, match="cannot train as one pack.*seed"):
+        execute_pack([PackPoint(a, "x"), PackPoint(b.replace(seed=7), "y")], results_dir=tmp_path,
+                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def test_a_failing_pack_marks_every_point_failed(tmp_path, cache_dir, monkeypatch):
+    import lora_bench.train.pack as pack_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the step broke")
+
+    monkeypatch.setattr(pack_mod, "train_pack", broken)
+    with pytest.raises(RuntimeError, match="the step broke"):
+        execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(cfgs())], results_dir=tmp_path,
+                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    table = pd.read_csv(tmp_path / "runs.csv")
+    assert sorted(table["run_id"]) == ["p0", "p1", "p2"] and set(table["status"]) == {"failed"}
+    assert all("its pack of 3 runs failed: RuntimeError: the step broke" in e for e in table["error"])
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+def _sweep_file(tmp_path, body: str, name: str = "s.yaml"):
+    path = tmp_path / name
+    path.write_text(f"# lora-bench sweep {name}\n" + textwrap.dedent(body))
+    return path
+
+
+def _rows(results) -> pd.DataFrame:
+    return pd.read_csv(results / "runs.csv", dtype=str, keep_default_na=False)
+
+
+PACKED_SWEEP = "name: pk\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+    pack: 3
+    runs:
+      - {label: a, lora_rank: 4}
+      - {label: b, lora_rank: 8, learning_rate: 0.001}
+      - {label: c, lora_rank: 2, weight_decay: 0.0}
+      - {label: d, lora_rank: 4, lora_alpha: 2.0}
+      - {label: k, trainable_layers: lora-kernel}
+      - {label: big, batch_size: 4}
+    """)
+
+
+def test_a_sweep_packs_what_packs_and_says_why_the_rest_runs_alone(tmp_path, run_cli):
+    """Process isolation: a, b, c train as one pack (pack: 3), each with its own row and steps.csv;
+    d (no partner left), the lora-kernel run and the one with another batch size run alone, and
+    the sweep says why."""
+    path = _sweep_file(tmp_path, PACKED_SWEEP)
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache", "--no-progress")
+    assert code == 0, out
+    flat = " ".join(out.split())
+    assert "3 runs in 1 pack(s)" in flat
+    assert "1 run(s) train alone" in flat and "lora-kernel's op runs one adapter per call" in flat
+    assert "2 run(s) train alone" in flat and "no other run left to do shares its settings" in flat
+    df = _rows(results).set_index("sweep_label")
+    assert set(df["status"]) == {"done"} and len(df) == 6
+    assert set(df.loc[["a", "b", "c"], "pack_size"]) == {"3"} and df.loc[["a", "b", "c"], "pack_id"].nunique() == 1
+    assert set(df.loc[["d", "k", "big"], "pack_size"]) == {""} and set(df.loc[["d", "k", "big"], "pack_id"]) == {""}
+    losses = {}
+    for label in "abc":
+        steps = pd.read_csv(results / df.loc[label, "run_id"] / "steps.csv")
+        assert list(steps["step"]) == [0, 1] and steps["share_step_ms"].notna().all()
+        losses[label] = tuple(steps["loss"])
+        assert (results / df.loc[label, "run_id"] / "worker.log").is_file()
+    assert len(set(losses.values())) == 3  # each its own losses (the second step's differ)
+    # the same points, each run alone: the same first-step losses (the same initial weights and batch)
+    solo = _rows(results).set_index("sweep_label")
+    assert pd.read_csv(results / solo.loc["d", "run_id"] / "steps.csv")["loss"][0] == losses["a"][0]
+
+
+def test_a_failing_pack_in_a_sweep_fails_each_of_its_runs(tmp_path, run_cli):
+    path = _sweep_file(tmp_path, "name: pf\nbase:\n" + TINY_BASE.replace(str(SAMPLE), "missing.tsv")
+                       + "  trainable_layers: lora\ngrid:\n  lora_rank: [2, 4]\n")
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--pack", "2", "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--no-progress")
+    assert code == 1, out
+    df = _rows(results)
+    assert len(df) == 2 and set(df["status"]) == {"failed"} and set(df["pack_size"]) == {"2"}
+    assert all("its pack of 2 runs failed" in e and "data file not found" in e for e in df["error"]), list(df["error"])
+    assert "0 done, 2 failed" in out
+
+
+def test_pack_flag_and_key_usage(tmp_path, run_cli):
+    path = _sweep_file(tmp_path, PACKED_SWEEP)
+    code, out = run_cli("sweep", path, "--dry-run", "--pack", "2", "--results-dir", tmp_path / "r")
+    assert code == 0, out
+    assert "4 runs in 2 pack(s)" in " ".join(out.split())  # a+b, c+d
+    code, out = run_cli("sweep", path, "--pack", "0", "--results-dir", tmp_path / "r")
+    assert code == 2 and "--pack 0" in out and "Traceback" not in out
+    code, out = run_cli("sweep", path, "--workers", "1", "--results-dir", tmp_path / "r")
+    assert code == 2 and "not on a Dask cluster" in out and "drop --workers 1" in out
+    bad = _sweep_file(tmp_path, PACKED_SWEEP.replace("pack: 3", "pack: many"), "bad.yaml")
+    code, out = run_cli("validate", bad)
+    assert code == 2 and "pack='many'" in out
+
+
+def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch, run_cli):
+    """SIGINT while a pack trains: both of its runs are recorded interrupted, the finished run
+    stays, the run after is not started; the resumed sweep packs the two again and runs the rest:
+    every run once in runs.csv, none lost."""
+    path = _sweep_file(tmp_path, "name: pi\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+        pack: 2
+        runs:
+          - {label: quick, batch_size: 4}
+          - {label: slow1, lora_rank: 2, max_steps: 2000, num_epochs: 1000}
+          - {label: slow2, lora_rank: 4, max_steps: 2000, num_epochs: 1000}
+          - {label: after, seed: 7}
+        """))
+    results = tmp_path / "res"
+    ids = {r.label: r.run_id for r in load_sweep(path).runs}
+    proc = subprocess.Popen([sys.executable, "-c", "from lora_bench.cli import main; main()", "sweep", str(path),
+                             "--results-dir", str(results), "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (results / ids["slow1"] / "pack.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(2.5)  # into the pack (its child imports torch first; either moment must work)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    df = _rows(results)
+    assert sorted(df["run_id"]) == sorted([ids["quick"], ids["slow1"], ids["slow2"]]), out
+    status = dict(zip(df["run_id"], df["status"]))
+    assert status == {ids["quick"]: "done", ids["slow1"]: "interrupted", ids["slow2"]: "interrupted"}, out
+    assert set(df.set_index("run_id").loc[[ids["slow1"], ids["slow2"]], "pack_size"]) == {"2"}
+
+    import lora_bench.train.pack as pack_mod
+    import lora_bench.train.run as run_mod
+
+    packs, solos = [], []
+    real_pack, real_run = pack_mod.execute_pack, run_mod.execute_run
+
+    def short_pack(points, **kw):  # rerun for real, a few steps only (the ids stay the sweep's)
+        packs.append([p.run_id for p in points])
+        return real_pack([PackPoint(p.cfg.replace(max_steps=2), p.run_id, p.extra) for p in points], **kw)
+
+    def short_run(cfg, **kw):
+        solos.append(kw["run_id"])
+        return real_run(cfg.replace(max_steps=2), **kw)
+
+    monkeypatch.setattr(pack_mod, "execute_pack", short_pack)
+    monkeypatch.setattr(run_mod, "execute_run", short_run)
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--isolation", "inline", "--no-progress")
+    assert code == 0, out
+    assert packs == [[ids["slow1"], ids["slow2"]]] and solos == [ids["after"]]
+    df = _rows(results)
+    assert len(df) == 4 and df["run_id"].is_unique and set(df["status"]) == {"done"}
+    assert "1 skipped" in out
