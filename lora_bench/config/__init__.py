@@ -12,6 +12,9 @@ from typing import Any
 
 from lora_bench.config.declaration import (  # noqa: F401  re-exported
     ATTENTION,
+    BASE_DTYPE_DEFAULT,
+    BASE_DTYPE_LAYERS,
+    BASE_DTYPES,
     BY_FLAG,
     COMPILE_SCOPES,
     CONTEXT_LENGTHS,
@@ -34,6 +37,7 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
     PATH_SETTINGS,
     PRECISIONS,
     PROFILES,
+    QUANTIZED_BASES,
     SETTINGS,
     TIMING,
     TOKEN_POSITIONS,

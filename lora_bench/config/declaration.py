@@ -30,6 +30,14 @@ OPS = ("book", "fused")
 OPTIMIZERS = ("book", "fused")
 COMPILE_SCOPES = ("model", "blocks")
 KERNEL_PLANS = (AUTO, *PLAN_NAMES)
+# How the frozen linear weights of the transformer blocks are stored (lora_bench.lora.quantized):
+# as the precision setting says (today's behaviour), bfloat16, or quantized by torchao.
+BASE_DTYPE_DEFAULT = "precision"
+QUANTIZED_BASES = ("fp8", "int8", "nf4")
+BASE_DTYPES = (BASE_DTYPE_DEFAULT, "bf16", *QUANTIZED_BASES)
+# What trains on a base stored other than the precision setting says: adapters beside frozen layers
+# (lora-kernel falls back to lora's layer), or the head alone.
+BASE_DTYPE_LAYERS = ("lora", "lora-kernel", "last_layer")
 # What the Hugging Face implementation (transformers' GPT-2, PEFT's LoRA) can run: the trainable-layer
 # choices it maps (PEFT trains unmerged adapters with its own layers: no merged or fused-kernel peer).
 HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
@@ -106,6 +114,13 @@ class Settings:
     kernel_plan: str = _s(AUTO, "lora-kernel: the plan its layers run. auto: chosen per call by lora-bench's rules "
                           "(docs/kernel-design.md); direct, cpp, fused, cublas, torch: that plan wherever it can "
                           "run (recorded in the backend column).", LORA, choices=KERNEL_PLANS)
+    base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
+                         "precision: as --precision says (fp32, or bf16 with --precision bf16); bf16: bfloat16; "
+                         "fp8: float8 rowwise, float8 products (torch._scaled_mm, a CUDA GPU of compute "
+                         "capability 8.9 or newer); int8: int8 weight-only, per output channel; nf4: QLoRA's "
+                         "4-bit NormalFloat, per block of 64. Adapters and the head stay full precision. fp8, "
+                         "int8 and nf4 use torchao (pip install \"lora-bench[quant]\"); docs/quantized-base.md.",
+                         LORA, choices=BASE_DTYPES)
     trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
                                   "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,
                                   aliases=("--token-position",))
@@ -167,6 +182,10 @@ class Settings:
     @property
     def is_lora(self) -> bool:
         return self.trainable_layers in LORA_LAYERS
+
+    @property
+    def quantized_base(self) -> bool:
+        return self.base_dtype in QUANTIZED_BASES
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

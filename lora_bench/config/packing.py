@@ -24,6 +24,8 @@ def solo_reason(cfg: Settings) -> str | None:
         return f"trainable_layers={cfg.trainable_layers} trains no adapter (only lora packs)"
     if cfg.implementation != "book":
         return f"implementation={cfg.implementation}: only the book model packs"
+    if cfg.base_dtype != "precision":
+        return f"base_dtype={cfg.base_dtype}: a packed model's frozen base is stored as its precision says"
     if cfg.compile:
         return "compile: packed runs are eager for now"
     if cfg.cuda_graphs:

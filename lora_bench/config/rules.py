@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lora_bench.config.declaration import BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name
+from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT,
+                                           SETTINGS, coerce, key_name)
 from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
@@ -146,6 +147,38 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
         out += hf_problems(v, ok)
     if ok("nproc") and v["nproc"] > 1:
         out += _data_parallel_problems(v, ok)
+    if ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
+        out += base_dtype_problems(v, ok)
+    return out
+
+
+def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
+    """What a frozen base stored other than the precision setting says rules out, each with its reason
+    (docs/quantized-base.md)."""
+    out = []
+    t, b = v["trainable_layers"], v["base_dtype"]
+    allowed = raw(", ".join(BASE_DTYPE_LAYERS))
+    if ok("trainable_layers") and t == "lora-merged":
+        out.append(problem("base_dtype", "{base_dtype}={b} with {trainable_layers}=lora-merged is refused: merging "
+                                         "the full-precision update into the stored weight rounds the sum to {b} again, "
+                                         "which changes the frozen base every step; with {base_dtype}={b} choose "
+                                         "{trainable_layers} one of: {allowed}", b=raw(b), allowed=allowed))
+    elif ok("trainable_layers") and t not in BASE_DTYPE_LAYERS:
+        out.append(problem("base_dtype", "{base_dtype}={b} with {trainable_layers}={t} is refused: {t} trains "
+                                         "weights of the transformer blocks, which {base_dtype}={b} stores frozen "
+                                         "(no gradient, no optimizer state); with {base_dtype}={b} choose "
+                                         "{trainable_layers} one of: {allowed}", b=raw(b), t=raw(t),
+                           allowed=allowed))
+    if ok("implementation") and v["implementation"] != "book":
+        out.append(problem("base_dtype", "{base_dtype}={b} is built for the book model's layers; with "
+                                         "{implementation}={i} leave {base_dtype}={d}", b=raw(b),
+                           i=raw(v["implementation"]), d=raw(BASE_DTYPE_DEFAULT)))
+    if ok("device") and b == "fp8" and v["device"] == "cpu":
+        out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
+                                         "(its products are torch._scaled_mm's float8 rowwise GEMMs, which the CPU "
+                                         "does not run); {device}=cpu given: on the CPU choose {base_dtype} one "
+                                         "of: {allowed}", allowed=raw(", ".join((BASE_DTYPE_DEFAULT, "bf16", "int8",
+                                                                                 "nf4")))))
     return out
 
 

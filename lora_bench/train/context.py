@@ -15,6 +15,7 @@ from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import UsageError
 from lora_bench.kernels.policy import PlanLog, policy_for
 from lora_bench.lora.kernel import group_qkv
+from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf
 from lora_bench.train.distributed import DataParallel
@@ -69,6 +70,11 @@ class RunContext:
             cast = cast_frozen
         self.trainable_params = count_params(self.model, trainable_only=True)
         self.total_params = count_params(self.model)
+        self.notes: list[str] = []  # what the run says about how it was built
+        if cfg.base_dtype != "precision":  # stored on the device from the fp32 weights, before any cast
+            _, self.notes = store_base(self.model, cfg.base_dtype, self.device)
+        weight_bytes = base_weight_bytes(self.model)
+        self.base_weight_mib = weight_bytes / 2**20 if weight_bytes is not None else None
         if cfg.precision == "bf16":
             cast(self.model, torch.bfloat16)
         self.model.to(self.device)

@@ -15,6 +15,7 @@ from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
+from lora_bench.lora.quantized import torchao
 from lora_bench.optional import require
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
@@ -32,6 +33,10 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
                                          "or auto", d=cfg.device, n=raw(count)))
     elif cfg.cuda_graphs and cfg.device == "auto" and count == 0:
         out.append(problem("cuda_graphs", "{cuda_graphs} needs a CUDA device, and none is available here"))
+    if cfg.base_dtype == "fp8" and cfg.device == "auto" and count == 0:
+        out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
+                                         "(torch._scaled_mm's float8 products), and none is available here; on the "
+                                         "CPU choose {base_dtype} one of: precision, bf16, int8, nf4"))
     if cfg.nproc > 1 and count and cfg.device in ("auto", "cuda") and count < cfg.nproc:
         out.append(problem("nproc", "{nproc}={n} needs {n} GPUs (one per process); this machine has {c}",
                            n=raw(cfg.nproc), c=raw(count)))
@@ -68,6 +73,8 @@ def require_packages(cfg: TrainConfig) -> None:
         require("transformers", purpose="implementation=hf")
         if cfg.is_lora:
             require("peft", purpose=f"trainable_layers={cfg.trainable_layers} with implementation=hf")
+    if cfg.quantized_base:
+        torchao(f"base_dtype={cfg.base_dtype}")
     if cfg.weights == "pretrained" and cfg.weights_source == "hf":
         require("safetensors", purpose="weights_source=hf")
         if not cfg.weights_dir:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.escaping import markup
+from lora_bench.lora.quantized import library_versions
 from lora_bench.peers.hf import package_versions
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.save import save_record
@@ -22,10 +23,12 @@ from lora_bench.train.context import RunContext
 
 
 def peer_versions(cfg: TrainConfig) -> dict:
-    """The versions of transformers, PEFT, safetensors and huggingface_hub, for a run that uses them."""
+    """The versions of transformers, PEFT, safetensors and huggingface_hub, for a run that uses them,
+    and of the quantization library, for a run whose frozen base it stores."""
+    out = library_versions(cfg.base_dtype)
     if cfg.implementation == "book" and cfg.weights_source == "openai":
-        return {}
-    return {f"{name}_version": version for name, version in package_versions().items()}
+        return out
+    return {**out, **{f"{name}_version": version for name, version in package_versions().items()}}
 
 
 def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:

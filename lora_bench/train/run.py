@@ -139,7 +139,10 @@ class _Run:
             dp = (DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size, cuda_graphs=cfg.cuda_graphs)
                   if env is not None else None)
             self.ctx = ctx = RunContext(cfg, cache_dir=self.cache_dir, progress=self.progress, dp=dp)
+            for note in ctx.notes:
+                self.say(note)
             row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
+                       base_weight_mib=ctx.base_weight_mib,
                        **environment(ctx.device), **host_speed(), host_op_us=host_op_us(ctx.device))
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))

@@ -1,0 +1,242 @@
+"""A frozen base stored other than full precision (``base_dtype``): the linear weights of the
+transformer blocks held in bfloat16 or quantized by torchao, the adapters and the head left in full
+precision (docs/quantized-base.md).
+
+- ``bf16``: the weight in bfloat16, cast to the activations' dtype for each product.
+- ``int8``: torchao's int8 weight-only format (``Int8WeightOnlyConfig``): int8 values with one
+  absmax scale per output channel; torchao's linear runs the forward product.
+- ``nf4``: torchao's NF4 (QLoRA's 4-bit NormalFloat, ``to_nf4``): 16 code values, one absmax scale
+  per block of 64 weights, the scales themselves quantized to int8 per block of scales
+  ("double quantization"); torchao's NF4 linear (``F.linear`` on its tensor) runs forward and backward.
+- ``fp8``: torchao's float8 rowwise format (``Float8DynamicActivationFloat8WeightConfig`` with
+  ``PerRow``): float8 e4m3 weights with one scale per output channel; each product quantizes its
+  activations rowwise too and runs ``torch._scaled_mm`` (CUDA, compute capability 8.9 or newer).
+
+The backward of int8 and fp8 (and of torchao's nf4) is the input's gradient through the
+dequantized weight: ``grad_out @ dequantize(W)``, the product the frozen weight needs (it takes no
+gradient). torchao is imported only here, and only when a run asks for one of its formats."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from importlib import metadata
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lora_bench.errors import UsageError
+from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.lora.layer import LinearWithLoRA, LoRALinearBase
+from lora_bench.lora.merged import LinearWithLoRAMerged
+from lora_bench.optional import QUANT_EXTRA, require
+
+FORMATS = ("bf16", "int8", "nf4", "fp8")
+LIBRARY_FORMATS = ("int8", "nf4", "fp8")  # what torchao stores
+NF4_BLOCK = 64  # weights per absmax scale (QLoRA's and torchao's default)
+NF4_SCALER_BLOCK = 256  # scales per int8 block of scales (torchao's default), or fewer where a layer has fewer
+FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 products: Ada, Hopper and newer
+
+KERNEL_FALLBACK = ("lora-kernel with base_dtype={fmt}: its fused op reads a full-precision weight, so its layers "
+                   "run lora's layer (the frozen product through torchao's {fmt} linear, the adapter beside it)")
+
+
+def torchao(purpose: str) -> ModuleType:
+    """torchao imported (its loader's notes about CUDA extensions a CPU build cannot load kept
+    quiet), or a UsageError naming the extra that installs it."""
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return require("torchao", purpose=purpose, extra=QUANT_EXTRA)
+    finally:
+        log.setLevel(level)
+
+
+def library_versions(fmt: str) -> dict[str, str | None]:
+    """The quantization library's version column for a run whose base is stored in ``fmt``."""
+    if fmt not in LIBRARY_FORMATS:
+        return {}
+    try:
+        return {"torchao_version": metadata.version("torchao")}
+    except metadata.PackageNotFoundError:
+        return {"torchao_version": None}
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """UsageError unless ``device`` runs torch._scaled_mm's float8 rowwise products."""
+    if device.type != "cuda":
+        raise UsageError(f"base_dtype=fp8 needs a CUDA GPU of compute capability {FP8_CAPABILITY[0]}."
+                         f"{FP8_CAPABILITY[1]} or newer (torch._scaled_mm); the run's device is {device}: choose "
+                         "base_dtype precision, bf16, int8 or nf4")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_CAPABILITY:
+        raise UsageError(f"base_dtype=fp8 needs a CUDA GPU of compute capability {FP8_CAPABILITY[0]}."
+                         f"{FP8_CAPABILITY[1]} or newer (torch._scaled_mm's float8 products); {device} has "
+                         f"{cap[0]}.{cap[1]}: choose base_dtype bf16, int8 or nf4")
+
+
+def _one_layer(weight: torch.Tensor) -> nn.Module:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return nn.Sequential(layer)
+
+
+def nf4_scaler_block(n_blocks: int) -> int:
+    """The scales per int8 block of scales for a weight of ``n_blocks`` NF4 blocks: torchao's 256,
+    or the largest divisor of ``n_blocks`` below it (torchao needs an exact division)."""
+    return max(d for d in range(1, min(NF4_SCALER_BLOCK, n_blocks) + 1) if n_blocks % d == 0)
+
+
+def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``weight`` (out × in) stored in ``fmt``, on its device."""
+    w = weight.detach()
+    if fmt == "bf16":
+        return w.to(torch.bfloat16)
+    ao = torchao(f"base_dtype={fmt}")
+    q = ao.quantization
+    if fmt == "nf4":
+        if w.numel() % NF4_BLOCK:
+            raise UsageError(f"base_dtype=nf4 stores blocks of {NF4_BLOCK} weights; a {tuple(w.shape)} weight does "
+                             "not divide into them")
+        return q.to_nf4(w.contiguous(), block_size=NF4_BLOCK, scaler_block_size=nf4_scaler_block(w.numel() // NF4_BLOCK))
+    if fmt == "int8":
+        holder = _one_layer(w.clone())
+        q.quantize_(holder, q.Int8WeightOnlyConfig())
+    elif fmt == "fp8":
+        check_fp8_device(w.device)
+        holder = _one_layer(w.to(torch.bfloat16))
+        q.quantize_(holder, q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow()))
+    else:
+        raise ValueError(f"base format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    return holder[0].weight.detach()
+
+
+def dequantize(stored: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The values a stored weight stands for, in its high-precision dtype."""
+    if fmt == "bf16":
+        return stored
+    if fmt == "nf4":
+        return stored.get_original_weight()
+    return stored.dequantize()
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: a torchao tensor's inner tensors (quantized values, scales, code
+    table), a plain tensor's elements."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(inner) for inner in (getattr(t, n) for n in names) if inner is not None)
+    return t.numel() * t.element_size()
+
+
+class _ThroughDequantized(torch.autograd.Function):
+    """torchao's product forward; the input's gradient through the dequantized weight backward."""
+
+    @staticmethod
+    def forward(ctx, x, stored, fmt):
+        ctx.stored, ctx.fmt = stored, fmt
+        return F.linear(x, stored)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ dequantize(ctx.stored, ctx.fmt).to(grad.dtype), None, None
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is stored in ``fmt``; its bias stays as it was (a frozen
+    parameter). The stored weight is an attribute, not a parameter or buffer: it is made on the
+    run's device, and neither ``Module.to``, the optimizer nor DDP's buffer broadcast touch it."""
+
+    def __init__(self, linear: nn.Linear, fmt: str, device: torch.device | str):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"base format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.weight_stored = quantize_weight(linear.weight.detach().to(device), fmt)
+        self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+                     if linear.bias is not None else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize(self.weight_stored, self.fmt)
+
+    def stored_bytes(self) -> int:
+        return stored_bytes(self.weight_stored)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        autocast = torch.is_autocast_enabled(kind)
+        out_dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
+        # fp8's rowwise products take bf16 activations; the others compute in the activations' dtype
+        compute = torch.bfloat16 if self.fmt == "fp8" else out_dtype
+        with torch.autocast(kind, enabled=False) if autocast else contextlib.nullcontext():
+            xc = x.to(compute)
+            if self.fmt == "bf16":
+                y = F.linear(xc, self.weight_stored.to(compute))
+            elif self.fmt == "nf4":  # torchao's NF4 linear: its own autograd function, the same backward
+                y = F.linear(xc, self.weight_stored)
+            else:
+                y = _ThroughDequantized.apply(xc, self.weight_stored, self.fmt)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored={self.fmt}"
+
+
+def _as_lora(layer: LinearWithLoRAKernel) -> LinearWithLoRA:
+    """``lora``'s layer holding the same base and adapter (the same parameters)."""
+    out = LinearWithLoRA.__new__(LinearWithLoRA)
+    nn.Module.__init__(out)
+    out.linear, out.lora = layer.linear, layer.lora
+    return out
+
+
+def _store(parent: nn.Module, fmt: str, device: torch.device, notes: set[str]) -> int:
+    count = 0
+    for name, module in parent.named_children():
+        if isinstance(module, LinearWithLoRAMerged):
+            raise ValueError("lora-merged merges its update into the weight; a stored base cannot take it")
+        if isinstance(module, LoRALinearBase) and isinstance(module.linear, nn.Linear) \
+                and not module.linear.weight.requires_grad:
+            if isinstance(module, LinearWithLoRAKernel):
+                module = _as_lora(module)
+                setattr(parent, name, module)
+                notes.add(KERNEL_FALLBACK.format(fmt=fmt))
+            module.linear = QuantizedLinear(module.linear, fmt, device)
+            count += 1
+        elif isinstance(module, nn.Linear):
+            if module.weight.requires_grad:
+                raise ValueError(f"{name}: a trainable linear layer cannot be stored as {fmt}")
+            setattr(parent, name, QuantizedLinear(module, fmt, device))
+            count += 1
+        else:
+            count += _store(module, fmt, device, notes)
+    return count
+
+
+def store_base(model: nn.Module, fmt: str, device: torch.device) -> tuple[int, list[str]]:
+    """Store the frozen linear weights of ``model``'s transformer blocks in ``fmt`` on ``device``
+    (LoRA layers keep their adapters; lora-kernel's layers become lora's). Returns how many layers,
+    and what the run should say about it."""
+    notes: set[str] = set()
+    count = sum(_store(block, fmt, device, notes) for block in model.trf_blocks)
+    return count, sorted(notes)
+
+
+def base_weight_bytes(model: nn.Module) -> int | None:
+    """Bytes the weights of the transformer blocks' linear layers hold as stored (quantized values
+    with their scales; biases left out); None for a model without the book's blocks."""
+    blocks = getattr(model, "trf_blocks", None)
+    if blocks is None:
+        return None
+    total = 0
+    for module in blocks.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.stored_bytes()
+        elif isinstance(module, nn.Linear):
+            total += stored_bytes(module.weight)
+    return total

@@ -1,0 +1,196 @@
+"""The quantized frozen base (lora_bench.lora.quantized): a LoRA layer whose base weight torchao
+stores, against a float64 evaluation that uses the DEQUANTIZED weight (so the bound is the
+products' rounding alone, not the quantization error), and the quantization error itself against
+each format's bound, on fresh random weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lora_bench.lora.layer import LinearWithLoRA
+from lora_bench.lora.quantized import NF4_BLOCK, QuantizedLinear, nf4_scaler_block, stored_bytes
+from tests.numerics import dot_tol, fresh, lora_chains, rel_err, rounded_input_tol
+
+pytest.importorskip("torchao")
+
+# QLoRA's NF4 code values (Dettmers et al. 2023, appendix E), as torchao and bitsandbytes hold them
+NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0)
+NF4_HALF_GAP = max(b - a for a, b in zip(NF4_CODES, NF4_CODES[1:])) / 2
+U32 = 2.0 ** -24
+
+K, N, R, ROWS = 96, 64, 4, 2 * 5  # inner size a multiple of 64 (NF4 blocks), batch (2, 5)
+
+
+def _layer(fmt: str, dtype: torch.dtype) -> tuple[LinearWithLoRA, torch.Tensor]:
+    """A LoRA layer (alpha 2: exact in every dtype) on a fresh random base stored in ``fmt``, its
+    adapter fresh too (B nonzero, so its gradients are not trivially zero), and its input."""
+    linear = nn.Linear(K, N)
+    with torch.no_grad():
+        linear.weight.copy_(fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+        linear.bias.copy_(fresh(N, device="cpu", dtype=torch.float32))
+    linear.requires_grad_(False)
+    layer = LinearWithLoRA(linear, R, 2.0)
+    with torch.no_grad():
+        layer.lora.A.copy_(fresh(K, R, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+        layer.lora.B.copy_(fresh(R, N, device="cpu", dtype=torch.float32))
+    layer.linear = QuantizedLinear(linear, fmt, "cpu")
+    layer.lora.to(dtype)
+    return layer, fresh(2, 5, K, device="cpu", dtype=dtype).requires_grad_(True)
+
+
+def _float64(layer: LinearWithLoRA, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """y, grad x, grad A, grad B in float64 with the dequantized weight in place of the stored one."""
+    w = layer.linear.dequantized_weight().double()
+    b = layer.linear.bias.double()
+    a = layer.lora.A.detach().double().requires_grad_(True)
+    bm = layer.lora.B.detach().double().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(True)
+    y = x64 @ w.T + b + layer.lora.alpha * (x64 @ a @ bm)
+    return [y, *torch.autograd.grad(y, [x64, a, bm], g.double())]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_base_layer_matches_float64_of_the_dequantized_weight(fmt, dtype):
+    """Output and gradients of x, A and B, each within the bound of its longest chain: float32
+    activations, λ·u·√k (dot_tol); bfloat16 activations, the 16-bit chain's 3 roundings
+    (rounded_input_tol) plus one for the dequantized weight rounded to bfloat16 for the product."""
+    layer, x = _layer(fmt, dtype)
+    g = fresh(2, 5, N, device="cpu", dtype=dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    got = [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
+    want = _float64(layer, x, g)
+    chains = lora_chains(rows=ROWS, k=K, n=N, r=R)
+    for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, want):
+        tol = dot_tol(torch.float32, chains[name]) if dtype == torch.float32 else rounded_input_tol(torch.bfloat16, 4)
+        assert rel_err(o, w) <= tol, f"{fmt} {dtype} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+
+
+def test_int8_error_is_at_most_half_a_step_of_its_channel():
+    """int8 weight-only, per output channel: each row's scale is its absmax over 127 at most (the
+    symmetric range), and every weight lies within half a scale step of its dequantized value, up
+    to float32's rounding of the quotient w / scale and of the product code · scale (values of at
+    most 128 steps: 128·u steps each)."""
+    w = fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5)
+    q = QuantizedLinear(_linear(w), "int8", "cpu")
+    stored = q.weight_stored
+    assert stored.qdata.dtype == torch.int8 and stored.qdata.shape == (N, K)
+    scale = stored.scale.reshape(N, 1).double()
+    assert scale.numel() == N  # one scale per output channel
+    assert (scale <= w.abs().amax(dim=1, keepdim=True).double() / 127 * (1 + U32)).all()
+    err = (w.double() - q.dequantized_weight().double()).abs()
+    assert (err <= scale * (0.5 + 2 * 128 * U32)).all(), float((err / scale).max())
+    assert (err > scale / 4).any()  # the bound is about this format: rounding uses most of it
+
+
+def test_nf4_error_is_within_its_block_scale_times_half_the_largest_code_gap():
+    """NF4, blocks of 64: each weight rounds to the nearest code of its block's absmax-normalised
+    values (at most half the largest gap between codes, times the absmax), and the absmax itself
+    is stored as int8 around its mean per block of scales ("double quantization": off by at most
+    that block's absmax deviation / 128, which the weight's code, at most 1 in size, carries)."""
+    w = fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5)
+    q = QuantizedLinear(_linear(w), "nf4", "cpu")
+    assert torch.allclose(q.weight_stored.nf4.double(), torch.tensor(NF4_CODES, dtype=torch.float64), atol=1e-4)
+    assert q.weight_stored.quantized_data.dtype == torch.uint8
+    assert q.weight_stored.quantized_data.numel() == w.numel() // 2  # two 4-bit codes a byte
+    blocks = w.double().reshape(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    per = nf4_scaler_block(absmax.numel())
+    dev = (absmax - absmax.mean()).reshape(-1, per)
+    scale_err = (dev.abs().amax(dim=1, keepdim=True) / 128).expand(-1, per).reshape(-1)
+    bound = (absmax * NF4_HALF_GAP + scale_err) * (1 + 8 * U32)
+    err = (blocks - q.dequantized_weight().double().reshape(-1, NF4_BLOCK)).abs()
+    assert (err <= bound.unsqueeze(1)).all(), float((err / bound.unsqueeze(1)).max())
+
+
+def test_nf4_code_values_are_the_qlora_reference_ones():
+    """torchao's NF4 codes are bitsandbytes' (the QLoRA reference implementation's)."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    codes = functional.get_4bit_type("nf4", device="cpu").double()
+    assert torch.allclose(codes, torch.tensor(NF4_CODES, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt, per_weight", [("int8", 1), ("nf4", 0.5), ("bf16", 2)])
+def test_stored_bytes_count_the_format(fmt, per_weight):
+    """Bytes held: the values at their width, plus the scales (int8: one float32 scale and one int8
+    zero point, 0 for the symmetric format torchao keeps anyway, per row; NF4: one
+    int8 per block of 64 and a float32 per block of scales, the 16-value code table, the mean)."""
+    w = fresh(N, K, device="cpu", dtype=torch.float32)
+    q = QuantizedLinear(_linear(w), fmt, "cpu")
+    extra = {"int8": 5 * N, "nf4": w.numel() // NF4_BLOCK + 4 * (w.numel() // NF4_BLOCK // nf4_scaler_block(
+        w.numel() // NF4_BLOCK)) + 16 * 4 + 4, "bf16": 0}[fmt]
+    assert q.stored_bytes() == per_weight * w.numel() + extra
+    assert stored_bytes(w) == 4 * w.numel()
+
+
+def test_the_stored_weight_is_not_a_parameter_and_takes_no_gradient():
+    layer, x = _layer("int8", torch.float32)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names == ["linear.bias", "lora.A", "lora.B"]
+    assert not layer.linear.bias.requires_grad
+    layer(x).sum().backward()
+    assert layer.lora.A.grad is not None and layer.linear.bias.grad is None
+
+
+def test_autocast_computes_in_its_dtype():
+    layer, x = _layer("nf4", torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer.linear(x)
+    assert y.dtype == torch.bfloat16
+
+
+def _linear(w: torch.Tensor) -> nn.Linear:
+    out = nn.Linear(w.shape[1], w.shape[0])
+    with torch.no_grad():
+        out.weight.copy_(w)
+    return out.requires_grad_(False)
+
+
+# -- fp8: a CUDA GPU of compute capability 8.9 or newer ------------------------------------------
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+U_E4M3 = 2.0 ** -4  # float8 e4m3: 3 mantissa bits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="fp8 needs a CUDA GPU of compute capability 8.9 or newer")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_layer_matches_float64_of_the_dequantized_weight(dtype):
+    """fp8 rowwise: the product quantizes its activations rowwise to e4m3 as well, so the output's
+    bound adds e4m3's unit roundoff for the activations (each in its row's range: relative
+    rounding, at most u) to the bfloat16 chain's (x to bf16, the product's output, the adapter's
+    two products, the sum: 5 roundings). The gradients run in bfloat16 through the dequantized
+    weight: the 16-bit chain plus the weight's rounding to bfloat16 (4)."""
+    layer, x = _layer_on_cuda(dtype)
+    g = fresh(2, 5, N, device="cuda", dtype=dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    got = [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
+    want = _float64(layer, x, g)
+    for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, want):
+        tol = U_E4M3 + rounded_input_tol(torch.bfloat16, 5) if name == "y" else rounded_input_tol(torch.bfloat16, 4)
+        assert rel_err(o, w) <= tol, f"fp8 {dtype} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+    assert layer.linear.weight_stored.qdata.dtype == torch.float8_e4m3fn
+
+
+def _layer_on_cuda(dtype: torch.dtype) -> tuple[LinearWithLoRA, torch.Tensor]:
+    linear = _linear(fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+    with torch.no_grad():
+        linear.bias.copy_(fresh(N, device="cpu", dtype=torch.float32))
+    layer = LinearWithLoRA(copy.deepcopy(linear), R, 2.0)
+    with torch.no_grad():
+        layer.lora.B.copy_(fresh(R, N, device="cpu", dtype=torch.float32))
+    layer.lora.to("cuda", dtype)
+    layer.linear = QuantizedLinear(linear, "fp8", torch.device("cuda"))
+    layer.linear.bias.data = layer.linear.bias.data.cuda()
+    return layer, fresh(2, 5, K, device="cuda", dtype=dtype).requires_grad_(True)
