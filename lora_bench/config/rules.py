@@ -160,8 +160,8 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
     allowed = raw(", ".join(BASE_DTYPE_LAYERS))
     if ok("trainable_layers") and t == "lora-merged":
         out.append(problem("base_dtype", "{base_dtype}={b} with {trainable_layers}=lora-merged is refused: merging "
-                                         "the full-precision update into the stored weight rounds the sum to {b} again, "
-                                         "which changes the frozen base every step; with {base_dtype}={b} choose "
+                                         "the full-precision update into the stored weight rounds the sum to {b} "
+                                         "again, which changes the frozen base every step; with {base_dtype}={b} choose "
                                          "{trainable_layers} one of: {allowed}", b=raw(b), allowed=allowed))
     elif ok("trainable_layers") and t not in BASE_DTYPE_LAYERS:
         out.append(problem("base_dtype", "{base_dtype}={b} with {trainable_layers}={t} is refused: {t} trains "

@@ -101,7 +101,8 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         if w.numel() % NF4_BLOCK:
             raise UsageError(f"base_dtype=nf4 stores blocks of {NF4_BLOCK} weights; a {tuple(w.shape)} weight does "
                              "not divide into them")
-        return q.to_nf4(w.contiguous(), block_size=NF4_BLOCK, scaler_block_size=nf4_scaler_block(w.numel() // NF4_BLOCK))
+        per = nf4_scaler_block(w.numel() // NF4_BLOCK)
+        return q.to_nf4(w.contiguous(), block_size=NF4_BLOCK, scaler_block_size=per)
     if fmt == "int8":
         holder = _one_layer(w.clone())
         q.quantize_(holder, q.Int8WeightOnlyConfig())

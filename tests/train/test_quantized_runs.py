@@ -118,7 +118,8 @@ REFUSED = [
      ["--base-dtype=fp8", "--device=cpu", "compute capability 8.9", "precision, bf16, int8, nf4"]),
     (["--device", "auto", "--trainable-layers", "lora", "--base-dtype", "fp8"],
      ["--base-dtype=fp8", "none is available here", "precision, bf16, int8, nf4"]),
-    (["--trainable-layers", "lora", "--base-dtype", "int4"], ["--base-dtype", "int4", "precision, bf16, fp8, int8, nf4"]),
+    (["--trainable-layers", "lora", "--base-dtype", "int4"],
+     ["--base-dtype", "int4", "precision, bf16, fp8, int8, nf4"]),
 ]
 
 
