@@ -200,8 +200,9 @@ def environment_differences(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]
         if seen[0] != seen[1]:
             b, c = (", ".join(s) or "not recorded" for s in seen)
             out.append(f"{col}: {b} (baseline) vs {c} (candidate)")
-    probes = [pd.to_numeric(df[HOST_SPEED], errors="coerce").dropna() if HOST_SPEED in df else pd.Series(dtype=float)
+    probes = [pd.to_numeric(df[HOST_SPEED], errors="coerce") if HOST_SPEED in df else pd.Series(dtype=float)
               for df in (base, cand)]
+    probes = [p[(p > 0) & (p < float("inf"))] for p in probes]  # a blank, broken or infinite cell says nothing
     if all(len(p) for p in probes):
         b, c = (float(p.median()) for p in probes)
         if b > 0 and abs(c / b - 1) > HOST_SPEED_TOLERANCE:

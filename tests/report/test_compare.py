@@ -84,6 +84,8 @@ def test_hosts_of_different_speed_are_named(tmp_path):
     assert compare(a, same).environment == []
     (warning,) = compare(a, b).environment
     assert warning.startswith("host_op_us: 6.00 µs (baseline) vs 9.00 µs (candidate), +50%"), warning
+    broken = _folder(tmp_path / "d", with_probe(_rows(BASE), "inf")[:3] + with_probe(_rows(BASE), "x")[3:])
+    assert compare(a, broken).environment == []  # cells that measure nothing are not a host
 
 
 def test_a_setting_that_differs_is_not_matched(tmp_path):
