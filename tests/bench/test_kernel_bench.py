@@ -53,6 +53,7 @@ def test_shapes_and_groups():
                          repeats=1, warmup=0, out_csv=None, cpu=False, progress=False)
 
 
+@pytest.mark.slow
 def test_forced_cpp_impl_runs_the_cpp_op():
     """``lora-kernel:cpp`` forces the C++ op through the plan policy for that implementation only;
     the backend column says what the layer's calls ran."""

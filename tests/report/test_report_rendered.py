@@ -36,6 +36,7 @@ from paths import ROOT
 RESULTS = ROOT / "results"
 
 
+@pytest.mark.slow
 def test_committed_reports_are_what_their_runs_give():
     stale = [f"{p.relative_to(ROOT)}: {why}" for p, why in stale_reports(RESULTS)]
     assert not stale, "out of date, run `lora-bench results render`:\n" + "\n".join(stale)
@@ -55,6 +56,7 @@ def _copy(folder: str, tmp_path: Path) -> tuple[Path, Path]:
     return root, dest
 
 
+@pytest.mark.slow
 def test_a_hand_edited_report_is_named(tmp_path, run_cli):
     """The check can fail: an edited Markdown line, swapped figure files and swapped embedded
     figures in the HTML are each named, with why; the untouched files are not."""

@@ -234,6 +234,7 @@ def test_a_folder_without_room_for_the_begun_record_is_refused_before_the_run(tm
     assert record["started_at"] == row["started_at"] == EARLIER and steps == STEPS  # the earlier record, whole
 
 
+@pytest.mark.slow
 def test_train_and_sweep_into_a_folder_that_takes_no_more_stop_with_one_message(tmp_path):
     """A real process under a file-size limit (RLIMIT_FSIZE: writes past it fail with EFBIG, as a
     full disk fails with ENOSPC): the run's record does not fit. train exits 4 with one message

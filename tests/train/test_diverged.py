@@ -8,6 +8,8 @@ import csv
 import math
 from pathlib import Path
 
+import pytest
+
 from lora_bench.results.store import find_run
 from paths import FIXTURES
 
@@ -63,6 +65,7 @@ def test_a_sweep_names_its_diverged_runs_and_does_not_rerun_them(tmp_path, run_c
     assert code == 0 and "2 skipped" in out, out
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_runs_all_diverge_exits_0_in_worker_processes(tmp_path, run_cli):
     """A diverged run is a measured result, not a failure: a sweep whose runs all diverge (each in
     its own worker process, the default isolation) records them so and exits 0."""

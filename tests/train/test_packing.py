@@ -198,6 +198,7 @@ PACKED_SWEEP = "name: pk\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + 
     """)
 
 
+@pytest.mark.slow
 def test_a_sweep_packs_what_packs_and_says_why_the_rest_runs_alone(tmp_path, run_cli):
     """Process isolation: a, b, c train as one pack (pack: 3), each with its own row and steps.csv;
     d (no partner left), the lora-kernel run and the one with another batch size run alone, and
@@ -253,6 +254,7 @@ def test_pack_flag_and_key_usage(tmp_path, run_cli):
     assert code == 2 and "pack='many'" in out
 
 
+@pytest.mark.slow
 def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch, run_cli):
     """SIGINT while a pack trains: both of its runs are recorded interrupted, the finished run
     stays, the run after is not started; the resumed sweep packs the two again and runs the rest:
