@@ -19,6 +19,7 @@ from lora_bench.report.tables import (
     Table,
     accuracy_table,
     crossover_table,
+    fastest_lora_table,
     groups_table,
     header_facts,
     profiles_table,
@@ -69,6 +70,9 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
                "pick a baseline with --baseline key=value" if not study.baseline else
                "no group has a baseline group of the same size, mode and condition")
         sections.append(Section("Answer", text=[f"No comparison: {why}."], first_screen=True))
+    fastest = fastest_lora_table(study)
+    if fastest is not None:
+        sections.append(Section("How fast LoRA can be made", tables=[fastest]))
     sections.append(Section("Where the time goes", tables=why_tables(study, min_share=MIN_SHARE),
                             figure="phases" if "phases" in figures else "", figure_first=True))
     prof = profiles_table(study)

@@ -129,6 +129,31 @@ def crossover_table(study: Study) -> Table:
                  rows=rows, notes=notes, n_keys=3 if with_cond else 2, groups=starts)
 
 
+LORA_LAYERS = ("lora", "lora-merged", "lora-kernel")
+
+
+def fastest_lora_table(study: Study) -> Table | None:
+    """Per size, the LoRA group (lora, lora-merged or lora-kernel, any mode and condition) with the
+    lowest median step time, and what it is; None when the study measured no LoRA step."""
+    best: dict[str, Group] = {}
+    for g in study.groups:
+        layers = {str(v) for v in g.runs.get("cfg_trainable_layers", pd.Series(dtype=object)).dropna()}
+        if not g.step.known or not layers or not layers <= set(LORA_LAYERS):
+            continue
+        if g.size not in best or g.step.median < best[g.size].step.median:
+            best[g.size] = g
+    if not best:
+        return None
+    with_cond = any(g.condition for g in best.values())
+    head = ["size", "trainable layers", "execution mode", *(["condition"] if with_cond else []), f"step ms {CI}"]
+    rows = [[s, best[s].variant, best[s].mode or "-", *([best[s].condition or "-"] if with_cond else []),
+             est(best[s].step, digits=2)] for s in study.sizes if s in best]
+    notes = [f"the LoRA group with the lowest median step at each size, among those measured here; step ms: "
+             f"{STEP_STATISTIC}; [lo–hi]: its 95 % interval", *interval_notes(*(g.step for g in best.values()))]
+    return Table(title=f"Fastest measured LoRA step per size ({study.device})", head=head, rows=rows, notes=notes,
+                 n_keys=4 if with_cond else 3)
+
+
 # -- where the time goes -------------------------------------------------------------------------
 def why_tables(study: Study, *, min_share: float) -> list[Table]:
     """One table per mode and condition: per size and variant, device / host ms per phase, the

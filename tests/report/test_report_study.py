@@ -283,3 +283,24 @@ def test_accuracy_table_sits_next_to_speed(tmp_path):
     assert lora[6:] == [f"91.50 {stats.span_text(s.groups[1].accuracy['test_acc'])}", "91.00–92.00",
                         f"-4.50 {stats.span_text(d)}", "yes"]
     assert "seeds vary across repeats" in t.notes[0]
+
+
+def test_the_fastest_lora_step_per_size_is_named_with_its_configuration(tmp_path):
+    """Per size, the LoRA group (any trainable-layer choice of LoRA, any mode) with the lowest
+    median step: at 124M the graphed lora-kernel, at 1558M the eager lora one (its graphed run is
+    slower there); `all` is never chosen, however fast."""
+    from lora_bench.report.tables import fastest_lora_table
+
+    rows = [_run(0, size="124M", layers="all", step=1.0, graphs=True),
+            _run(1, size="124M", layers="lora", step=70), _run(2, size="124M", layers="lora", step=72),
+            _run(3, size="124M", layers="lora-kernel", step=6.0, graphs=True),
+            _run(4, size="124M", layers="lora-kernel", step=6.4, graphs=True),
+            _run(5, size="124M", layers="all", step=50),
+            _run(6, size="1558M", layers="all", step=300), _run(7, size="1558M", layers="lora", step=240),
+            _run(8, size="1558M", layers="lora-kernel", step=260, graphs=True)]
+    table = fastest_lora_table(_study(tmp_path, rows))
+    assert [r[:3] for r in table.rows] == [["124M", "lora-kernel", "CUDA graphs + bf16"],
+                                           ["1558M", "lora", "eager fp32"]]
+    assert table.rows[0][-1].startswith("6.20 [") and table.rows[1][-1].startswith("240.00")
+    only_all = [_run(0, size="124M", layers="all", step=50), _run(1, size="124M", layers="last_block", step=40)]
+    assert fastest_lora_table(_study(tmp_path, only_all, baseline="trainable_layers=all")) is None
