@@ -135,8 +135,9 @@ def settle_job(job: Job, *, rc: int, log: Path, interrupts: Interrupts, started:
         row = {**(row or base_row(job)), "started_at": (row or {}).get("started_at") or started, "status": status,
                "error": _exit_text(rc, log, interrupts)}
         save_row(job.results_dir, row)
-    elif interrupts.stopped and row["status"] not in FINISHED:
-        # an exception raised while the signal unwound the run is the interruption, not a bug
+    elif interrupts.stopped and row["status"] not in (*FINISHED, "interrupted"):
+        # an exception raised while the signal unwound the run is the interruption, not a bug (a
+        # run that recorded itself interrupted keeps its record: the steps it trained stay)
         error = str(row.get("error") or "")
         cause = "" if error.startswith("interrupted by") else f" ({error})"
         row = {**row, "status": "interrupted", "error": f"interrupted by {signal_name(interrupts.signum)}{cause}"}

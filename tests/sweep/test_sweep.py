@@ -394,3 +394,35 @@ def test_piped_output_says_which_run_starts(tmp_path, monkeypatch, capsys, run_c
     assert "\r" not in out and "\x1b" not in out
     code, out = run_cli("sweep", path, *common, "--results-dir", tmp_path / "b", "--no-progress")
     assert code == 0 and "started 1/2" not in out, out
+
+
+@pytest.mark.parametrize("pack", ["1", "2"])
+def test_a_run_interrupted_in_a_sweep_keeps_the_steps_it_measured(tmp_path, monkeypatch, run_cli, pack):
+    """SIGTERM after two steps (alone, or in a pack): each run's own record (its row and the
+    steps.csv of the steps it trained) stays as the run saved it; the sweep's settling of the run
+    does not drop the steps."""
+    import lora_bench.train.pack as pack_mod
+    import lora_bench.train.run as run_mod
+
+    def stop_after_two(real):
+        def loop(*args, **kwargs):
+            def on_step(step, *rest):
+                if step == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return real(*args, **{**kwargs, "on_step": on_step})
+        return loop
+
+    monkeypatch.setattr(run_mod, "train_classifier", stop_after_two(run_mod.train_classifier))
+    monkeypatch.setattr(pack_mod, "train_pack", stop_after_two(pack_mod.train_pack))
+    body = TINY.replace("max_steps: 2", "max_steps: 4").replace("warmup_steps: 1", "warmup_steps: 0")
+    path = write(tmp_path, "name: ks\nbase:\n" + body + "  trainable_layers: lora\ngrid:\n  lora_rank: [2, 4]\n")
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--pack", pack, "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--isolation", "inline", "--no-progress")
+    assert code == 130, out
+    df = rows(results)
+    stopped = df[df["status"] == "interrupted"]
+    assert len(stopped) == (1 if pack == "1" else 2), out
+    for run_id in stopped["run_id"]:
+        steps = pd.read_csv(results / run_id / "steps.csv")
+        assert list(steps["step"]) == [0, 1] and steps["loss"].notna().all()
