@@ -29,6 +29,11 @@ from lora_bench.report.render_terminal import print_document
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study
 from lora_bench.report.tables import to_csv
+from lora_bench.results.manifest import MANIFEST
+from lora_bench.results.records import RUN_RECORD, STEPS_CSV
+from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV
+
+RESULTS_FILES = (RUNS_CSV, MANIFEST, RUN_RECORD, STEPS_CSV, TORN_CSV)  # what a report never writes over
 
 FIGURES = ("crossover", "phases")
 
@@ -52,6 +57,12 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     if study.baseline_text and not baseline and not (group_by or metrics):  # the groups against the study's baseline
         rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=study.baseline_text,
                            threshold=threshold)
+    for option, path in (("--output", output), *(("--plot", p) for p in
+                                                  figure_paths(plot, fmt=fmt, output=output,
+                                                               table_only=table_only).values())):
+        if path is not None and (Path(path).name in RESULTS_FILES or Path(path).name.endswith(LOCK_SUFFIX)):
+            raise UsageError(f"{option} {path}: a report never writes over a results file "
+                             f"({', '.join(RESULTS_FILES)}, *{LOCK_SUFFIX}); give the report another name")
     drawn = _draw(study, fmt=fmt, output=output, plot=plot, table_only=table_only)
     wrote = list(dict.fromkeys(drawn["files"].values()))
     if table_only:

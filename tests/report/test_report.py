@@ -161,6 +161,20 @@ def test_markdown_file_gets_its_figures_beside_it(tmp_path, run_cli):
     assert (tmp_path / "out" / "report-crossover.png").is_file() and (tmp_path / "out" / "report-phases.png").is_file()
 
 
+@pytest.mark.parametrize("args", [("--format", "csv", "--output", "runs.csv"),
+                                  ("--format", "json", "--output", "manifest.json"),
+                                  ("--format", "markdown", "--output", "prof-all/steps.csv"),
+                                  ("--format", "markdown", "--output", "runs.csv.lock")])
+def test_a_report_never_writes_over_a_results_file(tmp_path, run_cli, args):
+    folder = tmp_path / "study"
+    shutil.copytree(STUDY, folder)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    args = [a if a.startswith("--") or a in ("csv", "json", "markdown") else folder / a for a in args]
+    code, out = run_cli("report", folder, *args)
+    assert code == 2 and "never writes over a results file" in out and "Traceback" not in out, out
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_rows_of_one_run_id_are_kept_per_folder_and_run_json_counts(tmp_path):
     a, b = tmp_path / "shard1", tmp_path / "shard2"
     shutil.copytree(REPORT_ROWS, a)
