@@ -12,7 +12,9 @@ written into this folder::
     ]
 
 Keys: ``format`` and ``output`` (required), ``inputs``, ``plot``, ``group_by``, ``baseline``,
-``metrics``, ``threshold`` (percent), each as the report option of the same name. A report names
+``metrics``, ``threshold`` (percent), each as the report option of the same name. ``output`` and
+``plot`` are file names in the folder itself, ``report*.<ext>``: a recipe never writes over the
+folder's runs or its manifest, never through a link, and no two recipes of a folder write one file. A report names
 its inputs as seen from the folder above the results root (``results/scaling/ddp-2gpu/w1``), never
 by an absolute path, so the files do not depend on where they were rendered.
 
@@ -37,7 +39,7 @@ from rich.console import Console
 
 from lora_bench.errors import ResultsError
 from lora_bench.report.aggregate import FORMATS
-from lora_bench.report.command import report_command
+from lora_bench.report.command import figure_paths, report_command
 from lora_bench.report.figures import CONTENT_KEY
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.results.manifest import MANIFEST, read_manifest
@@ -47,6 +49,8 @@ SUPERSEDED = "superseded"
 OPTIONS = ("plot", "group_by", "baseline", "metrics")  # text options, passed on as given
 KEYS = ("format", "output", "inputs", "threshold", *OPTIONS)
 REPORT_FILE = re.compile(r"report[^/]*\.(md|html|png|pdf|svg|csv|json|txt)")
+FIGURE_FILE = re.compile(r"report[^/]*\.(png|pdf|svg)")
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,38 @@ def _file_name(value, key: str, where: str) -> str:
     return str(p)
 
 
+def _report_name(value, key: str, where: str) -> str:
+    """A report file the recipe writes: a name in the folder itself (no subfolder) of the form
+    ``report*.<ext>`` (what ``stale_reports`` looks for), not a link, nothing else in its way."""
+    pattern = FIGURE_FILE if key == "plot" else REPORT_FILE
+    allowed = "png, pdf, svg" if key == "plot" else "md, html, png, pdf, svg, csv, json, txt"
+    if (not isinstance(value, str) or CONTROL.search(value) or not pattern.fullmatch(value)
+            or "/" in value or "\\" in value):
+        example = "report.png" if key == "plot" else "report.md"
+        raise ResultsError(f"{where}: {key} {value!r} must be a file name in the folder itself starting with 'report' "
+                           f"and ending in .{', .'.join(allowed.split(', '))} (e.g. {example}), without control "
+                           "characters")
+    return value
+
+
+def _check_writes(recipe: Recipe, where: str, taken: dict[str, str]) -> None:
+    """The files ``recipe`` writes: none a link or a folder (a report writes only inside its own
+    folder), none that an earlier recipe of the folder writes too."""
+    table_only = bool(recipe.group_by or recipe.metrics) or recipe.format in ("csv", "json")
+    names = [recipe.output, *(p.name for p in figure_paths(None if recipe.plot is None else Path(recipe.plot),
+                                                          fmt=recipe.format, output=Path(recipe.output),
+                                                          table_only=table_only).values())]
+    for name in names:
+        path = recipe.folder / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ResultsError(f"{where}: {name!r} in {recipe.folder} is {'a link' if path.is_symlink() else 'not a file'}; "
+                               "a report writes only plain files in its own folder: move it aside")
+        if name in taken:
+            raise ResultsError(f"{where}: it writes {name!r}, which {taken[name]} writes too; give each report its "
+                               "own file names")
+        taken[name] = where.rsplit(": ", 1)[-1]
+
+
 def recipes(folder: Path, *, root: Path) -> list[Recipe]:
     """The reports ``folder``'s manifest declares (none when it declares none); a malformed entry
     raises one ResultsError naming the file, the entry and what is allowed."""
@@ -102,7 +138,8 @@ def recipes(folder: Path, *, root: Path) -> list[Recipe]:
     except ValueError:
         raise ResultsError(f"{folder} is not inside the results root {root}") from None
     name = str(PurePosixPath(root.resolve().name, *rel.parts))
-    out = []
+    out: list[Recipe] = []
+    taken: dict[str, str] = {}
     for i, e in enumerate(entries):
         where = f"{path}: {REPORTS}[{i}]"
         if not isinstance(e, dict):
@@ -120,20 +157,22 @@ def recipes(folder: Path, *, root: Path) -> list[Recipe]:
             raise ResultsError(f"{where}: inputs must be a non-empty list of folders inside {folder}")
         inputs = [_file_name(x, "inputs", where) for x in inputs]
         for x in inputs:
-            if not (folder / x).is_dir():
+            if not (folder / x).is_dir() or not (folder / x).resolve().is_relative_to(folder.resolve()):
                 raise ResultsError(f"{where}: input {x!r} is not a folder inside {folder}")
         options = {k: e[k] for k in OPTIONS if k in e}
         for k, v in options.items():
             if not isinstance(v, str) or not v.strip():
                 raise ResultsError(f"{where}: {k} must be text, not {v!r}")
         if "plot" in options:
-            options["plot"] = _file_name(options["plot"], "plot", where)
+            options["plot"] = _report_name(options["plot"], "plot", where)
         threshold = e.get("threshold")
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0 <= threshold < 100):
             raise ResultsError(f"{where}: threshold {threshold!r}: give a percentage from 0 up to (not including) 100")
-        out.append(Recipe(folder=folder, name=name, format=e["format"], output=_file_name(e["output"], "output", where),
-                          inputs=tuple(inputs), threshold=None if threshold is None else float(threshold), **options))
+        recipe = Recipe(folder=folder, name=name, format=e["format"], output=_report_name(e["output"], "output", where),
+                        inputs=tuple(inputs), threshold=None if threshold is None else float(threshold), **options)
+        _check_writes(recipe, where, taken)
+        out.append(recipe)
     return out
 
 

@@ -148,8 +148,8 @@ def _manifest(folder: Path, reports) -> None:
     ([{"format": "pdf", "output": "r.pdf"}], "format 'pdf' is not allowed; choose one of"),
     ([{"format": "html", "output": "r.html", "colour": "red"}], "unknown key 'colour'; allowed: format, output"),
     ([{"format": "html"}], "output is missing"),
-    ([{"format": "html", "output": "/tmp/r.html"}], "must be a relative path inside the folder"),
-    ([{"format": "markdown", "output": "r.md", "plot": "../r.png"}], "without '..'"),
+    ([{"format": "html", "output": "/tmp/r.html"}], "must be a file name in the folder itself starting with 'report'"),
+    ([{"format": "markdown", "output": "report.md", "plot": "../report.png"}], "plot '../report.png' must be a file name"),
     ([{"format": "html", "output": "r.html", "inputs": ["absent"]}], "input 'absent' is not a folder"),
     ([{"format": "html", "output": "r.html", "threshold": 100}], "threshold 100: give a percentage"),
 ])
@@ -157,6 +157,49 @@ def test_a_bad_recipe_is_refused_with_what_is_allowed(tmp_path, reports, needle)
     _manifest(tmp_path / "results" / "x", reports)
     with pytest.raises(ResultsError, match=re.escape(needle)):
         recipes(tmp_path / "results" / "x", root=tmp_path / "results")
+
+
+@pytest.mark.parametrize("reports, needle", [
+    ([{"format": "csv", "output": "runs.csv"}], "output 'runs.csv' must be a file name in the folder itself"),
+    ([{"format": "json", "output": "manifest.json"}], "output 'manifest.json' must be"),
+    ([{"format": "markdown", "output": "report.md", "plot": "runs.csv"}], "plot 'runs.csv' must be"),
+    ([{"format": "markdown", "output": "run-1/run.json"}], "output 'run-1/run.json' must be"),
+    ([{"format": "markdown", "output": "report/x.md"}], "output 'report/x.md' must be"),
+    ([{"format": "markdown", "output": "."}], "output '.' must be"),
+    ([{"format": "markdown", "output": "report\x1b[2J.md"}], "without control characters"),
+    ([{"format": "markdown", "output": "report\x00.md"}], "without control characters"),
+    ([{"format": "markdown", "output": "report.md"}, {"format": "html", "output": "report.md"}],
+     "reports[1]: it writes 'report.md', which reports[0] writes too"),
+    ([{"format": "markdown", "output": "report.md", "plot": "report.png"}, {"format": "csv", "output": "report-phases.png"}],
+     "reports[1]: it writes 'report-phases.png', which reports[0] writes too"),
+])
+def test_a_recipe_never_writes_over_the_folders_results(tmp_path, reports, needle):
+    folder = tmp_path / "results" / "x"
+    _manifest(folder, reports)
+    (folder / "run-1").mkdir()
+    with pytest.raises(ResultsError, match=re.escape(needle)):
+        recipes(folder, root=tmp_path / "results")
+
+
+@pytest.mark.parametrize("link", ["report.md", "report-phases.png"])
+def test_a_recipe_never_writes_through_a_link(tmp_path, link):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("kept")
+    folder = tmp_path / "results" / "x"
+    _manifest(folder, [{"format": "markdown", "output": "report.md"}])
+    (folder / link).symlink_to(outside / "victim")
+    with pytest.raises(ResultsError, match=re.escape(f"'{link}' in {folder} is a link")):
+        recipes(folder, root=tmp_path / "results")
+
+
+def test_a_recipe_reads_no_input_outside_its_folder(tmp_path):
+    (tmp_path / "outside").mkdir()
+    folder = tmp_path / "results" / "x"
+    _manifest(folder, [{"format": "markdown", "output": "report.md", "inputs": ["w1"]}])
+    (folder / "w1").symlink_to(tmp_path / "outside")
+    with pytest.raises(ResultsError, match=re.escape("input 'w1' is not a folder inside")):
+        recipes(folder, root=tmp_path / "results")
 
 
 def test_render_refuses_a_folder_without_recipes(tmp_path, run_cli):
