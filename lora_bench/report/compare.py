@@ -206,9 +206,16 @@ def environment_differences(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]
     if all(len(p) for p in probes):
         b, c = (float(p.median()) for p in probes)
         if b > 0 and abs(c / b - 1) > HOST_SPEED_TOLERANCE:
-            out.append(f"{HOST_SPEED}: {b:.2f} µs (baseline) vs {c:.2f} µs (candidate), {c / b - 1:+.0%}: the hosts "
+            ratio = c / b
+            change = f"{ratio - 1:+.0%}" if ratio < 100 else f"{ratio:.3g}×"
+            out.append(f"{HOST_SPEED}: {_us(b)} µs (baseline) vs {_us(c)} µs (candidate), {change}: the hosts "
                        "run torch ops at different speeds, and a host-bound step follows them")
     return out
+
+
+def _us(v: float) -> str:
+    """A probe's median: two decimals, or three significant digits where those would run long."""
+    return f"{v:.2f}" if 0.01 <= v < 1e6 else f"{v:.3g}"
 
 
 def gate_text(c: Comparison) -> str:

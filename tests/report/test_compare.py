@@ -88,6 +88,17 @@ def test_hosts_of_different_speed_are_named(tmp_path):
     assert compare(a, broken).environment == []  # cells that measure nothing are not a host
 
 
+def test_absurd_host_speeds_are_named_in_a_short_line(tmp_path):
+    """Probes far apart (a cell of 1e-300 µs against one of 1e300) still warn, in a line of
+    three significant digits, not a number of hundreds of digits."""
+    tiny = _folder(tmp_path / "a", [{**r, "host_op_us": "1e-300"} for r in _rows(BASE)])
+    huge = _folder(tmp_path / "b", [{**r, "host_op_us": "1e300"} for r in _rows(BASE)])
+    (warning,) = compare(tiny, huge).environment
+    assert warning.startswith("host_op_us: 1e-300 µs (baseline) vs 1e+300 µs (candidate), inf×: "), warning
+    (warning,) = compare(huge, _folder(tmp_path / "c", [{**r, "host_op_us": "2e302"} for r in _rows(BASE)])).environment
+    assert warning.startswith("host_op_us: 1e+300 µs (baseline) vs 2e+302 µs (candidate), 200×: "), warning
+
+
 def test_a_setting_that_differs_is_not_matched(tmp_path):
     a = _folder(tmp_path / "a", _rows(BASE))
     b = _folder(tmp_path / "b", [dict(r, cfg_batch_size=16) for r in _rows(BASE)])
