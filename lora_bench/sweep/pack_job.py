@@ -22,7 +22,7 @@ from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, SaveError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.claims import RunClaim
 from lora_bench.results.save import NO_ROOM
-from lora_bench.results.store import RUN_RECORD
+from lora_bench.results.store import FINISHED, RUN_RECORD
 from lora_bench.sweep.isolation import CHILD_MODULE, Interrupts, Job, _wait, settle_job
 from lora_bench.train import pack as train_pack
 
@@ -62,9 +62,12 @@ def run_pack_job(jobs: list[Job], *, isolation: str, interrupts: Interrupts, cla
     for job in jobs:
         try:
             rows.append(settle_job(job, rc=rc, log=log, interrupts=interrupts, started=started))
-        except SaveError as e:  # every run is settled; the sweep then stops
-            not_saved = not_saved or e
-            rows.append(e.row or {"run_id": job.run_id, "status": "failed", "error": str(e)})
+        except SaveError as e:  # every run is settled; the sweep then stops, naming a run not saved in full
+            row = e.row or {"run_id": job.run_id, "status": "failed", "error": str(e)}
+            if not_saved is None or (row.get("status") not in FINISHED
+                                     and (not_saved.row or {}).get("status") in FINISHED):
+                not_saved = e
+            rows.append(row)
     if not_saved is not None:
         not_saved.rows = rows
         raise not_saved

@@ -316,8 +316,14 @@ class _Pack:
                     self.steps = None
                     for row in rows:
                         row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+            not_saved: SaveError | None = None
             for p, (point, row) in enumerate(zip(self.points, rows)):
-                record_run(row, ctx=self.ctx, timer=self.timer, steps=self.steps[p] if self.steps else None,
-                           cfg=point.cfg,
-                           run_id=point.run_id, run_dir=self.results_dir / point.run_id, results_dir=self.results_dir,
-                           log=self.logs[p], curves=self.curves[p], console=self.console)
+                try:  # every point's record is tried: one that does not fit leaves the others theirs
+                    record_run(row, ctx=self.ctx, timer=self.timer, steps=self.steps[p] if self.steps else None,
+                               cfg=point.cfg, run_id=point.run_id, run_dir=self.results_dir / point.run_id,
+                               results_dir=self.results_dir, log=self.logs[p], curves=self.curves[p],
+                               console=self.console)
+                except SaveError as e:
+                    not_saved = not_saved or e
+            if not_saved is not None:
+                raise not_saved

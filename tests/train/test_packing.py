@@ -309,3 +309,39 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
     df = _rows(results)
     assert len(df) == 4 and df["run_id"].is_unique and set(df["status"]) == {"done"}
     assert "1 skipped" in out
+
+
+def test_a_pack_point_without_room_leaves_the_others_recorded(tmp_path, monkeypatch, run_cli):
+    """The folder takes no steps.csv of the pack's second run: that run is recorded failed (not
+    saved in full) and named when the sweep stops; the pack's first and third runs are recorded
+    done in full, each tried on its own."""
+    import errno
+    import os
+
+    from lora_bench import fileio
+
+    path = _sweep_file(tmp_path, "name: pd\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+        pack: 3
+        runs:
+          - {label: a, lora_rank: 2}
+          - {label: b, lora_rank: 4}
+          - {label: c, lora_rank: 8}
+        """))
+    ids = {r.label: r.run_id for r in load_sweep(path).runs}
+    real = fileio.atomic_write_bytes
+
+    def write(dest, data):
+        if dest.name == "steps.csv" and dest.parent.name == ids["b"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dest))
+        real(dest, data)
+
+    monkeypatch.setattr(fileio, "atomic_write_bytes", write)
+    results = tmp_path / "res"
+    code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                        "--isolation", "inline", "--no-progress")
+    assert code == 4, out
+    df = _rows(results).set_index("sweep_label")
+    assert dict(df["status"]) == {"a": "done", "b": "failed", "c": "done"}, out
+    assert "not saved in full" in df.loc["b", "error"]
+    assert (results / ids["a"] / "steps.csv").is_file() and (results / ids["c"] / "steps.csv").is_file()
+    assert f"stopped: run {ids['b']} could not be saved in full" in " ".join(out.split())
