@@ -117,11 +117,7 @@ class RunContext:
 
     # ------------------------------------------------------------------ what the loop reads
     def loop_settings(self) -> LoopSettings:
-        c = self.cfg
-        return LoopSettings(num_epochs=c.num_epochs, eval_freq=c.eval_freq, eval_iter=c.eval_iter,
-                            accumulation_steps=c.accumulation_steps, token_pos=c.trainable_token_pos,
-                            ignore_index=c.ignore_index, average_embeddings=c.average_embeddings,
-                            max_steps=c.max_steps)
+        return LoopSettings.of(self.cfg)
 
     def backend(self) -> str:
         """The lora-kernel plans the training step's layers ran, as recorded while the loop ran

@@ -37,6 +37,13 @@ class LoopSettings:
     average_embeddings: bool = False
     max_steps: int | None = None
 
+    @classmethod
+    def of(cls, cfg) -> "LoopSettings":
+        """The loop's settings of a run's TrainConfig."""
+        return cls(num_epochs=cfg.num_epochs, eval_freq=cfg.eval_freq, eval_iter=cfg.eval_iter,
+                   accumulation_steps=cfg.accumulation_steps, token_pos=cfg.trainable_token_pos,
+                   ignore_index=cfg.ignore_index, average_embeddings=cfg.average_embeddings, max_steps=cfg.max_steps)
+
 
 def train_classifier(model, train_loader, val_loader, optimizer, device, *, settings: LoopSettings,
                      timer: PhaseTimer, amp: AmpContext = contextlib.nullcontext,

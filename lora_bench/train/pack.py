@@ -116,11 +116,7 @@ class PackContext:
         self.optimizer = torch.optim.AdamW(groups, **opt_kw)
 
     def loop_settings(self) -> LoopSettings:
-        c = self.cfg
-        return LoopSettings(num_epochs=c.num_epochs, eval_freq=c.eval_freq, eval_iter=c.eval_iter,
-                            accumulation_steps=c.accumulation_steps, token_pos=c.trainable_token_pos,
-                            ignore_index=c.ignore_index, average_embeddings=c.average_embeddings,
-                            max_steps=c.max_steps)
+        return LoopSettings.of(self.cfg)
 
 
 def execute_pack(points: list[PackPoint], *, results_dir: Path, console: Console | None = None,
