@@ -34,7 +34,6 @@ from lora_bench.lora.packed import point_parameters, point_state_dict
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
-from lora_bench.results.environment import environment
 from lora_bench.results.manifest import read_manifest, record_invocation
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
@@ -46,7 +45,7 @@ from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.pack_loop import PackResult, pack_accuracy_loader, train_pack
 from lora_bench.train.preflight import require_packages
-from lora_bench.train.record import divergence, peer_versions, record_run, summary
+from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
 from lora_bench.train.run import ended_by
 from lora_bench.train.setup import amp_context, resolve_device, set_precision
 
@@ -205,7 +204,7 @@ class _Pack:
             self._begin(rows)
             self.say_all(f"pack {pack['pack_id']}: {self.n} runs ({', '.join(ids)}) on one model")
             self.ctx = ctx = PackContext(self.cfgs, cache_dir=self.cache_dir, progress=self.progress)
-            env = environment(ctx.device)
+            env = run_environment(ctx.device)
             for p, row in enumerate(rows):
                 row.update(trainable_params=ctx.trainable_params[p], total_params=ctx.total_params[p],
                            device=str(ctx.device), **env)

@@ -15,10 +15,11 @@ from lora_bench.config import TrainConfig
 from lora_bench.escaping import markup
 from lora_bench.lora.quantized import library_versions
 from lora_bench.peers.hf import package_versions
+from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.save import save_record
 from lora_bench.signals import signal_name, signals_deferred
-from lora_bench.timing import PhaseTimer
+from lora_bench.timing import PhaseTimer, host_op_us
 from lora_bench.train.context import RunContext
 
 
@@ -29,6 +30,11 @@ def peer_versions(cfg: TrainConfig) -> dict:
     if cfg.implementation == "book" and cfg.weights_source == "openai":
         return out
     return {**out, **{f"{name}_version": version for name, version in package_versions().items()}}
+
+
+def run_environment(device: torch.device) -> dict:
+    """The environment columns of a run on ``device`` with the host's speed measured there."""
+    return {**environment(device), **host_speed(), "host_op_us": host_op_us(device)}
 
 
 def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:

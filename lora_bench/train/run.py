@@ -20,14 +20,13 @@ from lora_bench.kernels.policy import record_plans, use_policy
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
-from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.manifest import read_manifest, record_invocation
 from lora_bench.results.records import RUNNING
 from lora_bench.results.save import NO_ROOM, begin_record
 from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
-from lora_bench.timing import PhaseTimer, host_op_us
+from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
@@ -36,7 +35,7 @@ from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing
 from lora_bench.train.loop import TrainResult, train_classifier
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
-from lora_bench.train.record import divergence, peer_versions, record_run, summary
+from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
 from lora_bench.train.setup import rank_settings
 
 
@@ -143,7 +142,7 @@ class _Run:
                 self.say(note)
             row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
                        base_weight_mib=ctx.base_weight_mib,
-                       **environment(ctx.device), **host_speed(), host_op_us=host_op_us(ctx.device))
+                       **run_environment(ctx.device))
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
             row.update(self._train())

@@ -138,6 +138,7 @@ def test_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
             assert row[col] == want["row"][col], col
         assert (got_steps["share_step_ms"] * len(points) - got_steps["step_ms"]).abs().max() < 1e-9
         assert row["share_step_ms_median"] == pytest.approx(row["step_ms_median"] / len(points), rel=1e-12)
+        assert row["host_op_us"] > 0 and row["torch_threads"] == torch.get_num_threads()  # as a solo run records
 
 
 def test_the_points_losses_differ_from_each_other(tmp_path, cache_dir):
