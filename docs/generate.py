@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's 
 from lora_bench.config import TrainConfig  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
 from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS  # noqa: E402
+from lora_bench.report.stats import Sample  # noqa: E402
 from lora_bench.results.store import read_runs  # noqa: E402
 from lora_bench.timing import PHASES  # noqa: E402
 
@@ -66,27 +67,31 @@ def _study_step(label: str) -> dict[tuple[str, str], float]:
     return {(r.model_size, r.trainable_layers): r.step_ms_median for r in df.itertuples()}
 
 
-def _repeats(label: str) -> dict[tuple[str, str], list[float]]:
-    """Each (size, layers) point's repeats (median step ms of each run) in the study with repeats."""
+def _repeats(label: str) -> dict[tuple[str, str], Sample]:
+    """Each (size, layers) point's repeats (median step ms of each run) in the study with repeats,
+    keyed by sweep and repeat so that two points' ratio pairs them as the reports do
+    (lora_bench.report.stats)."""
     df = runs(ANSWER)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
-    out: dict[tuple[str, str], list[float]] = {}
+    values: dict[tuple[str, str], list[float]] = {}
+    keys: dict[tuple[str, str], list[tuple]] = {}
     for r in df.itertuples():
-        out.setdefault((r.model_size, r.trainable_layers), []).append(r.step_ms_median)
-    return out
+        values.setdefault((r.model_size, r.trainable_layers), []).append(r.step_ms_median)
+        keys.setdefault((r.model_size, r.trainable_layers), []).append((ANSWER, r.sweep_name, str(r.repeat)))
+    return {k: Sample.of(v, keys=keys[k]) for k, v in values.items()}
 
 
 def table_answer() -> str:
     """The first screen of the README: median step ms over the study's repeats with 95 % intervals,
     batch 8, 124M and 1558M, in each mode named in full, and LoRA ÷ all with its interval."""
-    from lora_bench.report.stats import Sample, interval_text, median_interval, ratio_interval
+    from lora_bench.report.stats import interval_text, median_interval, ratio_interval
 
     rows = []
     for label, mode in ANSWER_MODES:
         reps = _repeats(label)
         for size in ("124M", "1558M"):
-            a, lo = (Sample.of(reps[(size, k)]) for k in ("all", "lora"))
-            n = min(len(reps[(size, "all")]), len(reps[(size, "lora")]))
+            a, lo = (reps[(size, k)] for k in ("all", "lora"))
+            n = min(len(a.values), len(lo.values))
             rows.append([f"GPT-2 {size}, {mode}", interval_text(median_interval(a), digits=1),
                          interval_text(median_interval(lo), digits=1), f"**{interval_text(ratio_interval(lo, a))}**",
                          str(n)])
@@ -97,19 +102,21 @@ def table_answer() -> str:
 def table_study_repeats() -> str:
     """The study with repeats: median step ms [95 %] of all, and lora and lora-kernel ÷ all [95 %]
     with their verdicts, at every size, in both modes."""
-    from lora_bench.report.stats import Sample, interval_text, median_interval, ratio_interval, verdict
+    from lora_bench.report.stats import interval_text, median_interval, ratio_interval, verdict
 
-    rows = []
+    rows, counts = [], set()
     for label, mode in ANSWER_MODES:
         reps = _repeats(label)
         for size in SIZES:
-            base = Sample.of(reps[(size, "all")])
+            base = reps[(size, "all")]
             cells = [f"{size}, {mode}", interval_text(median_interval(base), digits=1)]
             for layers in ("lora", "lora-kernel"):
-                r = ratio_interval(Sample.of(reps[(size, layers)]), base)
+                r = ratio_interval(reps[(size, layers)], base)
+                counts.add(r.n)
                 cells.append(f"{interval_text(r)} {verdict(r)}")
             rows.append(cells)
-    return _table(["batch 8 × 120 tokens, one H200, 3 repeats", "all: step ms", "lora ÷ all", "lora-kernel ÷ all"],
+    n = "–".join(str(c) for c in sorted(counts))
+    return _table([f"batch 8 × 120 tokens, one H200, {n} repeats", "all: step ms", "lora ÷ all", "lora-kernel ÷ all"],
                   rows)
 
 
@@ -134,7 +141,7 @@ def table_cause() -> str:
 
 def table_fastest() -> str:
     """The fastest measured LoRA configuration per size in the study with repeats (mode and layer)."""
-    from lora_bench.report.stats import Sample, interval_text, median_interval
+    from lora_bench.report.stats import interval_text, median_interval
 
     rows = []
     for size in ("124M", "355M", "774M", "1558M"):
@@ -142,7 +149,7 @@ def table_fastest() -> str:
         for label, mode in ANSWER_MODES:
             for layers, reps in _repeats(label).items():
                 if layers[0] == size and layers[1] != "all":
-                    est = median_interval(Sample.of(reps))
+                    est = median_interval(reps)
                     if best is None or est.value < best[0].value:
                         best = (est, mode, layers[1])
         rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", interval_text(best[0], digits=2)])

@@ -5,7 +5,11 @@ counts a profiled run wrote.
 
 Within one folder (reached twice, e.g. as a folder and as its runs.csv) a run id keeps one row: a
 done row beats a failed one, otherwise the later start wins. Rows of one run id from different
-folders (the same sweep run on two machines) are all kept, and ``shared_ids_note`` says so."""
+folders (the same sweep run on two machines) are all kept, and ``shared_ids_note`` says so.
+
+A setting added after some rows were written is blank in those rows; where other rows set it, the
+blank reads as the setting's default, which keeps the behaviour that came before the setting, so
+that the old rows and the new group as the same settings."""
 
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.report.names import mode_name
-from lora_bench.results.store import read_run_table, read_runs, result_rows
+from lora_bench.report.names import is_blank, mode_name
+from lora_bench.results.schema import SETTING_PREFIX
+from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
 
 RUN_DIR = "run_dir"
 RESULTS_DIR = "results_dir"
@@ -63,12 +69,27 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     # the columns of runs.csv stay, blank where unset
     missing = [c for c in header if c not in rows.columns]
     rows = pd.concat([rows, pd.DataFrame("", index=rows.index, columns=missing)], axis=1)
+    rows = with_setting_defaults(rows)
     buf = io.StringIO()
     rows.to_csv(buf, index=False)
     buf.seek(0)
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]
     return df
+
+
+def with_setting_defaults(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with each blank setting cell holding the setting's default where other rows set
+    that setting (the module says why); a setting blank in every row stays blank."""
+    defaults = {SETTING_PREFIX + k: text_value(v) for k, v in TrainConfig().to_dict().items() if v is not None}
+    rows = rows.copy()
+    for col, default in defaults.items():
+        if col not in rows or default == "":
+            continue
+        blank = rows[col].map(is_blank)
+        if blank.any() and not blank.all():
+            rows[col] = rows[col].astype(object).where(~blank, default)
+    return rows
 
 
 def shared_ids_note(df: pd.DataFrame) -> str:

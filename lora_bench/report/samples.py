@@ -6,7 +6,10 @@ a metric when the group has two runs or more; when it has one, that run's measur
   ``step_ms``, ``host_forward_ms_median`` -> ``host_forward_ms``): that column;
 - a throughput (``tokens_per_s``, ``achieved_tflops``, ``mfu``): the run's value scaled by its
   median step over each step's time, since a throughput is the step's work over its time;
-- anything else (accuracies, training time): one value, no interval."""
+- anything else (accuracies, training time): one value, no interval.
+
+Each repeat is keyed by its folder, sweep and repeat number, so that a ratio of two groups that ran
+the same repeats of one sweep is resampled in pairs (lora_bench.report.stats)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from pathlib import Path
 import pandas as pd
 
 from lora_bench.errors import ResultsError
-from lora_bench.report.load import RUN_DIR
+from lora_bench.report.load import RESULTS_DIR, RUN_DIR
+from lora_bench.report.names import is_blank
 from lora_bench.report.stats import REPEATS, STEPS, Estimate, Sample, median_interval
 from lora_bench.results.records import STEPS_CSV
 from lora_bench.results.schema import STEP_COLUMNS
@@ -43,7 +47,7 @@ def sample(runs: pd.DataFrame, metric: str) -> Sample:
     values = pd.to_numeric(runs[metric], errors="coerce") if metric in runs else pd.Series(dtype=float)
     values = values.dropna().astype(float)
     if len(values) != 1 or len(runs) != 1:
-        return Sample.of(values.to_numpy(), over=REPEATS)
+        return Sample.of(values.to_numpy(), over=REPEATS, keys=repeat_keys(runs.loc[values.index]))
     value = float(values.iloc[0])
     steps = _measured_steps(runs.iloc[0])
     if steps is None:
@@ -57,6 +61,21 @@ def sample(runs: pd.DataFrame, metric: str) -> Sample:
         if not math.isnan(med) and (ms > 0).all():
             return Sample.of(value * med / ms, over=STEPS, value=value)
     return Sample.of([value], over=REPEATS)
+
+
+PAIRING = (RESULTS_DIR, "sweep_name", "repeat")  # what a repeat shares with the other groups' same repeat
+
+
+def repeat_keys(runs: pd.DataFrame) -> tuple | None:
+    """(folder, sweep, repeat) per run, or None where a run lacks one of them (run outside a sweep)."""
+    if not all(c in runs for c in PAIRING):
+        return None
+    keys = []
+    for row in runs[list(PAIRING)].itertuples(index=False):
+        if any(is_blank(v) for v in row):
+            return None
+        keys.append(tuple(str(v) for v in row))
+    return tuple(keys)
 
 
 def estimate(runs: pd.DataFrame, metric: str) -> Estimate:

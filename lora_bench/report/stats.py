@@ -5,8 +5,13 @@ two medians with its 95 % interval, and the verdict read off that interval.
   of its one run) is resampled with replacement N_BOOT times, the median taken each time, and the
   2.5th and 97.5th percentiles of those medians are the interval. The generator is seeded (SEED),
   so the same numbers give the same interval on every machine and every call.
-- Interval of a ratio of medians (candidate ÷ baseline): each side resampled independently, the
-  ratio of the two resampled medians taken N_BOOT times, its 2.5th and 97.5th percentiles.
+- Interval of a ratio of medians (candidate ÷ baseline): the ratio of the two resampled medians
+  taken N_BOOT times, its 2.5th and 97.5th percentiles. Paired where both sides hold the same
+  repeats of one sweep (each value keyed by folder, sweep and repeat: the repeat's runs ran side by
+  side, interleaved, on one host): a resample draws repeats, and takes both sides' values of each
+  drawn repeat, so that what a repeat's process shares (the host's speed in that call) moves both
+  medians alike instead of widening the interval. Otherwise each side is resampled on its own.
+  Differences (accuracy points) likewise.
 - Over what: ``repeats`` (process-to-process spread) when a group has two runs or more; ``steps``
   when it has one run, resampling that run's measured steps (the spread between processes is then
   unknown, and every renderer says so); none when there is one value and no steps.
@@ -32,6 +37,9 @@ HIGHER, LOWER = "higher", "lower"  # the words for a metric that is not a speed 
 VERDICTS = (FASTER, SLOWER, HIGHER, LOWER, SAME, UNCLEAR)
 _CHUNK = 4_000_000  # resampled values held at once (a long run's steps are drawn in blocks)
 
+RESAMPLING = ("repeats of one sweep paired: a resample draws repeats and takes both sides' runs of each, so that "
+              "what a repeat's runs share, the host's speed in that call, cancels; otherwise each side's repeats "
+              "resampled on their own")
 STATISTIC = "median with 95 % percentile-bootstrap interval"
 STEPS_NOTE = "interval over the steps of one run: process-to-process spread unknown"
 STEPS_MARK = "†"  # marks an interval over the steps of one run
@@ -45,16 +53,22 @@ class Sample:
     values: np.ndarray
     over: str  # REPEATS or STEPS; "" for one value without steps (no interval)
     value: float = math.nan
+    keys: tuple | None = None  # per repeat, what pairs it with the other side's (module); None: unpaired
 
     @classmethod
-    def of(cls, values, *, over: str = REPEATS, value: float = math.nan) -> Sample:
+    def of(cls, values, *, over: str = REPEATS, value: float = math.nan, keys=None) -> Sample:
         v = np.asarray(values, dtype=float).ravel()
-        v = v[~np.isnan(v)]
+        keep = ~np.isnan(v)
+        if keys is not None:
+            keys = tuple(k for k, kept in zip(keys, keep) if kept)
+            if over != REPEATS or len(keys) != int(keep.sum()) or len(set(keys)) != len(keys):
+                keys = None  # pairing needs one value per repeat
+        v = v[keep]
         if over == REPEATS and len(v) < 2:
             over = ""
         if over == STEPS and len(v) < 2:
             over = ""
-        return cls(values=v, over=over, value=value)
+        return cls(values=v, over=over, value=value, keys=keys)
 
     @property
     def point(self) -> float:
@@ -73,6 +87,7 @@ class Estimate:
     hi: float = math.nan
     n: int = 0  # values the point estimate stands on (repeats, or 1 for one run)
     over: str = ""  # REPEATS, STEPS or "" (no interval)
+    paired: bool = False  # the interval resampled the two sides' repeats in pairs (module)
 
     @property
     def median(self) -> float:
@@ -93,7 +108,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         return {"value": _json_float(self.value), "lo": _json_float(self.lo), "hi": _json_float(self.hi),
-                "n": self.n, "interval_over": self.over or None}
+                "n": self.n, "interval_over": self.over or None, "paired": self.paired}
 
 
 NONE = Estimate(math.nan)
@@ -113,6 +128,32 @@ def _boot_medians(values: np.ndarray, rng: np.random.Generator, n_boot: int) -> 
         idx = rng.integers(0, n, size=(stop - start, n))
         out[start:stop] = np.median(values[idx], axis=1)
     return out
+
+
+def _paired(candidate: Sample, baseline: Sample) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both sides' values in the order of their common repeats, when they hold the same ones."""
+    if candidate.keys is None or baseline.keys is None or set(candidate.keys) != set(baseline.keys):
+        return None
+    where = {k: i for i, k in enumerate(baseline.keys)}
+    order = [where[k] for k in candidate.keys]
+    return candidate.values, baseline.values[order]
+
+
+def _boot_median_pairs(a: np.ndarray, b: np.ndarray, rng: np.random.Generator,
+                       n_boot: int) -> tuple[np.ndarray, np.ndarray]:
+    """The medians of ``n_boot`` resamples of the pairs (a[i], b[i]), each side's median apart."""
+    n = len(a)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    return np.median(a[idx], axis=1), np.median(b[idx], axis=1)
+
+
+def _two_sides(candidate: Sample, baseline: Sample, rng: np.random.Generator,
+               n_boot: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Resampled medians of both sides: paired where ``_paired`` finds pairs, else each on its own."""
+    pairs = _paired(candidate, baseline)
+    if pairs is not None:
+        return (*_boot_median_pairs(*pairs, rng, n_boot), True)
+    return _boot_medians(candidate.values, rng, n_boot), _boot_medians(baseline.values, rng, n_boot), False
 
 
 def _bounds(boots: np.ndarray) -> tuple[float, float]:
@@ -135,8 +176,8 @@ def median_interval(sample: Sample, *, seed: int = SEED, n_boot: int = N_BOOT) -
 
 
 def ratio_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED, n_boot: int = N_BOOT) -> Estimate:
-    """median(candidate) / median(baseline), each side resampled on its own; the interval is over
-    steps when either side's is."""
+    """median(candidate) / median(baseline), paired by repeat where both sides hold the same repeats,
+    else each side resampled on its own (module); the interval is over steps when either side's is."""
     num, den = candidate.point, baseline.point
     if math.isnan(num) or math.isnan(den) or den == 0:
         return NONE
@@ -144,19 +185,17 @@ def ratio_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED, n_b
     n = min(_n(candidate), _n(baseline))
     if not (candidate.over and baseline.over):
         return Estimate(ratio, n=n)
-    rng = np.random.default_rng(seed)
-    top = _boot_medians(candidate.values, rng, n_boot)
-    bottom = _boot_medians(baseline.values, rng, n_boot)
+    top, bottom, paired = _two_sides(candidate, baseline, np.random.default_rng(seed), n_boot)
     if (bottom <= 0).any():
         return Estimate(ratio, n=n)
     lo, hi = _bounds(top / bottom)
     over = STEPS if STEPS in (candidate.over, baseline.over) else REPEATS
-    return Estimate(ratio, min(lo, ratio), max(hi, ratio), n=n, over=over)
+    return Estimate(ratio, min(lo, ratio), max(hi, ratio), n=n, over=over, paired=paired)
 
 
 def difference_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED,
                         n_boot: int = N_BOOT) -> Estimate:
-    """median(candidate) − median(baseline) (e.g. accuracy points), each side resampled on its own."""
+    """median(candidate) − median(baseline) (e.g. accuracy points), paired as ``ratio_interval``."""
     a, b = candidate.point, baseline.point
     if math.isnan(a) or math.isnan(b):
         return NONE
@@ -164,10 +203,10 @@ def difference_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED
     n = min(_n(candidate), _n(baseline))
     if not (candidate.over and baseline.over):
         return Estimate(d, n=n)
-    rng = np.random.default_rng(seed)
-    lo, hi = _bounds(_boot_medians(candidate.values, rng, n_boot) - _boot_medians(baseline.values, rng, n_boot))
+    top, bottom, paired = _two_sides(candidate, baseline, np.random.default_rng(seed), n_boot)
+    lo, hi = _bounds(top - bottom)
     over = STEPS if STEPS in (candidate.over, baseline.over) else REPEATS
-    return Estimate(d, min(lo, d), max(hi, d), n=n, over=over)
+    return Estimate(d, min(lo, d), max(hi, d), n=n, over=over, paired=paired)
 
 
 def verdict(ratio: Estimate, *, threshold: float = THRESHOLD, higher_is_better: bool = False,

@@ -13,7 +13,7 @@ import pandas as pd
 from lora_bench.escaping import csv_cell as stored_cell
 from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
-from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, Estimate, span_text
+from lora_bench.report.stats import RESAMPLING, STEPS_MARK, STEPS_NOTE, Estimate, span_text
 from lora_bench.report.study import GPU_BOUND, STARVED, Group, Study
 from lora_bench.results.schema import column_index
 from lora_bench.timing import PHASES
@@ -121,7 +121,7 @@ def crossover_table(study: Study) -> Table:
                             [ratio_cell(by.get(s)) for s in study.sizes])
     notes = [(f"step ms: {STEP_STATISTIC}; ratio = that median / the baseline's ({study.baseline_text}) at the "
               "same size, mode and condition, then its verdict; [lo–hi]: the 95 % interval (percentile bootstrap, "
-              "each side's repeats resampled on their own)"),
+              f"{RESAMPLING})"),
              rule(study.threshold), *interval_notes(*_shown(study.groups))]
     if legend(study):
         notes.append(legend(study))
@@ -264,7 +264,7 @@ def accuracy_table(study: Study) -> Table | None:
                      f"{num(values.min(), 2)}–{num(values.max(), 2)}" if len(values) else "-", delta, mark])
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
     notes = [(f"{label}: median over the repeats of each group with its 95 % interval, and their min–max ({over}); "
-              "Δ: median minus the baseline's, with its 95 % interval (each side's repeats resampled on their own); "
+              f"Δ: median minus the baseline's, with its 95 % interval ({RESAMPLING}); "
               "outside seed noise: that interval leaves out 0"), f"step ms and step ratio: as in the crossover table",
              *interval_notes(*_shown(study.groups))]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)
@@ -309,8 +309,8 @@ def groups_table(rep: Report, *, title: str = "") -> Table:
     notes = [f"median over repeats of each configuration (each run's own value: for times its median over its "
              f"measured steps), with its 95 % interval (percentile bootstrap over the repeats, seeded)"]
     if rep.baseline and "ratio" in rep.groups:
-        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval (each side's "
-                     f"repeats resampled on their own) and verdict; {rule(rep.threshold)}")
+        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval "
+                     f"({RESAMPLING}) and verdict; {rule(rep.threshold)}")
     notes += interval_notes(*shown)
     for col, what in (("gpu_name", "GPUs"), ("hostname", "hosts")):
         seen = sorted({str(v) for v in rep.done.get(col, pd.Series(dtype=str)).dropna() if str(v)})

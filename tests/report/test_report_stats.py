@@ -123,3 +123,60 @@ def test_a_one_run_group_without_steps_has_no_interval(tmp_path):
     runs = pd.DataFrame([{"run_id": "r0", "run_dir": str(tmp_path / "missing"), "step_ms_median": 42.0}])
     e = median_interval(sample(runs, "step_ms_median"))
     assert e.value == 42.0 and not e.has_interval and stats.interval_text(e) == "42.00 (no interval)"
+
+
+def _host_bound_pairs(rng, *, n: int, slowdown: float, host: float, noise: float):
+    """n repeats of two variants, each repeat in its own call on a host whose speed varies from call
+    to call by ``host`` (relative, shared by both variants of the call) and each run by ``noise``."""
+    speed = 1 + host * rng.standard_normal(n)
+    base = 50.0 * speed * (1 + noise * rng.standard_normal(n))
+    cand = 50.0 * slowdown * speed * (1 + noise * rng.standard_normal(n))
+    return cand, base
+
+
+def test_repeats_of_one_sweep_are_paired_so_a_shared_host_speed_cancels():
+    """A 10 % slowdown under a call-to-call host spread of 20 %: paired by repeat, the interval finds
+    it almost every time; resampled side by side the spread hides it."""
+    keys = [("folder", "sweep", str(r)) for r in range(5)]
+    paired, apart = Counter(), Counter()
+    for t in range(TRIALS):
+        cand, base = _host_bound_pairs(np.random.default_rng(t), n=5, slowdown=1.10, host=0.20, noise=0.005)
+        e = ratio_interval(Sample.of(cand, keys=keys), Sample.of(base, keys=keys))
+        assert e.paired and e.lo <= e.value <= e.hi
+        paired[verdict(e)] += 1
+        apart[verdict(ratio_interval(Sample.of(cand), Sample.of(base)))] += 1
+    assert paired[stats.SLOWER] >= 0.9 * TRIALS and paired[stats.FASTER] == 0, paired
+    assert apart[stats.SLOWER] <= 0.5 * TRIALS, apart  # the pairing is what finds it
+
+
+def test_paired_equal_variants_are_rarely_a_difference():
+    keys = [("folder", "sweep", str(r)) for r in range(5)]
+    v = Counter()
+    for t in range(TRIALS):
+        cand, base = _host_bound_pairs(np.random.default_rng(500 + t), n=5, slowdown=1.0, host=0.20, noise=0.005)
+        v[verdict(ratio_interval(Sample.of(cand, keys=keys), Sample.of(base, keys=keys)))] += 1
+    assert v[stats.SLOWER] + v[stats.FASTER] <= 0.05 * TRIALS, v
+
+
+def test_pairing_needs_the_same_repeats_on_both_sides_once_each():
+    a, b = [10.0, 10.4, 9.8], [12.0, 12.5, 11.9]
+    k = [("f", "s", "0"), ("f", "s", "1"), ("f", "s", "2")]
+    assert ratio_interval(Sample.of(a, keys=k), Sample.of(b, keys=k)).paired
+    # the pairs follow the keys, not the order the values come in
+    shuffled = ratio_interval(Sample.of(a[::-1], keys=k[::-1]), Sample.of(b, keys=k))
+    assert shuffled == ratio_interval(Sample.of(a, keys=k), Sample.of(b, keys=k))
+    other = [("g", "s", "0"), ("g", "s", "1"), ("g", "s", "2")]  # another folder: another call
+    assert not ratio_interval(Sample.of(a, keys=k), Sample.of(b, keys=other)).paired
+    assert not ratio_interval(Sample.of(a, keys=k), Sample.of(b[:2], keys=k[:2])).paired
+    twice = [k[0], k[0], k[1]]
+    assert Sample.of(a, keys=twice).keys is None
+    assert not ratio_interval(Sample.of(a, keys=twice), Sample.of(b, keys=twice)).paired
+    assert not ratio_interval(Sample.of(a), Sample.of(b)).paired  # no keys: each side on its own
+
+
+def test_groups_of_one_sweeps_repeats_are_keyed_by_folder_sweep_and_repeat():
+    rows = pd.DataFrame({"results_dir": ["r", "r", "r"], "sweep_name": ["s", "s", "s"], "repeat": [0, 1, 2],
+                         "step_ms_median": [1.0, 2.0, float("nan")]})
+    assert sample(rows, "step_ms_median").keys == (("r", "s", "0"), ("r", "s", "1"))
+    assert sample(rows.assign(sweep_name=["s", "", "s"]), "step_ms_median").keys is None  # a run outside a sweep
+    assert sample(rows.drop(columns="repeat"), "step_ms_median").keys is None
