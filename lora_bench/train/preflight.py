@@ -17,6 +17,7 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
 from lora_bench.lora.quantized import torchao
 from lora_bench.optional import require
+from lora_bench.peers.hf import bitsandbytes
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
 
@@ -73,7 +74,9 @@ def require_packages(cfg: TrainConfig) -> None:
         require("transformers", purpose="implementation=hf")
         if cfg.is_lora:
             require("peft", purpose=f"trainable_layers={cfg.trainable_layers} with implementation=hf")
-    if cfg.quantized_base:
+    if cfg.quantized_base and cfg.implementation == "hf":  # QLoRA: bitsandbytes stores the body
+        bitsandbytes(f"base_dtype={cfg.base_dtype} with implementation=hf")
+    elif cfg.quantized_base:
         torchao(f"base_dtype={cfg.base_dtype}")
     if cfg.weights == "pretrained" and cfg.weights_source == "hf":
         require("safetensors", purpose="weights_source=hf")
