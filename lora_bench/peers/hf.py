@@ -53,7 +53,7 @@ import torch.nn as nn
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
 from lora_bench.config import HF_TRAINABLE_LAYERS, TrainConfig, hf_problems, render
 from lora_bench.data.tokenizer import PAD_TOKEN_ID
-from lora_bench.errors import ConfigError
+from lora_bench.errors import ConfigError, UsageError
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
 from lora_bench.optional import QUANT_EXTRA, require
@@ -126,6 +126,17 @@ def qlora_config(compute_dtype: torch.dtype):
                                            bnb_4bit_quant_storage=torch.uint8, llm_int8_skip_modules=[SCORE])
 
 
+def cpu_row_problem(emb_dim: int) -> str | None:
+    """Why the 4-bit body cannot run on the CPU at width ``emb_dim``, or None: bitsandbytes' CPU
+    kernels (0.50) dequantize a weight whose rows (in_features: emb_dim, and 4·emb_dim for the MLP's
+    output layer) are not a whole number of 64-weight blocks into wrong values, so its products
+    would be wrong; every GPT-2 size's widths are multiples of 64."""
+    if emb_dim % QLORA_BLOCK:
+        return (f"bitsandbytes' CPU kernels compute the 4-bit products wrongly for layers whose input width is not "
+                f"a multiple of {QLORA_BLOCK} (emb_dim={emb_dim})")
+    return None
+
+
 def load_qlora_model(config, state: dict[str, torch.Tensor], *, device: torch.device,
                      compute_dtype: torch.dtype) -> nn.Module:
     """``GPT2ForSequenceClassification.from_pretrained`` of the body ``state`` with ``qlora_config``:
@@ -133,6 +144,10 @@ def load_qlora_model(config, state: dict[str, torch.Tensor], *, device: torch.de
     quantized) and quantizes on ``device``; embeddings, norms and biases stay float32. Its ``score``
     is transformers' (missing from ``state``, so freshly initialised): ``make_hf_trainable`` replaces it."""
     transformers = require("transformers", purpose="implementation=hf")
+    why = cpu_row_problem(config.n_embd) if device.type == "cpu" else None
+    if why:
+        raise UsageError(f"base_dtype=nf4 with implementation=hf on the CPU is refused: {why}; use a CUDA device "
+                         f"or an emb_dim that is a multiple of {QLORA_BLOCK}")
     where = "cpu" if device.type == "cpu" else (device.index if device.index is not None
                                                 else torch.cuda.current_device())
     logging_ = transformers.utils.logging
