@@ -8,7 +8,7 @@ from types import ModuleType
 from lora_bench.errors import UsageError
 
 PEERS_EXTRA = "peers"  # transformers, peft, safetensors, huggingface_hub (pyproject's extra)
-QUANT_EXTRA = "quant"  # torchao: a quantized frozen base (base_dtype fp8, int8, nf4)
+QUANT_EXTRA = "quant"  # torchao, bitsandbytes: a quantized frozen base (base_dtype fp8, int8, nf4; QLoRA peer)
 
 
 def require(module: str, *, purpose: str, extra: str = PEERS_EXTRA) -> ModuleType:

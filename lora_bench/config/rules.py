@@ -152,6 +152,17 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
     return out
 
 
+# base_dtype values the transformers peer stores (with bitsandbytes: QLoRA), and why it takes no other
+HF_BASE_DTYPES = ("nf4",)
+HF_BASE_REFUSALS = {
+    "bf16": "the peer's bfloat16 base is {precision}=bf16 with {base_dtype}=precision, which casts its frozen "
+            "weights to bfloat16 once",
+    "int8": "bitsandbytes' int8 linear (LLM.int8) quantizes the activations to int8 as well, with float16 "
+            "outlier columns, a different product from the int8 weight-only base the book model runs",
+    "fp8": "bitsandbytes stores no float8 weights",
+}
+
+
 def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
     """What a frozen base stored other than the precision setting says rules out, each with its reason
     (docs/quantized-base.md)."""
@@ -169,10 +180,10 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
                                          "(no gradient, no optimizer state); with {base_dtype}={b} choose "
                                          "{trainable_layers} one of: {allowed}", b=raw(b), t=raw(t),
                            allowed=allowed))
-    if ok("implementation") and v["implementation"] != "book":
-        out.append(problem("base_dtype", "{base_dtype}={b} is built for the book model's layers; with "
-                                         "{implementation}={i} leave {base_dtype}={d}", b=raw(b),
-                           i=raw(v["implementation"]), d=raw(BASE_DTYPE_DEFAULT)))
+    if ok("implementation") and v["implementation"] == "hf" and b in HF_BASE_REFUSALS:
+        out.append(problem("base_dtype", "{base_dtype}={b} with {implementation}=hf is refused: " + HF_BASE_REFUSALS[b]
+                           + "; with {implementation}=hf choose {base_dtype} one of: {allowed}", b=raw(b),
+                           allowed=raw(", ".join((BASE_DTYPE_DEFAULT, *HF_BASE_DTYPES)))))
     if ok("device") and b == "fp8" and v["device"] == "cpu":
         out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
                                          "(its products are torch._scaled_mm's float8 rowwise GEMMs, which the CPU "

@@ -28,13 +28,24 @@ What maps, and how:
   (tests/peers/test_peers.py). PEFT draws A from kaiming_uniform(a=√5) over fan_in = in_features (bound
   1/√in); the book over fan_in = r (its A is in×r: bound 1/√r); ``lora_init="book"`` redraws PEFT's A
   with the book's bound.
+* QLoRA (``base_dtype=nf4``): the body loaded through transformers' ``from_pretrained`` with
+  bitsandbytes' ``BitsAndBytesConfig`` (``qlora_config``), the way QLoRA is run with transformers:
+  every Conv1D of the blocks becomes a ``bitsandbytes.nn.Linear4bit`` holding its weight, transposed to
+  out × in, as NF4 codes, one absmax per block of 64 weights, the absmaxes quantized again to 8 bits
+  per block of 256 (double quantization, QLoRA's own setting, as the book model's torchao NF4 does);
+  products in the run's compute dtype (float32, or bfloat16 under ``precision=bf16``). PEFT then wraps
+  the same modules with its bitsandbytes LoRA layer. The other stored formats have no faithful
+  bitsandbytes analogue and are refused (``config.hf_problems``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import warnings
 from importlib import metadata
+from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -42,16 +53,19 @@ import torch.nn as nn
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
 from lora_bench.config import HF_TRAINABLE_LAYERS, TrainConfig, hf_problems, render
 from lora_bench.data.tokenizer import PAD_TOKEN_ID
-from lora_bench.errors import ConfigError
+from lora_bench.errors import ConfigError, UsageError
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
-from lora_bench.optional import require
+from lora_bench.optional import QUANT_EXTRA, require
 
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: attention and MLP)
 LORA_INITS = ("peft", "book")
 PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
+QLORA_FORMATS = ("nf4",)  # base_dtype values the peer stores with bitsandbytes
+QLORA_BLOCK = 64  # weights per absmax (bitsandbytes' and QLoRA's default)
+SCORE = "score"  # the classification head's module name, never quantized
 ADAPTER = "default"  # PEFT's adapter name
 
 
@@ -74,16 +88,105 @@ def gpt2_config(mcfg: GPTConfig, *, attn_implementation: str = "sdpa", activatio
 
 
 def build_hf_model(mcfg: GPTConfig, state: dict[str, torch.Tensor], *, attn_implementation: str = "sdpa",
-                   activation: str = "gelu_new") -> nn.Module:
+                   activation: str = "gelu_new", base_dtype: str = "precision", device: torch.device | str = "cpu",
+                   compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """``GPT2ForSequenceClassification`` with ``state`` (GPT2Model keys) as its body, built on the meta
     device so no weight is initialised twice. Its ``score`` is still transformers' (on meta):
-    ``make_hf_trainable`` replaces it with the book's head."""
+    ``make_hf_trainable`` replaces it with the book's head. With ``base_dtype=nf4`` the body is
+    loaded 4-bit by transformers and bitsandbytes on ``device`` instead (``load_qlora_model``)."""
     transformers = require("transformers", purpose="implementation=hf")
     config = gpt2_config(mcfg, attn_implementation=attn_implementation, activation=activation)
+    if base_dtype in QLORA_FORMATS:
+        return load_qlora_model(config, state, device=torch.device(device), compute_dtype=compute_dtype)
     with torch.device("meta"):
         model = transformers.GPT2ForSequenceClassification(config)
     load_hf_state(model.transformer, state)
     return model
+
+
+def bitsandbytes(purpose: str) -> ModuleType:
+    """bitsandbytes imported (its loader's notes about optional CPU kernels it cannot fetch kept
+    quiet), or a UsageError naming the extra that installs it."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return require("bitsandbytes", purpose=purpose, extra=QUANT_EXTRA)
+    finally:
+        log.setLevel(level)
+
+
+def qlora_config(compute_dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for QLoRA as its paper runs it: NF4 codes, blocks of 64,
+    double quantization of the absmaxes, products in ``compute_dtype``; the head left alone."""
+    transformers = require("transformers", purpose="implementation=hf")
+    bitsandbytes("base_dtype=nf4 with implementation=hf")
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype,
+                                           bnb_4bit_quant_storage=torch.uint8, llm_int8_skip_modules=[SCORE])
+
+
+def cpu_row_problem(emb_dim: int) -> str | None:
+    """Why the 4-bit body cannot run on the CPU at width ``emb_dim``, or None: bitsandbytes' CPU
+    kernels (0.50) dequantize a weight whose rows (in_features: emb_dim, and 4·emb_dim for the MLP's
+    output layer) are not a whole number of 64-weight blocks into wrong values, so its products
+    would be wrong; every GPT-2 size's widths are multiples of 64."""
+    if emb_dim % QLORA_BLOCK:
+        return (f"bitsandbytes' CPU kernels compute the 4-bit products wrongly for layers whose input width is not "
+                f"a multiple of {QLORA_BLOCK} (emb_dim={emb_dim})")
+    return None
+
+
+def load_qlora_model(config, state: dict[str, torch.Tensor], *, device: torch.device,
+                     compute_dtype: torch.dtype) -> nn.Module:
+    """``GPT2ForSequenceClassification.from_pretrained`` of the body ``state`` with ``qlora_config``:
+    transformers replaces each Conv1D by bitsandbytes' Linear4bit (weight transposed before it is
+    quantized) and quantizes on ``device``; embeddings, norms and biases stay float32. Its ``score``
+    is transformers' (missing from ``state``, so freshly initialised): ``make_hf_trainable`` replaces it."""
+    transformers = require("transformers", purpose="implementation=hf")
+    why = cpu_row_problem(config.n_embd) if device.type == "cpu" else None
+    if why:
+        raise UsageError(f"base_dtype=nf4 with implementation=hf on the CPU is refused: {why}; use a CUDA device "
+                         f"or an emb_dim that is a multiple of {QLORA_BLOCK}")
+    where = "cpu" if device.type == "cpu" else (device.index if device.index is not None
+                                                else torch.cuda.current_device())
+    logging_ = transformers.utils.logging
+    verbosity, bars = logging_.get_verbosity(), logging_.is_progress_bar_enabled()
+    logging_.set_verbosity_error()  # the report of the head's weights, missing on purpose
+    logging_.disable_progress_bar()
+    try:
+        model = transformers.GPT2ForSequenceClassification.from_pretrained(
+            None, config=config, state_dict={f"transformer.{k}": v for k, v in state.items()},
+            quantization_config=qlora_config(compute_dtype), device_map={"": where}, dtype=torch.float32)
+    finally:
+        logging_.set_verbosity(verbosity)
+        if bars:
+            logging_.enable_progress_bar()
+    keep_training_layout(model)
+    return model
+
+
+def linear4bit_modules(model: nn.Module) -> list[nn.Module]:
+    """bitsandbytes' 4-bit linear layers of ``model`` (PEFT's wrappers hold them as ``base_layer``)."""
+    if "bitsandbytes" not in sys.modules:
+        return []
+    linear4bit = sys.modules["bitsandbytes"].nn.Linear4bit
+    return [m for m in model.modules() if isinstance(m, linear4bit)]
+
+
+def unpacked_params(model: nn.Module) -> int:
+    """How many more weights ``model``'s 4-bit layers stand for than their packed parameters count
+    (two codes a byte): add it to ``numel`` counts to get the model's parameter count."""
+    return sum(m.weight.quant_state.shape.numel() - m.weight.numel() for m in linear4bit_modules(model))
+
+
+def keep_training_layout(model: nn.Module) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for inference the first time
+    an eval-mode forward runs without gradients, and its training forward fails on the repacked
+    weight afterwards; a run evaluates between steps, so the peer keeps the training layout. (CUDA
+    has no such repacking.)"""
+    for module in linear4bit_modules(model):
+        module.support_avx512bf16_for_cpu = False
 
 
 def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lora_rank: int = 8,
@@ -110,19 +213,27 @@ def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lor
     return model  # last_layer: only the new head, trainable on creation
 
 
-def lora_config(*, rank: int, alpha: float):
-    """PEFT's LoraConfig computing the book's ``linear(x) + alpha * (x @ A @ B)`` on every Conv1D."""
+def lora_config(*, rank: int, alpha: float, conv1d: bool = True):
+    """PEFT's LoraConfig computing the book's ``linear(x) + alpha * (x @ A @ B)`` on every Conv1D
+    (``conv1d``: weights stored in × out, PEFT's fan_in_fan_out) or on the Linear4bit layers that
+    replace them in the 4-bit body (out × in)."""
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
     return peft.LoraConfig(r=rank, lora_alpha=alpha * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
                            bias="none", use_rslora=False, use_dora=False, init_lora_weights=True,
-                           fan_in_fan_out=True, modules_to_save=["score"])
+                           fan_in_fan_out=conv1d, modules_to_save=[SCORE])
 
 
 def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str) -> nn.Module:
+    # A 4-bit body gets no peft.prepare_model_for_kbit_training: of what it does, casting float16 and
+    # bfloat16 parameters to float32 finds none here (the body loads in float32, and the harness's
+    # casts come after), freezing the base is make_hf_trainable's, and its gradient checkpointing
+    # (on by default) would recompute every block's activations in backward, a cost neither the book
+    # model's runs nor the other peer runs pay, so the rows would no longer compare like with like.
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
+    conv1d = not getattr(model, "is_loaded_in_4bit", False)
     with warnings.catch_warnings():  # PEFT asks transformers a question transformers renamed; no action here
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = peft.get_peft_model(model, lora_config(rank=rank, alpha=alpha))
+        peft_model = peft.get_peft_model(model, lora_config(rank=rank, alpha=alpha, conv1d=conv1d))
     if init == "book":
         with torch.no_grad():
             for a in lora_A_weights(peft_model):  # (r, in), registration order
@@ -179,9 +290,11 @@ def base_state(cfg, mcfg: GPTConfig, *, cache_dir, progress: bool = True) -> dic
     return hf_state_from_gpt(load_base_model(cfg, mcfg, cache_dir=cache_dir, progress=progress))
 
 
-def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str = "peft") -> HFClassifier:
-    """The transformers/PEFT classifier for ``cfg`` on the CPU (move it to the device after); what does
-    not map is refused up front with every reason (ConfigError)."""
+def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str = "peft",
+                        device: torch.device | str = "cpu") -> HFClassifier:
+    """The transformers/PEFT classifier for ``cfg`` on the CPU (move it to the device after), its body
+    4-bit on ``device`` for ``base_dtype=nf4``; what does not map is refused up front with every
+    reason (ConfigError)."""
     problems = unsupported_settings(cfg)
     if problems:
         raise ConfigError(problems)
@@ -190,8 +303,10 @@ def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str
         require("peft", purpose="trainable_layers=lora with implementation=hf")
     mcfg = model_config(cfg)
     state = base_state(cfg, mcfg, cache_dir=cache_dir, progress=progress)
+    compute = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     model = build_hf_model(mcfg, state, attn_implementation=ATTN_IMPLEMENTATIONS[cfg.attention],
-                           activation=ACTIVATIONS[cfg.ops])
+                           activation=ACTIVATIONS[cfg.ops], base_dtype=cfg.base_dtype, device=device,
+                           compute_dtype=compute)
     trained = make_hf_trainable(model, trainable_layers=cfg.trainable_layers, seed=cfg.seed,
                                 lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_init=lora_init)
     return HFClassifier(trained, mcfg=mcfg, peft=trained is not model)
@@ -200,16 +315,58 @@ def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str
 def cast_frozen_hf(model: nn.Module, dtype: torch.dtype) -> int:
     """``classifier.cast_frozen`` for the transformers model: frozen weights and biases of the linear
     layers (transformers' Conv1D and nn.Linear) stored in ``dtype`` once; trainable parameters,
-    embeddings and norms stay as they are. Returns how many tensors were cast."""
+    embeddings, norms and 4-bit weights (bitsandbytes' packed codes) stay as they are. Returns how
+    many tensors were cast."""
     conv1d = require("transformers.pytorch_utils", purpose="implementation=hf").Conv1D
     n = 0
     for module in model.modules():
         if isinstance(module, (nn.Linear, conv1d)):
             for p in module.parameters(recurse=False):
-                if not p.requires_grad and p.dtype != dtype:
+                if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
                     n += 1
     return n
+
+
+def quant_state_bytes(state) -> int:
+    """Bytes a bitsandbytes 4-bit quant state holds: the absmaxes (8-bit under double quantization),
+    the code table, and the nested state's absmaxes, code table and offset."""
+    total = 0
+    for t in (state.absmax, state.code, state.offset):
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    if getattr(state, "state2", None) is not None:
+        total += quant_state_bytes(state.state2)
+    return total
+
+
+def hf_base_weight_bytes(model: nn.Module) -> int | None:
+    """Bytes the frozen weights of the blocks' linear layers hold as stored: a Conv1D's weight at its
+    dtype, a Linear4bit's packed codes with its quant state; adapters, biases, embeddings and norms
+    left out (``quantized.base_weight_bytes`` for the book model)."""
+    blocks = getattr(model, "trf_blocks", None)
+    if blocks is None:
+        return None
+    conv1d = require("transformers.pytorch_utils", purpose="implementation=hf").Conv1D
+    four_bit = set(map(id, linear4bit_modules(blocks)))
+    total = 0
+    for module in blocks.modules():
+        if id(module) in four_bit:
+            w = module.weight
+            total += w.numel() * w.element_size() + quant_state_bytes(w.quant_state)
+        elif isinstance(module, conv1d):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def qlora_versions(base_dtype: str) -> dict[str, str | None]:
+    """The quantization library's version column for a peer run whose body bitsandbytes stores."""
+    if base_dtype not in QLORA_FORMATS:
+        return {}
+    try:
+        return {"bitsandbytes_version": metadata.version("bitsandbytes")}
+    except metadata.PackageNotFoundError:
+        return {"bitsandbytes_version": None}
 
 
 def package_versions() -> dict[str, str | None]:

@@ -91,8 +91,9 @@ RUN_COLUMNS: list[Column] = [
     Column("peak_mem_reserved_mib", "float64", "MiB", "peak CUDA memory reserved", "lower"),
     Column("peak_rss_mib", "float64", "MiB", "peak host resident memory of the process", "lower"),
     Column("base_weight_mib", "float64", "MiB", "weights of the transformer blocks' linear layers as stored "
-           "(base_dtype: quantized values with their scales; biases, embeddings and norms left out; blank for "
-           "implementation=hf)", "lower"),
+           "(base_dtype: quantized values with their scales; precision=bf16: the frozen weights cast to bfloat16; "
+           "implementation=hf: its Conv1D weights, or under base_dtype=nf4 bitsandbytes' 4-bit codes with their "
+           "quant state; biases, embeddings, norms and adapters left out)", "lower"),
     # the host's speed, which a host-bound step's time follows (environment.host_speed, timing.host_op_us)
     Column("host_op_us", "float64", "µs", "host time of one small tensor op on the run's device (on a GPU its "
            "launch), median of 5 blocks of 200 before training", "lower"),
@@ -133,6 +134,8 @@ ENV_COLUMNS: list[Column] = [
         ("safetensors_version", "safetensors version (the same runs)"),
         ("huggingface_hub_version", "huggingface_hub version (the same runs)"),
         ("torchao_version", "torchao version (runs with base_dtype fp8, int8 or nf4, whose frozen base it stores)"),
+        ("bitsandbytes_version", "bitsandbytes version (runs with implementation=hf and base_dtype=nf4: QLoRA, "
+                                 "whose 4-bit body it stores)"),
     ]
 ]
 SETTING_PREFIX = "cfg_"  # every setting is a column cfg_<name>

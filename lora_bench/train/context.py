@@ -17,7 +17,7 @@ from lora_bench.kernels.policy import PlanLog, policy_for
 from lora_bench.lora.kernel import group_qkv
 from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
-from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf
+from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_weight_bytes, unpacked_params
 from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
@@ -63,20 +63,22 @@ class RunContext:
             raise UsageError(too_big)
         self.mcfg = model_config(cfg)
         if cfg.implementation == "hf":  # transformers' GPT-2 (and PEFT): its Conv1D layers are not nn.Linear
-            self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress)
-            cast = cast_frozen_hf
+            # base_dtype=nf4: transformers and bitsandbytes load the body 4-bit on the device (QLoRA)
+            self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress, device=self.device)
+            cast, weight_bytes_of = cast_frozen_hf, hf_base_weight_bytes
         else:
             self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
-            cast = cast_frozen
+            cast, weight_bytes_of = cast_frozen, base_weight_bytes
         self.trainable_params = count_params(self.model, trainable_only=True)
-        self.total_params = count_params(self.model)
+        self.total_params = count_params(self.model) + unpacked_params(self.model)  # a 4-bit body's packed codes
         self.notes: list[str] = []  # what the run says about how it was built
-        if cfg.base_dtype != "precision":  # stored on the device from the fp32 weights, before any cast
+        if cfg.base_dtype != "precision" and cfg.implementation == "book":
+            # stored on the device from the fp32 weights, before any cast
             _, self.notes = store_base(self.model, cfg.base_dtype, self.device)
-        weight_bytes = base_weight_bytes(self.model)
-        self.base_weight_mib = weight_bytes / 2**20 if weight_bytes is not None else None
         if cfg.precision == "bf16":
             cast(self.model, torch.bfloat16)
+        weight_bytes = weight_bytes_of(self.model)  # as the run holds them: after precision's cast
+        self.base_weight_mib = weight_bytes / 2**20 if weight_bytes is not None else None
         self.model.to(self.device)
         if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and self.device.type == "cuda":
             group_qkv(self.model)  # after .to(), which gives every parameter its own storage

@@ -17,6 +17,8 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
 from lora_bench.lora.quantized import torchao
 from lora_bench.optional import require
+from lora_bench.classifier.book import model_config
+from lora_bench.peers.hf import QLORA_BLOCK, QLORA_FORMATS, bitsandbytes, cpu_row_problem
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
 
@@ -37,6 +39,13 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
         out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
                                          "(torch._scaled_mm's float8 products), and none is available here; on the "
                                          "CPU choose {base_dtype} one of: precision, bf16, int8, nf4"))
+    if cfg.implementation == "hf" and cfg.base_dtype in QLORA_FORMATS and (
+            cfg.device == "cpu" or (cfg.device == "auto" and count == 0)):
+        why = cpu_row_problem(model_config(cfg).emb_dim)
+        if why:
+            out.append(problem("base_dtype", "{base_dtype}={b} with {implementation}=hf on the CPU is refused: {why}; "
+                                             "use a CUDA device or an {emb_dim} that is a multiple of {block}",
+                               b=raw(cfg.base_dtype), why=raw(why), block=raw(QLORA_BLOCK)))
     if cfg.nproc > 1 and count and cfg.device in ("auto", "cuda") and count < cfg.nproc:
         out.append(problem("nproc", "{nproc}={n} needs {n} GPUs (one per process); this machine has {c}",
                            n=raw(cfg.nproc), c=raw(count)))
@@ -73,7 +82,9 @@ def require_packages(cfg: TrainConfig) -> None:
         require("transformers", purpose="implementation=hf")
         if cfg.is_lora:
             require("peft", purpose=f"trainable_layers={cfg.trainable_layers} with implementation=hf")
-    if cfg.quantized_base:
+    if cfg.quantized_base and cfg.implementation == "hf":  # QLoRA: bitsandbytes stores the body
+        bitsandbytes(f"base_dtype={cfg.base_dtype} with implementation=hf")
+    elif cfg.quantized_base:
         torchao(f"base_dtype={cfg.base_dtype}")
     if cfg.weights == "pretrained" and cfg.weights_source == "hf":
         require("safetensors", purpose="weights_source=hf")

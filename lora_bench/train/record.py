@@ -14,7 +14,7 @@ from rich.console import Console
 from lora_bench.config import TrainConfig
 from lora_bench.escaping import markup
 from lora_bench.lora.quantized import library_versions
-from lora_bench.peers.hf import package_versions
+from lora_bench.peers.hf import package_versions, qlora_versions
 from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
 from lora_bench.results.save import save_record
@@ -25,8 +25,9 @@ from lora_bench.train.context import RunContext
 
 def peer_versions(cfg: TrainConfig) -> dict:
     """The versions of transformers, PEFT, safetensors and huggingface_hub, for a run that uses them,
-    and of the quantization library, for a run whose frozen base it stores."""
-    out = library_versions(cfg.base_dtype)
+    and of the quantization library, for a run whose frozen base it stores (torchao for the book
+    model, bitsandbytes for the transformers peer)."""
+    out = qlora_versions(cfg.base_dtype) if cfg.implementation == "hf" else library_versions(cfg.base_dtype)
     if cfg.implementation == "book" and cfg.weights_source == "openai":
         return out
     return {**out, **{f"{name}_version": version for name, version in package_versions().items()}}
