@@ -94,20 +94,22 @@ def test_smoke_needs_no_download_and_stays_small():
 
 
 def test_quantized_base_study_covers_every_base_and_the_qlora_peer():
-    """Both sizes × lora and lora-kernel × every base dtype in the book model's best mode, and the
-    QLoRA peer beside the peer's bf16-cast base, 5 repeats."""
+    """Both sizes × lora on every base dtype and lora-kernel on the full-precision one (on a stored
+    base it runs lora's layer) in the book model's best mode, and the QLoRA peer beside the peer's
+    bf16-cast base, 5 repeats."""
     sw = load_sweep(REPO / "configs" / "quantized-base-study.yaml")
     assert sw.repeats == 5
     settings = {(r.cfg.model_size, r.cfg.implementation, r.cfg.trainable_layers, r.cfg.base_dtype, r.cfg.compile,
                  r.cfg.cuda_graphs) for r in sw.runs}
     for size in ("124M", "1558M"):
-        for layers in ("lora", "lora-kernel"):
-            for base in ("precision", "bf16", "fp8", "int8", "nf4"):
-                assert (size, "book", layers, base, False, True) in settings
+        for base in ("precision", "bf16", "fp8", "int8", "nf4"):
+            assert (size, "book", "lora", base, False, True) in settings
+        assert (size, "book", "lora-kernel", "precision", False, True) in settings
+        assert not any(s[0] == size and s[2] == "lora-kernel" and s[3] != "precision" for s in settings)
         for base in ("nf4", "precision"):
             assert (size, "hf", "lora", base, True, False) in settings
     for r in sw.runs:
         cfg = r.cfg
         assert (cfg.weights, cfg.batch_size, cfg.precision, cfg.attention, cfg.ops, cfg.optimizer) == \
             ("random", 8, "bf16", "sdpa", "fused", "fused")
-    assert len(sw.runs) == 28 * 5
+    assert len(sw.runs) == 20 * 5

@@ -178,6 +178,7 @@ def _fp8_gpu() -> bool:
 @pytest.mark.skipif(not _fp8_gpu(), reason="fp8 needs a CUDA GPU of compute capability 8.9 or newer")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_tiny_fp8_run_on_cuda(precision, sms_file, cache_dir, tmp_path):
+    pytest.importorskip("torchao")  # the optional extra `quant`
     cfg = _cfg(sms_file, device="cuda", precision=precision, timing="sync")
     full, _ = _run(cfg, tmp_path, "full", cache_dir)
     row, record = _run(cfg.replace(base_dtype="fp8"), tmp_path, "fp8", cache_dir)
