@@ -425,3 +425,48 @@ def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, c
     for row in rows:
         assert row["graph_capture_s"] > 0 and row["graph_kernels_forward"] > 0 and row["graph_kernels_optimizer"] >= 1
         assert all(0 <= row[f"{name}_acc"] <= 100 for name in ("train", "val", "test"))
+
+
+def test_the_graphed_pack_steps_forward_and_objective_are_the_eager_steps(cache_dir):
+    """What GraphedPackStep captures — its forward (the points' losses on the stacked batch) and its
+    objective (their sum) — run eagerly on the CPU as the pack loop's step function, trains the
+    pack as the loop's own eager step does, bit for bit (the same operations on the same values);
+    and the loop's evaluations call ``eval_model``."""
+    from lora_bench.timing import PhaseTimer
+    from lora_bench.train.pack import PackContext
+    from lora_bench.train.pack_loop import GraphedPackStep, train_pack
+
+    class EagerGraphStep(GraphedPackStep):  # the captured phases, run as they are captured
+        def __call__(self, inputs, targets, update, timer):
+            self.static_in, self.static_tgt = inputs, targets
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._forward()
+            timer.mark("forward")
+            self._objective(loss).backward()
+            timer.mark("backward")
+            self.optimizer.step()
+            timer.mark("optimizer")
+            return loss.detach().clone()
+
+    points = cfgs(max_steps=5, eval_freq=2)
+    results = []
+    for graphed in (False, True):
+        ctx = PackContext(points, cache_dir=cache_dir, progress=False)
+        timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
+        calls = []
+
+        def ev(x, model=ctx.forward_model):
+            calls.append(x.shape)
+            return model(x)
+
+        ev.eval, ev.train = ctx.forward_model.eval, ctx.forward_model.train
+        step_fn = EagerGraphStep(ctx, timer=timer, n=len(points)) if graphed else None
+        res = train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer,
+                         ctx.device, settings=ctx.loop_settings(), timer=timer, step_fn=step_fn, eval_model=ev)
+        assert calls and all(s[0] % len(points) == 0 for s in calls)  # evaluations: the stacked batch, through ev
+        results.append(res)
+    eager, graphed = results
+    assert eager.steps == graphed.steps == 5
+    assert torch.equal(torch.stack(eager.step_losses), torch.stack(graphed.step_losses))
+    assert eager.train_losses == graphed.train_losses and eager.val_losses == graphed.val_losses
+    assert len(set(eager.point_step_losses()[0])) > 1  # the points trained: their losses moved
