@@ -96,7 +96,7 @@ def sweep(
     pack: Annotated[Optional[int], typer.Option(
         metavar="N", help=f"Train up to N runs at once on one model, in one process (default: the sweep file's "
                           f"pack key, else 1): runs that differ only in {', '.join(ADAPTER_SETTINGS)} pack; "
-                          "only trainable_layers=lora, eager (docs/packing.md).", show_default=False)] = None,
+                          "only trainable_layers=lora (docs/packing.md).", show_default=False)] = None,
     no_progress: NoProgress = False,
 ) -> None:
     from lora_bench.sweep.command import sweep_command

@@ -26,10 +26,6 @@ def solo_reason(cfg: Settings) -> str | None:
         return f"implementation={cfg.implementation}: only the book model packs"
     if cfg.base_dtype != "precision":
         return f"base_dtype={cfg.base_dtype}: a packed model's frozen base is stored as its precision says"
-    if cfg.compile:
-        return "compile: packed runs are eager for now"
-    if cfg.cuda_graphs:
-        return "cuda_graphs: packed runs are eager for now"
     if cfg.nproc != 1:
         return f"nproc={cfg.nproc}: a packed run is one process"
     if cfg.profile != "none":

@@ -36,6 +36,12 @@ class PackedLoRALinear(nn.Module):
         for p, a in enumerate(adapters):
             ranks.setdefault(a.A.shape[1], []).append(p)
         self.groups = list(ranks.values())  # points of one rank each, in order of first appearance
+        # each group's alphas and rows, as buffers that move with the model: made once here, not
+        # from Python lists in the forward (a copy from the host, which a CUDA-graph capture refuses)
+        for i, group in enumerate(self.groups):
+            self.register_buffer(f"alpha_{i}", torch.tensor([float(adapters[p].alpha) for p in group]).view(-1, 1, 1),
+                                 persistent=False)
+            self.register_buffer(f"index_{i}", torch.tensor(group, dtype=torch.long), persistent=False)
 
     @property
     def n(self) -> int:
@@ -60,19 +66,19 @@ class PackedLoRALinear(nn.Module):
         else:
             w = torch.stack([h.weight for h in self.heads])  # (N, out, in)
             base = torch.bmm(xs, w.transpose(1, 2))
-            if self.heads[0].bias is not None:
-                base = base + torch.stack([h.bias for h in self.heads]).unsqueeze(1)
+            if self.heads[0].bias is not None:  # in the product's type, as nn.Linear adds it under autocast
+                base = base + torch.stack([h.bias for h in self.heads]).unsqueeze(1).to(base.dtype)
         return (base + self._updates(xs)).reshape(*lead, self.out_features)
 
     def _updates(self, xs: torch.Tensor) -> torch.Tensor:
         """Each adapter's ``alpha · (x·A)·B`` on its own rows: (N, rows, out)."""
         parts: list[torch.Tensor | None] = [None] * self.n
-        for group in self.groups:
+        for i, group in enumerate(self.groups):
             a = torch.stack([self.adapters[p].A for p in group])  # (G, in, r)
             b = torch.stack([self.adapters[p].B for p in group])  # (G, r, out)
-            alpha = xs.new_tensor([self.adapters[p].alpha for p in group]).view(-1, 1, 1)
-            xg = xs if len(group) == self.n else xs[group]
-            out = alpha * torch.bmm(torch.bmm(xg, a), b)
+            xg = xs if len(group) == self.n else xs.index_select(0, getattr(self, f"index_{i}"))
+            out = torch.bmm(torch.bmm(xg, a), b)
+            out = getattr(self, f"alpha_{i}").to(out.dtype) * out  # in the product's type, as the solo layer scales
             if len(group) == self.n:
                 return out
             for p, o in zip(group, out.unbind(0)):

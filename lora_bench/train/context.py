@@ -92,30 +92,11 @@ class RunContext:
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
-        if cfg.cuda_graphs:
-            opt_kw["capturable"] = True
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay, **opt_kw)
+                                           weight_decay=cfg.weight_decay, **optimizer_options(cfg))
 
     def _setup_execution(self) -> None:
-        cfg, dp = self.cfg, self.dp
-        if cfg.compile:
-            # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
-            # models would pile up to the recompile limit, after which dynamo silently runs eager.
-            torch._dynamo.reset()
-        if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
-            if cfg.compile and cfg.compile_scope == "blocks":
-                compile_model(self.model, "blocks")
-            wrapped = dp.wrap(self.model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb,
-                              cuda_graphs=cfg.cuda_graphs)
-            self.forward_model = (compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model"
-                                  else wrapped)
-        else:
-            self.forward_model = compile_model(self.model, cfg.compile_scope) if cfg.compile else self.model
-        self.eval_model = self.forward_model
-        if cfg.cuda_graphs and self.device.type == "cuda":
-            self.eval_model = GraphedEval(self.forward_model)
+        self.forward_model, self.eval_model = execution_models(self.model, self.cfg, self.device, dp=self.dp)
 
     # ------------------------------------------------------------------ what the loop reads
     def loop_settings(self) -> LoopSettings:
@@ -129,3 +110,32 @@ class RunContext:
         if self.cfg.trainable_layers != "lora-kernel":
             return ""
         return self.kernel_plans.backend()
+
+
+def execution_models(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                     dp: DataParallel | None = None) -> tuple:
+    """The model a run's training step calls (torch.compile'd when ``cfg.compile``; wrapped by
+    DDP on a data-parallel rank) and the one its evaluations call (forwards replayed from CUDA
+    graphs under ``cfg.cuda_graphs`` on a CUDA device): a solo run's and a pack's alike."""
+    if cfg.compile:
+        # Runs in one process (inline sweeps) share dynamo's caches; compiled code of earlier
+        # models would pile up to the recompile limit, after which dynamo silently runs eager.
+        torch._dynamo.reset()
+    if dp is not None:  # blocks compile inside DDP; a whole-model compile wraps DDP
+        if cfg.compile and cfg.compile_scope == "blocks":
+            compile_model(model, "blocks")
+        wrapped = dp.wrap(model, timed=cfg.timing != "off", bucket_mb=cfg.ddp_bucket_mb, cuda_graphs=cfg.cuda_graphs)
+        forward = compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model" else wrapped
+    else:
+        forward = compile_model(model, cfg.compile_scope) if cfg.compile else model
+    graphed = cfg.cuda_graphs and device.type == "cuda"
+    return forward, (GraphedEval(forward) if graphed else forward)
+
+
+def optimizer_options(cfg: TrainConfig) -> dict:
+    """AdamW's options beyond the learning rate and weight decay: the fused update when asked, and
+    a capturable one (its step count on the device) for a step captured as CUDA graphs."""
+    opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
+    if cfg.cuda_graphs:
+        opt_kw["capturable"] = True
+    return opt_kw

@@ -53,10 +53,18 @@ class GraphedStep:
         self.capture_s: float | None = None  # warm-up, restore and capture, host wall time
 
     # -- capture ----------------------------------------------------------------------------------
+    def _loss(self) -> torch.Tensor:
+        """The step's loss on the static batch (a pack's step: one per point, ``train.pack_loop``)."""
+        return calc_loss_batch(self.static_in, self.static_tgt, self.model, **self.loss_kw)
+
     def _forward(self):
         with self.amp():
-            loss = calc_loss_batch(self.static_in, self.static_tgt, self.model, **self.loss_kw)
+            loss = self._loss()
         loss /= 1  # accumulation_steps == 1: kept so the op sequence is the eager step's
+        return loss
+
+    def _objective(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the backward differentiates: the loss itself (a pack sums its points' losses)."""
         return loss
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -92,7 +100,7 @@ class GraphedStep:
 
         def step():  # allocator, workspaces, optimizer state
             self.optimizer.zero_grad(set_to_none=True)
-            self._forward().backward()
+            self._objective(self._forward()).backward()
             self.optimizer.step()
 
         warm_up(step, GRAPH_WARMUP_ITERS if self.data_parallel else WARMUP_ITERS)
@@ -102,9 +110,10 @@ class GraphedStep:
         g_fwd, g_bwd, g_opt = new_graph(True), new_graph(True), new_graph(True)
         with torch.cuda.graph(g_fwd):
             self.static_loss = self._forward()
+            self.static_objective = self._objective(self.static_loss)
         pool = g_fwd.pool()
         with torch.cuda.graph(g_bwd, pool=pool):
-            self.static_loss.backward()
+            self.static_objective.backward()
         with torch.cuda.graph(g_opt, pool=pool):
             self.optimizer.step()
         self.graphs = (g_fwd, g_bwd, g_opt)

@@ -40,10 +40,11 @@ from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import RUNNING, check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
+from lora_bench.train.context import execution_models, optimizer_options
 from lora_bench.train.identity import check_run_id, refuse_existing_run
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
-from lora_bench.train.pack_loop import PackResult, pack_accuracy_loader, train_pack
+from lora_bench.train.pack_loop import GraphedPackStep, PackResult, pack_accuracy_loader, train_pack
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
 from lora_bench.train.run import ended_by
@@ -83,8 +84,9 @@ def pack_id_of(run_ids: list[str]) -> str:
 
 class PackContext:
     """A pack's device, packed model, loaders and optimizer, built in the solo run's order (the data
-    split, the model's random draws, the loaders, the seed, the optimizer): what ``summary`` and
-    the loop read (``cfg``, ``device``, ``mcfg``, ``dp``, ``amp``, ``loaders``)."""
+    split, the model's random draws, the loaders, the seed, the optimizer, the execution mode):
+    what ``summary``, the loop and ``GraphedPackStep`` read (``cfg``, ``device``, ``mcfg``, ``dp``,
+    ``amp``, ``loaders``, ``optimizer``, ``forward_model``, ``eval_model``)."""
 
     def __init__(self, cfgs: list[TrainConfig], *, cache_dir: Path, progress: bool):
         cfg = self.cfg = cfgs[0]
@@ -109,10 +111,11 @@ class PackContext:
                                      model_context=self.mcfg.context_length, batch_size=cfg.batch_size,
                                      no_padding=cfg.no_padding)
         torch.manual_seed(cfg.seed)
-        opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
         groups = [{"params": point_parameters(self.model, p), "lr": c.learning_rate, "weight_decay": c.weight_decay}
                   for p, c in enumerate(cfgs)]
-        self.optimizer = torch.optim.AdamW(groups, **opt_kw)
+        self.optimizer = torch.optim.AdamW(groups, **optimizer_options(cfg))
+        # torch.compile and CUDA-graph-replayed evaluations as a solo run sets them up
+        self.forward_model, self.eval_model = execution_models(self.model, cfg, self.device)
 
     def loop_settings(self) -> LoopSettings:
         return LoopSettings.of(self.cfg)
@@ -253,24 +256,26 @@ class _Pack:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train)
         self.result = res = PackResult(self.n)
+        step_fn = GraphedPackStep(ctx, timer=timer, n=self.n) if cfg.cuda_graphs else None
         with TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar:
-            train_pack(ctx.model, self.n, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                       settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, on_step=bar.update, say=self.say,
-                       result=res)
+            train_pack(ctx.forward_model, self.n, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                       settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=bar.update,
+                       eval_model=ctx.eval_model, say=self.say, result=res)
+        graph_columns = step_fn.record() if step_fn is not None else {}
         for p, row in enumerate(rows):
             self.curves[p].update(train_losses=res.train_losses[p], val_losses=res.val_losses[p],
                                   train_accs=res.train_accs[p], val_accs=res.val_accs[p])
             row.update(backend="", steps=res.steps, training_time_s=res.training_time_s,
                        training_time_min=res.training_time_s / 60,
                        final_train_loss=res.train_losses[p][-1] if res.train_losses[p] else None,
-                       final_val_loss=res.val_losses[p][-1] if res.val_losses[p] else None)
+                       final_val_loss=res.val_losses[p][-1] if res.val_losses[p] else None, **graph_columns)
         self.say_all(f"Training completed in {res.training_time_s / 60:.2f} minutes.")
 
     def _final_accuracies(self, rows: list[dict]) -> None:
         ctx = self.ctx
         kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
         for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-            accs = pack_accuracy_loader(loader, ctx.model, ctx.device, self.n, **kw)
+            accs = pack_accuracy_loader(loader, ctx.eval_model, ctx.device, self.n, **kw)
             for p, row in enumerate(rows):
                 row[f"{name}_acc"] = accs[p] * 100
                 self.say(p, f"{dict(train='Training', val='Validation', test='Test')[name]} accuracy: "

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.evaluate import AmpContext, select_logits
+from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import LoopSettings
 
 
@@ -57,6 +58,24 @@ def pack_losses(inputs, targets, model, n: int, *, token_pos: str = "last", igno
     logits = select_logits(model(stacked), stacked, token_pos=token_pos, average_embeddings=average_embeddings)
     per_point = logits.reshape(n, inputs.shape[0], -1)
     return torch.stack([F.cross_entropy(per_point[p], targets, ignore_index=ignore_index) for p in range(n)])
+
+
+class GraphedPackStep(GraphedStep):
+    """A pack's training step captured as CUDA graphs and replayed: the solo run's ``GraphedStep``
+    (its warm-up, snapshot and restore, its three graphs in one pool), whose forward computes the
+    points' losses on the batch stacked inside the captured forward (the N·B rows live in the
+    graphs' pool, written again by every replay from the static batch), and whose backward
+    differentiates their sum. A replay returns the (n,) losses."""
+
+    def __init__(self, ctx, *, timer, n: int):
+        super().__init__(ctx, timer=timer)
+        self.n = n
+
+    def _loss(self) -> torch.Tensor:
+        return pack_losses(self.static_in, self.static_tgt, self.model, self.n, **self.loss_kw)
+
+    def _objective(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.sum()
 
 
 def pack_loss_loader(loader, model, device, n: int, *, num_batches=None, amp: AmpContext = contextlib.nullcontext,
@@ -108,14 +127,18 @@ def evaluate_pack(model, train_loader, val_loader, device, n: int, *, eval_iter:
 
 
 def train_pack(model, n: int, train_loader, val_loader, optimizer, device, *, settings: LoopSettings,
-               timer: PhaseTimer, amp: AmpContext = contextlib.nullcontext, on_step: Callable | None = None,
+               timer: PhaseTimer, amp: AmpContext = contextlib.nullcontext, step_fn: Callable | None = None,
+               on_step: Callable | None = None, eval_model: Callable | None = None,
                say: Callable[[int, str], None] = lambda p, msg: None,
                result: PackResult | None = None) -> PackResult:
-    """``loop.train_classifier`` for ``n`` packed points (its arguments, less the step and shard
-    hooks of CUDA graphs and data parallelism); ``say(point, line)`` gets each point's evaluation
-    lines; ``result``: filled as the loop goes (what a caller keeps when the loop is interrupted)."""
+    """``loop.train_classifier`` for ``n`` packed points (its arguments, less the shard hook of
+    data parallelism): ``step_fn(inputs, targets, update, timer) -> (n,) losses`` replaces the
+    eager step (``GraphedPackStep``), ``eval_model`` the model in evaluations (graph-replayed
+    forwards); ``say(point, line)`` gets each point's evaluation lines; ``result``: filled as the
+    loop goes (what a caller keeps when the loop is interrupted)."""
     s = settings
     res = result if result is not None else PackResult(n)
+    ev = model if eval_model is None else eval_model
     loss_kw = dict(token_pos=s.token_pos, ignore_index=s.ignore_index, average_embeddings=s.average_embeddings)
     acc_kw = dict(token_pos=s.token_pos, average_embeddings=s.average_embeddings, amp=amp)
     n_batches = len(train_loader)
@@ -132,17 +155,20 @@ def train_pack(model, n: int, train_loader, val_loader, optimizer, device, *, se
             inputs, targets = inputs.to(device), targets.to(device)
             timer.mark("data")
             update = (batch_idx + 1) % s.accumulation_steps == 0 or (batch_idx + 1) == n_batches
-            with amp():
-                losses = pack_losses(inputs, targets, model, n, **loss_kw)
-            losses = losses / s.accumulation_steps
-            timer.mark("forward")
-            losses.sum().backward()
-            timer.mark("backward")
-            if update:
-                optimizer.step()
-                optimizer.zero_grad()
-            timer.mark("optimizer")
-            losses = losses.detach()
+            if step_fn is not None:
+                losses = step_fn(inputs, targets, update, timer)
+            else:
+                with amp():
+                    losses = pack_losses(inputs, targets, model, n, **loss_kw)
+                losses = losses / s.accumulation_steps
+                timer.mark("forward")
+                losses.sum().backward()
+                timer.mark("backward")
+                if update:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                timer.mark("optimizer")
+                losses = losses.detach()
             res.step_losses.append(losses)
             timer.end(losses.mean(), tokens=tokens)  # the progress line shows the points' mean
             global_step += 1
@@ -151,7 +177,7 @@ def train_pack(model, n: int, train_loader, val_loader, optimizer, device, *, se
             if s.eval_freq and global_step % s.eval_freq == 0:
                 timer.sync_point()
                 tok = timer.eval_begin()
-                train_loss, val_loss = evaluate_pack(model, train_loader, val_loader, device, n, eval_iter=s.eval_iter,
+                train_loss, val_loss = evaluate_pack(ev, train_loader, val_loader, device, n, eval_iter=s.eval_iter,
                                                      amp=amp, **loss_kw)
                 timer.eval_end(tok)
                 for p in range(n):
@@ -163,8 +189,8 @@ def train_pack(model, n: int, train_loader, val_loader, optimizer, device, *, se
                 done = True
                 break
         tok = timer.eval_begin()
-        train_acc = pack_accuracy_loader(train_loader, model, device, n, num_batches=s.eval_iter, **acc_kw)
-        val_acc = pack_accuracy_loader(val_loader, model, device, n, num_batches=s.eval_iter, **acc_kw)
+        train_acc = pack_accuracy_loader(train_loader, ev, device, n, num_batches=s.eval_iter, **acc_kw)
+        val_acc = pack_accuracy_loader(val_loader, ev, device, n, num_batches=s.eval_iter, **acc_kw)
         timer.eval_end(tok)
         for p in range(n):
             say(p, f"Training accuracy: {train_acc[p] * 100:.2f}% | Validation accuracy: {val_acc[p] * 100:.2f}%")

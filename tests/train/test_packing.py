@@ -346,3 +346,127 @@ def test_a_pack_point_without_room_leaves_the_others_recorded(tmp_path, monkeypa
     assert "not saved in full" in df.loc["b", "error"]
     assert (results / ids["a"] / "steps.csv").is_file() and (results / ids["c"] / "steps.csv").is_file()
     assert f"stopped: run {ids['b']} could not be saved in full" in " ".join(out.split())
+
+
+# -- execution modes ------------------------------------------------------------------------------
+BEST_CPU = dict(precision="bf16", attention="sdpa", ops="fused", optimizer="fused")  # best mode less CUDA graphs
+
+
+def _assert_points_train_as_solo(points, tmp_path, cache_dir, *, solo_mode: dict, dtype, what: str,
+                                 ref_mode: dict | None = None) -> list[dict]:
+    """Train ``points`` as one pack; each point's losses (per step, then periodic) are as close to
+    the float64 evaluation of its solo run (in ``ref_mode``: float32 where the pack runs bf16) as
+    another rounding order of its solo run in ``solo_mode`` can be (numerics.same_function_tol, in
+    ``dtype``'s units); returns the pack's rows."""
+    ids = [f"p{i}" for i in range(len(points))]
+    rows = execute_pack([PackPoint(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                        console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    assert [r["status"] for r in rows] == ["done"] * len(points)
+    for i, (cfg, run_id) in enumerate(zip(points, ids)):
+        want, want_steps = _solo(cfg.replace(**solo_mode), tmp_path, cache_dir, f"s{i}")
+        ref, ref_steps = _solo(cfg.replace(**solo_mode, **(ref_mode or {})), tmp_path, cache_dir, f"d{i}",
+                               float64_runs())
+        got = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
+        got_steps = pd.read_csv(tmp_path / "pack" / run_id / "steps.csv")
+        assert list(got_steps["step"]) == list(want_steps["step"]) and len(got_steps) > 1
+        assert_same_function(_trajectory(got, got_steps), _trajectory(want, want_steps), _trajectory(ref, ref_steps),
+                             dtype=dtype, what=f"{what}: point {i} ({cfg.lora_rank=}, {cfg.learning_rate=}) losses")
+    return rows
+
+
+def test_packed_points_train_as_their_solo_runs_in_bf16_with_sdpa_and_fused_ops(tmp_path, cache_dir):
+    """bf16 autocast, SDPA, fused LayerNorm and GELU, fused AdamW: each point against its solo run
+    in the same mode, within another bf16 rounding order's distance from the float64 evaluation
+    of the solo run's float32 function."""
+    _assert_points_train_as_solo(cfgs(**BEST_CPU), tmp_path, cache_dir, solo_mode={}, dtype=torch.bfloat16,
+                                 ref_mode=dict(precision="fp32"), what="bf16, sdpa, fused")
+
+
+@pytest.mark.slow
+def test_compiled_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
+    """torch.compile (each block, as compile_scope=blocks compiles it) on the pack's model: each
+    point against its eager solo run (the compiled kernels: another rounding order)."""
+    points = cfgs(POINTS[:2], num_epochs=1, max_steps=3, eval_freq=0, skip_final_eval=True, compile=True,
+                  compile_scope="blocks")
+    _assert_points_train_as_solo(points, tmp_path, cache_dir, solo_mode=dict(compile=False, compile_scope="model"),
+                                 dtype=torch.float32, what="compiled")
+
+
+def test_modes_pack_and_the_reasons_to_train_alone_stay(tmp_path, cache_dir):
+    """Compile and CUDA graphs pack (nothing tells such a run to train alone); what cannot pack still
+    says why."""
+    from lora_bench.config import solo_reason
+
+    best = TrainConfig(**{**BASE, **BEST_CPU, "device": "cuda", "cuda_graphs": True})
+    assert solo_reason(best) is None and solo_reason(best.replace(compile=True)) is None
+    assert pack_problem([best, best.replace(lora_rank=16, learning_rate=1e-4)]) is None
+    assert "lora-kernel" in solo_reason(best.replace(trainable_layers="lora-kernel"))
+    assert "profile" in solo_reason(best.replace(cuda_graphs=False, profile="torch"))
+    assert "differs from run 1 in compile" in pack_problem([best, best.replace(compile=True)])
+
+
+# -- GPU (marked; run on the device) ---------------------------------------------------------------
+BEST = dict(device="cuda", cuda_graphs=True, precision="bf16", attention="sdpa", ops="fused", optimizer="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, cache_dir, compiled):
+    """Best mode (CUDA graphs, bf16, SDPA, fused ops, fused AdamW; and torch.compile): each point's
+    per-step and periodic losses against its solo run in the same mode, within another bf16
+    rounding order's distance from the float64 evaluation of the solo run's eager float32
+    function (its periodic losses come from graph-replayed evaluations); the pack's rows carry the
+    captured graphs' columns and the final accuracies, also from replayed forwards."""
+    mode = {**BEST, **(dict(compile=True) if compiled else {})}
+    points = cfgs(**mode, skip_final_eval=False)
+    rows = _assert_points_train_as_solo(points, tmp_path, cache_dir, solo_mode={}, dtype=torch.bfloat16,
+                                        ref_mode=dict(precision="fp32", cuda_graphs=False, compile=False),
+                                        what="best mode" + (", compiled" if compiled else ""))
+    for row in rows:
+        assert row["graph_capture_s"] > 0 and row["graph_kernels_forward"] > 0 and row["graph_kernels_optimizer"] >= 1
+        assert all(0 <= row[f"{name}_acc"] <= 100 for name in ("train", "val", "test"))
+
+
+def test_the_graphed_pack_steps_forward_and_objective_are_the_eager_steps(cache_dir):
+    """What GraphedPackStep captures — its forward (the points' losses on the stacked batch) and its
+    objective (their sum) — run eagerly on the CPU as the pack loop's step function, trains the
+    pack as the loop's own eager step does, bit for bit (the same operations on the same values);
+    and the loop's evaluations call ``eval_model``."""
+    from lora_bench.timing import PhaseTimer
+    from lora_bench.train.pack import PackContext
+    from lora_bench.train.pack_loop import GraphedPackStep, train_pack
+
+    class EagerGraphStep(GraphedPackStep):  # the captured phases, run as they are captured
+        def __call__(self, inputs, targets, update, timer):
+            self.static_in, self.static_tgt = inputs, targets
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._forward()
+            timer.mark("forward")
+            self._objective(loss).backward()
+            timer.mark("backward")
+            self.optimizer.step()
+            timer.mark("optimizer")
+            return loss.detach().clone()
+
+    points = cfgs(max_steps=5, eval_freq=2)
+    results = []
+    for graphed in (False, True):
+        ctx = PackContext(points, cache_dir=cache_dir, progress=False)
+        timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
+        calls = []
+
+        def ev(x, model=ctx.forward_model):
+            calls.append(x.shape)
+            return model(x)
+
+        ev.eval, ev.train = ctx.forward_model.eval, ctx.forward_model.train
+        step_fn = EagerGraphStep(ctx, timer=timer, n=len(points)) if graphed else None
+        res = train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer,
+                         ctx.device, settings=ctx.loop_settings(), timer=timer, step_fn=step_fn, eval_model=ev)
+        assert calls and all(s[0] % len(points) == 0 for s in calls)  # evaluations: the stacked batch, through ev
+        results.append(res)
+    eager, graphed = results
+    assert eager.steps == graphed.steps == 5
+    assert torch.equal(torch.stack(eager.step_losses), torch.stack(graphed.step_losses))
+    assert eager.train_losses == graphed.train_losses and eager.val_losses == graphed.val_losses
+    assert len(set(eager.point_step_losses()[0])) > 1  # the points trained: their losses moved
