@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from unittest import mock
 
 import pandas as pd
 import pytest
@@ -188,12 +189,28 @@ def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layers", ["all", "lora"])
 def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
+    """The replayed graphs run the eager step's kernels on the same values: their losses equal, bit
+    for bit, those of the eager run with the same AdamW, the capturable one (its step count on the
+    device). That AdamW is another rounding order of the default update, and over 30 steps its
+    trajectory may land much further from float64 than the default's (on an H200 the tiny LoRA
+    run's losses: 4.5e-6 against 2.9e-7 relative, past SPREAD times the default's), so the check
+    that the capture changes nothing is the exact one, against the eager run it replays."""
+    from lora_bench.train import context
+
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
                             learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
-    eager, eager_row = _losses(base, tmp_path, f"{layers}-eager")
-    ref = _losses64(base, tmp_path, f"{layers}-eager64")
+    _, eager_row = _losses(base, tmp_path, f"{layers}-eager")
+    real, asked = context.optimizer_options, []
+
+    def capturable(cfg):
+        asked.append(cfg)
+        return {**real(cfg), "capturable": True}
+
+    with mock.patch.object(context, "optimizer_options", capturable):
+        eager_capturable, _ = _losses(base, tmp_path, f"{layers}-eager-capturable")
+    assert asked  # the eager run built the capturable AdamW
     graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")
-    _assert_same_run(graphed, eager, ref, what="graphs")  # capturable AdamW: another rounding order
+    assert len(graphed) == 30 and graphed == eager_capturable
     assert row["status"] == "done" and row["step_ms_median"] > 0
     # the captured graphs' kernels, counted from their node lists, and the capture's one-time cost
     fwd, bwd, opt = (row[f"graph_kernels_{p}"] for p in ("forward", "backward", "optimizer"))
