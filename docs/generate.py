@@ -535,7 +535,77 @@ def table_spread_124m() -> str:
                   align="---|---:|---:|---:|---|---:")
 
 
+# -- packed sweeps and the quantized base (results/answer/packing, results/answer/quantized) ----------
+PACKING = "answer/packing"
+
+
+def table_packing() -> str:
+    """configs/packing-study.yaml packed (--pack 16) against one by one (--pack 1), one call: the
+    whole sweep's training and evaluation time (a pack's are shared by its points, so counted once),
+    per point, the step, aggregate tokens/s, peak memory per point, and the points' validation
+    accuracy."""
+    out = {}
+    for way in ("packed", "one-by-one"):
+        df = runs(f"{PACKING}/{way}")
+        df = df[df["status"] == "done"]
+        if way == "packed":
+            packs = df.groupby("pack_id")
+            train = float(packs["training_time_s"].first().sum())
+            evals = float(packs["eval_s"].first().sum())
+            rate = float(packs["tokens_per_s"].sum().sum())
+            mem = float((packs["peak_mem_allocated_mib"].first() / packs.size()).median())
+            step = float(packs["step_ms_median"].first().median())
+        else:
+            train, evals = float(df["training_time_s"].sum()), float(df["eval_s"].sum())
+            rate = float(df["tokens_per_s"].median())
+            mem = float(df["peak_mem_allocated_mib"].median())
+            step = float(df["step_ms_median"].median())
+        out[way] = (len(df), train, evals, step, rate, mem, float(df["val_acc"].median()))
+    rows = []
+    for way, label in (("packed", "`--pack 16`: one pack"), ("one-by-one", "`--pack 1`: one after another")):
+        n, train, evals, step, rate, mem, acc = out[way]
+        rows.append([label, n, f"{train:.1f}", f"{evals:.1f}", f"{(train + evals) / n:.2f}", _ms(step),
+                     f"{rate:,.0f}", f"{mem:,.0f}", f"{acc:.1f}"])
+    (_, tp, ep, sp, rp, mp, _), (_, ts, es, ss, rs, ms, _) = out["packed"], out["one-by-one"]
+    rows.append(["one by one ÷ packed", "", f"{ts / tp:.2f}×", f"{es / ep:.2f}×", f"{(ts + es) / (tp + ep):.2f}×",
+                 "", f"{rs / rp:.2f}×", f"{ms / mp:.2f}×", ""])
+    return _table(["124M, 16 LoRA points, 5 epochs, best mode, one H200", "points", "training s", "evaluation s",
+                   "s per point", "step ms", "tokens/s (all points)", "peak MiB per point", "val acc % (median)"],
+                  rows)
+
+
+QUANTIZED = "answer/quantized"
+
+
+def table_quantized() -> str:
+    """configs/quantized-base-study.yaml as far as it ran: lora's step, its phases and the stored
+    block weights per base dtype and size, against the bf16 base (one repeat: a run's own median;
+    unfinished rows named)."""
+    df = runs(QUANTIZED)
+    df = df[(df["cfg_implementation"] == "book") & (df["trainable_layers"] == "lora")]
+    rows = []
+    for size in ("124M", "1558M"):
+        part = df[df["model_size"] == size].set_index("cfg_base_dtype")
+        if "bf16" not in part.index:
+            continue
+        base = part.loc["bf16"]
+        for dtype in ("precision", "bf16", "fp8", "int8", "nf4"):
+            if dtype not in part.index:
+                continue
+            r = part.loc[dtype]
+            done = r["status"] == "done"
+            rows.append([f"{size} {dtype}", r["status"] if not done else "done", _ms(r["step_ms_median"]),
+                         f"{r['step_ms_median'] / base['step_ms_median']:.2f}×", _ms(r["forward_ms_median"]),
+                         _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
+                         f"{r['base_weight_mib'] / base['base_weight_mib']:.2f}×", f"{r['peak_mem_allocated_mib']:,.0f}"])
+    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "status", "step ms",
+                   "÷ bf16 base", "fwd ms", "bwd ms", "block weights MiB", "÷ bf16 base", "peak MiB"], rows,
+                  align="---|---|---:|---:|---:|---:|---:|---:|---:")
+
+
 TABLES = {
+    "packing": table_packing,
+    "quantized": table_quantized,
     "answer": table_answer,
     "fastest": table_fastest,
     "study-repeats": table_study_repeats,
