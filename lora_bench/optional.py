@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 
 from lora_bench.errors import UsageError
@@ -19,3 +20,15 @@ def require(module: str, *, purpose: str, extra: str = PEERS_EXTRA) -> ModuleTyp
         package = module.split(".")[0]
         raise UsageError(f"{purpose} needs the Python package {package!r}, which cannot be imported here "
                          f"({exc}); install it with: pip install \"lora-bench[{extra}]\"") from exc
+
+
+def require_quietly(module: str, *, purpose: str, extra: str = PEERS_EXTRA) -> ModuleType:
+    """``require``, with the package's own logger held at errors while it imports (torchao and
+    bitsandbytes log notes about optional kernels a build cannot load)."""
+    log = logging.getLogger(module.split(".")[0])
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return require(module, purpose=purpose, extra=extra)
+    finally:
+        log.setLevel(level)

@@ -19,7 +19,6 @@ gradient). torchao is imported only here, and only when a run asks for one of it
 from __future__ import annotations
 
 import contextlib
-import logging
 from importlib import metadata
 from types import ModuleType
 
@@ -31,7 +30,7 @@ from lora_bench.errors import UsageError
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.lora.layer import LinearWithLoRA, LoRALinearBase
 from lora_bench.lora.merged import LinearWithLoRAMerged
-from lora_bench.optional import QUANT_EXTRA, require
+from lora_bench.optional import QUANT_EXTRA, require_quietly
 
 FORMATS = ("bf16", "int8", "nf4", "fp8")
 LIBRARY_FORMATS = ("int8", "nf4", "fp8")  # what torchao stores
@@ -46,13 +45,7 @@ KERNEL_FALLBACK = ("lora-kernel with base_dtype={fmt}: its fused op reads a full
 def torchao(purpose: str) -> ModuleType:
     """torchao imported (its loader's notes about CUDA extensions a CPU build cannot load kept
     quiet), or a UsageError naming the extra that installs it."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return require("torchao", purpose=purpose, extra=QUANT_EXTRA)
-    finally:
-        log.setLevel(level)
+    return require_quietly("torchao", purpose=purpose, extra=QUANT_EXTRA)
 
 
 def library_versions(fmt: str) -> dict[str, str | None]:

@@ -40,7 +40,6 @@ What maps, and how:
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import warnings
@@ -56,7 +55,7 @@ from lora_bench.data.tokenizer import PAD_TOKEN_ID
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
-from lora_bench.optional import QUANT_EXTRA, require
+from lora_bench.optional import QUANT_EXTRA, require, require_quietly
 
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
@@ -107,13 +106,7 @@ def build_hf_model(mcfg: GPTConfig, state: dict[str, torch.Tensor], *, attn_impl
 def bitsandbytes(purpose: str) -> ModuleType:
     """bitsandbytes imported (its loader's notes about optional CPU kernels it cannot fetch kept
     quiet), or a UsageError naming the extra that installs it."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return require("bitsandbytes", purpose=purpose, extra=QUANT_EXTRA)
-    finally:
-        log.setLevel(level)
+    return require_quietly("bitsandbytes", purpose=purpose, extra=QUANT_EXTRA)
 
 
 def qlora_config(compute_dtype: torch.dtype):
