@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from importlib import metadata
 from types import ModuleType
 
 from lora_bench.errors import UsageError
@@ -32,3 +33,11 @@ def require_quietly(module: str, *, purpose: str, extra: str = PEERS_EXTRA) -> M
         return require(module, purpose=purpose, extra=extra)
     finally:
         log.setLevel(level)
+
+
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version, or None where it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -19,7 +19,6 @@ gradient). torchao is imported only here, and only when a run asks for one of it
 from __future__ import annotations
 
 import contextlib
-from importlib import metadata
 from types import ModuleType
 
 import torch
@@ -30,7 +29,7 @@ from lora_bench.errors import UsageError
 from lora_bench.lora.kernel import LinearWithLoRAKernel
 from lora_bench.lora.layer import LinearWithLoRA, LoRALinearBase
 from lora_bench.lora.merged import LinearWithLoRAMerged
-from lora_bench.optional import QUANT_EXTRA, require_quietly
+from lora_bench.optional import QUANT_EXTRA, installed_version, require_quietly
 
 FORMATS = ("bf16", "int8", "nf4", "fp8")
 LIBRARY_FORMATS = ("int8", "nf4", "fp8")  # what torchao stores
@@ -50,12 +49,7 @@ def torchao(purpose: str) -> ModuleType:
 
 def library_versions(fmt: str) -> dict[str, str | None]:
     """The quantization library's version column for a run whose base is stored in ``fmt``."""
-    if fmt not in LIBRARY_FORMATS:
-        return {}
-    try:
-        return {"torchao_version": metadata.version("torchao")}
-    except metadata.PackageNotFoundError:
-        return {"torchao_version": None}
+    return {"torchao_version": installed_version("torchao")} if fmt in LIBRARY_FORMATS else {}
 
 
 def check_fp8_device(device: torch.device) -> None:

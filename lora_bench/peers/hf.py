@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from importlib import metadata
 from types import ModuleType
 
 import torch
@@ -55,7 +54,7 @@ from lora_bench.data.tokenizer import PAD_TOKEN_ID
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
-from lora_bench.optional import QUANT_EXTRA, require, require_quietly
+from lora_bench.optional import QUANT_EXTRA, installed_version, require, require_quietly
 
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
@@ -354,20 +353,9 @@ def hf_base_weight_bytes(model: nn.Module) -> int | None:
 
 def qlora_versions(base_dtype: str) -> dict[str, str | None]:
     """The quantization library's version column for a peer run whose body bitsandbytes stores."""
-    if base_dtype not in QLORA_FORMATS:
-        return {}
-    try:
-        return {"bitsandbytes_version": metadata.version("bitsandbytes")}
-    except metadata.PackageNotFoundError:
-        return {"bitsandbytes_version": None}
+    return {"bitsandbytes_version": installed_version("bitsandbytes")} if base_dtype in QLORA_FORMATS else {}
 
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions of the peer packages (None when absent), for a run's provenance."""
-    out: dict[str, str | None] = {}
-    for name in PEER_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {name: installed_version(name) for name in PEER_PACKAGES}

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
+from lora_bench.classifier.book import model_config
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
 from lora_bench.lora.quantized import torchao
 from lora_bench.optional import require
-from lora_bench.classifier.book import model_config
 from lora_bench.peers.hf import QLORA_BLOCK, QLORA_FORMATS, bitsandbytes, cpu_row_problem
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
