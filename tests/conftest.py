@@ -42,6 +42,25 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def hide_package(monkeypatch):
+    """``hide_package(name)``: from then on lora-bench's optional imports of ``name`` (and of its
+    submodules) fail as they do where the package is not installed."""
+    import importlib
+
+    real = importlib.import_module
+
+    def hide(name: str) -> None:
+        def import_module(module, *a, **kw):
+            if module.split(".")[0] == name:
+                raise ImportError(f"No module named {name!r}")
+            return real(module, *a, **kw)
+
+        monkeypatch.setattr("lora_bench.optional.importlib.import_module", import_module)
+
+    return hide
+
+
+@pytest.fixture
 def tiny_cfg(sms_file) -> TrainConfig:
     """A tiny random-weight model on the real data, a handful of steps."""
     return TrainConfig(model_size="tiny", weights="random", trainable_layers="all", device="cpu",

@@ -152,25 +152,28 @@ CASES = [pytest.param(points, shared, id=f"{'mixed' if points is MIXED else 'sam
          for points, shared in ((MIXED, True), (SAME, True), (MIXED, False))]
 
 
-@pytest.mark.parametrize("tokens", [7, 121])
-@pytest.mark.parametrize("points, shared", CASES)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def every_case(test):
+    """``test`` for each precision, set of points and token count."""
+    for mark in (pytest.mark.parametrize("precision", ["fp32", "bf16"]),
+                 pytest.mark.parametrize("points, shared", CASES),
+                 pytest.mark.parametrize("tokens", [7, 121])):
+        test = mark(test)
+    return test
+
+
+@every_case
 def test_packed_layer_against_float64_on_the_cpu(precision, points, shared, tokens):
     _eager_case(torch.device("cpu"), precision, points, shared, tokens)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [7, 121])
-@pytest.mark.parametrize("points, shared", CASES)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@every_case
 def test_packed_layer_against_float64_on_cuda(precision, points, shared, tokens):
     _eager_case(torch.device("cuda"), precision, points, shared, tokens)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [7, 121])
-@pytest.mark.parametrize("points, shared", CASES)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@every_case
 def test_packed_layer_replayed_from_a_cuda_graph_against_float64(precision, points, shared, tokens):
     """The forward and backward captured once (after the warm-up a capture needs, as the training
     step's is: ``train.graphs.warm_up``), then replayed on new inputs and output gradients copied

@@ -289,15 +289,8 @@ def test_a_4bit_body_whose_rows_bitsandbytes_cpu_kernels_get_wrong_is_refused_on
     assert read_runs(tmp_path / "runs.csv")["status"].tolist() == ["done"]
 
 
-def test_qlora_without_bitsandbytes_names_the_extra(tmp_path, run_cli, monkeypatch):
-    real = importlib.import_module
-
-    def without_bitsandbytes(name, *a, **kw):
-        if name.split(".")[0] == "bitsandbytes":
-            raise ImportError("No module named 'bitsandbytes'")
-        return real(name, *a, **kw)
-
-    monkeypatch.setattr("lora_bench.optional.importlib.import_module", without_bitsandbytes)
+def test_qlora_without_bitsandbytes_names_the_extra(tmp_path, run_cli, hide_package):
+    hide_package("bitsandbytes")
     code, out = run_cli("train", *TINY, "--emb-dim", "64", "--base-dtype", "nf4", "--results-dir", tmp_path)
     assert code == 2, out
     flat = " ".join(out.split())

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from tiny import SAMPLE, TINY_BASE
+from tiny import SAMPLE, TINY_BASE, interrupt_sweep
 
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.sweep.spec import load_sweep, parse_shard, select_shard
@@ -232,17 +230,9 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
         """))
     results = tmp_path / "res"
     ids = {r.label: r.run_id for r in load_sweep(path).runs}
-    proc = subprocess.Popen([sys.executable, "-c", "from lora_bench.cli import main; main()", "sweep", str(path),
-                             "--results-dir", str(results), "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (results / ids["slow"] / "job.json").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    time.sleep(2.5)  # into the slow run (its child imports torch first; either moment must work)
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130, out
+    code, out = interrupt_sweep(path, results, tmp_path / "cache", once=results / ids["slow"] / "job.json",
+                                timeout=60)  # into the slow run
+    assert code == 130, out
     df = rows(results)  # parses: no torn rows
     assert sorted(df["run_id"]) == sorted([ids["quick"], ids["slow"]])  # no duplicates, 'after' never started
     status = dict(zip(df["run_id"], df["status"]))

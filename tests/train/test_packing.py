@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import pandas as pd
 import pytest
@@ -21,7 +17,7 @@ import torch
 import torch.nn as nn
 from numerics import assert_same_function, float64_runs
 from rich.console import Console
-from tiny import SAMPLE, TINY_BASE
+from tiny import SAMPLE, TINY_BASE, interrupt_sweep
 
 from lora_bench.classifier.book import build_classifier
 from lora_bench.classifier.packed import build_packed_classifier
@@ -270,17 +266,9 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
         """))
     results = tmp_path / "res"
     ids = {r.label: r.run_id for r in load_sweep(path).runs}
-    proc = subprocess.Popen([sys.executable, "-c", "from lora_bench.cli import main; main()", "sweep", str(path),
-                             "--results-dir", str(results), "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not (results / ids["slow1"] / "pack.json").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    time.sleep(2.5)  # into the pack (its child imports torch first; either moment must work)
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, out
+    code, out = interrupt_sweep(path, results, tmp_path / "cache", once=results / ids["slow1"] / "pack.json",
+                                timeout=120)  # into the pack
+    assert code == 130, out
     df = _rows(results)
     assert sorted(df["run_id"]) == sorted([ids["quick"], ids["slow1"], ids["slow2"]]), out
     status = dict(zip(df["run_id"], df["status"]))

@@ -4,7 +4,6 @@ combinations that cannot be run are refused as usage errors before any training;
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import subprocess
@@ -135,15 +134,8 @@ def test_impossible_quantized_bases_are_refused_before_any_run(args, says, tmp_p
     assert not (tmp_path / "runs.csv").exists() and not any(tmp_path.glob("*/run.json"))
 
 
-def test_a_quantized_base_without_torchao_names_the_extra(tmp_path, run_cli, monkeypatch):
-    real = importlib.import_module
-
-    def without_torchao(name, *a, **kw):
-        if name.split(".")[0] == "torchao":
-            raise ImportError("No module named 'torchao'")
-        return real(name, *a, **kw)
-
-    monkeypatch.setattr("lora_bench.optional.importlib.import_module", without_torchao)
+def test_a_quantized_base_without_torchao_names_the_extra(tmp_path, run_cli, hide_package):
+    hide_package("torchao")
     code, out = run_cli("train", *TINY, "--trainable-layers", "lora", "--base-dtype", "nf4", "--results-dir", tmp_path)
     assert code == 2, out
     flat = " ".join(out.split())
