@@ -566,7 +566,7 @@ def table_packing() -> str:
         n, train, evals, step, rate, mem, acc = out[way]
         rows.append([label, n, f"{train:.1f}", f"{evals:.1f}", f"{(train + evals) / n:.2f}", _ms(step),
                      f"{rate:,.0f}", f"{mem:,.0f}", f"{acc:.1f}"])
-    (_, tp, ep, sp, rp, mp, _), (_, ts, es, ss, rs, ms, _) = out["packed"], out["one-by-one"]
+    (_, tp, ep, _, rp, mp, _), (_, ts, es, _, rs, ms, _) = out["packed"], out["one-by-one"]
     rows.append(["one by one ÷ packed", "", f"{ts / tp:.2f}×", f"{es / ep:.2f}×", f"{(ts + es) / (tp + ep):.2f}×",
                  "", f"{rs / rp:.2f}×", f"{ms / mp:.2f}×", ""])
     return _table(["124M, 16 LoRA points, 5 epochs, best mode, one H200", "points", "training s", "evaluation s",
@@ -593,8 +593,7 @@ def table_quantized() -> str:
             if dtype not in part.index:
                 continue
             r = part.loc[dtype]
-            done = r["status"] == "done"
-            rows.append([f"{size} {dtype}", r["status"] if not done else "done", _ms(r["step_ms_median"]),
+            rows.append([f"{size} {dtype}", r["status"], _ms(r["step_ms_median"]),
                          f"{r['step_ms_median'] / base['step_ms_median']:.2f}×", _ms(r["forward_ms_median"]),
                          _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
                          f"{r['base_weight_mib'] / base['base_weight_mib']:.2f}×", f"{r['peak_mem_allocated_mib']:,.0f}"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_bench.config.declaration import Settings
+from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, Settings
 
 # What may differ between the runs of one pack: each adapter has its own rank and alpha, and its
 # own optimizer parameter group (learning rate, weight decay).
@@ -24,7 +24,7 @@ def solo_reason(cfg: Settings) -> str | None:
         return f"trainable_layers={cfg.trainable_layers} trains no adapter (only lora packs)"
     if cfg.implementation != "book":
         return f"implementation={cfg.implementation}: only the book model packs"
-    if cfg.base_dtype != "precision":
+    if cfg.base_dtype != BASE_DTYPE_DEFAULT:
         return f"base_dtype={cfg.base_dtype}: a packed model's frozen base is stored as its precision says"
     if cfg.nproc != 1:
         return f"nproc={cfg.nproc}: a packed run is one process"
