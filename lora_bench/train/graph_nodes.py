@@ -4,6 +4,7 @@ from the driver's debug dump (``cudaGraphDebugDotPrint``). A graph must be creat
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import tempfile
@@ -12,7 +13,12 @@ from pathlib import Path
 
 import torch
 
-_DOT_NODE = re.compile(r'"(graph_\d+_node_\d+)"\s*\[(.*?)"\s*\]\s*;', re.S)  # (edge attributes match too: no node type)
+# A node's attributes open after its quoted name and close at the first `"]` + `;` after them (edge
+# attributes open too; they name no node type). Matched as two patterns, not one `name[(.*?)"];`:
+# one lazy pattern scans to the end of the dump from every opening it cannot close (edge
+# attributes without a quoted last value), quadratic in the graph's size.
+_DOT_OPEN = re.compile(r'"graph_\d+_node_\d+"\s*\[')
+_DOT_CLOSE = re.compile(r'"\s*\]\s*;')
 _DOT_TYPE = re.compile(r"\b(KERNEL|MEMCPY|MEMSET|HOST|GRAPH|EMPTY|WAIT_EVENT|EVENT_RECORD|EXT_SEMAS_SIGNAL|"
                        r"EXT_SEMAS_WAIT|MEM_ALLOC|MEM_FREE|BATCH_MEM_OP|CONDITIONAL)\b")
 _DOT_KERNEL_NAME = re.compile(r"([A-Za-z_$][\w$.]*)\s*\\?<\\?<\\?<")
@@ -45,7 +51,7 @@ def parse_graph_dot(text: str) -> dict[str, list[str]] | None:
     """Node types of a cudaGraphDebugDotPrint dump: {"KERNEL": [kernel names], "MEMSET": [...], ...};
     None when no node could be read (another dump format)."""
     nodes: dict[str, list[str]] = {}
-    for _, body in _DOT_NODE.findall(text):
+    for body in _attribute_bodies(text):
         m = _DOT_TYPE.search(body)
         if m is None:
             continue
@@ -56,6 +62,21 @@ def parse_graph_dot(text: str) -> dict[str, list[str]] | None:
             name = k.group(1) if k else "?"
         nodes.setdefault(kind, []).append(name)
     return nodes or None
+
+
+def _attribute_bodies(text: str):
+    """Each opened attribute list's text up to its closing `"]` + `;`, in order, none overlapping;
+    an opening after the last close has none. One pass over the dump."""
+    closes = [m.start() for m in _DOT_CLOSE.finditer(text)]
+    end = 0
+    for m in _DOT_OPEN.finditer(text):
+        if m.start() < end:  # inside the previous list's text
+            continue
+        i = bisect.bisect_left(closes, m.end())
+        if i == len(closes):
+            return
+        yield text[m.end():closes[i]]
+        end = _DOT_CLOSE.match(text, closes[i]).end()
 
 
 def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, list[str]] | None:
