@@ -28,8 +28,6 @@ def solo_reason(cfg: Settings) -> str | None:
         return f"base_dtype={cfg.base_dtype}: a packed model's frozen base is stored as its precision says"
     if cfg.nproc != 1:
         return f"nproc={cfg.nproc}: a packed run is one process"
-    if cfg.profile != "none":
-        return f"profile={cfg.profile}: a profile measures one run; profile the point on its own"
     return None
 
 

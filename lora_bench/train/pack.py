@@ -44,8 +44,9 @@ from lora_bench.train.context import execution_models, optimizer_options
 from lora_bench.train.identity import check_run_id, refuse_existing_run
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
-from lora_bench.train.pack_loop import GraphedPackStep, PackResult, pack_accuracy_loader, train_pack
+from lora_bench.train.pack_loop import GraphedPackStep, PackResult, pack_accuracy_loader, pack_losses, train_pack
 from lora_bench.train.preflight import require_packages
+from lora_bench.train.profiling import Profiler
 from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
 from lora_bench.train.run import ended_by
 from lora_bench.train.setup import amp_context, resolve_device, set_precision
@@ -181,6 +182,7 @@ class _Pack:
     timer: PhaseTimer | None = None
     result: PackResult | None = None
     steps: list[list[dict]] | None = None
+    profiler: Profiler | None = None
     begun: bool = False
 
     def __post_init__(self):
@@ -216,6 +218,7 @@ class _Pack:
             self._train(rows)
             if not cfg.skip_final_eval:
                 self._final_accuracies(rows)
+            self.profiler.finish(self.console, copies=[self.results_dir / p.run_id for p in self.points[1:]])
             self.steps = self._point_steps()
             for p, row in enumerate(rows):
                 self._summarise(p, row)
@@ -257,10 +260,16 @@ class _Pack:
         total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train)
         self.result = res = PackResult(self.n)
         step_fn = GraphedPackStep(ctx, timer=timer, n=self.n) if cfg.cuda_graphs else None
+        # the profile is of the pack's step (every point at once); each point's folder gets its files
+        self.profiler = Profiler(cfg.profile, run_dir=self.results_dir / self.points[0].run_id,
+                                 warmup_steps=cfg.warmup_steps, device=ctx.device, pack_size=self.n,
+                                 line_functions=(pack_losses,))
         with TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar:
-            train_pack(ctx.forward_model, self.n, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                       settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn, on_step=bar.update,
-                       eval_model=ctx.eval_model, say=self.say, result=res)
+            timer.label_phases = self.profiler.labels_phases
+            self.profiler.run(train_pack, ctx.forward_model, self.n, ctx.loaders.train, ctx.loaders.val,
+                              ctx.optimizer, ctx.device, settings=ctx.loop_settings(), timer=timer, amp=ctx.amp,
+                              step_fn=step_fn, on_step=self.profiler.chain(bar.update), eval_model=ctx.eval_model,
+                              say=self.say, result=res)
         graph_columns = step_fn.record() if step_fn is not None else {}
         for p, row in enumerate(rows):
             self.curves[p].update(train_losses=res.train_losses[p], val_losses=res.val_losses[p],

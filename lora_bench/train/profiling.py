@@ -5,18 +5,19 @@ the method of the reference's own profile of its 124M runs, kept so its host-att
 against the device phase times. ``torch``: torch.profiler over a window of steps after warm-up;
 saves a gzipped Chrome/Perfetto trace and a per-phase kernel summary (launches per step, device time,
 top kernels) as CSV. ``kernels``: the same profile, the summaries only (a trace of a 1558M window
-is tens of MB)."""
+is tens of MB). A pack's profile (lora_bench.train.pack) measures the pack's step, every point at
+once: its files go into every point's run folder, and its kernel summaries carry the pack's size."""
 
 from __future__ import annotations
 
 import collections
 import io
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from lora_bench.fileio import atomic_write_text
+from lora_bench.fileio import atomic_write_bytes, atomic_write_text
 from lora_bench.results.store import write_csv
 from lora_bench.train import evaluate
 from lora_bench.train import loop as train
@@ -25,10 +26,18 @@ TORCH_WINDOW = 10  # steps recorded after warm-up
 
 
 class Profiler:
-    def __init__(self, mode: str, *, run_dir: Path, warmup_steps: int, device: torch.device):
+    """``pack_size``: the profile is of a pack of that many runs (a column of the kernel summaries);
+    ``line_functions``: what line_profiler follows besides the loop it runs (the solo loop and its
+    loss by default)."""
+
+    def __init__(self, mode: str, *, run_dir: Path, warmup_steps: int, device: torch.device,
+                 pack_size: int | None = None, line_functions: Sequence[Callable] | None = None):
         self.mode = mode
         self.run_dir = Path(run_dir)
         self.device = device
+        self.pack_size = pack_size
+        self.line_functions = (tuple(line_functions) if line_functions is not None
+                               else (train.train_classifier, evaluate.calc_loss_batch))
         self.start = warmup_steps
         self.stop = warmup_steps + TORCH_WINDOW
         self._prof = None
@@ -49,7 +58,7 @@ class Profiler:
         if self.mode == "line":
             from line_profiler import LineProfiler
 
-            self._lp = LineProfiler(train.train_classifier, evaluate.calc_loss_batch)
+            self._lp = LineProfiler(*self.line_functions)
             return self._lp(fn)(*args, **kw)
         return fn(*args, **kw)
 
@@ -89,23 +98,35 @@ class Profiler:
         self._active = False
 
     # -- output -------------------------------------------------------------------------------
-    def finish(self, console) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    def finish(self, console, *, copies: Sequence[Path] = ()) -> None:
+        """Write the profile into the run folder, and the same files into each of ``copies``."""
+        dirs = [self.run_dir, *map(Path, copies)]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
         if self._lp is not None:
             buf = io.StringIO()
             self._lp.print_stats(stream=buf, output_unit=1e-3)
-            atomic_write_text(self.run_dir / "line_profile.txt", buf.getvalue())
+            for d in dirs:
+                atomic_write_text(d / "line_profile.txt", buf.getvalue())
             console.print(f"line_profiler report: {self.run_dir / 'line_profile.txt'}")
         if self._prof is not None:
             self._end()
             if self.mode == "torch":
                 trace = self.run_dir / "trace.json.gz"  # ~50 MB uncompressed for 10 steps of 124M
                 self._prof.export_chrome_trace(str(trace))
+                if copies:
+                    data = trace.read_bytes()
+                    for d in dirs[1:]:
+                        atomic_write_bytes(d / trace.name, data)
                 console.print(f"torch.profiler trace (open in ui.perfetto.dev): {trace}")
             rows, top = kernel_summary(self._prof, steps=max(self.recorded_steps, 1),
                                        cuda=self.device.type == "cuda")
-            write_csv(self.run_dir / "kernels_by_phase.csv", rows, list(rows[0]) if rows else ["phase"])
-            write_csv(self.run_dir / "top_kernels.csv", top, list(top[0]) if top else ["phase"])
+            if self.pack_size is not None:  # the counts are of the pack's step, every point at once
+                rows = [{**r, "pack_size": self.pack_size} for r in rows]
+                top = [{**r, "pack_size": self.pack_size} for r in top]
+            for d in dirs:
+                write_csv(d / "kernels_by_phase.csv", rows, list(rows[0]) if rows else ["phase"])
+                write_csv(d / "top_kernels.csv", top, list(top[0]) if top else ["phase"])
 
 
 def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[dict]]:

@@ -389,8 +389,75 @@ def test_modes_pack_and_the_reasons_to_train_alone_stay(tmp_path, cache_dir):
     assert solo_reason(best) is None and solo_reason(best.replace(compile=True)) is None
     assert pack_problem([best, best.replace(lora_rank=16, learning_rate=1e-4)]) is None
     assert "lora-kernel" in solo_reason(best.replace(trainable_layers="lora-kernel"))
-    assert "profile" in solo_reason(best.replace(cuda_graphs=False, profile="torch"))
     assert "differs from run 1 in compile" in pack_problem([best, best.replace(compile=True)])
+    eager = best.replace(cuda_graphs=False)
+    assert all(solo_reason(eager.replace(profile=p)) is None for p in ("line", "torch", "kernels"))
+    profiled = eager.replace(profile="kernels")
+    assert "differs from run 1 in profile" in pack_problem([profiled, eager.replace(lora_rank=4)])
+
+
+# -- profiles -------------------------------------------------------------------------------------
+def test_a_packed_sweeps_profile_is_the_packs_step_in_every_points_folder(tmp_path, run_cli):
+    """profile=kernels on a packed sweep: each point's folder has the pack's kernel summaries
+    (one profile of the pack's step, marked with its pack_size), counting the top-level aten ops
+    of every phase; and the points train as the unprofiled pack's do, bit for bit (a profiler
+    only watches)."""
+    body = ("name: pp\nbase:\n" + TINY_BASE.replace("max_steps: 2", "max_steps: 3") + "  trainable_layers: lora\n"
+            + "{profile}grid:\n  lora_rank: [2, 4]\n")
+    out = {}
+    for profile in ("none", "kernels"):
+        path = _sweep_file(tmp_path, body.format(profile=f"  profile: {profile}\n"), f"{profile}.yaml")
+        results = tmp_path / profile
+        code, text = run_cli("sweep", path, "--pack", "2", "--results-dir", results, "--cache-dir", tmp_path / "cache",
+                             "--isolation", "inline", "--no-progress")
+        assert code == 0, text
+        out[profile] = (results, _rows(results).set_index("cfg_lora_rank"))
+    (plain, plain_rows), (profiled, rows) = out["none"], out["kernels"]
+    assert set(rows["pack_size"]) == {"2"} and rows["pack_id"].nunique() == 1 and set(rows["status"]) == {"done"}
+    summaries = []
+    for rank, row in rows.iterrows():
+        folder = profiled / row["run_id"]
+        kernels = pd.read_csv(folder / "kernels_by_phase.csv").set_index("phase")
+        assert {"data", "forward", "backward", "optimizer"} <= set(kernels.index), rank
+        assert (kernels.loc[["data", "forward", "backward", "optimizer"], "launches_per_step"] > 0).all(), rank
+        assert set(kernels["pack_size"]) == {2} and set(kernels["unit"]) == {"top-level aten ops (CPU)"}
+        assert set(pd.read_csv(folder / "top_kernels.csv")["pack_size"]) == {2}
+        summaries.append((folder / "kernels_by_phase.csv").read_bytes())
+        assert not (plain / plain_rows.loc[rank, "run_id"] / "kernels_by_phase.csv").exists()
+        want = plain / plain_rows.loc[rank, "run_id"]
+        got_steps = pd.read_csv(folder / "steps.csv", dtype=str)["loss"]
+        assert len(got_steps) == 3 and list(got_steps) == list(pd.read_csv(want / "steps.csv", dtype=str)["loss"])
+        got, ref = (json.loads((f / "run.json").read_text()) for f in (folder, want))
+        assert got["train_accs"] == ref["train_accs"] and got["val_accs"] == ref["val_accs"]
+    assert summaries[0] == summaries[1]  # one profile: the pack's
+
+
+def test_a_line_profile_of_a_pack_follows_the_packs_loop(tmp_path, cache_dir):
+    points = cfgs(POINTS[:2], profile="line", max_steps=3, eval_freq=0, skip_final_eval=True)
+    execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
+                 console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    texts = [(tmp_path / f"p{i}" / "line_profile.txt").read_text() for i in range(len(points))]
+    assert texts[0] == texts[1]
+    assert "Function: train_pack" in texts[0] and "Function: pack_losses" in texts[0]
+    assert "losses.sum().backward()" in texts[0] and "F.cross_entropy(per_point[p]" in texts[0]
+
+
+def test_a_pack_is_not_profiled_under_cuda_graphs(tmp_path, cache_dir, run_cli):
+    """As a solo run: a profiler sees nothing inside a replayed graph, so the pack is refused before
+    anything is recorded, and a sweep file that asks for it does not validate."""
+    from lora_bench.errors import ConfigError
+
+    points = cfgs(POINTS[:2], device="cuda", cuda_graphs=True, profile="kernels")
+    with pytest.raises(ConfigError, match="profile=kernels cannot see inside a replayed CUDA graph"):
+        execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path / "r",
+                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    assert not (tmp_path / "r").exists()
+    path = _sweep_file(tmp_path, "name: pg\nbase:\n" + TINY_BASE.replace("device: cpu", "device: cuda")
+                       + "  trainable_layers: lora\n  cuda_graphs: true\n  profile: torch\npack: 2\n"
+                       + "grid:\n  lora_rank: [2, 4]\n")
+    code, out = run_cli("validate", path)
+    assert code == 2 and "profile=torch cannot see inside a replayed CUDA graph" in " ".join(out.split()), out
+    assert "Traceback" not in out
 
 
 # -- GPU (marked; run on the device) ---------------------------------------------------------------

@@ -120,6 +120,7 @@ def test_torch_profile_trace_and_phase_summary(tiny_cfg, tmp_path):
     k = pd.read_csv(tmp_path / "tp" / "kernels_by_phase.csv")
     phases = set(k["phase"])
     assert {"forward", "backward", "optimizer"} <= phases
+    assert list(k.columns) == ["phase", "launches_per_step", "kernel_ms_per_step", "unit"]  # a pack's adds pack_size
     fwd = k.set_index("phase").loc["forward", "launches_per_step"]
     assert fwd > 10  # a tiny GPT-2 forward is dozens of ops
     top = pd.read_csv(tmp_path / "tp" / "top_kernels.csv")
