@@ -20,7 +20,7 @@ from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.load import MODE, shared_ids_note
 from lora_bench.report.names import MODE_FIELDS, is_blank
-from lora_bench.report.samples import estimate, sample
+from lora_bench.report.samples import PACK_ID, estimate, pack_count, sample
 from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
 
 FORMATS = ("table", "markdown", "csv", "html", "json")
@@ -91,6 +91,8 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
         if not metrics:
             raise UsageError("nothing to report: the finished runs hold none of the default metrics "
                              f"({', '.join(DEFAULT_METRICS)}); pick some with --metrics")
+    if PACK_ID in done and done[PACK_ID].map(lambda v: not is_blank(v)).any():
+        notes.append(PACKS_NOTE)
     spec = parse_baseline(baseline, done) if baseline else {}
     if spec and is_text(done, metrics[0]):
         notes.append(f"{metrics[0]} is text: no ratio to the baseline (put a numeric metric first)")
@@ -99,6 +101,7 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
     for values, g in done.groupby(keys, sort=False, dropna=False):
         rec = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
         rec["n"] = len(g)
+        rec["packs"] = pack_count(g)
         for m in [*metrics, *extras]:
             if is_text(done, m):
                 rec[m] = text_summary(g[m])
@@ -140,6 +143,11 @@ def _float(v) -> float:
         return float(v)
     except (TypeError, ValueError):
         return math.nan
+
+
+PACKS_NOTE = ("n: runs (in how many packs, where they trained packed); the runs of one pack share its "
+              "measurements (step times, memory, training time), which count once per pack, as one repeat; "
+              "each run's own accuracies and losses count per run")
 
 
 def diverged_notes(df: pd.DataFrame) -> list[str]:

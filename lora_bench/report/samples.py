@@ -8,6 +8,11 @@ a metric when the group has two runs or more; when it has one, that run's measur
   median step over each step's time, since a throughput is the step's work over its time;
 - anything else (accuracies, training time): one value, no interval.
 
+Runs trained in one pack (``pack_id``) share the pack's measurements (its step times, memory,
+training time): where a metric is the same in every run of a pack, the pack counts once, as one
+repeat, not as many as it has points; a metric of each point's own (its accuracy, its losses)
+counts per run.
+
 Each repeat is keyed by its folder, sweep and repeat number, so that a ratio of two groups that ran
 the same repeats of one sweep is resampled in pairs (lora_bench.report.stats)."""
 
@@ -44,6 +49,7 @@ def per_step(metric: str) -> bool:
 
 def sample(runs: pd.DataFrame, metric: str) -> Sample:
     """The repeats of ``metric`` in ``runs``; for a single run, its steps (see the module)."""
+    runs = once_per_pack(runs, metric)
     values = pd.to_numeric(runs[metric], errors="coerce") if metric in runs else pd.Series(dtype=float)
     values = values.dropna().astype(float)
     if len(values) != 1 or len(runs) != 1:
@@ -61,6 +67,35 @@ def sample(runs: pd.DataFrame, metric: str) -> Sample:
         if not math.isnan(med) and (ms > 0).all():
             return Sample.of(value * med / ms, over=STEPS, value=value)
     return Sample.of([value], over=REPEATS)
+
+
+PACK_ID = "pack_id"
+
+
+def once_per_pack(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """``runs`` with each pack's runs after its first left out, where ``metric`` is the same in all
+    of them (the pack's own measurement); runs outside a pack stay."""
+    if PACK_ID not in runs or metric not in runs or len(runs) < 2:
+        return runs
+    ids = runs[PACK_ID]
+    packed = ~ids.map(is_blank)
+    if not packed.any():
+        return runs
+    values = pd.to_numeric(runs[metric], errors="coerce")
+    drop = pd.Series(False, index=runs.index)
+    for _, idx in runs[packed].groupby(ids[packed].astype(str)).groups.items():
+        v = values.loc[idx]
+        if len(idx) > 1 and (v.isna().all() or (v.notna().all() and v.nunique() == 1)):
+            drop.loc[idx[1:]] = True
+    return runs[~drop]
+
+
+def pack_count(runs: pd.DataFrame) -> int:
+    """How many packs the runs trained in (0: none trained packed)."""
+    if PACK_ID not in runs:
+        return 0
+    ids = runs[PACK_ID][~runs[PACK_ID].map(is_blank)]
+    return int(ids.astype(str).nunique())
 
 
 PAIRING = (RESULTS_DIR, "sweep_name", "repeat")  # what a repeat shares with the other groups' same repeat

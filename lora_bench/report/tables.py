@@ -285,6 +285,12 @@ def _cell(v, digits: int) -> str:
     return "-" if v is None or pd.isna(v) else f"{float(v):.{digits}f}"
 
 
+def runs_cell(rec: dict) -> str:
+    """A group's run count, with the packs they trained in where they did."""
+    packs = int(rec.get("packs") or 0)
+    return str(rec["n"]) + (f" ({packs} pack{'s' if packs != 1 else ''})" if packs else "")
+
+
 def groups_table(rep: Report, *, title: str = "") -> Table:
     """Every group with the median of each metric and its interval, the ratio to the baseline."""
     head = [column_label(k) for k in rep.keys] + ["n"]
@@ -294,7 +300,7 @@ def groups_table(rep: Report, *, title: str = "") -> Table:
     rows, shown = [], []
     digits = {m: _digits(rep.groups[m], m) for m in rep.metrics}
     for rec in rep.groups.to_dict("records"):
-        row = [str(rec[k]) if not is_blank(rec[k]) else "-" for k in rep.keys] + [str(rec["n"])]
+        row = [str(rec[k]) if not is_blank(rec[k]) else "-" for k in rep.keys] + [runs_cell(rec)]
         for m in rep.metrics:
             if m in rep.text_metrics:
                 row.append(_cell(rec[m], digits[m]))

@@ -180,3 +180,37 @@ def test_groups_of_one_sweeps_repeats_are_keyed_by_folder_sweep_and_repeat():
     assert sample(rows, "step_ms_median").keys == (("r", "s", "0"), ("r", "s", "1"))
     assert sample(rows.assign(sweep_name=["s", "", "s"]), "step_ms_median").keys is None  # a run outside a sweep
     assert sample(rows.drop(columns="repeat"), "step_ms_median").keys is None
+
+
+def test_the_runs_of_one_pack_count_once_for_the_packs_measurements():
+    """Three repeats of a pack of four points: the step time is the pack's (the same in its four
+    rows), so it is resampled over three values, not twelve; each point's own accuracy counts per
+    run; outside packs every run counts."""
+    rng = np.random.default_rng(3)
+    step = {0: 79.1, 1: 78.9, 2: 79.6}
+    rows = pd.DataFrame([{"results_dir": "r", "sweep_name": "s", "repeat": r, "pack_id": f"pack-{r}",
+                          "step_ms_median": step[r], "val_acc": float(rng.uniform(80, 95))}
+                         for r in range(3) for _ in range(4)])
+    s = sample(rows, "step_ms_median")
+    assert sorted(s.values) == sorted(step.values()) and s.over == stats.REPEATS
+    assert s.keys == (("r", "s", "0"), ("r", "s", "1"), ("r", "s", "2"))  # pairs with another group's repeats
+    assert len(sample(rows, "val_acc").values) == 12
+    differing = rows.assign(step_ms_median=rows["step_ms_median"] + np.arange(12) * 0.01)  # not the pack's
+    assert len(sample(differing, "step_ms_median").values) == 12
+    assert len(sample(rows.assign(pack_id=""), "step_ms_median").values) == 12  # trained alone
+
+
+def test_a_report_says_how_many_packs_its_groups_trained_in(tmp_path):
+    from lora_bench.report.aggregate import PACKS_NOTE, build_report
+    from lora_bench.report.tables import groups_table
+
+    rows = [{"run_id": f"p{r}-{i}", "status": "done", "trainable_layers": "lora", "model_size": "124M",
+             "results_dir": "r", "sweep_name": "s", "repeat": r, "pack_id": f"pack-{r}", "pack_size": 2,
+             "step_ms_median": 79.0 + r} for r in range(3) for i in range(2)]
+    rows.append({"run_id": "solo", "status": "done", "trainable_layers": "all", "model_size": "124M",
+                 "step_ms_median": 6.0, "pack_id": "", "results_dir": "r", "sweep_name": "s", "repeat": 0})
+    rep = build_report(pd.DataFrame(rows), group_by=["trainable_layers"], metrics=["step_ms_median"])
+    cells = {row[0]: row[1] for row in groups_table(rep).rows}
+    assert cells == {"lora": "6 (3 packs)", "all": "1"}
+    assert PACKS_NOTE in rep.notes
+    assert rep.groups.set_index("trainable_layers").loc["lora", "step_ms_median"] == pytest.approx(80.0)
