@@ -574,6 +574,34 @@ def table_packing() -> str:
                   rows)
 
 
+def table_packing_step() -> str:
+    """The packed step against the solo step it replaces, per point, at 124M (the packing-overhead
+    repeats' pack; the packing study's solo runs) and 1558M (the pack's 130 steps, whose rows were
+    interrupted after training; the solo runs of the same call): median step and phases (a pack's
+    runs share them: counted once per pack), per point, and peak memory per point."""
+    def side(df: pd.DataFrame, packed: bool) -> list:
+        df = df[df["step_ms_median"].notna()]
+        if packed:
+            df = df[df["pack_id"].fillna("").astype(str) != ""]
+            first = df.groupby("pack_id").first()
+            n = int(df.groupby("pack_id").size().median())
+            mem = float((first["peak_mem_allocated_mib"] / n).median())
+        else:
+            first, n, mem = df, 1, float(df["peak_mem_allocated_mib"].median())
+        phases = [float(first[f"{ph}_ms_median"].median()) for ph in ("step", "forward", "backward", "optimizer")]
+        return [len(first), n, *phases, mem]
+
+    rows = []
+    for size, packed_dir, solo_dir in (("124M", "overhead", "one-by-one"), ("1558M", "1558m-packed", "1558m-one-by-one")):
+        pk, so = side(runs(f"{PACKING}/{packed_dir}"), True), side(runs(f"{PACKING}/{solo_dir}"), False)
+        for label, (m, n, step, fwd, bwd, opt, mem) in ((f"{size} packed", pk), (f"{size} one by one", so)):
+            rows.append([label, m, n, _ms(step), _ms(step / n), _ms(fwd), _ms(bwd), _ms(opt), f"{mem:,.0f}"])
+        rows.append([f"{size} packed ÷ one by one, per point", "", "", "", f"{pk[2] / pk[1] / so[2]:.2f}×", "", "", "",
+                     f"{pk[6] / so[6]:.2f}×"])
+    return _table(["batch 8 per point, best mode, one H200", "packs or runs", "points per step", "step ms",
+                   "step ms per point", "forward ms", "backward ms", "optimizer ms", "peak MiB per point"], rows)
+
+
 QUANTIZED = "answer/quantized"
 
 
@@ -604,6 +632,7 @@ def table_quantized() -> str:
 
 TABLES = {
     "packing": table_packing,
+    "packing-step": table_packing_step,
     "quantized": table_quantized,
     "answer": table_answer,
     "fastest": table_fastest,
