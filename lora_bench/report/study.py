@@ -46,7 +46,7 @@ LAYERS = SETTING_PREFIX + "trainable_layers"
 # settings that decide the kernels a step launches: a profile describes a timed group that shares them
 STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
     "lora_rank", "batch_size", "context_length", "no_padding", "accumulation_steps", "trainable_token_pos",
-    "average_embeddings", "disable_causal_mask")), *MODE_FIELDS)
+    "average_embeddings", "disable_causal_mask")), "pack_size", *MODE_FIELDS)  # a pack's step is its points' at once
 ACCURACIES = ("val_acc", "test_acc")
 
 

@@ -113,6 +113,20 @@ def test_profiles_join_the_group_with_their_step_shape(tmp_path):
     assert any("profiled run(s) left out of the timings" in n for n in s.notes)
 
 
+def test_a_packs_profile_joins_no_solo_group_of_the_same_shape(tmp_path):
+    """A pack's profile measures all its points' step at once: it describes no group of solo runs
+    with the settings of one of its points."""
+    rows = [_run(0, size="124M", layers="all", step=50), _run(1, size="124M", layers="lora", step=70),
+            {**_run(2, size="124M", layers="lora", step=900, profile="kernels"), "pack_size": 16, "pack_id": "pack-1"}]
+    (tmp_path / rows[2]["run_id"]).mkdir()
+    (tmp_path / rows[2]["run_id"] / "kernels_by_phase.csv").write_text(
+        "phase,launches_per_step,kernel_ms_per_step,unit,pack_size\nforward,3242,30.0,cuda,16\n")
+    s = _study(tmp_path, rows)
+    assert all(g.kernels() is None for g in s.groups) and [p.group for p in s.profiles] == [None]
+    solo = {**rows[2], "pack_size": None, "pack_id": None}
+    assert _study(tmp_path, [*rows[:2], solo]).groups[1].kernels() is not None  # alone, the same profile joins
+
+
 def test_accuracy_over_seeds(tmp_path):
     rows = []
     for r, seed in enumerate((1, 2, 3)):
