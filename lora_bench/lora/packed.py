@@ -3,12 +3,18 @@ N times along the batch dimension, point p's rows being the p-th block of B rows
 
 ``PackedLoRALinear`` replaces one ``nn.Linear``. Its frozen base weight runs one product over all
 N·B rows (read once, not N times); each adapter then adds its own ``alpha · (x·A)·B`` to its own
-rows, with one batched product per group of adapters of the same rank (mixed ranks are grouped,
-not padded: no product on zeros). A layer whose base is trainable (the classifier's new head)
-holds one base per adapter instead, applied to its adapter's rows with one batched product.
+rows, all adapters in one batched product. Mixed ranks are padded: each adapter's ``A`` (in×r)
+and ``B`` (r×out) are stored with zero columns and rows up to the pack's largest rank, which
+changes nothing they compute — the padded part of x·A is zero, its products with B's zero rows
+add zeros, its gradients are exactly zero, so AdamW (weight decay included) keeps it zero. Grouping
+the adapters by rank instead would cost a gather of each group's rows, a stack of its A's and
+B's and the reassembly of the groups' outputs in every layer, forward and backward: about four
+times the adapter path's kernels at four ranks. A layer whose base is trainable (the
+classifier's new head) holds one base per adapter instead, applied to its adapter's rows with one
+batched product.
 
-The adapters keep the parameter layout of ``LoRALayer`` (``A`` in×r, ``B`` r×out), so a point's
-parameters read back under the names its solo model gives them (``point_state_dict``)."""
+A point's parameters read back under the names and shapes its solo model gives them
+(``point_state_dict``: views of the stored tensors without their padding)."""
 
 from __future__ import annotations
 
@@ -32,16 +38,17 @@ class PackedLoRALinear(nn.Module):
         self.linear = linear
         self.heads = nn.ModuleList(heads) if heads is not None else None
         self.adapters = nn.ModuleList(adapters)
-        ranks: dict[int, list[int]] = {}
-        for p, a in enumerate(adapters):
-            ranks.setdefault(a.A.shape[1], []).append(p)
-        self.groups = list(ranks.values())  # points of one rank each, in order of first appearance
-        # each group's alphas and rows, as buffers that move with the model: made once here, not
-        # from Python lists in the forward (a copy from the host, which a CUDA-graph capture refuses)
-        for i, group in enumerate(self.groups):
-            self.register_buffer(f"alpha_{i}", torch.tensor([float(adapters[p].alpha) for p in group]).view(-1, 1, 1),
-                                 persistent=False)
-            self.register_buffer(f"index_{i}", torch.tensor(group, dtype=torch.long), persistent=False)
+        self.ranks = [a.A.shape[1] for a in adapters]  # each adapter's own rank
+        top = max(self.ranks)
+        for a, r in zip(adapters, self.ranks):
+            if r < top:  # stored padded with zeros (module docstring)
+                with torch.no_grad():
+                    a.A = nn.Parameter(nn.functional.pad(a.A, (0, top - r)), requires_grad=a.A.requires_grad)
+                    a.B = nn.Parameter(nn.functional.pad(a.B, (0, 0, 0, top - r)), requires_grad=a.B.requires_grad)
+        # the alphas as a buffer that moves with the model: made once here, not from a Python list
+        # in the forward (a copy from the host, which a CUDA-graph capture refuses)
+        self.register_buffer("alphas", torch.tensor([float(a.alpha) for a in adapters]).view(-1, 1, 1),
+                             persistent=False)
 
     @property
     def n(self) -> int:
@@ -72,18 +79,15 @@ class PackedLoRALinear(nn.Module):
 
     def _updates(self, xs: torch.Tensor) -> torch.Tensor:
         """Each adapter's ``alpha · (x·A)·B`` on its own rows: (N, rows, out)."""
-        parts: list[torch.Tensor | None] = [None] * self.n
-        for i, group in enumerate(self.groups):
-            a = torch.stack([self.adapters[p].A for p in group])  # (G, in, r)
-            b = torch.stack([self.adapters[p].B for p in group])  # (G, r, out)
-            xg = xs if len(group) == self.n else xs.index_select(0, getattr(self, f"index_{i}"))
-            out = torch.bmm(torch.bmm(xg, a), b)
-            out = getattr(self, f"alpha_{i}").to(out.dtype) * out  # in the product's type, as the solo layer scales
-            if len(group) == self.n:
-                return out
-            for p, o in zip(group, out.unbind(0)):
-                parts[p] = o
-        return torch.stack(parts)
+        a = torch.stack([adapter.A for adapter in self.adapters])  # (N, in, r)
+        b = torch.stack([adapter.B for adapter in self.adapters])  # (N, r, out)
+        out = torch.bmm(torch.bmm(xs, a), b)
+        return self.alphas.to(out.dtype) * out  # in the product's type, as the solo layer scales
+
+    def point_adapter(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adapter ``p``'s A and B as its solo layer holds them (views without the padding)."""
+        a, r = self.adapters[p], self.ranks[p]
+        return (a.A, a.B) if r == a.A.shape[1] else (a.A[:, :r], a.B[:r])
 
     def point_parameters(self, p: int) -> list[nn.Parameter]:
         """Adapter ``p``'s trainable parameters (its head's base first, where it has one)."""
@@ -91,7 +95,7 @@ class PackedLoRALinear(nn.Module):
         return own + list(self.adapters[p].parameters())
 
     def extra_repr(self) -> str:
-        ranks = ",".join(str(a.A.shape[1]) for a in self.adapters)
+        ranks = ",".join(str(r) for r in self.ranks)
         return f"adapters={self.n}, ranks={ranks}, base={'shared' if self.linear is not None else 'per adapter'}"
 
 
@@ -121,7 +125,7 @@ def point_parameters(model: nn.Module, p: int) -> list[nn.Parameter]:
 def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
     """Point ``p``'s model as its solo run names it: the shared tensors under their own names, and
     each packed layer as ``<path>.linear.weight``, ``<path>.linear.bias``, ``<path>.lora.A``,
-    ``<path>.lora.B``."""
+    ``<path>.lora.B`` (of its solo shapes: views of padded adapters)."""
     layers = packed_layers(model)
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -131,6 +135,5 @@ def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
         base = layer.linear if layer.linear is not None else layer.heads[p]
         for key, t in base.named_parameters():
             out[f"{path}.linear.{key}"] = t
-        out[f"{path}.lora.A"] = layer.adapters[p].A
-        out[f"{path}.lora.B"] = layer.adapters[p].B
+        out[f"{path}.lora.A"], out[f"{path}.lora.B"] = layer.point_adapter(p)
     return out

@@ -54,8 +54,35 @@ def test_packed_points_start_from_their_solo_weights(cache_dir):
         for name, t in theirs.items():
             assert torch.equal(mine[name], t), name
             assert mine[name].requires_grad == t.requires_grad, name
-        trainable = {id(t) for t in point_parameters(packed, p)}
-        assert trainable == {id(mine[n]) for n, t in theirs.items() if t.requires_grad}
+        # the trainable ones are the point's own parameters (of mixed ranks: views without their padding)
+        trainable = {t.data_ptr() for t in point_parameters(packed, p)}
+        assert trainable == {mine[n].data_ptr() for n, t in theirs.items() if t.requires_grad}
+
+
+def test_mixed_ranks_are_stored_padded_and_the_padding_stays_zero_while_they_train(cache_dir):
+    """Ranks 4, 8, 4 in one pack: every adapter stored at rank 8, its extra columns of A and rows
+    of B zero; after the pack's training steps (AdamW with weight decay 0.1, 0 and 0.5) they are
+    still exactly zero while the rest moved; each point counts its solo model's trainable
+    parameters, not the padding."""
+    from lora_bench.timing import PhaseTimer
+    from lora_bench.train.pack import PackContext
+    from lora_bench.train.pack_loop import train_pack
+
+    points = cfgs(max_steps=4, eval_freq=0)
+    ctx = PackContext(points, cache_dir=cache_dir, progress=False)
+    layers = [m for m in ctx.model.modules() if isinstance(m, PackedLoRALinear)]
+    before = [[a.A.detach().clone() for a in layer.adapters] for layer in layers]
+    timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
+    train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+               settings=ctx.loop_settings(), timer=timer)
+    for layer, old in zip(layers, before):
+        assert layer.ranks == [4, 8, 4] and all(a.A.shape[1] == 8 and a.B.shape[0] == 8 for a in layer.adapters)
+        for r, a, a0 in zip(layer.ranks, layer.adapters, old):
+            assert not a.A[:, r:].any() and not a.B[r:].any()
+            assert not torch.equal(a.A[:, :r], a0[:, :r])  # the adapter itself trained
+    for p, cfg in enumerate(points):
+        solo = build_classifier(cfg, cache_dir=cache_dir, progress=False)
+        assert ctx.trainable_params[p] == sum(t.numel() for t in solo.parameters() if t.requires_grad)
 
 
 @pytest.mark.parametrize("ranks, shared", [((3, 5, 3), True), ((4, 4), True), ((2, 6), False)])
@@ -87,7 +114,9 @@ def test_packed_layer_computes_each_solo_layer(ranks, shared):
             yp.backward(g[own].to(dtype))
             results[name] = {"y": yp, "x": xp.grad, "A": layer.lora.A.grad, "B": layer.lora.B.grad,
                              **({} if shared else {"W": layer.linear.weight.grad, "b": layer.linear.bias.grad})}
-        got = {"y": y[own], "x": x.grad[own], "A": packed.adapters[p].A.grad, "B": packed.adapters[p].B.grad,
+        r, a = ranks[p], packed.adapters[p]
+        assert not a.A.grad[:, r:].any() and not a.B.grad[r:].any()  # the padding's gradients: exactly zero
+        got = {"y": y[own], "x": x.grad[own], "A": a.A.grad[:, :r], "B": a.B.grad[:r],
                **({} if shared else {"W": packed.heads[p].weight.grad, "b": packed.heads[p].bias.grad})}
         assert_same_function(got, results["want"], results["ref"], what=f"point {p} (rank {ranks[p]})")
 
