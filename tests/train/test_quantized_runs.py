@@ -75,6 +75,21 @@ def test_a_lora_run_on_a_quantized_base_trains_and_records_it(fmt, sms_file, cac
     assert runs.loc["fp32", "base_weight_mib"] * 2**20 == 4 * TINY_BLOCK_WEIGHTS
 
 
+@pytest.mark.slow
+def test_a_compiled_run_on_an_int8_base_trains(sms_file, cache_dir, tmp_path):
+    """torch.compile over the stored int8 blocks (each block compiled): dynamo compiles graphs of
+    the quantized blocks, and the run trains (its loss on the same batches falls)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    row, record = _run(_cfg(sms_file, base_dtype="int8", compile=True, compile_scope="blocks"), tmp_path, "compiled",
+                       cache_dir)
+    assert row["status"] == "done", row.get("error")
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    losses = record["train_losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0], f"the loss on the same batches did not fall: {losses}"
+
+
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_the_frozen_block_weights_are_stored_quantized(fmt, sms_file, cache_dir):
     """Every linear layer of the blocks holds torchao's tensor (no float weight parameter left);
