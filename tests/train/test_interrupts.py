@@ -44,6 +44,9 @@ def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli
     """In-process: the training loop sends the signal to its own process after a few real steps."""
     import lora_bench.train.run as run_mod
 
+    if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+        pytest.skip("SIGHUP is ignored in this process (started under nohup), and a run keeps ignoring it")
+
     real = run_mod.train_classifier
 
     def loop(*args, on_step, **kw):
@@ -67,6 +70,37 @@ def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli
     code, out = run_cli("show", tmp_path, "r")
     assert code == 0 and "interrupted" in out and f"interrupted by {sig.name}" in out, out
     assert re.search(r"steps\s+measured\s+[1-9]", out), out  # the summary of the measured steps
+
+
+def test_a_run_started_under_nohup_keeps_ignoring_sighup(tmp_path, monkeypatch, run_cli):
+    """SIGHUP ignored when the run starts (nohup): the run installs no handler for it, a SIGHUP
+    after a few steps changes nothing, and the run finishes."""
+    import lora_bench.train.run as run_mod
+
+    real = run_mod.train_classifier
+
+    def loop(*args, on_step, **kw):
+        seen = []
+
+        def step(*a, **k):
+            on_step(*a, **k)
+            seen.append(1)
+            if len(seen) == SIGNAL_AFTER_STEPS:
+                os.kill(os.getpid(), signal.SIGHUP)
+
+        return real(*args, on_step=step, **kw)
+
+    monkeypatch.setattr(run_mod, "train_classifier", loop)
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        short = [a if a != "1000" else "2" for a in LONG]  # two epochs of the sample's batches
+        code, out = run_cli("train", *short, "--results-dir", tmp_path, "--run-id", "r")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # still ignored after the run
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert code == 0, out
+    row = _row(tmp_path)
+    assert row["status"] == "done" and int(row["steps"]) > SIGNAL_AFTER_STEPS, row
 
 
 def test_ctrl_c_in_a_real_train_process_exits_130(tmp_path):
