@@ -22,6 +22,7 @@ import functools
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from lora_bench.errors import ResultsError
@@ -77,17 +78,18 @@ def once_per_pack(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     of them (the pack's own measurement); runs outside a pack stay."""
     if PACK_ID not in runs or metric not in runs or len(runs) < 2:
         return runs
-    ids = runs[PACK_ID]
-    packed = ~ids.map(is_blank)
-    if not packed.any():
-        return runs
-    values = pd.to_numeric(runs[metric], errors="coerce")
-    drop = pd.Series(False, index=runs.index)
-    for _, idx in runs[packed].groupby(ids[packed].astype(str)).groups.items():
-        v = values.loc[idx]
-        if len(idx) > 1 and (v.isna().all() or (v.notna().all() and v.nunique() == 1)):
-            drop.loc[idx[1:]] = True
-    return runs[~drop]
+    ids = runs[PACK_ID].to_numpy()
+    values = pd.to_numeric(runs[metric], errors="coerce").to_numpy(dtype=float)
+    at: dict[str, list[int]] = {}
+    for i, pack in enumerate(ids):
+        if not is_blank(pack):
+            at.setdefault(str(pack), []).append(i)
+    keep = np.ones(len(runs), dtype=bool)
+    for where in at.values():
+        v = values[where]
+        if len(where) > 1 and (np.isnan(v).all() or (not np.isnan(v).any() and (v == v[0]).all())):
+            keep[where[1:]] = False
+    return runs if keep.all() else runs[keep]
 
 
 def pack_count(runs: pd.DataFrame) -> int:

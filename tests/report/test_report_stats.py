@@ -193,6 +193,8 @@ def test_the_runs_of_one_pack_count_once_for_the_packs_measurements():
                          for r in range(3) for _ in range(4)])
     s = sample(rows, "step_ms_median")
     assert sorted(s.values) == sorted(step.values()) and s.over == stats.REPEATS
+    relabelled = rows.set_axis([0] * len(rows))  # folders concatenated without a fresh index
+    assert sorted(sample(relabelled, "step_ms_median").values) == sorted(step.values())
     assert s.keys == (("r", "s", "0"), ("r", "s", "1"), ("r", "s", "2"))  # pairs with another group's repeats
     assert len(sample(rows, "val_acc").values) == 12
     differing = rows.assign(step_ms_median=rows["step_ms_median"] + np.arange(12) * 0.01)  # not the pack's
