@@ -21,7 +21,7 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.report import figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
-from lora_bench.report.load import load_results
+from lora_bench.report.load import RESULTS_DIR, load_results
 from lora_bench.report.render_html import to_html
 from lora_bench.report.render_json import report_json
 from lora_bench.report.render_markdown import to_markdown
@@ -38,6 +38,15 @@ RESULTS_FILES = (RUNS_CSV, MANIFEST, RUN_RECORD, STEPS_CSV, TORN_CSV)  # what a 
 FIGURES = ("crossover", "phases")
 
 
+def _renamed(folder: str, paths: list[Path], names: list[str]) -> str:
+    """``folder`` (one of ``paths`` or a folder inside one) under its name in ``names``."""
+    for path, name in zip(paths, names):
+        base = str(path)
+        if folder == base or folder.startswith(base.rstrip("/") + "/"):
+            return name + folder[len(base):]
+    return folder
+
+
 def report_command(paths: list[Path], *, group_by: str | None, baseline: str | None, metrics: str | None,
                    fmt: str, output: Path | None, plot: Path | None, console, threshold: float = THRESHOLD,
                    names: list[str] | None = None) -> list[Path]:
@@ -51,6 +60,8 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
         return [s for s in (t.strip() for t in text.split(",")) if s] if text else None
 
     df = load_results(paths)
+    if names:  # the folders as the report names them, in its notes too (run_dir stays the path read)
+        df[RESULTS_DIR] = df[RESULTS_DIR].map(lambda v: _renamed(v, paths, names))
     table_only = bool(group_by or metrics) or fmt in ("csv", "json")
     rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=baseline, threshold=threshold)
     study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)

@@ -201,6 +201,24 @@ def test_rows_of_one_run_id_are_kept_per_folder_and_run_json_counts(tmp_path):
     assert any("1 run id(s) appear in more than one folder" in n for n in rep.notes)
 
 
+def test_a_report_names_its_folders_as_told_in_its_notes_too(tmp_path):
+    """A report rendered from elsewhere (committed reports are checked from any root) names its
+    input folders by the names it is given, in the shared-run-id note as in its title."""
+    from rich.console import Console
+
+    from lora_bench.report.command import report_command
+
+    a, b = tmp_path / "shard1", tmp_path / "shard2"
+    shutil.copytree(REPORT_ROWS, a)
+    shutil.copytree(REPORT_ROWS, b)
+    out = tmp_path / "report.md"
+    report_command([a, b], group_by="model_size", baseline=None, metrics=None, fmt="markdown", output=out,
+                   plot=None, console=Console(quiet=True), names=["results/x/shard1", "results/x/shard2"])
+    text = out.read_text()
+    assert "appear in more than one folder (results/x/shard1, results/x/shard2)" in text
+    assert str(tmp_path) not in text
+
+
 def test_one_folder_reached_twice_keeps_one_row_per_run_id(tmp_path):
     """Within one folder the precedence stays: a done row beats a failed one, else the later start."""
     folder = tmp_path / "r"
