@@ -39,13 +39,9 @@ def _assert_recorded(results: Path, out: str, name: str) -> dict:
     return row
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli):
-    """In-process: the training loop sends the signal to its own process after a few real steps."""
+def _signal_after_steps(monkeypatch, sig: signal.Signals) -> None:
+    """`lora-bench train` in this process sends ``sig`` to itself after SIGNAL_AFTER_STEPS real steps."""
     import lora_bench.train.run as run_mod
-
-    if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-        pytest.skip("SIGHUP is ignored in this process (started under nohup), and a run keeps ignoring it")
 
     real = run_mod.train_classifier
 
@@ -61,6 +57,14 @@ def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli
         return real(*args, on_step=step, **kw)
 
     monkeypatch.setattr(run_mod, "train_classifier", loop)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli):
+    """In-process: the training loop sends the signal to its own process after a few real steps."""
+    if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+        pytest.skip("SIGHUP is ignored in this process (started under nohup), and a run keeps ignoring it")
+    _signal_after_steps(monkeypatch, sig)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     code, out = run_cli("train", *LONG, "--results-dir", tmp_path, "--run-id", "r")
     assert code == 128 + sig, out
@@ -75,22 +79,7 @@ def test_signal_during_train_records_the_run(sig, tmp_path, monkeypatch, run_cli
 def test_a_run_started_under_nohup_keeps_ignoring_sighup(tmp_path, monkeypatch, run_cli):
     """SIGHUP ignored when the run starts (nohup): the run installs no handler for it, a SIGHUP
     after a few steps changes nothing, and the run finishes."""
-    import lora_bench.train.run as run_mod
-
-    real = run_mod.train_classifier
-
-    def loop(*args, on_step, **kw):
-        seen = []
-
-        def step(*a, **k):
-            on_step(*a, **k)
-            seen.append(1)
-            if len(seen) == SIGNAL_AFTER_STEPS:
-                os.kill(os.getpid(), signal.SIGHUP)
-
-        return real(*args, on_step=step, **kw)
-
-    monkeypatch.setattr(run_mod, "train_classifier", loop)
+    _signal_after_steps(monkeypatch, signal.SIGHUP)
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         short = [a if a != "1000" else "2" for a in LONG]  # two epochs of the sample's batches
