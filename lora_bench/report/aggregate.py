@@ -20,7 +20,7 @@ from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.load import MODE, shared_ids_note
 from lora_bench.report.names import MODE_FIELDS, is_blank
-from lora_bench.report.samples import PACK_ID, estimate, pack_count, sample
+from lora_bench.report.samples import estimate, pack_count, sample
 from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
 
 FORMATS = ("table", "markdown", "csv", "html", "json")
@@ -91,7 +91,7 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
         if not metrics:
             raise UsageError("nothing to report: the finished runs hold none of the default metrics "
                              f"({', '.join(DEFAULT_METRICS)}); pick some with --metrics")
-    if PACK_ID in done and done[PACK_ID].map(lambda v: not is_blank(v)).any():
+    if pack_count(done):
         notes.append(PACKS_NOTE)
     spec = parse_baseline(baseline, done) if baseline else {}
     if spec and is_text(done, metrics[0]):

@@ -73,17 +73,23 @@ def sample(runs: pd.DataFrame, metric: str) -> Sample:
 PACK_ID = "pack_id"
 
 
+def _packs(runs: pd.DataFrame) -> list[str | None]:
+    """Each run's pack id, None for a run that trained alone."""
+    if PACK_ID not in runs:
+        return [None] * len(runs)
+    return [None if is_blank(v) else str(v) for v in runs[PACK_ID]]
+
+
 def once_per_pack(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     """``runs`` with each pack's runs after its first left out, where ``metric`` is the same in all
     of them (the pack's own measurement); runs outside a pack stay."""
     if PACK_ID not in runs or metric not in runs or len(runs) < 2:
         return runs
-    ids = runs[PACK_ID].to_numpy()
     values = pd.to_numeric(runs[metric], errors="coerce").to_numpy(dtype=float)
     at: dict[str, list[int]] = {}
-    for i, pack in enumerate(ids):
-        if not is_blank(pack):
-            at.setdefault(str(pack), []).append(i)
+    for i, pack in enumerate(_packs(runs)):
+        if pack is not None:
+            at.setdefault(pack, []).append(i)
     keep = np.ones(len(runs), dtype=bool)
     for where in at.values():
         v = values[where]
@@ -94,10 +100,7 @@ def once_per_pack(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 def pack_count(runs: pd.DataFrame) -> int:
     """How many packs the runs trained in (0: none trained packed)."""
-    if PACK_ID not in runs:
-        return 0
-    ids = runs[PACK_ID][~runs[PACK_ID].map(is_blank)]
-    return int(ids.astype(str).nunique())
+    return len({p for p in _packs(runs) if p is not None})
 
 
 PAIRING = (RESULTS_DIR, "sweep_name", "repeat")  # what a repeat shares with the other groups' same repeat

@@ -103,9 +103,9 @@ class PackContext:
             raise UsageError(f"a pack of {self.n} runs: {too_big} (or pack fewer runs)")
         self.mcfg = model_config(cfg)
         self.model = build_packed_classifier(cfgs, cache_dir=cache_dir, progress=progress)
-        self.trainable_params = [sum(t.numel() for t in point_state_dict(self.model, p).values() if t.requires_grad)
-                                 for p in range(self.n)]  # without the padding of mixed ranks
-        self.total_params = [sum(t.numel() for t in point_state_dict(self.model, p).values()) for p in range(self.n)]
+        states = [point_state_dict(self.model, p) for p in range(self.n)]  # solo shapes: no padding counted
+        self.trainable_params = [sum(t.numel() for t in st.values() if t.requires_grad) for st in states]
+        self.total_params = [sum(t.numel() for t in st.values()) for st in states]
         if cfg.precision == "bf16":
             cast_frozen(self.model, torch.bfloat16)
         self.model.to(self.device)
