@@ -3,7 +3,8 @@ N times along the batch dimension, point p's rows being the p-th block of B rows
 
 ``PackedLoRALinear`` replaces one ``nn.Linear``. Its frozen base weight runs one product over all
 N·B rows (read once, not N times); each adapter then adds its own ``alpha · (x·A)·B`` to its own
-rows, all adapters in one batched product. Mixed ranks are padded: each adapter's ``A`` (in×r)
+rows, all adapters in one batched product, alpha scaling the rank-r activations x·A and the
+base's output added inside the second product (``baddbmm``). Mixed ranks are padded: each adapter's ``A`` (in×r)
 and ``B`` (r×out) are stored with zero columns and rows up to the pack's largest rank, which
 changes nothing they compute — the padded part of x·A is zero, its products with B's zero rows
 add zeros, its gradients are exactly zero, so AdamW (weight decay included) keeps it zero. Grouping
@@ -26,7 +27,12 @@ from lora_bench.lora.layer import LoRALayer
 
 class PackedLoRALinear(nn.Module):
     """One linear layer of a packed model: a shared frozen ``linear``, or one trainable base per
-    adapter (``heads``), and one ``LoRALayer`` per adapter (``adapters``)."""
+    adapter (stacked in ``weight`` (N, out, in) and ``bias`` (N, out), from ``heads``), and the N
+    adapters stacked in ``A`` (N, in, r) and ``B`` (N, r, out) at the pack's largest rank r.
+
+    Stacked, not one parameter per adapter: the forward takes them as they are (no stack of N
+    tensors in every layer, no split of their gradients in the backward), and the optimizer
+    (``PackedAdamW``) updates a few large tensors instead of N times as many small ones."""
 
     def __init__(self, adapters: list[LoRALayer], *, linear: nn.Linear | None = None,
                  heads: list[nn.Linear] | None = None):
@@ -36,31 +42,37 @@ class PackedLoRALinear(nn.Module):
         if heads is not None and len(heads) != len(adapters):
             raise ValueError(f"{len(heads)} heads for {len(adapters)} adapters")
         self.linear = linear
-        self.heads = nn.ModuleList(heads) if heads is not None else None
-        self.adapters = nn.ModuleList(adapters)
         self.ranks = [a.A.shape[1] for a in adapters]  # each adapter's own rank
+        self.alpha_values = [float(a.alpha) for a in adapters]
         top = max(self.ranks)
-        for a, r in zip(adapters, self.ranks):
-            if r < top:  # stored padded with zeros (module docstring)
-                with torch.no_grad():
-                    a.A = nn.Parameter(nn.functional.pad(a.A, (0, top - r)), requires_grad=a.A.requires_grad)
-                    a.B = nn.Parameter(nn.functional.pad(a.B, (0, 0, 0, top - r)), requires_grad=a.B.requires_grad)
+        with torch.no_grad():  # padded with zeros up to the largest rank (module docstring)
+            a = torch.stack([nn.functional.pad(x.A, (0, top - r)) for x, r in zip(adapters, self.ranks)])
+            b = torch.stack([nn.functional.pad(x.B, (0, 0, 0, top - r)) for x, r in zip(adapters, self.ranks)])
+        self.A = nn.Parameter(a, requires_grad=adapters[0].A.requires_grad)
+        self.B = nn.Parameter(b, requires_grad=adapters[0].B.requires_grad)
+        self.weight = self.bias = None
+        if heads is not None:
+            with torch.no_grad():
+                self.weight = nn.Parameter(torch.stack([h.weight for h in heads]),
+                                           requires_grad=heads[0].weight.requires_grad)
+                if heads[0].bias is not None:
+                    self.bias = nn.Parameter(torch.stack([h.bias for h in heads]),
+                                             requires_grad=heads[0].bias.requires_grad)
         # the alphas as a buffer that moves with the model: made once here, not from a Python list
         # in the forward (a copy from the host, which a CUDA-graph capture refuses)
-        self.register_buffer("alphas", torch.tensor([float(a.alpha) for a in adapters]).view(-1, 1, 1),
-                             persistent=False)
+        self.register_buffer("alphas", torch.tensor(self.alpha_values).view(-1, 1, 1), persistent=False)
 
     @property
     def n(self) -> int:
-        return len(self.adapters)
+        return len(self.ranks)
 
     @property
     def in_features(self) -> int:
-        return self.adapters[0].A.shape[0]
+        return self.A.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.adapters[0].B.shape[1]
+        return self.B.shape[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.n
@@ -71,28 +83,28 @@ class PackedLoRALinear(nn.Module):
         if self.linear is not None:
             base = self.linear(x).reshape(n, -1, self.out_features)  # one product over every row
         else:
-            w = torch.stack([h.weight for h in self.heads])  # (N, out, in)
-            base = torch.bmm(xs, w.transpose(1, 2))
-            if self.heads[0].bias is not None:  # in the product's type, as nn.Linear adds it under autocast
-                base = base + torch.stack([h.bias for h in self.heads]).unsqueeze(1).to(base.dtype)
-        return (base + self._updates(xs)).reshape(*lead, self.out_features)
-
-    def _updates(self, xs: torch.Tensor) -> torch.Tensor:
-        """Each adapter's ``alpha · (x·A)·B`` on its own rows: (N, rows, out)."""
-        a = torch.stack([adapter.A for adapter in self.adapters])  # (N, in, r)
-        b = torch.stack([adapter.B for adapter in self.adapters])  # (N, r, out)
-        out = torch.bmm(torch.bmm(xs, a), b)
-        return self.alphas.to(out.dtype) * out  # in the product's type, as the solo layer scales
+            base = torch.bmm(xs, self.weight.transpose(1, 2))
+            if self.bias is not None:  # in the product's type, as nn.Linear adds it under autocast
+                base = base + self.bias.unsqueeze(1).to(base.dtype)
+        h = torch.bmm(xs, self.A)  # (N, rows, r)
+        # alpha scales the r columns of x·A, not the out columns of the update, and the add to the
+        # base rides in the second product: (alpha·x·A)·B + base is the solo layer's
+        # base + alpha·((x·A)·B) in another rounding order (exact for a power-of-two alpha but for
+        # the one rounding of the sum), without two passes over the (N, rows, out) output
+        h = self.alphas.to(h.dtype) * h
+        return torch.baddbmm(base, h, self.B).reshape(*lead, self.out_features)
 
     def point_adapter(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Adapter ``p``'s A and B as its solo layer holds them (views without the padding)."""
-        a, r = self.adapters[p], self.ranks[p]
-        return (a.A, a.B) if r == a.A.shape[1] else (a.A[:, :r], a.B[:r])
+        r = self.ranks[p]
+        return self.A[p, :, :r], self.B[p, :r]
 
-    def point_parameters(self, p: int) -> list[nn.Parameter]:
-        """Adapter ``p``'s trainable parameters (its head's base first, where it has one)."""
-        own = list(self.heads[p].parameters()) if self.heads is not None else []
-        return own + list(self.adapters[p].parameters())
+    def point_base(self, p: int) -> dict[str, torch.Tensor]:
+        """Point ``p``'s base as its solo ``nn.Linear`` names it: the shared one's parameters, or
+        views of its own head's."""
+        if self.linear is not None:
+            return dict(self.linear.named_parameters())
+        return {"weight": self.weight[p], **({"bias": self.bias[p]} if self.bias is not None else {})}
 
     def extra_repr(self) -> str:
         ranks = ",".join(str(r) for r in self.ranks)
@@ -117,23 +129,17 @@ def packed_layers(model: nn.Module) -> dict[str, PackedLoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, PackedLoRALinear)}
 
 
-def point_parameters(model: nn.Module, p: int) -> list[nn.Parameter]:
-    """Every trainable parameter of point ``p``, in its solo model's parameter order."""
-    return [t for layer in packed_layers(model).values() for t in layer.point_parameters(p)]
-
-
 def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
     """Point ``p``'s model as its solo run names it: the shared tensors under their own names, and
     each packed layer as ``<path>.linear.weight``, ``<path>.linear.bias``, ``<path>.lora.A``,
-    ``<path>.lora.B`` (of its solo shapes: views of padded adapters)."""
+    ``<path>.lora.B`` (of its solo shapes: views of the stacked tensors without their padding)."""
     layers = packed_layers(model)
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if not any(name.startswith(f"{path}.") for path in layers):
             out[name] = t
     for path, layer in layers.items():
-        base = layer.linear if layer.linear is not None else layer.heads[p]
-        for key, t in base.named_parameters():
+        for key, t in layer.point_base(p).items():
             out[f"{path}.linear.{key}"] = t
         out[f"{path}.lora.A"], out[f"{path}.lora.B"] = layer.point_adapter(p)
     return out

@@ -1,7 +1,7 @@
 """A pack: up to N LoRA runs trained at once in one process on one frozen base model (see
 docs/packing.md). The runs' settings agree on everything but their adapter's own
 (``config.ADAPTER_SETTINGS``); each run keeps its own head, adapters, loss term and optimizer
-parameter group (learning rate, weight decay), and is recorded as its own run — its row in
+learning rate and weight decay (``train.packed_adamw``), and is recorded as its own run — its row in
 runs.csv, its steps.csv with its own losses, its run.json with its own curves — with the pack's
 size and id beside it. The step times are the pack's (one step trains every point); each point's
 steps.csv also holds its share (the step time over the pack's size).
@@ -30,7 +30,7 @@ from lora_bench.data.sms_spam import build_loaders, cached_splits, packaged_sms_
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import SaveError, UsageError
 from lora_bench.fileio import check_writable_dir
-from lora_bench.lora.packed import point_parameters, point_state_dict
+from lora_bench.lora.packed import point_state_dict
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
 from lora_bench.results.claims import RunClaim, claim_run
@@ -41,6 +41,7 @@ from lora_bench.results.store import RUNNING, check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import execution_models, optimizer_options
+from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.identity import check_run_id, refuse_existing_run
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
@@ -113,9 +114,9 @@ class PackContext:
                                      model_context=self.mcfg.context_length, batch_size=cfg.batch_size,
                                      no_padding=cfg.no_padding)
         torch.manual_seed(cfg.seed)
-        groups = [{"params": point_parameters(self.model, p), "lr": c.learning_rate, "weight_decay": c.weight_decay}
-                  for p, c in enumerate(cfgs)]
-        self.optimizer = torch.optim.AdamW(groups, **optimizer_options(cfg))
+        self.optimizer = PackedAdamW([t for t in self.model.parameters() if t.requires_grad],
+                                     lrs=[c.learning_rate for c in cfgs],
+                                     weight_decays=[c.weight_decay for c in cfgs], **optimizer_options(cfg))
         # torch.compile and CUDA-graph-replayed evaluations as a solo run sets them up
         self.forward_model, self.eval_model = execution_models(self.model, cfg, self.device)
 

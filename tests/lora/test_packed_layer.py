@@ -12,9 +12,13 @@ Tolerances (tests/numerics.py):
   of a layer with the pack's largest rank, on one point's rows; the scaling by alpha adds one
   rounding to the output's chain: one term more);
 - bf16 autocast: ``rounded_input_tol`` with the roundings on the longest path from an input to the
-  output counted: x, A, x·A, B, (x·A)·B, the scaling by alpha, the sum with the base product: 7
-  (the base product's path has fewer: x, its product, the sum; every gradient's path has fewer:
-  the gradient of A, for one, rounds g·alpha, B, the gradient of x·A, x, and its own product: 5).
+  output counted: x, A, x·A, its scaling by alpha, B, and (alpha·x·A)·B summed with the base
+  product in one rounding: 6 (the base product's path has fewer: x, its product, the sum; every
+  gradient's path has fewer: the gradient of A, for one, rounds B, g·Bᵀ, its scaling by alpha, x,
+  and its own product: 5).
+
+The layer stores its adapters stacked and padded to the largest rank: each point's gradients are
+its slices of the stacked gradients, and the padding's slices must be exactly zero.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ K, N_OUT, ROWS = 96, 80, 3  # in and out features, a point's batch rows
 # alphas of every kind (1.5 is no power of two: its scaling rounds)
 MIXED = ((1, 2.0), (64, 16.0), (8, 1.5), (1, 8.0), (33, 4.0))
 SAME = ((16, 2.0), (16, 32.0), (16, 1.5))  # one group of every point: the pack's single product
-AUTOCAST_ROUNDINGS = 7  # the longest rounding path under bf16 autocast (module docstring)
+AUTOCAST_ROUNDINGS = 6  # the longest rounding path under bf16 autocast (module docstring)
 
 
 def _packed_layer(points, *, shared: bool, device, bf16_base: bool) -> PackedLoRALinear:
@@ -60,12 +64,35 @@ def _packed_layer(points, *, shared: bool, device, bf16_base: bool) -> PackedLoR
 
 
 def _wrt(layer: PackedLoRALinear, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What the gradients are taken of, by name: the input, each adapter's A and B, each head's."""
-    out = {"x": x}
-    for p, a in enumerate(layer.adapters):
-        out[f"A{p}"], out[f"B{p}"] = a.A, a.B
-    for p, h in enumerate(layer.heads or []):
-        out[f"W{p}"], out[f"b{p}"] = h.weight, h.bias
+    """What the gradients are taken of, by name: the input and the layer's stacked A and B (and
+    heads' weight and bias)."""
+    out = {"x": x, "A": layer.A, "B": layer.B}
+    if layer.weight is not None:
+        out["W"], out["b"] = layer.weight, layer.bias
+    return out
+
+
+def _per_point(layer: PackedLoRALinear, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The output, the input's gradient, and each point's own gradients (``A0``, ``B0``, ``W0``,
+    ``b0``, ...): its slices of the stacked ones without the padding, whose slices are exactly zero."""
+    out = {"y": got["y"], "x": got["x"]}
+    for p, r in enumerate(layer.ranks):
+        ga, gb = got["A"][p], got["B"][p]
+        assert not ga[:, r:].any() and not gb[r:].any(), f"point {p}: the padding's gradients are not zero"
+        out[f"A{p}"], out[f"B{p}"] = ga[:, :r], gb[:r]
+        if "W" in got:
+            out[f"W{p}"], out[f"b{p}"] = got["W"][p], got["b"][p]
+    return out
+
+
+def _point_tensors(layer: PackedLoRALinear) -> dict[str, torch.Tensor]:
+    """Each point's own values by the names ``_per_point`` gives their gradients (views)."""
+    out = {}
+    for p in range(layer.n):
+        out[f"A{p}"], out[f"B{p}"] = layer.point_adapter(p)
+        if layer.weight is not None:
+            base = layer.point_base(p)
+            out[f"W{p}"], out[f"b{p}"] = base["weight"], base["bias"]
     return out
 
 
@@ -74,16 +101,16 @@ def _float64(layer: PackedLoRALinear, x: torch.Tensor, g: torch.Tensor) -> dict[
     rows get ``base_p(x) + alpha_p · (x·A_p)·B_p`` (a copy of the layer's current values)."""
     n, rows = layer.n, x.shape[0] // layer.n
     x64 = x.detach().double().requires_grad_()
-    params = {name: t.detach().double().requires_grad_() for name, t in _wrt(layer, x).items() if name != "x"}
+    params = {name: t.detach().double().requires_grad_() for name, t in _point_tensors(layer).items()}
     ys = []
-    for p, adapter in enumerate(layer.adapters):
+    for p, alpha in enumerate(layer.alpha_values):
         xp = x64[p * rows:(p + 1) * rows]
         if layer.linear is not None:
             w = layer.linear.weight.detach().double()
             b = layer.linear.bias.detach().double()
         else:
             w, b = params[f"W{p}"], params[f"b{p}"]
-        ys.append(xp @ w.T + b + adapter.alpha * ((xp @ params[f"A{p}"]) @ params[f"B{p}"]))
+        ys.append(xp @ w.T + b + alpha * ((xp @ params[f"A{p}"]) @ params[f"B{p}"]))
     y = torch.cat(ys)
     grads = torch.autograd.grad(y, [x64, *params.values()], g.double())
     assert n == len(ys)
@@ -95,7 +122,7 @@ def _bounds(layer: PackedLoRALinear, *, autocast: bool, rows: int) -> dict[str, 
     if autocast:
         tol = rounded_input_tol(torch.bfloat16, AUTOCAST_ROUNDINGS)
         return {name: tol for name in ("y", "x", "A", "B", "W", "b")}
-    r = max(a.A.shape[1] for a in layer.adapters)
+    r = layer.A.shape[2]  # the largest rank: the stored one
     chains = lora_chains(rows=rows, k=K, n=N_OUT, r=r)
     return {"y": dot_tol(torch.float32, chains["y"] + 1), "x": dot_tol(torch.float32, chains["grad_x"] + 1),
             "A": dot_tol(torch.float32, chains["grad_A"] + 1), "B": dot_tol(torch.float32, chains["grad_B"] + 1),
@@ -143,7 +170,7 @@ def _eager_case(device: torch.device, precision: str, points, shared: bool, toke
     with _full_float32():
         grads = torch.autograd.grad(y, list(wrt.values()), g)
     assert all(t.dtype == torch.float32 for t in grads)  # adapters, heads and input keep float32 gradients
-    got = {"y": y, **dict(zip(wrt, grads))}
+    got = _per_point(layer, {"y": y, **dict(zip(wrt, grads))})
     _check(got, _float64(layer, x, g), _bounds(layer, autocast=autocast, rows=ROWS * tokens),
            what=f"{device.type} {precision} eager, ranks {[r for r, _ in points]}, {tokens} tokens")
 
@@ -206,12 +233,11 @@ def test_packed_layer_replayed_from_a_cuda_graph_against_float64(precision, poin
             with torch.no_grad():
                 static_x.copy_(fresh(*static_x.shape, device=device, dtype=torch.float32))
                 static_g.copy_(fresh(*static_g.shape, device=device, dtype=out_dtype))
-                if trial:  # new trainable values, in place
-                    for name, t in wrt.items():
-                        if name != "x":
-                            t.add_(fresh(*t.shape, device=device, dtype=t.dtype, scale=0.1 * float(t.std())))
+                if trial:  # new trainable values, in place (each point's own: the padding stays zero)
+                    for t in _point_tensors(layer).values():
+                        t.add_(fresh(*t.shape, device=device, dtype=t.dtype, scale=0.1 * float(t.std())))
             graph.replay()
             torch.cuda.synchronize()
-            got = {"y": static_y, **dict(zip(wrt, static_grads))}
+            got = _per_point(layer, {"y": static_y, **dict(zip(wrt, static_grads))})
             _check(got, _float64(layer, static_x, static_g), bounds,
                    what=f"cuda {precision} replay {trial}, ranks {[r for r, _ in points]}, {tokens} tokens")

@@ -24,7 +24,7 @@ from lora_bench.classifier.packed import build_packed_classifier
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.lora import LinearWithLoRA
-from lora_bench.lora.packed import PackedLoRALinear, point_parameters, point_state_dict
+from lora_bench.lora.packed import PackedLoRALinear, point_state_dict
 from lora_bench.sweep.spec import load_sweep
 from lora_bench.train.pack import PackPoint, execute_pack, pack_problem
 from lora_bench.train.run import execute_run
@@ -54,9 +54,10 @@ def test_packed_points_start_from_their_solo_weights(cache_dir):
         for name, t in theirs.items():
             assert torch.equal(mine[name], t), name
             assert mine[name].requires_grad == t.requires_grad, name
-        # the trainable ones are the point's own parameters (of mixed ranks: views without their padding)
-        trainable = {t.data_ptr() for t in point_parameters(packed, p)}
-        assert trainable == {mine[n].data_ptr() for n, t in theirs.items() if t.requires_grad}
+    # what trains is the packed layers' stacked tensors, each holding every point along its first axis
+    assert {id(t) for t in packed.parameters() if t.requires_grad} == {
+        id(t) for m in packed.modules() if isinstance(m, PackedLoRALinear)
+        for t in (m.A, m.B, m.weight, m.bias) if t is not None and t.requires_grad}
 
 
 def test_mixed_ranks_are_stored_padded_and_the_padding_stays_zero_while_they_train(cache_dir):
@@ -71,15 +72,15 @@ def test_mixed_ranks_are_stored_padded_and_the_padding_stays_zero_while_they_tra
     points = cfgs(max_steps=4, eval_freq=0)
     ctx = PackContext(points, cache_dir=cache_dir, progress=False)
     layers = [m for m in ctx.model.modules() if isinstance(m, PackedLoRALinear)]
-    before = [[a.A.detach().clone() for a in layer.adapters] for layer in layers]
+    before = [layer.A.detach().clone() for layer in layers]
     timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
     train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
                settings=ctx.loop_settings(), timer=timer)
     for layer, old in zip(layers, before):
-        assert layer.ranks == [4, 8, 4] and all(a.A.shape[1] == 8 and a.B.shape[0] == 8 for a in layer.adapters)
-        for r, a, a0 in zip(layer.ranks, layer.adapters, old):
-            assert not a.A[:, r:].any() and not a.B[r:].any()
-            assert not torch.equal(a.A[:, :r], a0[:, :r])  # the adapter itself trained
+        assert layer.ranks == [4, 8, 4] and layer.A.shape[2] == 8 and layer.B.shape[1] == 8
+        for p, r in enumerate(layer.ranks):
+            assert not layer.A[p, :, r:].any() and not layer.B[p, r:].any()
+            assert not torch.equal(layer.A[p, :, :r], old[p, :, :r])  # the adapter itself trained
     for p, cfg in enumerate(points):
         solo = build_classifier(cfg, cache_dir=cache_dir, progress=False)
         assert ctx.trainable_params[p] == sum(t.numel() for t in solo.parameters() if t.requires_grad)
@@ -114,10 +115,10 @@ def test_packed_layer_computes_each_solo_layer(ranks, shared):
             yp.backward(g[own].to(dtype))
             results[name] = {"y": yp, "x": xp.grad, "A": layer.lora.A.grad, "B": layer.lora.B.grad,
                              **({} if shared else {"W": layer.linear.weight.grad, "b": layer.linear.bias.grad})}
-        r, a = ranks[p], packed.adapters[p]
-        assert not a.A.grad[:, r:].any() and not a.B.grad[r:].any()  # the padding's gradients: exactly zero
-        got = {"y": y[own], "x": x.grad[own], "A": a.A.grad[:, :r], "B": a.B.grad[:r],
-               **({} if shared else {"W": packed.heads[p].weight.grad, "b": packed.heads[p].bias.grad})}
+        r, ga, gb = ranks[p], packed.A.grad[p], packed.B.grad[p]
+        assert not ga[:, r:].any() and not gb[r:].any()  # the padding's gradients: exactly zero
+        got = {"y": y[own], "x": x.grad[own], "A": ga[:, :r], "B": gb[:r],
+               **({} if shared else {"W": packed.weight.grad[p], "b": packed.bias.grad[p]})}
         assert_same_function(got, results["want"], results["ref"], what=f"point {p} (rank {ranks[p]})")
 
 

@@ -1,0 +1,120 @@
+"""AdamW for a pack (``train.pack``): every trainable tensor of a packed model holds its N points
+along its first axis (``lora.packed.PackedLoRALinear``), and point p trains with its own learning
+rate and weight decay — its solo run's AdamW, applied slice by slice.
+
+Why not ``torch.optim.AdamW`` with one parameter group per point: the groups need a parameter per
+point and layer, N times as many tensors, each small (a rank-16 A at 124M: 12k values). Its
+multi-tensor kernels give each small tensor one thread block and take a few dozen tensors per
+launch, so the GPU stays mostly idle: at 124M, 16 points, that update took 4.9 ms a step for
+2.4 GB of traffic (docs/packing.md). Here one launch updates a whole stacked tensor, all its points
+at once, every block busy (``kernels.adamw_triton``).
+
+On a CUDA device with float32 tensors and Triton, the Triton kernel; elsewhere (the CPU, or no
+Triton) plain torch ops on each point's slice, in the order of ``torch.optim.AdamW``'s
+single-tensor update. The step count is one tensor shared by every parameter's state (each state
+dict holds it under ``step``, so code that saves and restores the state sees it); it lives on the
+parameters' device, so a CUDA graph can replay the step."""
+
+from __future__ import annotations
+
+import torch
+
+_KERNEL = None  # the Triton update (kernels.adamw_triton.packed_adamw_), or False where it cannot run
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from lora_bench.kernels.adamw_triton import packed_adamw_
+
+            _KERNEL = packed_adamw_
+        except Exception:  # no Triton, or one that fails to initialise: the torch ops serve
+            _KERNEL = False
+    return _KERNEL or None
+
+
+class PackedAdamW(torch.optim.Optimizer):
+    """AdamW over stacked parameters, point p (index p of each tensor's first axis) with learning
+    rate ``lrs[p]`` and weight decay ``weight_decays[p]``. ``fused`` and ``capturable`` are
+    accepted for the solo optimizer's options and change nothing: the CUDA update is one kernel
+    per tensor, and the step count is on the parameters' device, either way."""
+
+    def __init__(self, params, *, lrs: list[float], weight_decays: list[float], betas=(0.9, 0.999),
+                 eps: float = 1e-8, fused: bool = False, capturable: bool = False):
+        del fused, capturable
+        params = list(params)
+        n = len(lrs)
+        if len(weight_decays) != n:
+            raise ValueError(f"{len(weight_decays)} weight decays for {n} learning rates")
+        for p in params:
+            if p.dim() == 0 or p.shape[0] != n:
+                raise ValueError(f"a packed parameter holds its {n} points along its first axis, got shape {tuple(p.shape)}")
+        super().__init__(params, {"betas": tuple(betas), "eps": float(eps)})
+        self.lrs = [float(x) for x in lrs]
+        self.weight_decays = [float(x) for x in weight_decays]
+        self._step = None  # the shared step count, made on the first step
+        self._hyper = {}  # device -> (lrs, weight decays) as float32 tensors
+
+    def _step_count(self, device: torch.device) -> torch.Tensor:
+        if self._step is None:
+            self._step = torch.zeros((), dtype=torch.float32, device=device)
+        return self._step
+
+    def _device_hyper(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._hyper:
+            self._hyper[device] = (torch.tensor(self.lrs, dtype=torch.float32, device=device),
+                                   torch.tensor(self.weight_decays, dtype=torch.float32, device=device))
+        return self._hyper[device]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not todo:
+            return loss
+        step = self._step_count(todo[0].device)
+        step += 1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            eps = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("PackedAdamW does not take sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = step
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                kernel = _kernel() if p.is_cuda and step.is_cuda else None
+                if (kernel is not None and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
+                        and g.is_contiguous()):
+                    lrs, wds = self._device_hyper(p.device)
+                    kernel(p, g, m, v, lrs, wds, step, beta1=beta1, beta2=beta2, eps=eps)
+                else:
+                    self._torch_update(p, g, m, v, step, beta1, beta2, eps)
+        return loss
+
+    def _torch_update(self, p, g, m, v, step, beta1, beta2, eps) -> None:
+        """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it: the bias
+        corrections as Python numbers from a step count on the host, as tensors from one on a
+        CUDA device (no synchronisation, and a graph capture allowed)."""
+        t = step.item() if not step.is_cuda else step
+        bias_correction1 = 1 - beta1 ** t
+        bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
+        for i, (lr, wd) in enumerate(zip(self.lrs, self.weight_decays)):
+            pi, gi, mi, vi = p[i], g[i].to(p.dtype), m[i], v[i]
+            pi.mul_(1 - lr * wd)
+            mi.lerp_(gi, 1 - beta1)
+            vi.mul_(beta2).addcmul_(gi, gi, value=1 - beta2)
+            denom = (vi.sqrt() / bias_correction2_sqrt).add_(eps)
+            if torch.is_tensor(bias_correction1):
+                pi.sub_(mi / denom * (lr / bias_correction1))
+            else:
+                pi.addcdiv_(mi, denom, value=-(lr / bias_correction1))
