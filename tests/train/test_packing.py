@@ -382,7 +382,7 @@ def _assert_points_train_as_solo(points, tmp_path, cache_dir, *, solo_mode: dict
     assert [r["status"] for r in rows] == ["done"] * len(points)
     for i, (cfg, run_id) in enumerate(zip(points, ids)):
         want, want_steps = _solo(cfg.replace(**solo_mode), tmp_path, cache_dir, f"s{i}")
-        ref, ref_steps = _solo(cfg.replace(**solo_mode, **(ref_mode or {})), tmp_path, cache_dir, f"d{i}",
+        ref, ref_steps = _solo(cfg.replace(**{**solo_mode, **(ref_mode or {})}), tmp_path, cache_dir, f"d{i}",
                                float64_runs())
         got = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
         got_steps = pd.read_csv(tmp_path / "pack" / run_id / "steps.csv")
