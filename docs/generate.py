@@ -576,8 +576,8 @@ def table_packing() -> str:
 
 def table_packing_step() -> str:
     """The packed step against the solo step it replaces, per point, at 124M (the packing-overhead
-    repeats' pack; the packing study's solo runs) and 1558M (the pack's 130 steps, whose rows were
-    interrupted after training; the solo runs of the same call): median step and phases (a pack's
+    repeats' pack; the packing study's solo runs) and 1558M (the pack and the solo runs of one
+    call): median step and phases (a pack's
     runs share them: counted once per pack), per point, and peak memory per point."""
     def side(df: pd.DataFrame, packed: bool) -> list:
         df = df[df["step_ms_median"].notna()]
@@ -607,25 +607,30 @@ QUANTIZED = "answer/quantized"
 
 def table_quantized() -> str:
     """configs/quantized-base-study.yaml as far as it ran: lora's step, its phases and the stored
-    block weights per base dtype and size, against the bf16 base (one repeat: a run's own median;
-    unfinished rows named)."""
+    block weights per base dtype and size, against the bf16 base: medians over the finished
+    repeats (each run's own median step; the harness's report gives the intervals)."""
     df = runs(QUANTIZED)
     df = df[(df["cfg_implementation"] == "book") & (df["trainable_layers"] == "lora")]
+    cols = ("step_ms_median", "forward_ms_median", "backward_ms_median", "base_weight_mib", "peak_mem_allocated_mib")
     rows = []
     for size in ("124M", "1558M"):
-        part = df[df["model_size"] == size].set_index("cfg_base_dtype")
-        if "bf16" not in part.index:
+        part = df[df["model_size"] == size]
+        done = part[part["status"] == "done"]
+        med = done.groupby("cfg_base_dtype")[list(cols)].median()
+        if "bf16" not in med.index:
             continue
-        base = part.loc["bf16"]
+        base = med.loc["bf16"]
         for dtype in ("precision", "bf16", "fp8", "int8", "nf4"):
-            if dtype not in part.index:
+            if dtype not in med.index:
                 continue
-            r = part.loc[dtype]
-            rows.append([f"{size} {dtype}", r["status"], _ms(r["step_ms_median"]),
+            r = med.loc[dtype]
+            n_done = int((done["cfg_base_dtype"] == dtype).sum())
+            n_all = int((part["cfg_base_dtype"] == dtype).sum())
+            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", _ms(r["step_ms_median"]),
                          f"{r['step_ms_median'] / base['step_ms_median']:.2f}×", _ms(r["forward_ms_median"]),
                          _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
                          f"{r['base_weight_mib'] / base['base_weight_mib']:.2f}×", f"{r['peak_mem_allocated_mib']:,.0f}"])
-    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "status", "step ms",
+    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "runs done", "step ms",
                    "÷ bf16 base", "fwd ms", "bwd ms", "block weights MiB", "÷ bf16 base", "peak MiB"], rows,
                   align="---|---|---:|---:|---:|---:|---:|---:|---:")
 

@@ -133,6 +133,7 @@ def read_manifest(results_dir: Path) -> dict:
 
 # The fields of an invocation entry that readers use, and their JSON types.
 ENTRY_TYPES = {"id": str, "source": str, "command": str, "git_commit": str, "commit_source": str, "started_at": str,
+               "last_written_at": str,
                "lora_bench_version": str, "git_dirty": bool, "environment": dict, "run_ids": list, "outputs": list}
 
 
@@ -153,7 +154,8 @@ def update_manifest(results_dir: Path, change) -> dict:
 def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs: Iterable[str] = ()) -> dict:
     """Record that the running command writes into ``results_dir``: its entry is added on the first
     call (command line, commit, environment, date, version) and the run ids and output files (paths
-    relative to the folder) given now and later are added to it. Returns the entry."""
+    relative to the folder) given now and later are added to it, and ``last_written_at`` is set to
+    now. Returns the entry."""
     launch = start_invocation()
     run_ids, outputs = list(run_ids), [str(o) for o in outputs]
     entry: dict = {}
@@ -181,6 +183,9 @@ def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs
             data["invocations"].append(entry)
         entry["run_ids"] += [r for r in run_ids if r not in entry["run_ids"]]
         entry["outputs"] += [o for o in outputs if o not in entry["outputs"]]
+        # when the command last wrote here: for a sweep, its last run's row, so that
+        # last_written_at - started_at is the whole sweep's wall time (to the second)
+        entry["last_written_at"] = _now()
 
     update_manifest(results_dir, change)
     return entry

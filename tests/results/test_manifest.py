@@ -55,6 +55,14 @@ def test_an_invocation_is_one_entry_with_its_runs(tmp_path, monkeypatch, fresh_i
     assert (entry["git_commit"], entry["git_dirty"], entry["commit_source"]) == ("abc1234", True, env_mod.COMMIT_ENV)
     assert entry["source"] == man.RECORDED and entry["started_at"].endswith("+00:00")
     assert entry["environment"]["torch_version"] and entry["lora_bench_version"]
+    # the last write's time: moves with each record, never before the start (the sweep's wall time)
+    first = entry["last_written_at"]
+    now = man._now
+    monkeypatch.setattr(man, "_now", lambda: "2999-01-01T00:00:00+00:00")
+    man.record_invocation(tmp_path, run_ids=["r2"])
+    [entry] = man.read_manifest(tmp_path)["invocations"]
+    assert entry["started_at"] <= first <= entry["last_written_at"] == "2999-01-01T00:00:00+00:00"
+    monkeypatch.setattr(man, "_now", now)
     # the same process running another command line: a new invocation
     monkeypatch.setattr(sys, "argv", ["lora-bench", "train"])
     man.record_invocation(tmp_path, run_ids=["t0"])
