@@ -740,6 +740,7 @@ def results_schema() -> str:
             ["`commit_source`", "`git` (`git rev-parse` of the checkout), `LORA_BENCH_GIT_COMMIT` (passed in by a copy "
                                 "of the tree without git history), `git_commit column` (reconstructed) or `unknown`"],
             ["`started_at`", "UTC start time (ISO 8601)"],
+            ["`last_written_at`", "UTC time (ISO 8601) of the command's last write here (a sweep: its last run's row; less `started_at`, the sweep's wall time); absent from older entries"],
             ["`lora_bench_version`", "package version"],
             ["`environment`", "versions, GPUs (as `nvidia-smi` lists them), CPU, host"],
             ["`run_ids`", "the runs the command produced in this folder"],
