@@ -98,14 +98,14 @@ class PackedAdamW(torch.optim.Optimizer):
                     lrs, wds = self._device_hyper(p.device)
                     kernel(p, g, m, v, lrs, wds, step, beta1=beta1, beta2=beta2, eps=eps)
                 else:
-                    self._torch_update(p, g, m, v, step, beta1, beta2, eps)
+                    self._torch_update(p, g, m, v, step, beta1, beta2, eps, host_step=not step.is_cuda)
         return loss
 
-    def _torch_update(self, p, g, m, v, step, beta1, beta2, eps) -> None:
+    def _torch_update(self, p, g, m, v, step, beta1, beta2, eps, *, host_step: bool) -> None:
         """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it: the bias
-        corrections as Python numbers from a step count on the host, as tensors from one on a
-        CUDA device (no synchronisation, and a graph capture allowed)."""
-        t = step.item() if not step.is_cuda else step
+        corrections as Python numbers from a step count on the host (``host_step``), as tensors
+        from one on a CUDA device (no synchronisation, and a graph capture allowed)."""
+        t = step.item() if host_step else step
         bias_correction1 = 1 - beta1 ** t
         bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
         for i, (lr, wd) in enumerate(zip(self.lrs, self.weight_decays)):

@@ -139,3 +139,32 @@ def test_packed_adamw_kernel_against_float64_on_cuda(graph):
     ref = _updates(_float64_adamw(start, grads), start)
     for p in range(len(LRS)):
         assert_same_function(got[p], want[p], ref[p], what=f"point {p} ({'graph' if graph else 'eager'})")
+
+
+def test_the_torch_update_with_the_step_count_as_a_tensor_is_the_one_with_a_number():
+    """The fallback a CUDA device without Triton takes (bias corrections as tensors of the device's
+    step count, no host synchronisation), run here on the CPU against the Python-number path it
+    replaces: the same update but for the rounding of the bias corrections in float32, within
+    another rounding order's distance of float64 AdamW."""
+    start, grads = _start("cpu"), _grads("cpu")
+    results = {}
+    for host in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = PackedAdamW(params, lrs=LRS, weight_decays=WDS)
+        step = torch.zeros(())
+        for gs in grads:
+            step += 1
+            for t, g in zip(params, gs):
+                state = opt.state[t]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(t), torch.zeros_like(t)
+                with torch.no_grad():
+                    opt._torch_update(t, g, state["exp_avg"], state["exp_avg_sq"], step, 0.9, 0.999, 1e-8,
+                                      host_step=host)
+        results[host] = [{f"{k}{i}": v[p] for i, t in enumerate(params)
+                          for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]),
+                                       ("v", opt.state[t]["exp_avg_sq"]))} for p in range(len(LRS))]
+    got, want = _updates(results[False], start), _updates(results[True], start)
+    ref = _updates(_float64_adamw(start, grads), start)
+    for p in range(len(LRS)):
+        assert_same_function(got[p], want[p], ref[p], what=f"point {p}")
