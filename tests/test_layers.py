@@ -34,7 +34,8 @@ LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # exist only to wrap one, such as the Triton kernels and the C++ op's build).
 LAZY_ALLOWED = ("tensorflow", "triton", "matplotlib", "transformers", "peft", "safetensors", "huggingface_hub",
                 "dask", "distributed", "line_profiler", "torchao", "bitsandbytes", "ninja", "torch.utils.cpp_extension",
-                "lora_bench.kernels.lora_triton", "lora_bench.kernels.launch", "lora_bench.kernels.lora_cpp",
+                "lora_bench.kernels.lora_triton", "lora_bench.kernels.adamw_triton", "lora_bench.kernels.launch",
+                "lora_bench.kernels.lora_cpp",
                 "lora_bench.sweep.dask_runner")
 # A command's body imports what it runs, so that ``lora-bench --help`` and a mistyped flag answer
 # at once instead of after the seconds it takes to import torch and the rest.
