@@ -5,7 +5,7 @@ rate and weight decay — its solo run's AdamW, applied slice by slice.
 Why not ``torch.optim.AdamW`` with one parameter group per point: the groups need a parameter per
 point and layer, N times as many tensors, each small (a rank-16 A at 124M: 12k values). Its
 multi-tensor kernels give each small tensor one thread block and take a few dozen tensors per
-launch, so the GPU stays mostly idle: at 124M, 16 points, that update took 4.9 ms a step for
+launch, so the GPU stays mostly idle: at 124M, 16 points, that update took 4.9 ms a step for about
 2.4 GB of traffic (docs/packing.md). Here one launch updates a whole stacked tensor, all its points
 at once, every block busy (``kernels.adamw_triton``).
 
