@@ -4,15 +4,15 @@ N times along the batch dimension, point p's rows being the p-th block of B rows
 ``PackedLoRALinear`` replaces one ``nn.Linear``. Its frozen base weight runs one product over all
 N·B rows (read once, not N times); each adapter then adds its own ``alpha · (x·A)·B`` to its own
 rows, all adapters in one batched product, alpha scaling the rank-r activations x·A and the
-base's output added inside the second product (``baddbmm``). Mixed ranks are padded: each adapter's ``A`` (in×r)
-and ``B`` (r×out) are stored with zero columns and rows up to the pack's largest rank, which
-changes nothing they compute — the padded part of x·A is zero, its products with B's zero rows
-add zeros, its gradients are exactly zero, so AdamW (weight decay included) keeps it zero. Grouping
-the adapters by rank instead would cost a gather of each group's rows, a stack of its A's and
-B's and the reassembly of the groups' outputs in every layer, forward and backward: about four
-times the adapter path's kernels at four ranks. A layer whose base is trainable (the
-classifier's new head) holds one base per adapter instead, applied to its adapter's rows with one
-batched product.
+base's output added inside the second product (``baddbmm``). Mixed ranks are padded: each
+adapter's ``A`` (in×r) and ``B`` (r×out) are stored with zero columns and rows up to the pack's
+largest rank, which changes nothing they compute — the padded part of x·A is zero, its products
+with B's zero rows add zeros, its gradients are exactly zero, so AdamW (weight decay included)
+keeps it zero. Grouping the adapters by rank instead would cost a gather of each group's rows, a
+stack of its A's and B's and the reassembly of the groups' outputs in every layer, forward and
+backward: about four times the adapter path's kernels at four ranks. A layer whose base is
+trainable (the classifier's new head) holds one base per adapter instead, applied to its
+adapter's rows with one batched product.
 
 A point's parameters read back under the names and shapes its solo model gives them
 (``point_state_dict``: views of the stored tensors without their padding)."""
@@ -77,7 +77,8 @@ class PackedLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.n
         if x.shape[0] % n:
-            raise ValueError(f"a packed layer of {n} adapters takes a batch of a multiple of {n} rows, got {x.shape[0]}")
+            raise ValueError(f"a packed layer of {n} adapters takes a batch of a multiple of {n} rows, "
+                             f"got {x.shape[0]}")
         lead = x.shape[:-1]
         xs = x.reshape(n, -1, x.shape[-1])  # (N, rows of one point, in)
         if self.linear is not None:

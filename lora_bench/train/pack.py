@@ -1,8 +1,8 @@
 """A pack: up to N LoRA runs trained at once in one process on one frozen base model (see
 docs/packing.md). The runs' settings agree on everything but their adapter's own
 (``config.ADAPTER_SETTINGS``); each run keeps its own head, adapters, loss term and optimizer
-learning rate and weight decay (``train.packed_adamw``), and is recorded as its own run — its row in
-runs.csv, its steps.csv with its own losses, its run.json with its own curves — with the pack's
+learning rate and weight decay (``train.packed_adamw``), and is recorded as its own run — its
+row in runs.csv, its steps.csv with its own losses, its run.json with its own curves — with the pack's
 size and id beside it. The step times are the pack's (one step trains every point); each point's
 steps.csv also holds its share (the step time over the pack's size).
 
@@ -41,10 +41,10 @@ from lora_bench.results.store import RUNNING, check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
 from lora_bench.train.context import execution_models, optimizer_options
-from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.identity import check_run_id, refuse_existing_run
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
+from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.pack_loop import GraphedPackStep, PackResult, pack_accuracy_loader, pack_losses, train_pack
 from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler

@@ -49,7 +49,8 @@ class PackedAdamW(torch.optim.Optimizer):
             raise ValueError(f"{len(weight_decays)} weight decays for {n} learning rates")
         for p in params:
             if p.dim() == 0 or p.shape[0] != n:
-                raise ValueError(f"a packed parameter holds its {n} points along its first axis, got shape {tuple(p.shape)}")
+                raise ValueError(f"a packed parameter holds its {n} points along its first axis, "
+                                 f"got shape {tuple(p.shape)}")
         super().__init__(params, {"betas": tuple(betas), "eps": float(eps)})
         self.lrs = [float(x) for x in lrs]
         self.weight_decays = [float(x) for x in weight_decays]
@@ -78,9 +79,11 @@ class PackedAdamW(torch.optim.Optimizer):
             return loss
         step = self._step_count(todo[0].device)
         step += 1
+        kernel = _kernel() if step.is_cuda else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             eps = group["eps"]
+            corrections = None  # the torch update's bias corrections, made once a step if needed
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -92,22 +95,20 @@ class PackedAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-                kernel = _kernel() if p.is_cuda and step.is_cuda else None
-                if (kernel is not None and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
+                if (kernel is not None and p.is_cuda and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
                         and g.is_contiguous()):
                     lrs, wds = self._device_hyper(p.device)
                     kernel(p, g, m, v, lrs, wds, step, beta1=beta1, beta2=beta2, eps=eps)
                 else:
-                    self._torch_update(p, g, m, v, step, beta1, beta2, eps, host_step=not step.is_cuda)
+                    if corrections is None:
+                        corrections = bias_corrections(step, beta1, beta2, host_step=not step.is_cuda)
+                    self._torch_update(p, g, m, v, corrections, beta1, beta2, eps)
         return loss
 
-    def _torch_update(self, p, g, m, v, step, beta1, beta2, eps, *, host_step: bool) -> None:
-        """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it: the bias
-        corrections as Python numbers from a step count on the host (``host_step``), as tensors
-        from one on a CUDA device (no synchronisation, and a graph capture allowed)."""
-        t = step.item() if host_step else step
-        bias_correction1 = 1 - beta1 ** t
-        bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
+    def _torch_update(self, p, g, m, v, corrections, beta1, beta2, eps) -> None:
+        """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it, with the
+        step's ``bias_corrections``."""
+        bias_correction1, bias_correction2_sqrt = corrections
         for i, (lr, wd) in enumerate(zip(self.lrs, self.weight_decays)):
             pi, gi, mi, vi = p[i], g[i].to(p.dtype), m[i], v[i]
             pi.mul_(1 - lr * wd)
@@ -118,3 +119,11 @@ class PackedAdamW(torch.optim.Optimizer):
                 pi.sub_(mi / denom * (lr / bias_correction1))
             else:
                 pi.addcdiv_(mi, denom, value=-(lr / bias_correction1))
+
+
+def bias_corrections(step: torch.Tensor, beta1: float, beta2: float, *, host_step: bool) -> tuple:
+    """AdamW's ``1 - β1ᵗ`` and ``√(1 - β2ᵗ)``: Python numbers from a step count read on the host
+    (``host_step``), as torch's single-tensor update computes them; tensors from one left on a CUDA
+    device (no synchronisation, and a graph capture allowed)."""
+    t = step.item() if host_step else step
+    return 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5

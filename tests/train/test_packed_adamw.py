@@ -17,7 +17,7 @@ import torch
 from numerics import assert_same_function, fresh
 
 from lora_bench.train import packed_adamw
-from lora_bench.train.packed_adamw import PackedAdamW
+from lora_bench.train.packed_adamw import PackedAdamW, bias_corrections
 
 LRS = [1e-3, 5e-4, 2e-3, 1e-4, 3e-3]
 WDS = [0.1, 0.0, 0.5, 0.01, 0.1]
@@ -48,6 +48,13 @@ def _per_point_adamw(start, grads, **options):
     return out
 
 
+def _by_point(params, opt) -> list[dict]:
+    """Each point's parameters and moments (``p0``, ``m0``, ``v0``, ... by tensor)."""
+    return [{f"{k}{i}": v[p] for i, t in enumerate(params)
+             for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]), ("v", opt.state[t]["exp_avg_sq"]))}
+            for p in range(len(LRS))]
+
+
 def _packed(start, grads, *, graph: bool = False):
     params = [torch.nn.Parameter(t.clone()) for t in start]
     opt = PackedAdamW(params, lrs=LRS, weight_decays=WDS, capturable=graph)
@@ -57,15 +64,13 @@ def _packed(start, grads, *, graph: bool = False):
                 t.grad = g.clone()
             opt.step()
     else:
+        from lora_bench.train.graphs import warm_up
+
         for t in params:
             t.grad = torch.zeros_like(t)
         static = [t.grad for t in params]
         snap = [t.detach().clone() for t in params]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # a warm-up step (compiles the kernel, makes the state) ...
-            opt.step()
-        torch.cuda.current_stream().wait_stream(s)
+        warm_up(opt.step, 1)  # compiles the kernel, makes the state ...
         with torch.no_grad():  # ... undone: back to the start, no step taken
             for t, v in zip(params, snap):
                 t.copy_(v)
@@ -80,9 +85,7 @@ def _packed(start, grads, *, graph: bool = False):
                 buf.copy_(new)
             g.replay()
         torch.cuda.synchronize()
-    return [{f"{k}{i}": v[p] for i, t in enumerate(params)
-             for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]), ("v", opt.state[t]["exp_avg_sq"]))}
-            for p in range(len(LRS))]
+    return _by_point(params, opt)
 
 
 def _float64_adamw(start, grads):
@@ -159,11 +162,9 @@ def test_the_torch_update_with_the_step_count_as_a_tensor_is_the_one_with_a_numb
                 if not state:
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(t), torch.zeros_like(t)
                 with torch.no_grad():
-                    opt._torch_update(t, g, state["exp_avg"], state["exp_avg_sq"], step, 0.9, 0.999, 1e-8,
-                                      host_step=host)
-        results[host] = [{f"{k}{i}": v[p] for i, t in enumerate(params)
-                          for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]),
-                                       ("v", opt.state[t]["exp_avg_sq"]))} for p in range(len(LRS))]
+                    opt._torch_update(t, g, state["exp_avg"], state["exp_avg_sq"],
+                                      bias_corrections(step, 0.9, 0.999, host_step=host), 0.9, 0.999, 1e-8)
+        results[host] = _by_point(params, opt)
     got, want = _updates(results[False], start), _updates(results[True], start)
     ref = _updates(_float64_adamw(start, grads), start)
     for p in range(len(LRS)):
