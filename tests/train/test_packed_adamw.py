@@ -49,7 +49,7 @@ def _per_point_adamw(start, grads, **options):
 
 
 def _by_point(params, opt) -> list[dict]:
-    """Each point's parameters and moments (``p0``, ``m0``, ``v0``, ... by tensor)."""
+    """Each point's parameters and moments, keyed by kind (p: parameter, m and v: the moments) and tensor index."""
     return [{f"{k}{i}": v[p] for i, t in enumerate(params)
              for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]), ("v", opt.state[t]["exp_avg_sq"]))}
             for p in range(len(LRS))]
