@@ -603,42 +603,139 @@ def table_packing_step() -> str:
 
 
 QUANTIZED = "answer/quantized"
+BASES = ("precision", "bf16", "fp8", "int8", "nf4")
+
+
+def _samples(df: pd.DataFrame, folder: str, by: list[str], column: str) -> dict[tuple, Sample]:
+    """Each group's repeats of ``column`` (one value a run), keyed by sweep and repeat so that two
+    groups' ratio or difference pairs them as the reports do (lora_bench.report.stats)."""
+    out = {}
+    for key, part in df.groupby(by):
+        out[key] = Sample.of(list(part[column]), keys=[(folder, r.sweep_name, str(r.repeat)) for r in part.itertuples()])
+    return out
 
 
 def table_quantized() -> str:
-    """configs/quantized-base-study.yaml as far as it ran: lora's step, its phases and the stored
-    block weights per base dtype and size, against the bf16 base: medians over the finished
-    repeats (each run's own median step; the harness's report gives the intervals)."""
+    """configs/quantized-base-study.yaml as far as it ran: lora's step with its 95 % interval over
+    the finished repeats, its ratio to the bf16 base's (repeats paired) with the verdict, its phases
+    and the stored block weights per base dtype and size (medians over the finished repeats)."""
+    from lora_bench.report.stats import interval_text, median_interval, ratio_interval, verdict
+
     df = runs(QUANTIZED)
     df = df[(df["cfg_implementation"] == "book") & (df["trainable_layers"] == "lora")]
-    cols = ("step_ms_median", "forward_ms_median", "backward_ms_median", "base_weight_mib", "peak_mem_allocated_mib")
+    done = df[df["status"] == "done"]
+    steps = _samples(done, QUANTIZED, ["model_size", "cfg_base_dtype"], "step_ms_median")
+    cols = ["forward_ms_median", "backward_ms_median", "base_weight_mib", "peak_mem_allocated_mib"]
+    med = done.groupby(["model_size", "cfg_base_dtype"])[cols].median()
     rows = []
     for size in ("124M", "1558M"):
-        part = df[df["model_size"] == size]
-        done = part[part["status"] == "done"]
-        med = done.groupby("cfg_base_dtype")[list(cols)].median()
-        if "bf16" not in med.index:
+        if (size, "bf16") not in steps:
             continue
-        base = med.loc["bf16"]
-        for dtype in ("precision", "bf16", "fp8", "int8", "nf4"):
-            if dtype not in med.index:
+        base = steps[(size, "bf16")]
+        for dtype in BASES:
+            if (size, dtype) not in steps:
                 continue
-            r = med.loc[dtype]
-            n_done = int((done["cfg_base_dtype"] == dtype).sum())
-            n_all = int((part["cfg_base_dtype"] == dtype).sum())
-            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", _ms(r["step_ms_median"]),
-                         f"{r['step_ms_median'] / base['step_ms_median']:.2f}×", _ms(r["forward_ms_median"]),
-                         _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
-                         f"{r['base_weight_mib'] / base['base_weight_mib']:.2f}×", f"{r['peak_mem_allocated_mib']:,.0f}"])
-    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "runs done", "step ms",
-                   "÷ bf16 base", "fwd ms", "bwd ms", "block weights MiB", "÷ bf16 base", "peak MiB"], rows,
-                  align="---|---|---:|---:|---:|---:|---:|---:|---:")
+            r, ratio = med.loc[(size, dtype)], ratio_interval(steps[(size, dtype)], base)
+            n_done = len(steps[(size, dtype)].values)
+            n_all = int(((df["model_size"] == size) & (df["cfg_base_dtype"] == dtype)).sum())
+            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", interval_text(median_interval(steps[(size, dtype)])),
+                         "1.00× (baseline)" if dtype == "bf16" else f"{interval_text(ratio, unit='×')} {verdict(ratio)}",
+                         _ms(r["forward_ms_median"]), _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
+                         f"{r['base_weight_mib'] / med.loc[(size, 'bf16')]['base_weight_mib']:.2f}×",
+                         f"{r['peak_mem_allocated_mib']:,.0f}"])
+    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "runs done",
+                   "step ms [95 %]", "÷ bf16 base [95 %]", "fwd ms", "bwd ms", "block weights MiB", "÷ bf16 base",
+                   "peak MiB"], rows, align="---|---|---:|---:|---:|---:|---:|---:|---:")
+
+
+QUANTIZED_ACCURACY = "answer/quantized-accuracy"
+
+
+def table_quantized_accuracy() -> str:
+    """configs/quantized-base-accuracy.yaml as far as it ran: lora's validation and test accuracy
+    per base dtype and size over the seeds (median and the seeds' range), and each base's
+    difference from the bf16 base in points with its 95 % interval (seeds paired: seed r of every
+    base starts from the same model)."""
+    from lora_bench.report.stats import difference_interval, interval_text
+
+    df = runs(QUANTIZED_ACCURACY)
+    done = df[df["status"] == "done"]
+    rows = []
+    for size in ("124M", "1558M"):
+        part = done[done["model_size"] == size]
+        val = _samples(part, QUANTIZED_ACCURACY, ["cfg_base_dtype"], "val_acc")
+        test = _samples(part, QUANTIZED_ACCURACY, ["cfg_base_dtype"], "test_acc")
+        for dtype in BASES[1:]:
+            if (dtype,) not in val:
+                continue
+            v, t = val[(dtype,)], test[(dtype,)]
+            n_all = int(((df["model_size"] == size) & (df["cfg_base_dtype"] == dtype)).sum())
+            cells = [f"{size} {dtype}", f"{len(v.values)} of {n_all}",
+                     f"{v.point:.1f} ({v.values.min():.1f}–{v.values.max():.1f})",
+                     f"{t.point:.1f} ({t.values.min():.1f}–{t.values.max():.1f})"]
+            for sample, baseline in ((v, val[("bf16",)]), (t, test[("bf16",)])):
+                cells.append("(baseline)" if dtype == "bf16" else
+                             interval_text(difference_interval(sample, baseline), digits=1, unit=" pt"))
+            rows.append(cells)
+    return _table(["lora r16, random weights, best mode", "seeds done", "val % median (seeds' range)",
+                   "test % median (seeds' range)", "val − bf16 base [95 %]", "test − bf16 base [95 %]"], rows,
+                  align="---|---|---:|---:|---:|---:")
+
+
+QUANTIZED_PROFILE = "answer/quantized-profile"
+QUANT_KERNELS = [  # (pattern in the profiler's kernel name, what it does on a stored base), first match wins
+    ("qqtst", "float8 GEMM (torch._scaled_mm)"),
+    ("nvjet", "bf16 GEMM (cuBLAS)"),
+    ("MaxNanFunctor", "absmax of each activation row (fp8 scales)"),
+    ("DivFunctor", "divide by a scale"),
+    ("MulFunctor", "multiply by a scale"),
+    ("CatArrayBatchedCopy", "concatenate (NF4 dequantization)"),
+    ("index_elementwise", "code-table lookup (NF4 dequantization)"),
+    ("bfloat16_copy", "cast to bf16"),
+    ("direct_copy", "copy or cast"),
+    ("CUDAFunctor_add", "add"),
+]
+QUANT_GROUPS = [name for _, name in QUANT_KERNELS]
+
+
+def table_quantized_profile() -> str:
+    """configs/quantized-base-profile.yaml: kernel ms per step of a 1558M lora step (eager) on each
+    base, forward and backward together, grouped by what the kernels do (the 60 costliest kernels of
+    each run; the rest as "everything else"), with the phases' totals and launches."""
+    df = runs(QUANTIZED_PROFILE)
+    df = df[df["status"] == "done"].set_index("cfg_base_dtype")
+    order = [b for b in BASES[1:] if b in df.index]
+    groups: dict[str, dict[str, float]] = {g: {} for g in [*QUANT_GROUPS, "everything else"]}
+    totals: dict[str, dict[str, float]] = {}
+    for dtype in order:
+        folder = RESULTS / QUANTIZED_PROFILE / df.loc[dtype, "run_id"]
+        phases = pd.read_csv(folder / "kernels_by_phase.csv").set_index("phase")
+        top = pd.read_csv(folder / "top_kernels.csv")
+        top = top[top["phase"].isin(["forward", "backward"])]
+        top["what"] = top["kernel"].map(lambda k: next((n for pat, n in QUANT_KERNELS if pat in k), "everything else"))
+        by = top.groupby("what")["ms_per_step"].sum()
+        fb = phases.loc[["forward", "backward"]]
+        for g in groups:
+            groups[g][dtype] = float(by.get(g, 0.0))
+        groups["everything else"][dtype] += float(fb["kernel_ms_per_step"].sum() - top["ms_per_step"].sum())
+        totals[dtype] = {"forward": float(fb.loc["forward", "kernel_ms_per_step"]),
+                         "backward": float(fb.loc["backward", "kernel_ms_per_step"]),
+                         "launches": float(fb["launches_per_step"].sum())}
+    rows = [[what, *(f"{groups[what][d]:.2f}" for d in order)] for what in groups
+            if any(groups[what][d] >= 0.005 for d in order)]
+    rows += [["**forward kernel ms**", *(f"**{totals[d]['forward']:.1f}**" for d in order)],
+             ["**backward kernel ms**", *(f"**{totals[d]['backward']:.1f}**" for d in order)],
+             ["launches (forward + backward)", *(f"{totals[d]['launches']:,.0f}" for d in order)]]
+    return _table(["1558M lora, eager, kernel ms per step (forward + backward)", *(f"{d} base" for d in order)], rows,
+                  align="---|" + "|".join(["---:"] * len(order)))
 
 
 TABLES = {
     "packing": table_packing,
     "packing-step": table_packing_step,
     "quantized": table_quantized,
+    "quantized-accuracy": table_quantized_accuracy,
+    "quantized-profile": table_quantized_profile,
     "answer": table_answer,
     "fastest": table_fastest,
     "study-repeats": table_study_repeats,
