@@ -34,9 +34,10 @@ SIZE_ORDER = ("tiny", "124M", "355M", "774M", "1558M")
 SPEED_UNITS = ("ms", "s", "min", "tokens/s", "TFLOP/s")
 
 
-def rule(threshold: float = stats.THRESHOLD) -> str:
-    """The verdict rule, as the notes under a table state it."""
-    return stats.rule_text(threshold)
+def rule(threshold: float = stats.THRESHOLD, metric: str = "step_ms_median") -> str:
+    """The verdict rule, as the notes under a table state it, in the words of ``metric``'s verdicts."""
+    higher, speed = metric_sense(metric)
+    return stats.rule_text(threshold, higher_is_better=bool(higher), speed=speed)
 
 
 def metric_sense(col: str) -> tuple[bool | None, bool]:

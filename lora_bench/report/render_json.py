@@ -8,17 +8,18 @@ import json
 import math
 
 from lora_bench.report import stats
-from lora_bench.report.aggregate import Report, estimate_of
+from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import column_label, value_text
 
 
-def statistic(threshold: float) -> dict:
-    """What every number of a report or comparison is, for the reader of its JSON."""
+def statistic(threshold: float, metric: str = "step_ms_median") -> dict:
+    """What every number of a report or comparison is, for the reader of its JSON (the verdict rule
+    in the words of ``metric``'s verdicts)."""
     return {"center": "median over repeats (each run's value: for times its median over its measured steps)",
             "interval": f"{stats.CONFIDENCE:.0%} percentile bootstrap over repeats; over the steps of the one run "
                         "where a group has one run (interval_over = steps)",
             "confidence": stats.CONFIDENCE, "resamples": stats.N_BOOT, "seed": stats.SEED,
-            "threshold": threshold, "verdict_rule": stats.rule_text(threshold), "steps_note": stats.STEPS_NOTE}
+            "threshold": threshold, "verdict_rule": rule(threshold, metric), "steps_note": stats.STEPS_NOTE}
 
 
 def groups_json(rep: Report) -> list[dict]:
@@ -40,7 +41,7 @@ def groups_json(rep: Report) -> list[dict]:
 
 
 def report_json(rep: Report, *, notes: list[str]) -> str:
-    doc = {"statistic": statistic(rep.threshold), "metric": rep.primary, "metrics": rep.metrics,
+    doc = {"statistic": statistic(rep.threshold, rep.primary), "metric": rep.primary, "metrics": rep.metrics,
            "extras": rep.extras, "keys": [column_label(k) for k in rep.keys],
            "baseline": {column_label(k): v for k, v in rep.baseline.items()},
            "groups": groups_json(rep), "excluded": rep.excluded, "notes": [*rep.notes, *notes]}

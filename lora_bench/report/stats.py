@@ -264,9 +264,12 @@ def threshold_text(threshold: float) -> str:
     return f"{100 * threshold:g} %"
 
 
-def rule_text(threshold: float = THRESHOLD) -> str:
-    """The verdict rule as one sentence, for the notes under a table."""
+def rule_text(threshold: float = THRESHOLD, *, higher_is_better: bool = False, speed: bool = True) -> str:
+    """The verdict rule as one sentence, for the notes under a table, in the words ``verdict``
+    gives a metric of that sense: slower / faster for a time, faster / slower for a throughput,
+    higher / lower for a metric that is not a speed (accuracy, memory)."""
     t = threshold_text(threshold)
-    return (f"verdict: slower / faster where the ratio's 95 % interval lies wholly above 1 + {t} / below "
+    above, below = (HIGHER, LOWER) if not speed else (FASTER, SLOWER) if higher_is_better else (SLOWER, FASTER)
+    return (f"verdict: {above} / {below} where the ratio's 95 % interval lies wholly above 1 + {t} / below "
             f"1 ÷ (1 + {t}); no difference where it lies inside that band; unclear otherwise "
             f"(intervals: percentile bootstrap over repeats, seeded; {STEPS_MARK}: {STEPS_NOTE})")

@@ -316,7 +316,7 @@ def groups_table(rep: Report, *, title: str = "") -> Table:
              f"measured steps), with its 95 % interval (percentile bootstrap over the repeats, seeded)"]
     if rep.baseline and "ratio" in rep.groups:
         notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval "
-                     f"({RESAMPLING}) and verdict; {rule(rep.threshold)}")
+                     f"({RESAMPLING}) and verdict; {rule(rep.threshold, rep.primary)}")
     notes += interval_notes(*shown)
     for col, what in (("gpu_name", "GPUs"), ("hostname", "hosts")):
         seen = sorted({str(v) for v in rep.done.get(col, pd.Series(dtype=str)).dropna() if str(v)})

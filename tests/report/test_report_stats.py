@@ -216,3 +216,25 @@ def test_a_report_says_how_many_packs_its_groups_trained_in(tmp_path):
     assert cells == {"lora": "6 (3 packs)", "all": "1"}
     assert PACKS_NOTE in rep.notes
     assert rep.groups.set_index("trainable_layers").loc["lora", "step_ms_median"] == pytest.approx(80.0)
+
+
+@pytest.mark.parametrize("metric, above, below", [
+    ("step_ms_median", stats.SLOWER, stats.FASTER),  # a time: above the band is slower
+    ("tokens_per_s", stats.FASTER, stats.SLOWER),  # a throughput: above the band is faster
+    ("val_acc", stats.HIGHER, stats.LOWER)])  # not a speed
+def test_a_reports_verdict_rule_names_the_words_its_verdicts_use(metric, above, below):
+    """The note under a report's table states the rule in the words its ratio cells use: a clear
+    rise of the metric gets the note's first word, a clear fall its second."""
+    from lora_bench.report.aggregate import build_report
+    from lora_bench.report.render_json import statistic
+    from lora_bench.report.tables import groups_table
+
+    rows = [{"run_id": f"{v}-{r}", "status": "done", "variant": v, "results_dir": "r", "sweep_name": "s", "repeat": r,
+             metric: value * (1 + 0.001 * r)}
+            for r in range(5) for v, value in (("base", 50.0), ("up", 60.0), ("down", 40.0))]
+    rep = build_report(pd.DataFrame(rows), group_by=["variant"], baseline="variant=base", metrics=[metric])
+    words = rep.groups.set_index("variant")["verdict"]
+    assert (words["up"], words["down"]) == (above, below)
+    rule = f"verdict: {above} / {below} where the ratio's 95 % interval lies wholly above"
+    assert any(rule in note for note in groups_table(rep).notes)
+    assert statistic(rep.threshold, rep.primary)["verdict_rule"].startswith(rule)
