@@ -611,7 +611,8 @@ def _samples(df: pd.DataFrame, folder: str, by: list[str], column: str) -> dict[
     groups' ratio or difference pairs them as the reports do (lora_bench.report.stats)."""
     out = {}
     for key, part in df.groupby(by):
-        out[key] = Sample.of(list(part[column]), keys=[(folder, r.sweep_name, str(r.repeat)) for r in part.itertuples()])
+        keys = [(folder, r.sweep_name, str(r.repeat)) for r in part.itertuples()]
+        out[key] = Sample.of(list(part[column]), keys=keys)
     return out
 
 
@@ -635,11 +636,12 @@ def table_quantized() -> str:
         for dtype in BASES:
             if (size, dtype) not in steps:
                 continue
-            r, ratio = med.loc[(size, dtype)], ratio_interval(steps[(size, dtype)], base)
-            n_done = len(steps[(size, dtype)].values)
+            step = steps[(size, dtype)]
+            r, ratio = med.loc[(size, dtype)], ratio_interval(step, base)
+            n_done = len(step.values)
             n_all = int(((df["model_size"] == size) & (df["cfg_base_dtype"] == dtype)).sum())
-            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", interval_text(median_interval(steps[(size, dtype)])),
-                         "1.00× (baseline)" if dtype == "bf16" else f"{interval_text(ratio, unit='×')} {verdict(ratio)}",
+            vs = "1.00× (baseline)" if dtype == "bf16" else f"{interval_text(ratio, unit='×')} {verdict(ratio)}"
+            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", interval_text(median_interval(step)), vs,
                          _ms(r["forward_ms_median"]), _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
                          f"{r['base_weight_mib'] / med.loc[(size, 'bf16')]['base_weight_mib']:.2f}×",
                          f"{r['peak_mem_allocated_mib']:,.0f}"])

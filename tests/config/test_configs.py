@@ -127,5 +127,6 @@ def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
             "max_steps", "warmup_steps", "eval_freq", "skip_final_eval", "compile")
     for r in profile:
         cfg = r.cfg
-        assert (cfg.model_size, cfg.trainable_layers, cfg.profile, cfg.cuda_graphs) == ("1558M", "lora", "kernels", False)
+        assert (cfg.model_size, cfg.trainable_layers, cfg.profile) == ("1558M", "lora", "kernels")
+        assert not cfg.cuda_graphs
         assert {k: getattr(cfg, k) for k in same} == {k: getattr(study[cfg.base_dtype], k) for k in same}
