@@ -31,9 +31,10 @@ OPTIMIZERS = ("book", "fused")
 COMPILE_SCOPES = ("model", "blocks")
 KERNEL_PLANS = (AUTO, *PLAN_NAMES)
 # How the frozen linear weights of the transformer blocks are stored (lora_bench.lora.quantized):
-# as the precision setting says (today's behaviour), bfloat16, or quantized by torchao.
+# as the precision setting says (today's behaviour), bfloat16, or quantized by torchao (fp8, int8,
+# nf4) or bitsandbytes (nf4-bnb).
 BASE_DTYPE_DEFAULT = "precision"
-QUANTIZED_BASES = ("fp8", "int8", "nf4")
+QUANTIZED_BASES = ("fp8", "int8", "nf4", "nf4-bnb")
 BASE_DTYPES = (BASE_DTYPE_DEFAULT, "bf16", *QUANTIZED_BASES)
 # What trains on a base stored other than the precision setting says: adapters beside frozen layers
 # (lora-kernel falls back to lora's layer), or the head alone.
@@ -118,9 +119,10 @@ class Settings:
                          "precision: as --precision says (fp32, or bf16 with --precision bf16); bf16: bfloat16; "
                          "fp8: float8 rowwise, float8 products (torch._scaled_mm, a CUDA GPU of compute "
                          "capability 8.9 or newer); int8: int8 weight-only, per output channel; nf4: QLoRA's "
-                         "4-bit NormalFloat, per block of 64. Adapters and the head stay full precision. fp8, "
-                         "int8 and nf4 use torchao; with --implementation hf only nf4 is taken, QLoRA through "
-                         "bitsandbytes (both: pip install \"lora-bench[quant]\"); docs/quantized-base.md.",
+                         "4-bit NormalFloat, per block of 64; nf4-bnb: the same NF4 through bitsandbytes' kernels. "
+                         "Adapters and the head stay full precision. fp8, int8 and nf4 use torchao; with "
+                         "--implementation hf only nf4 is taken, QLoRA through bitsandbytes (both: pip install "
+                         "\"lora-bench[quant]\"); docs/quantized-base.md.",
                          LORA, choices=BASE_DTYPES)
     trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
                                   "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,

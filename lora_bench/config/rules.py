@@ -160,6 +160,8 @@ HF_BASE_REFUSALS = {
     "int8": "bitsandbytes' int8 linear (LLM.int8) quantizes the activations to int8 as well, with float16 "
             "outlier columns, a different product from the int8 weight-only base the book model runs",
     "fp8": "bitsandbytes stores no float8 weights",
+    "nf4-bnb": "the peer's nf4 is bitsandbytes' NF4 already (QLoRA); nf4-bnb runs the book model's layers on "
+               "bitsandbytes' kernels",
 }
 
 
@@ -189,7 +191,7 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
                                          "(its products are torch._scaled_mm's float8 rowwise GEMMs, which the CPU "
                                          "does not run); {device}=cpu given: on the CPU choose {base_dtype} one "
                                          "of: {allowed}", allowed=raw(", ".join((BASE_DTYPE_DEFAULT, "bf16", "int8",
-                                                                                 "nf4")))))
+                                                                                 "nf4", "nf4-bnb")))))
     return out
 
 

@@ -8,17 +8,22 @@ precision (docs/quantized-base.md).
 - ``nf4``: torchao's NF4 (QLoRA's 4-bit NormalFloat, ``to_nf4``): 16 code values, one absmax scale
   per block of 64 weights, the scales themselves quantized to int8 per block of scales
   ("double quantization"); torchao's NF4 linear (``F.linear`` on its tensor) runs forward and backward.
+- ``nf4-bnb``: the same NF4 format stored and multiplied by bitsandbytes, the QLoRA reference
+  library (``quantize_4bit`` with double quantization, ``matmul_4bit``): its CUDA kernel dequantizes
+  the weight before each bf16 or float32 product, forward and backward.
 - ``fp8``: torchao's float8 rowwise format (``Float8DynamicActivationFloat8WeightConfig`` with
   ``PerRow``): float8 e4m3 weights with one scale per output channel; each product quantizes its
   activations rowwise too and runs ``torch._scaled_mm`` (CUDA, compute capability 8.9 or newer).
 
 The backward of int8 and fp8 (and of torchao's nf4) is the input's gradient through the
 dequantized weight: ``grad_out @ dequantize(W)``, the product the frozen weight needs (it takes no
-gradient). torchao is imported only here, and only when a run asks for one of its formats."""
+gradient); so is bitsandbytes' ``matmul_4bit``'s. torchao and bitsandbytes are imported only here (and
+by the transformers peer), and only when a run asks for one of their formats."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from types import ModuleType
 
 import torch
@@ -31,9 +36,10 @@ from lora_bench.lora.layer import LinearWithLoRA, LoRALinearBase
 from lora_bench.lora.merged import LinearWithLoRAMerged
 from lora_bench.optional import QUANT_EXTRA, installed_version, require_quietly
 
-FORMATS = ("bf16", "int8", "nf4", "fp8")
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nf4-bnb")
 LIBRARY_FORMATS = ("int8", "nf4", "fp8")  # what torchao stores
-NF4_BLOCK = 64  # weights per absmax scale (QLoRA's and torchao's default)
+BNB_FORMATS = ("nf4-bnb",)  # what bitsandbytes stores
+NF4_BLOCK = 64  # weights per absmax scale (QLoRA's, torchao's and bitsandbytes' default)
 NF4_SCALER_BLOCK = 256  # scales per int8 block of scales (torchao's default), or fewer where a layer has fewer
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 products: Ada, Hopper and newer
 
@@ -47,9 +53,61 @@ def torchao(purpose: str) -> ModuleType:
     return require_quietly("torchao", purpose=purpose, extra=QUANT_EXTRA)
 
 
+def bitsandbytes(purpose: str) -> ModuleType:
+    """bitsandbytes imported (its loader's notes about optional CPU kernels it cannot fetch kept
+    quiet), or a UsageError naming the extra that installs it."""
+    return require_quietly("bitsandbytes", purpose=purpose, extra=QUANT_EXTRA)
+
+
 def library_versions(fmt: str) -> dict[str, str | None]:
     """The quantization library's version column for a run whose base is stored in ``fmt``."""
+    if fmt in BNB_FORMATS:
+        return {"bitsandbytes_version": installed_version("bitsandbytes")}
     return {"torchao_version": installed_version("torchao")} if fmt in LIBRARY_FORMATS else {}
+
+
+def cpu_row_problem(emb_dim: int) -> str | None:
+    """Why bitsandbytes' 4-bit weights cannot be used on the CPU at width ``emb_dim``, or None: its
+    CPU kernels (0.50) dequantize a weight whose rows (in_features: emb_dim, and 4·emb_dim for the
+    MLP's output layer) are not a whole number of 64-weight blocks into wrong values, so its products
+    would be wrong; every GPT-2 size's widths are multiples of 64."""
+    if emb_dim % NF4_BLOCK:
+        return (f"bitsandbytes' CPU kernels compute the 4-bit products wrongly for layers whose input width is not "
+                f"a multiple of {NF4_BLOCK} (emb_dim={emb_dim})")
+    return None
+
+
+def quant_state_bytes(state) -> int:
+    """Bytes a bitsandbytes 4-bit quant state holds: the absmaxes (8-bit under double quantization),
+    the code table, and the nested state's absmaxes, code table and offset."""
+    total = 0
+    for t in (state.absmax, state.code, state.offset):
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    if getattr(state, "state2", None) is not None:
+        total += quant_state_bytes(state.state2)
+    return total
+
+
+class Bnb4bit:
+    """A weight bitsandbytes holds as NF4: the packed codes (two a byte, one column of uint8) and
+    their quant state (absmaxes per block of 64, stored 8-bit around their mean; the code table; the
+    weight's shape and dtype). ``state_for`` gives the state that dequantizes straight to a compute
+    dtype, so a bf16 product reads no float32 copy of the weight."""
+
+    def __init__(self, packed: torch.Tensor, state):
+        self.packed, self.state = packed, state
+        self._states = {state.dtype: state}
+
+    def state_for(self, dtype: torch.dtype):
+        if dtype not in self._states:
+            other = copy.copy(self.state)
+            other.dtype = dtype
+            self._states[dtype] = other
+        return self._states[dtype]
+
+    def stored_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + quant_state_bytes(self.state)
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -82,6 +140,11 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     w = weight.detach()
     if fmt == "bf16":
         return w.to(torch.bfloat16)
+    if fmt == "nf4-bnb":
+        functional = bitsandbytes(f"base_dtype={fmt}").functional
+        packed, state = functional.quantize_4bit(w.contiguous(), blocksize=NF4_BLOCK, compress_statistics=True,
+                                                 quant_type="nf4", quant_storage=torch.uint8)
+        return Bnb4bit(packed, state)
     ao = torchao(f"base_dtype={fmt}")
     q = ao.quantization
     if fmt == "nf4":
@@ -102,18 +165,22 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return holder[0].weight.detach()
 
 
-def dequantize(stored: torch.Tensor, fmt: str) -> torch.Tensor:
+def dequantize(stored, fmt: str) -> torch.Tensor:
     """The values a stored weight stands for, in its high-precision dtype."""
     if fmt == "bf16":
         return stored
+    if fmt == "nf4-bnb":
+        return bitsandbytes(f"base_dtype={fmt}").functional.dequantize_4bit(stored.packed, stored.state)
     if fmt == "nf4":
         return stored.get_original_weight()
     return stored.dequantize()
 
 
-def stored_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds: a torchao tensor's inner tensors (quantized values, scales, code
-    table), a plain tensor's elements."""
+def stored_bytes(t) -> int:
+    """Bytes a stored weight holds: bitsandbytes' packed codes with their quant state, a torchao
+    tensor's inner tensors (quantized values, scales, code table), a plain tensor's elements."""
+    if isinstance(t, Bnb4bit):
+        return t.stored_bytes()
     if hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return sum(stored_bytes(inner) for inner in (getattr(t, n) for n in names) if inner is not None)
@@ -144,6 +211,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"base format {fmt!r}: expected one of {', '.join(FORMATS)}")
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight_stored = quantize_weight(linear.weight.detach().to(device), fmt)
+        if fmt in BNB_FORMATS:  # looked up once: the forward runs every step
+            self._matmul_4bit = bitsandbytes(f"base_dtype={fmt}").matmul_4bit
         self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
                      if linear.bias is not None else None)
 
@@ -165,6 +234,9 @@ class QuantizedLinear(nn.Module):
                 y = F.linear(xc, self.weight_stored.to(compute))
             elif self.fmt == "nf4":  # torchao's NF4 linear: its own autograd function, the same backward
                 y = F.linear(xc, self.weight_stored)
+            elif self.fmt == "nf4-bnb":  # bitsandbytes' 4-bit product: its own autograd function, the same backward
+                stored = self.weight_stored
+                y = self._matmul_4bit(xc, stored.packed.t(), quant_state=stored.state_for(compute))
             else:
                 y = _ThroughDequantized.apply(xc, self.weight_stored, self.fmt)
             if self.bias is not None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -52,9 +51,10 @@ from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_confi
 from lora_bench.config import HF_TRAINABLE_LAYERS, TrainConfig, hf_problems, render
 from lora_bench.data.tokenizer import PAD_TOKEN_ID
 from lora_bench.errors import ConfigError, UsageError
+from lora_bench.lora.quantized import NF4_BLOCK, bitsandbytes, cpu_row_problem, quant_state_bytes
 from lora_bench.model.gpt2 import GPTConfig, resolve_model_size
 from lora_bench.model.hf_checkpoint import ensure_hf_checkpoint, hf_state_from_gpt, load_hf_state, read_hf_state
-from lora_bench.optional import QUANT_EXTRA, installed_version, require, require_quietly
+from lora_bench.optional import installed_version, require
 
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
@@ -62,7 +62,7 @@ LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: 
 LORA_INITS = ("peft", "book")
 PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
 QLORA_FORMATS = ("nf4",)  # base_dtype values the peer stores with bitsandbytes
-QLORA_BLOCK = 64  # weights per absmax (bitsandbytes' and QLoRA's default)
+QLORA_BLOCK = NF4_BLOCK  # weights per absmax (bitsandbytes' and QLoRA's default)
 SCORE = "score"  # the classification head's module name, never quantized
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -102,12 +102,6 @@ def build_hf_model(mcfg: GPTConfig, state: dict[str, torch.Tensor], *, attn_impl
     return model
 
 
-def bitsandbytes(purpose: str) -> ModuleType:
-    """bitsandbytes imported (its loader's notes about optional CPU kernels it cannot fetch kept
-    quiet), or a UsageError naming the extra that installs it."""
-    return require_quietly("bitsandbytes", purpose=purpose, extra=QUANT_EXTRA)
-
-
 def qlora_config(compute_dtype: torch.dtype):
     """transformers' BitsAndBytesConfig for QLoRA as its paper runs it: NF4 codes, blocks of 64,
     double quantization of the absmaxes, products in ``compute_dtype``; the head left alone."""
@@ -116,17 +110,6 @@ def qlora_config(compute_dtype: torch.dtype):
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype,
                                            bnb_4bit_quant_storage=torch.uint8, llm_int8_skip_modules=[SCORE])
-
-
-def cpu_row_problem(emb_dim: int) -> str | None:
-    """Why the 4-bit body cannot run on the CPU at width ``emb_dim``, or None: bitsandbytes' CPU
-    kernels (0.50) dequantize a weight whose rows (in_features: emb_dim, and 4·emb_dim for the MLP's
-    output layer) are not a whole number of 64-weight blocks into wrong values, so its products
-    would be wrong; every GPT-2 size's widths are multiples of 64."""
-    if emb_dim % QLORA_BLOCK:
-        return (f"bitsandbytes' CPU kernels compute the 4-bit products wrongly for layers whose input width is not "
-                f"a multiple of {QLORA_BLOCK} (emb_dim={emb_dim})")
-    return None
 
 
 def load_qlora_model(config, state: dict[str, torch.Tensor], *, device: torch.device,
@@ -318,18 +301,6 @@ def cast_frozen_hf(model: nn.Module, dtype: torch.dtype) -> int:
                     p.data = p.data.to(dtype)
                     n += 1
     return n
-
-
-def quant_state_bytes(state) -> int:
-    """Bytes a bitsandbytes 4-bit quant state holds: the absmaxes (8-bit under double quantization),
-    the code table, and the nested state's absmaxes, code table and offset."""
-    total = 0
-    for t in (state.absmax, state.code, state.offset):
-        if isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
-    if getattr(state, "state2", None) is not None:
-        total += quant_state_bytes(state.state2)
-    return total
 
 
 def hf_base_weight_bytes(model: nn.Module) -> int | None:

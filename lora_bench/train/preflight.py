@@ -16,9 +16,9 @@ from lora_bench.config import Problem, TrainConfig, problem, raw, render
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
-from lora_bench.lora.quantized import torchao
+from lora_bench.lora.quantized import BNB_FORMATS, bitsandbytes, cpu_row_problem, torchao
 from lora_bench.optional import require
-from lora_bench.peers.hf import QLORA_BLOCK, QLORA_FORMATS, bitsandbytes, cpu_row_problem
+from lora_bench.peers.hf import QLORA_BLOCK, QLORA_FORMATS
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
 
@@ -38,12 +38,13 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.base_dtype == "fp8" and cfg.device == "auto" and count == 0:
         out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
                                          "(torch._scaled_mm's float8 products), and none is available here; on the "
-                                         "CPU choose {base_dtype} one of: precision, bf16, int8, nf4"))
-    if cfg.implementation == "hf" and cfg.base_dtype in QLORA_FORMATS and (
-            cfg.device == "cpu" or (cfg.device == "auto" and count == 0)):
+                                         "CPU choose {base_dtype} one of: precision, bf16, int8, nf4, nf4-bnb"))
+    bnb = (cfg.implementation == "hf" and cfg.base_dtype in QLORA_FORMATS) or cfg.base_dtype in BNB_FORMATS
+    if bnb and (cfg.device == "cpu" or (cfg.device == "auto" and count == 0)):
         why = cpu_row_problem(model_config(cfg).emb_dim)
         if why:
-            out.append(problem("base_dtype", "{base_dtype}={b} with {implementation}=hf on the CPU is refused: {why}; "
+            with_hf = " with {implementation}=hf" if cfg.implementation == "hf" else ""
+            out.append(problem("base_dtype", "{base_dtype}={b}" + with_hf + " on the CPU is refused: {why}; "
                                              "use a CUDA device or an {emb_dim} that is a multiple of {block}",
                                b=raw(cfg.base_dtype), why=raw(why), block=raw(QLORA_BLOCK)))
     if cfg.nproc > 1 and count and cfg.device in ("auto", "cuda") and count < cfg.nproc:
@@ -84,6 +85,8 @@ def require_packages(cfg: TrainConfig) -> None:
             require("peft", purpose=f"trainable_layers={cfg.trainable_layers} with implementation=hf")
     if cfg.quantized_base and cfg.implementation == "hf":  # QLoRA: bitsandbytes stores the body
         bitsandbytes(f"base_dtype={cfg.base_dtype} with implementation=hf")
+    elif cfg.base_dtype in BNB_FORMATS:
+        bitsandbytes(f"base_dtype={cfg.base_dtype}")
     elif cfg.quantized_base:
         torchao(f"base_dtype={cfg.base_dtype}")
     if cfg.weights == "pretrained" and cfg.weights_source == "hf":

@@ -1,7 +1,7 @@
 """The quantized frozen base (lora_bench.lora.quantized): a LoRA layer whose base weight torchao
-stores, against a float64 evaluation that uses the DEQUANTIZED weight (so the bound is the
-products' rounding alone, not the quantization error), and the quantization error itself against
-each format's bound, on fresh random weights."""
+(or, for nf4-bnb, bitsandbytes) stores, against a float64 evaluation that uses the DEQUANTIZED
+weight (so the bound is the products' rounding alone, not the quantization error), and the
+quantization error itself against each format's bound, on fresh random weights."""
 
 from __future__ import annotations
 
@@ -25,24 +25,25 @@ NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981445
 NF4_HALF_GAP = max(b - a for a, b in zip(NF4_CODES, NF4_CODES[1:])) / 2
 U32 = 2.0 ** -24
 
-K, N, R, ROWS = 96, 64, 4, 2 * 5  # inner size a multiple of 64 (NF4 blocks), batch (2, 5)
+K, N, R, ROWS = 96, 64, 4, 2 * 5  # weights a multiple of 64 (NF4 blocks), batch (2, 5)
+KB = 128  # bitsandbytes' CPU kernels need rows of whole 64-weight blocks (quantized.cpu_row_problem)
 
 
-def _layer(fmt: str, dtype: torch.dtype) -> tuple[LinearWithLoRA, torch.Tensor]:
+def _layer(fmt: str, dtype: torch.dtype, k: int = K) -> tuple[LinearWithLoRA, torch.Tensor]:
     """A LoRA layer (alpha 2: exact in every dtype) on a fresh random base stored in ``fmt``, its
     adapter fresh too (B nonzero, so its gradients are not trivially zero), and its input."""
-    linear = nn.Linear(K, N)
+    linear = nn.Linear(k, N)
     with torch.no_grad():
-        linear.weight.copy_(fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+        linear.weight.copy_(fresh(N, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
         linear.bias.copy_(fresh(N, device="cpu", dtype=torch.float32))
     linear.requires_grad_(False)
     layer = LinearWithLoRA(linear, R, 2.0)
     with torch.no_grad():
-        layer.lora.A.copy_(fresh(K, R, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+        layer.lora.A.copy_(fresh(k, R, device="cpu", dtype=torch.float32, scale=k ** -0.5))
         layer.lora.B.copy_(fresh(R, N, device="cpu", dtype=torch.float32))
     layer.linear = QuantizedLinear(linear, fmt, "cpu")
     layer.lora.to(dtype)
-    return layer, fresh(2, 5, K, device="cpu", dtype=dtype).requires_grad_(True)
+    return layer, fresh(2, 5, k, device="cpu", dtype=dtype).requires_grad_(True)
 
 
 def _float64(layer: LinearWithLoRA, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
@@ -56,19 +57,22 @@ def _float64(layer: LinearWithLoRA, x: torch.Tensor, g: torch.Tensor) -> list[to
     return [y, *torch.autograd.grad(y, [x64, a, bm], g.double())]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16", "nf4-bnb"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_base_layer_matches_float64_of_the_dequantized_weight(fmt, dtype):
     """Output and gradients of x, A and B, each within the bound of its longest chain: float32
     activations, λ·u·√k (dot_tol); bfloat16 activations, the 16-bit chain's 3 roundings
     (rounded_input_tol) plus one for the dequantized weight rounded to bfloat16 for the product."""
-    layer, x = _layer(fmt, dtype)
+    if fmt == "nf4-bnb":
+        pytest.importorskip("bitsandbytes")
+    k = KB if fmt == "nf4-bnb" else K
+    layer, x = _layer(fmt, dtype, k)
     g = fresh(2, 5, N, device="cpu", dtype=dtype)
     y = layer(x)
     assert y.dtype == dtype
     got = [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
     want = _float64(layer, x, g)
-    chains = lora_chains(rows=ROWS, k=K, n=N, r=R)
+    chains = lora_chains(rows=ROWS, k=k, n=N, r=R)
     for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, want):
         tol = dot_tol(torch.float32, chains[name]) if dtype == torch.float32 else rounded_input_tol(torch.bfloat16, 4)
         assert rel_err(o, w) <= tol, f"{fmt} {dtype} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
@@ -111,6 +115,43 @@ def test_nf4_error_is_within_its_block_scale_times_half_the_largest_code_gap():
     assert (err <= bound.unsqueeze(1)).all(), float((err / bound.unsqueeze(1)).max())
 
 
+def test_bitsandbytes_nf4_error_is_within_its_block_scale_times_half_the_largest_code_gap():
+    """nf4-bnb, blocks of 64: each weight rounds to the nearest code of its block's values divided
+    by their absmax (at most half the largest gap between codes, times the absmax), and is
+    dequantized with the absmax as stored (8-bit codes around their mean per block of 256, "double
+    quantization"): off by at most that stored absmax's error, which the code, at most 1 in size,
+    carries. The stored absmaxes are read back from the quant state itself."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    w = fresh(N, KB, device="cpu", dtype=torch.float32, scale=KB ** -0.5)
+    q = QuantizedLinear(_linear(w), "nf4-bnb", "cpu")
+    packed, state = q.weight_stored.packed, q.weight_stored.state
+    assert packed.dtype == torch.uint8 and packed.numel() == w.numel() // 2  # two 4-bit codes a byte
+    assert state.quant_type == "nf4" and state.blocksize == NF4_BLOCK and state.nested
+    assert state.absmax.dtype == torch.uint8 and state.absmax.numel() == w.numel() // NF4_BLOCK
+    assert torch.allclose(state.code.double(), torch.tensor(NF4_CODES, dtype=torch.float64), atol=1e-6)
+    stored_absmax = functional.dequantize_blockwise(state.absmax, state.state2).double() + float(state.offset)
+    blocks = w.double().reshape(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    bound = (absmax * NF4_HALF_GAP + (absmax - stored_absmax).abs()) * (1 + 8 * U32)
+    err = (blocks - q.dequantized_weight().double().reshape(-1, NF4_BLOCK)).abs()
+    assert (err <= bound.unsqueeze(1)).all(), float((err / bound.unsqueeze(1)).max())
+    assert (err > bound.unsqueeze(1) / 2).any()  # the bound is about this format: rounding uses most of it
+
+
+def test_bitsandbytes_nf4_dequantizes_straight_to_the_compute_dtype():
+    """Under bf16 autocast the bf16 product reads the weight dequantized to bf16 (the quant state's
+    output dtype), no float32 copy; the stored codes and absmaxes are the float32 state's, shared."""
+    pytest.importorskip("bitsandbytes")
+    layer, x = _layer("nf4-bnb", torch.float32, KB)
+    stored = layer.linear.weight_stored
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer.linear(x)
+    assert y.dtype == torch.bfloat16
+    bf16 = stored.state_for(torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and stored.state.dtype == torch.float32
+    assert bf16.absmax is stored.state.absmax and bf16.state2 is stored.state.state2
+
+
 def test_nf4_code_values_are_the_qlora_reference_ones():
     """torchao's NF4 codes are bitsandbytes' (the QLoRA reference implementation's)."""
     functional = pytest.importorskip("bitsandbytes.functional")
@@ -118,15 +159,20 @@ def test_nf4_code_values_are_the_qlora_reference_ones():
     assert torch.allclose(codes, torch.tensor(NF4_CODES, dtype=torch.float64), atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt, per_weight", [("int8", 1), ("nf4", 0.5), ("bf16", 2)])
+@pytest.mark.parametrize("fmt, per_weight", [("int8", 1), ("nf4", 0.5), ("bf16", 2), ("nf4-bnb", 0.5)])
 def test_stored_bytes_count_the_format(fmt, per_weight):
     """Bytes held: the values at their width, plus the scales (int8: one float32 scale and one int8
     zero point, 0 for the symmetric format torchao keeps anyway, per row; NF4: one
-    int8 per block of 64 and a float32 per block of scales, the 16-value code table, the mean)."""
-    w = fresh(N, K, device="cpu", dtype=torch.float32)
+    int8 per block of 64 and a float32 per block of scales, the 16-value code table, the mean;
+    bitsandbytes' NF4: one 8-bit code per block of 64 and a float32 per block of 256 of those, the
+    16-value NF4 table, the 256-value table of the absmaxes' codes, their mean)."""
+    if fmt == "nf4-bnb":
+        pytest.importorskip("bitsandbytes")
+    w = fresh(N, KB if fmt == "nf4-bnb" else K, device="cpu", dtype=torch.float32)
     q = QuantizedLinear(_linear(w), fmt, "cpu")
-    extra = {"int8": 5 * N, "nf4": w.numel() // NF4_BLOCK + 4 * (w.numel() // NF4_BLOCK // nf4_scaler_block(
-        w.numel() // NF4_BLOCK)) + 16 * 4 + 4, "bf16": 0}[fmt]
+    blocks = w.numel() // NF4_BLOCK
+    extra = {"int8": 5 * N, "nf4": blocks + 4 * (blocks // nf4_scaler_block(blocks)) + 16 * 4 + 4, "bf16": 0,
+             "nf4-bnb": blocks + 4 * -(-blocks // 256) + 16 * 4 + 256 * 4 + 4}[fmt]
     assert q.stored_bytes() == per_weight * w.numel() + extra
     assert stored_bytes(w) == 4 * w.numel()
 
@@ -183,14 +229,55 @@ def test_fp8_layer_matches_float64_of_the_dequantized_weight(dtype):
     assert layer.linear.weight_stored.qdata.dtype == torch.float8_e4m3fn
 
 
-def _layer_on_cuda(dtype: torch.dtype) -> tuple[LinearWithLoRA, torch.Tensor]:
-    linear = _linear(fresh(N, K, device="cpu", dtype=torch.float32, scale=K ** -0.5))
+def _layer_on_cuda(dtype: torch.dtype, fmt: str = "fp8", k: int = K) -> tuple[LinearWithLoRA, torch.Tensor]:
+    linear = _linear(fresh(N, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
     with torch.no_grad():
         linear.bias.copy_(fresh(N, device="cpu", dtype=torch.float32))
     layer = LinearWithLoRA(copy.deepcopy(linear), R, 2.0)
     with torch.no_grad():
         layer.lora.B.copy_(fresh(R, N, device="cpu", dtype=torch.float32))
     layer.lora.to("cuda", dtype)
-    layer.linear = QuantizedLinear(linear, "fp8", torch.device("cuda"))
+    layer.linear = QuantizedLinear(linear, fmt, torch.device("cuda"))
     layer.linear.bias.data = layer.linear.bias.data.cuda()
-    return layer, fresh(2, 5, K, device="cuda", dtype=dtype).requires_grad_(True)
+    return layer, fresh(2, 5, k, device="cuda", dtype=dtype).requires_grad_(True)
+
+
+# -- nf4-bnb on CUDA: bitsandbytes' CUDA kernels --------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' CUDA kernels need a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitsandbytes_nf4_layer_on_cuda_matches_float64_of_the_dequantized_weight(dtype):
+    """nf4-bnb on CUDA, eager and replayed as a CUDA graph on new inputs: output and gradients of
+    x, A and B within the bounds of the CPU test (float32: λ·u·√k; bfloat16: the 16-bit chain's
+    roundings plus the weight's)."""
+    pytest.importorskip("bitsandbytes")
+    from lora_bench.train.graphs import warm_up
+
+    layer, x = _layer_on_cuda(dtype, "nf4-bnb", KB)
+    chains = lora_chains(rows=ROWS, k=KB, n=N, r=R)
+
+    def check(got, x, g, how):
+        want = _float64(layer, x, g)
+        for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, want):
+            fp32 = dtype == torch.float32
+            tol = dot_tol(torch.float32, chains[name]) if fp32 else rounded_input_tol(torch.bfloat16, 4)
+            assert rel_err(o, w) <= tol, f"nf4-bnb {dtype} {how} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+
+    def step(x, g):
+        y = layer(x)
+        return [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
+
+    g = fresh(2, 5, N, device="cuda", dtype=dtype)
+    check(step(x, g), x, g, "eager")
+    static_x, static_g = x.detach().clone().requires_grad_(True), g.clone()
+    warm_up(lambda: step(static_x, static_g), 3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x, static_g)
+    new_x, new_g = fresh(2, 5, KB, device="cuda", dtype=dtype), fresh(2, 5, N, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+        static_g.copy_(new_g)
+    graph.replay()
+    torch.cuda.synchronize()
+    check([t.clone() for t in out], new_x.requires_grad_(True), new_g, "graph")
