@@ -120,9 +120,9 @@ class Settings:
                          "fp8: float8 rowwise, float8 products (torch._scaled_mm, a CUDA GPU of compute "
                          "capability 8.9 or newer); int8: int8 weight-only, per output channel; nf4: QLoRA's "
                          "4-bit NormalFloat, per block of 64; nf4-bnb: the same NF4 through bitsandbytes' kernels. "
-                         "Adapters and the head stay full precision. fp8, int8 and nf4 use torchao; with "
-                         "--implementation hf only nf4 is taken, QLoRA through bitsandbytes (both: pip install "
-                         "\"lora-bench[quant]\"); docs/quantized-base.md.",
+                         "Adapters and the head stay full precision. fp8, int8 and nf4 use torchao, nf4-bnb "
+                         "bitsandbytes; with --implementation hf only nf4 is taken, QLoRA through bitsandbytes "
+                         "(both: pip install \"lora-bench[quant]\"); docs/quantized-base.md.",
                          LORA, choices=BASE_DTYPES)
     trainable_token_pos: str = _s("last", "Token whose logits are trained and classified (flexible: the "
                                   "last token that is not padding).", TRAINING, choices=TOKEN_POSITIONS,
