@@ -135,7 +135,7 @@ def nf4_scaler_block(n_blocks: int) -> int:
     return max(d for d in range(1, min(NF4_SCALER_BLOCK, n_blocks) + 1) if n_blocks % d == 0)
 
 
-def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor | Bnb4bit:
     """``weight`` (out × in) stored in ``fmt``, on its device."""
     w = weight.detach()
     if fmt == "bf16":
