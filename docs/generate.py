@@ -25,6 +25,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's 
 from lora_bench.config import TrainConfig  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
 from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS  # noqa: E402
+from lora_bench.report.load import RESULTS_DIR  # noqa: E402
+from lora_bench.report.samples import sample  # noqa: E402
 from lora_bench.report.stats import Sample  # noqa: E402
 from lora_bench.results.store import read_runs  # noqa: E402
 from lora_bench.timing import PHASES  # noqa: E402
@@ -61,6 +63,14 @@ ANSWER_MODES = (("reference", "reference mode: eager fp32, book ops"),
                 ("best", "CUDA graphs + bf16 autocast + SDPA + fused ops + fused AdamW"))
 
 
+def _samples(df: pd.DataFrame, folder: str, by: list[str], column: str) -> dict[tuple, Sample]:
+    """Each group's repeats of ``column`` in ``folder``'s runs, as the reports resample them
+    (lora_bench.report.samples): keyed by folder, sweep and repeat, so that two groups' ratio or
+    difference pairs them."""
+    rows = df.assign(**{RESULTS_DIR: folder})
+    return {key: sample(part, column) for key, part in rows.groupby(by)}
+
+
 def _study_step(label: str) -> dict[tuple[str, str], float]:
     df = runs(STUDY)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
@@ -69,16 +79,10 @@ def _study_step(label: str) -> dict[tuple[str, str], float]:
 
 def _repeats(label: str) -> dict[tuple[str, str], Sample]:
     """Each (size, layers) point's repeats (median step ms of each run) in the study with repeats,
-    keyed by sweep and repeat so that two points' ratio pairs them as the reports do
-    (lora_bench.report.stats)."""
+    paired by sweep and repeat as the reports pair them (``_samples``)."""
     df = runs(ANSWER)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
-    values: dict[tuple[str, str], list[float]] = {}
-    keys: dict[tuple[str, str], list[tuple]] = {}
-    for r in df.itertuples():
-        values.setdefault((r.model_size, r.trainable_layers), []).append(r.step_ms_median)
-        keys.setdefault((r.model_size, r.trainable_layers), []).append((ANSWER, r.sweep_name, str(r.repeat)))
-    return {k: Sample.of(v, keys=keys[k]) for k, v in values.items()}
+    return _samples(df, ANSWER, ["model_size", "trainable_layers"], "step_ms_median")
 
 
 def table_answer() -> str:
@@ -308,8 +312,11 @@ KERNEL_NAMES = [  # (pattern in the profiler's kernel name, what it is), first m
 ]
 
 
-def _kernel_name(raw: str) -> str:
-    return next((name for pattern, name in KERNEL_NAMES if pattern in raw), raw.split("(")[0].split("<")[0][:40])
+def _kernel_name(raw: str, names: list[tuple[str, str]] = KERNEL_NAMES, other: str | None = None) -> str:
+    """What a profiled kernel does: the first of ``names`` whose pattern its name holds; else
+    ``other``, or the start of its own name."""
+    fallback = other if other is not None else raw.split("(")[0].split("<")[0][:40]
+    return next((name for pattern, name in names if pattern in raw), fallback)
 
 
 def table_profile_1558m() -> str:
@@ -606,16 +613,6 @@ QUANTIZED = "answer/quantized"
 BASES = ("precision", "bf16", "fp8", "int8", "nf4")
 
 
-def _samples(df: pd.DataFrame, folder: str, by: list[str], column: str) -> dict[tuple, Sample]:
-    """Each group's repeats of ``column`` (one value a run), keyed by sweep and repeat so that two
-    groups' ratio or difference pairs them as the reports do (lora_bench.report.stats)."""
-    out = {}
-    for key, part in df.groupby(by):
-        keys = [(folder, r.sweep_name, str(r.repeat)) for r in part.itertuples()]
-        out[key] = Sample.of(list(part[column]), keys=keys)
-    return out
-
-
 def table_quantized() -> str:
     """configs/quantized-base-study.yaml as far as it ran: lora's step with its 95 % interval over
     the finished repeats, its ratio to the bf16 base's (repeats paired) with the verdict, its phases
@@ -675,9 +672,9 @@ def table_quantized_accuracy() -> str:
             cells = [f"{size} {dtype}", f"{len(v.values)} of {n_all}",
                      f"{v.point:.1f} ({v.values.min():.1f}–{v.values.max():.1f})",
                      f"{t.point:.1f} ({t.values.min():.1f}–{t.values.max():.1f})"]
-            for sample, baseline in ((v, val[("bf16",)]), (t, test[("bf16",)])):
+            for candidate, baseline in ((v, val[("bf16",)]), (t, test[("bf16",)])):
                 cells.append("(baseline)" if dtype == "bf16" else
-                             interval_text(difference_interval(sample, baseline), digits=1, unit=" pt"))
+                             interval_text(difference_interval(candidate, baseline), digits=1, unit=" pt"))
             rows.append(cells)
     return _table(["lora r16, random weights, best mode", "seeds done", "val % median (seeds' range)",
                    "test % median (seeds' range)", "val − bf16 base [95 %]", "test − bf16 base [95 %]"], rows,
@@ -698,6 +695,7 @@ QUANT_KERNELS = [  # (pattern in the profiler's kernel name, what it does on a s
     ("CUDAFunctor_add", "add"),
 ]
 QUANT_GROUPS = [name for _, name in QUANT_KERNELS]
+OTHER_KERNELS = "everything else"
 
 
 def table_quantized_profile() -> str:
@@ -707,19 +705,19 @@ def table_quantized_profile() -> str:
     df = runs(QUANTIZED_PROFILE)
     df = df[df["status"] == "done"].set_index("cfg_base_dtype")
     order = [b for b in BASES[1:] if b in df.index]
-    groups: dict[str, dict[str, float]] = {g: {} for g in [*QUANT_GROUPS, "everything else"]}
+    groups: dict[str, dict[str, float]] = {g: {} for g in [*QUANT_GROUPS, OTHER_KERNELS]}
     totals: dict[str, dict[str, float]] = {}
     for dtype in order:
         folder = RESULTS / QUANTIZED_PROFILE / df.loc[dtype, "run_id"]
         phases = pd.read_csv(folder / "kernels_by_phase.csv").set_index("phase")
         top = pd.read_csv(folder / "top_kernels.csv")
         top = top[top["phase"].isin(["forward", "backward"])]
-        top["what"] = top["kernel"].map(lambda k: next((n for pat, n in QUANT_KERNELS if pat in k), "everything else"))
+        top["what"] = top["kernel"].map(lambda k: _kernel_name(k, QUANT_KERNELS, OTHER_KERNELS))
         by = top.groupby("what")["ms_per_step"].sum()
         fb = phases.loc[["forward", "backward"]]
         for g in groups:
             groups[g][dtype] = float(by.get(g, 0.0))
-        groups["everything else"][dtype] += float(fb["kernel_ms_per_step"].sum() - top["ms_per_step"].sum())
+        groups[OTHER_KERNELS][dtype] += float(fb["kernel_ms_per_step"].sum() - top["ms_per_step"].sum())
         totals[dtype] = {"forward": float(fb.loc["forward", "kernel_ms_per_step"]),
                          "backward": float(fb.loc["backward", "kernel_ms_per_step"]),
                          "launches": float(fb["launches_per_step"].sum())}

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BY_FLAG, HF_TRAINABLE_LAYERS, MAX_INT,
-                                           SETTINGS, coerce, key_name)
+from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BASE_DTYPES, BY_FLAG,
+                                           HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name)
 from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
@@ -154,6 +154,7 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
 
 # base_dtype values the transformers peer stores (with bitsandbytes: QLoRA), and why it takes no other
 HF_BASE_DTYPES = ("nf4",)
+CPU_BASE_DTYPES = tuple(b for b in BASE_DTYPES if b != "fp8")  # what the CPU runs: all but fp8's float8 GEMMs
 HF_BASE_REFUSALS = {
     "bf16": "the peer's bfloat16 base is {precision}=bf16 with {base_dtype}=precision, which casts its frozen "
             "weights to bfloat16 once",
@@ -190,8 +191,7 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
         out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
                                          "(its products are torch._scaled_mm's float8 rowwise GEMMs, which the CPU "
                                          "does not run); {device}=cpu given: on the CPU choose {base_dtype} one "
-                                         "of: {allowed}", allowed=raw(", ".join((BASE_DTYPE_DEFAULT, "bf16", "int8",
-                                                                                 "nf4", "nf4-bnb")))))
+                                         "of: {allowed}", allowed=raw(", ".join(CPU_BASE_DTYPES))))
     return out
 
 

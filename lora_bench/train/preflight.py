@@ -13,6 +13,7 @@ import torch
 
 from lora_bench.classifier.book import model_config
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
+from lora_bench.config.rules import CPU_BASE_DTYPES
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
@@ -38,7 +39,8 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.base_dtype == "fp8" and cfg.device == "auto" and count == 0:
         out.append(problem("base_dtype", "{base_dtype}=fp8 needs a CUDA GPU of compute capability 8.9 or newer "
                                          "(torch._scaled_mm's float8 products), and none is available here; on the "
-                                         "CPU choose {base_dtype} one of: precision, bf16, int8, nf4, nf4-bnb"))
+                                         "CPU choose {base_dtype} one of: {allowed}",
+                           allowed=raw(", ".join(CPU_BASE_DTYPES))))
     bnb = (cfg.implementation == "hf" and cfg.base_dtype in QLORA_FORMATS) or cfg.base_dtype in BNB_FORMATS
     if bnb and (cfg.device == "cpu" or (cfg.device == "auto" and count == 0)):
         why = cpu_row_problem(model_config(cfg).emb_dim)
