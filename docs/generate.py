@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's 
 from lora_bench.config import TrainConfig  # noqa: E402
 from lora_bench.fileio import atomic_write_text  # noqa: E402
 from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS  # noqa: E402
-from lora_bench.report.load import RESULTS_DIR  # noqa: E402
+from lora_bench.report.load import RESULTS_DIR, RUN_DIR  # noqa: E402
 from lora_bench.report.samples import sample  # noqa: E402
 from lora_bench.report.stats import Sample  # noqa: E402
 from lora_bench.results.store import read_runs  # noqa: E402
@@ -66,8 +66,8 @@ ANSWER_MODES = (("reference", "reference mode: eager fp32, book ops"),
 def _samples(df: pd.DataFrame, folder: str, by: list[str], column: str) -> dict[tuple, Sample]:
     """Each group's repeats of ``column`` in ``folder``'s runs, as the reports resample them
     (lora_bench.report.samples): keyed by folder, sweep and repeat, so that two groups' ratio or
-    difference pairs them."""
-    rows = df.assign(**{RESULTS_DIR: folder})
+    difference pairs them; a group of one run resamples its measured steps, as the reports do."""
+    rows = df.assign(**{RESULTS_DIR: folder, RUN_DIR: [str(RESULTS / folder / r) for r in df["run_id"]]})
     return {key: sample(part, column) for key, part in rows.groupby(by)}
 
 
@@ -613,38 +613,61 @@ QUANTIZED = "answer/quantized"
 BASES = ("precision", "bf16", "fp8", "int8", "nf4")
 
 
-def table_quantized() -> str:
-    """configs/quantized-base-study.yaml as far as it ran: lora's step with its 95 % interval over
-    the finished repeats, its ratio to the bf16 base's (repeats paired) with the verdict, its phases
-    and the stored block weights per base dtype and size (medians over the finished repeats)."""
+def table_quantized(folder: str = QUANTIZED, bases: tuple[str, ...] = BASES, *, kernels: bool = False) -> str:
+    """configs/quantized-base-study.yaml (or another sweep of lora on stored bases in ``folder``) as
+    far as it ran: lora's step with its 95 % interval over the finished repeats, its ratio to the
+    bf16 base's (repeats paired) with the verdict, its phases (with ``kernels``, the replayed graph's
+    kernels per phase) and the stored block weights per base dtype and size (medians over the
+    finished repeats)."""
     from lora_bench.report.stats import interval_text, median_interval, ratio_interval, verdict
 
-    df = runs(QUANTIZED)
+    df = runs(folder)
     df = df[(df["cfg_implementation"] == "book") & (df["trainable_layers"] == "lora")]
     done = df[df["status"] == "done"]
-    steps = _samples(done, QUANTIZED, ["model_size", "cfg_base_dtype"], "step_ms_median")
-    cols = ["forward_ms_median", "backward_ms_median", "base_weight_mib", "peak_mem_allocated_mib"]
+    steps = _samples(done, folder, ["model_size", "cfg_base_dtype"], "step_ms_median")
+    cols = ["forward_ms_median", "backward_ms_median", "base_weight_mib", "peak_mem_allocated_mib",
+            "graph_kernels_forward", "graph_kernels_backward"]
     med = done.groupby(["model_size", "cfg_base_dtype"])[cols].median()
     rows = []
     for size in ("124M", "1558M"):
         if (size, "bf16") not in steps:
             continue
         base = steps[(size, "bf16")]
-        for dtype in BASES:
+        for dtype in bases:
             if (size, dtype) not in steps:
                 continue
             step = steps[(size, dtype)]
             r, ratio = med.loc[(size, dtype)], ratio_interval(step, base)
-            n_done = len(step.values)
+            n_done = int(((done["model_size"] == size) & (done["cfg_base_dtype"] == dtype)).sum())
             n_all = int(((df["model_size"] == size) & (df["cfg_base_dtype"] == dtype)).sum())
             vs = "1.00× (baseline)" if dtype == "bf16" else f"{interval_text(ratio, unit='×')} {verdict(ratio)}"
-            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", interval_text(median_interval(step)), vs,
-                         _ms(r["forward_ms_median"]), _ms(r["backward_ms_median"]), f"{r['base_weight_mib']:,.0f}",
+            phases = [_ms(r["forward_ms_median"]), _ms(r["backward_ms_median"])]
+            if kernels:
+                phases += [f"{r['graph_kernels_forward']:,.0f}", f"{r['graph_kernels_backward']:,.0f}"]
+            rows.append([f"{size} {dtype}", f"{n_done} of {n_all}", interval_text(median_interval(step)), vs, *phases,
+                         f"{r['base_weight_mib']:,.0f}",
                          f"{r['base_weight_mib'] / med.loc[(size, 'bf16')]['base_weight_mib']:.2f}×",
                          f"{r['peak_mem_allocated_mib']:,.0f}"])
-    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW, one H200", "runs done",
-                   "step ms [95 %]", "÷ bf16 base [95 %]", "fwd ms", "bwd ms", "block weights MiB", "÷ bf16 base",
-                   "peak MiB"], rows, align="---|---|---:|---:|---:|---:|---:|---:|---:")
+    head = ["fwd ms", "bwd ms"] + (["fwd kernels", "bwd kernels"] if kernels else [])
+    return _table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW" + (", blocks compiled" if kernels else "")
+                   + ", one H200", "runs done", "step ms [95 %]", "÷ bf16 base [95 %]", *head, "block weights MiB",
+                   "÷ bf16 base", "peak MiB"], rows, align="---|---|" + "|".join(["---:"] * (5 + len(head))))
+
+
+QUANTIZED_BNB = "answer/quantized-bnb"
+QUANTIZED_COMPILED = "answer/quantized-compiled"
+
+
+def table_quantized_bnb() -> str:
+    """configs/quantized-base-bnb.yaml: lora on the bf16 base and on NF4 from torchao and from
+    bitsandbytes, in the study's table form."""
+    return table_quantized(QUANTIZED_BNB, ("bf16", "nf4", "nf4-bnb"))
+
+
+def table_quantized_compiled() -> str:
+    """configs/quantized-base-compiled.yaml as far as it ran: the study's 1558M lora rows with each
+    block compiled, with the replayed graph's kernels per phase."""
+    return table_quantized(QUANTIZED_COMPILED, ("precision", "bf16", "fp8", "int8"), kernels=True)
 
 
 QUANTIZED_ACCURACY = "answer/quantized-accuracy"
@@ -735,6 +758,8 @@ TABLES = {
     "packing-step": table_packing_step,
     "quantized": table_quantized,
     "quantized-accuracy": table_quantized_accuracy,
+    "quantized-bnb": table_quantized_bnb,
+    "quantized-compiled": table_quantized_compiled,
     "quantized-profile": table_quantized_profile,
     "answer": table_answer,
     "fastest": table_fastest,
