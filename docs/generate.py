@@ -712,6 +712,7 @@ QUANT_KERNELS = [  # (pattern in the profiler's kernel name, what it does on a s
     ("DivFunctor", "divide by a scale"),
     ("MulFunctor", "multiply by a scale"),
     ("CatArrayBatchedCopy", "concatenate (NF4 dequantization)"),
+    ("kDequantizeBlockwise", "dequantize blocks (bitsandbytes' NF4 and its scales)"),
     ("index_elementwise", "code-table lookup (NF4 dequantization)"),
     ("bfloat16_copy", "cast to bf16"),
     ("direct_copy", "copy or cast"),
@@ -727,7 +728,7 @@ def table_quantized_profile() -> str:
     each run; the rest as "everything else"), with the phases' totals and launches."""
     df = runs(QUANTIZED_PROFILE)
     df = df[df["status"] == "done"].set_index("cfg_base_dtype")
-    order = [b for b in BASES[1:] if b in df.index]
+    order = [b for b in (*BASES[1:], "nf4-bnb") if b in df.index]
     groups: dict[str, dict[str, float]] = {g: {} for g in [*QUANT_GROUPS, OTHER_KERNELS]}
     totals: dict[str, dict[str, float]] = {}
     for dtype in order:

@@ -116,13 +116,14 @@ def test_quantized_base_study_covers_every_base_and_the_qlora_peer():
 
 
 def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
-    """The profile sweep is the study's 1558M lora rows on each stored base (bf16, fp8, int8, nf4),
-    in the study's mode but eager (a profiler sees no kernels inside a replayed CUDA graph),
-    profiled per phase with its top kernels."""
-    study = {r.cfg.base_dtype: r.cfg for r in load_sweep(REPO / "configs" / "quantized-base-study.yaml").runs
+    """The profile sweep is the study's 1558M lora rows on each stored base (bf16, fp8, int8, nf4)
+    and the bitsandbytes sweep's nf4-bnb row, in their mode but eager (a profiler sees no kernels
+    inside a replayed CUDA graph), profiled per phase with its top kernels."""
+    study = {r.cfg.base_dtype: r.cfg for name in ("quantized-base-study", "quantized-base-bnb")
+             for r in load_sweep(REPO / "configs" / f"{name}.yaml").runs
              if r.cfg.model_size == "1558M" and r.cfg.implementation == "book" and r.cfg.trainable_layers == "lora"}
     profile = load_sweep(REPO / "configs" / "quantized-base-profile.yaml").runs
-    assert sorted(r.cfg.base_dtype for r in profile) == sorted(["bf16", "fp8", "int8", "nf4"])
+    assert sorted(r.cfg.base_dtype for r in profile) == sorted(["bf16", "fp8", "int8", "nf4", "nf4-bnb"])
     same = ("weights", "batch_size", "lora_rank", "lora_alpha", "precision", "attention", "ops", "optimizer",
             "max_steps", "warmup_steps", "eval_freq", "skip_final_eval", "compile")
     for r in profile:
