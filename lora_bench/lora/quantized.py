@@ -17,18 +17,22 @@ precision (docs/quantized-base.md).
 
 The backward of int8 and fp8 (and of torchao's nf4) is the input's gradient through the
 dequantized weight: ``grad_out @ dequantize(W)``, the product the frozen weight needs (it takes no
-gradient); so is bitsandbytes' ``matmul_4bit``'s. torchao and bitsandbytes are imported only here (and
-by the transformers peer), and only when a run asks for one of their formats."""
+gradient); so is bitsandbytes' ``matmul_4bit``'s. Under torch.compile the NF4 product's
+dequantization is recomputed backward (selective checkpointing), so that the compiled step keeps
+only the stored weight between forward and backward, as eager does. torchao and bitsandbytes are
+imported only here (and by the transformers peer), and only when a run asks for one of their formats."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from types import ModuleType
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lora_bench.errors import UsageError
 from lora_bench.lora.kernel import LinearWithLoRAKernel
@@ -200,6 +204,23 @@ class _ThroughDequantized(torch.autograd.Function):
         return grad @ dequantize(ctx.stored, ctx.fmt).to(grad.dtype), None, None
 
 
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _recompute_all_but_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _PRODUCTS else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _nf4_product_compiled(x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 product as torch.compile traces it. Traced whole, forward's dequantization is
+    the one backward needs too, and the compiled graph would keep that full-precision copy of the
+    weight from forward to backward (every block's, for the whole step); checkpointed with every op
+    but the matrix products recomputed, backward dequantizes the stored weight again, as torchao's
+    NF4 linear does in eager."""
+    return checkpoint(F.linear, x, stored, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_products))
+
+
 class QuantizedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is stored in ``fmt``; its bias stays as it was (a frozen
     parameter). The stored weight is an attribute, not a parameter or buffer: it is made on the
@@ -233,7 +254,8 @@ class QuantizedLinear(nn.Module):
             if self.fmt == "bf16":
                 y = F.linear(xc, self.weight_stored.to(compute))
             elif self.fmt == "nf4":  # torchao's NF4 linear: its own autograd function, the same backward
-                y = F.linear(xc, self.weight_stored)
+                y = (_nf4_product_compiled(xc, self.weight_stored) if torch.compiler.is_compiling()
+                     else F.linear(xc, self.weight_stored))
             elif self.fmt == "nf4-bnb":  # bitsandbytes' 4-bit product: its own autograd function, the same backward
                 stored = self.weight_stored
                 y = self._matmul_4bit(xc, stored.packed.t(), quant_state=stored.state_for(compute))

@@ -115,6 +115,23 @@ def test_quantized_base_study_covers_every_base_and_the_qlora_peer():
     assert len(sw.runs) == 20 * 5
 
 
+def test_quantized_base_compiled_is_the_studys_1558m_lora_rows_with_each_block_compiled():
+    """The compiled sweep is the study's 1558M lora rows on the precision, bf16, fp8, int8 and nf4
+    bases in the study's mode (CUDA graphs), each block compiled, 3 repeats."""
+    study = {r.cfg.base_dtype: r.cfg for r in load_sweep(REPO / "configs" / "quantized-base-study.yaml").runs
+             if r.cfg.model_size == "1558M" and r.cfg.implementation == "book" and r.cfg.trainable_layers == "lora"}
+    sw = load_sweep(REPO / "configs" / "quantized-base-compiled.yaml")
+    assert sw.repeats == 3
+    assert sorted({r.cfg.base_dtype for r in sw.runs}) == sorted(["precision", "bf16", "fp8", "int8", "nf4"])
+    same = ("weights", "batch_size", "lora_rank", "lora_alpha", "precision", "attention", "ops", "optimizer",
+            "max_steps", "warmup_steps", "eval_freq", "skip_final_eval", "cuda_graphs")
+    for r in sw.runs:
+        cfg = r.cfg
+        assert (cfg.model_size, cfg.trainable_layers, cfg.compile, cfg.compile_scope) == \
+            ("1558M", "lora", True, "blocks")
+        assert {k: getattr(cfg, k) for k in same} == {k: getattr(study[cfg.base_dtype], k) for k in same}
+
+
 def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
     """The profile sweep is the study's 1558M lora rows on each stored base (bf16, fp8, int8, nf4)
     and the bitsandbytes sweep's nf4-bnb row, in their mode but eager (a profiler sees no kernels

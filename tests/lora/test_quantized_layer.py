@@ -177,6 +177,27 @@ def test_stored_bytes_count_the_format(fmt, per_weight):
     assert stored_bytes(w) == 4 * w.numel()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_compiled_layer_keeps_only_the_stored_weight_for_backward(fmt):
+    """Under torch.compile a LoRA layer on a stored base matches float64 of the dequantized weight
+    (float32 bounds), and what its compiled step keeps from forward to backward holds no
+    full-precision copy of the weight: every saved floating tensor is smaller than the weight."""
+    torch._dynamo.reset()
+    layer, x = _layer(fmt, torch.float32)
+    g = fresh(2, 5, N, device="cpu", dtype=torch.float32)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = torch.compile(layer)(x)
+    got = [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
+    chains = lora_chains(rows=ROWS, k=K, n=N, r=R)
+    for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, _float64(layer, x, g)):
+        tol = dot_tol(torch.float32, chains[name])
+        assert rel_err(o, w) <= tol, f"compiled {fmt} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+    assert saved, "the compiled layer saved nothing for backward"
+    weight_sized = [(tuple(t.shape), t.dtype) for t in saved if t.is_floating_point() and t.numel() >= N * K]
+    assert not weight_sized, f"compiled {fmt} keeps weight-sized floating tensors for backward: {weight_sized}"
+
+
 def test_the_stored_weight_is_not_a_parameter_and_takes_no_gradient():
     layer, x = _layer("int8", torch.float32)
     names = [n for n, _ in layer.named_parameters()]

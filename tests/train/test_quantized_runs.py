@@ -102,13 +102,14 @@ def test_a_lora_run_on_a_bitsandbytes_nf4_base_trains_and_records_it(sms_file, c
 
 
 @pytest.mark.slow
-def test_a_compiled_run_on_an_int8_base_trains(sms_file, cache_dir, tmp_path):
-    """torch.compile over the stored int8 blocks (each block compiled): dynamo compiles graphs of
-    the quantized blocks, and the run trains (its loss on the same batches falls)."""
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_a_compiled_run_on_a_quantized_base_trains(fmt, sms_file, cache_dir, tmp_path):
+    """torch.compile over the stored int8 or NF4 blocks (each block compiled): dynamo compiles graphs
+    of the quantized blocks, and the run trains (its loss on the same batches falls)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    row, record = _run(_cfg(sms_file, base_dtype="int8", compile=True, compile_scope="blocks"), tmp_path, "compiled",
+    row, record = _run(_cfg(sms_file, base_dtype=fmt, compile=True, compile_scope="blocks"), tmp_path, "compiled",
                        cache_dir)
     assert row["status"] == "done", row.get("error")
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
