@@ -667,7 +667,7 @@ def table_quantized_bnb() -> str:
 def table_quantized_compiled() -> str:
     """configs/quantized-base-compiled.yaml as far as it ran: the study's 1558M lora rows with each
     block compiled, with the replayed graph's kernels per phase."""
-    return table_quantized(QUANTIZED_COMPILED, ("precision", "bf16", "fp8", "int8"), kernels=True)
+    return table_quantized(QUANTIZED_COMPILED, BASES, kernels=True)
 
 
 QUANTIZED_ACCURACY = "answer/quantized-accuracy"
