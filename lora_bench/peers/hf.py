@@ -62,7 +62,6 @@ LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: 
 LORA_INITS = ("peft", "book")
 PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
 QLORA_FORMATS = ("nf4",)  # base_dtype values the peer stores with bitsandbytes
-QLORA_BLOCK = NF4_BLOCK  # weights per absmax (bitsandbytes' and QLoRA's default)
 SCORE = "score"  # the classification head's module name, never quantized
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -122,7 +121,7 @@ def load_qlora_model(config, state: dict[str, torch.Tensor], *, device: torch.de
     why = cpu_row_problem(config.n_embd) if device.type == "cpu" else None
     if why:
         raise UsageError(f"base_dtype=nf4 with implementation=hf on the CPU is refused: {why}; use a CUDA device "
-                         f"or an emb_dim that is a multiple of {QLORA_BLOCK}")
+                         f"or an emb_dim that is a multiple of {NF4_BLOCK}")
     where = "cpu" if device.type == "cpu" else (device.index if device.index is not None
                                                 else torch.cuda.current_device())
     logging_ = transformers.utils.logging

@@ -17,9 +17,9 @@ from lora_bench.config.rules import CPU_BASE_DTYPES
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file
-from lora_bench.lora.quantized import BNB_FORMATS, bitsandbytes, cpu_row_problem, torchao
+from lora_bench.lora.quantized import BNB_FORMATS, NF4_BLOCK, bitsandbytes, cpu_row_problem, torchao
 from lora_bench.optional import require
-from lora_bench.peers.hf import QLORA_BLOCK, QLORA_FORMATS
+from lora_bench.peers.hf import QLORA_FORMATS
 from lora_bench.train.memory import fit_problem
 from lora_bench.train.setup import resolve_device
 
@@ -48,7 +48,7 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
             with_hf = " with {implementation}=hf" if cfg.implementation == "hf" else ""
             out.append(problem("base_dtype", "{base_dtype}={b}" + with_hf + " on the CPU is refused: {why}; "
                                              "use a CUDA device or an {emb_dim} that is a multiple of {block}",
-                               b=raw(cfg.base_dtype), why=raw(why), block=raw(QLORA_BLOCK)))
+                               b=raw(cfg.base_dtype), why=raw(why), block=raw(NF4_BLOCK)))
     if cfg.nproc > 1 and count and cfg.device in ("auto", "cuda") and count < cfg.nproc:
         out.append(problem("nproc", "{nproc}={n} needs {n} GPUs (one per process); this machine has {c}",
                            n=raw(cfg.nproc), c=raw(count)))
