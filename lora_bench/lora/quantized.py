@@ -17,9 +17,10 @@ precision (docs/quantized-base.md).
 
 The backward of int8 and fp8 (and of torchao's nf4) is the input's gradient through the
 dequantized weight: ``grad_out @ dequantize(W)``, the product the frozen weight needs (it takes no
-gradient); so is bitsandbytes' ``matmul_4bit``'s. Under torch.compile the NF4 product's
+gradient); so is bitsandbytes' ``matmul_4bit``'s. Under torch.compile the int8 and NF4 products'
 dequantization is recomputed backward (selective checkpointing), so that the compiled step keeps
-only the stored weight between forward and backward, as eager does. torchao and bitsandbytes are
+only the stored weight between forward and backward, as eager does; compiled int8 multiplies by
+the dequantized weight (``_product_compiled`` says why). torchao and bitsandbytes are
 imported only here (and by the transformers peer), and only when a run asks for one of their formats."""
 
 from __future__ import annotations
@@ -211,13 +212,24 @@ def _recompute_all_but_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _PRODUCTS else CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _nf4_product_compiled(x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """torchao's NF4 product as torch.compile traces it. Traced whole, forward's dequantization is
-    the one backward needs too, and the compiled graph would keep that full-precision copy of the
-    weight from forward to backward (every block's, for the whole step); checkpointed with every op
-    but the matrix products recomputed, backward dequantizes the stored weight again, as torchao's
-    NF4 linear does in eager."""
-    return checkpoint(F.linear, x, stored, use_reentrant=False,
+def _int8_product(x: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, dequantize(stored, "int8").to(x.dtype))
+
+
+def _product_compiled(x: torch.Tensor, stored: torch.Tensor, fmt: str) -> torch.Tensor:
+    """An int8 or NF4 product as torch.compile traces it.
+
+    NF4 is torchao's NF4 linear; int8 multiplies by the dequantized weight instead of running
+    torchao's int8 product, ``mm(x, int8 weight cast) * scales``: that is the pattern inductor's
+    post-grad pass rewrites into ``aten._weight_int8pack_mm``, a kernel made for a few rows of
+    activations (decoding), about 80 times slower than the bf16 product at a batch of 960 rows.
+
+    Traced whole, forward's dequantization is the one backward needs too, and the compiled graph
+    would keep that full-precision copy of the weight from forward to backward (every block's, for
+    the whole step); checkpointed with every op but the matrix products recomputed, backward
+    dequantizes the stored weight again, as eager does."""
+    product = _int8_product if fmt == "int8" else F.linear
+    return checkpoint(product, x, stored, use_reentrant=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_products))
 
 
@@ -253,9 +265,10 @@ class QuantizedLinear(nn.Module):
             xc = x.to(compute)
             if self.fmt == "bf16":
                 y = F.linear(xc, self.weight_stored.to(compute))
+            elif self.fmt in ("nf4", "int8") and torch.compiler.is_compiling():
+                y = _product_compiled(xc, self.weight_stored, self.fmt)
             elif self.fmt == "nf4":  # torchao's NF4 linear: its own autograd function, the same backward
-                y = (_nf4_product_compiled(xc, self.weight_stored) if torch.compiler.is_compiling()
-                     else F.linear(xc, self.weight_stored))
+                y = F.linear(xc, self.weight_stored)
             elif self.fmt == "nf4-bnb":  # bitsandbytes' 4-bit product: its own autograd function, the same backward
                 stored = self.weight_stored
                 y = self._matmul_4bit(xc, stored.packed.t(), quant_state=stored.state_for(compute))

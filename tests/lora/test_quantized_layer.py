@@ -198,6 +198,26 @@ def test_compiled_layer_keeps_only_the_stored_weight_for_backward(fmt):
     assert not weight_sized, f"compiled {fmt} keeps weight-sized floating tensors for backward: {weight_sized}"
 
 
+@pytest.mark.slow
+def test_compiled_int8_in_bfloat16_is_not_rewritten_into_the_decoding_kernel():
+    """In bfloat16, torchao's int8 product traced as it is (``mm(x, int8 weight cast) * scales``) is
+    what inductor's post-grad pass rewrites into ``_weight_int8pack_mm`` (its ``woq_matcher_count``),
+    a kernel for a few rows of activations; the layer's compiled int8 product is not rewritten and
+    matches float64 of the dequantized weight (bfloat16 bounds, as eager)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer, x = _layer("int8", torch.bfloat16)
+    g = fresh(2, 5, N, device="cpu", dtype=torch.bfloat16)
+    y = torch.compile(layer)(x)
+    got = [y, *torch.autograd.grad(y, [x, layer.lora.A, layer.lora.B], g)]
+    assert counters["inductor"]["woq_matcher_count"] == 0, "the compiled int8 product became _weight_int8pack_mm"
+    for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, _float64(layer, x, g)):
+        tol = rounded_input_tol(torch.bfloat16, 4)
+        assert rel_err(o, w) <= tol, f"compiled int8 bfloat16 {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+
+
 def test_the_stored_weight_is_not_a_parameter_and_takes_no_gradient():
     layer, x = _layer("int8", torch.float32)
     names = [n for n, _ in layer.named_parameters()]
