@@ -32,9 +32,9 @@ COMPILE_SCOPES = ("model", "blocks")
 KERNEL_PLANS = (AUTO, *PLAN_NAMES)
 # How the frozen linear weights of the transformer blocks are stored (lora_bench.lora.quantized):
 # as the precision setting says (today's behaviour), bfloat16, or quantized by torchao (fp8, int8,
-# nf4) or bitsandbytes (nf4-bnb).
+# nf4) or bitsandbytes (nf4-bnb, and nf4-bnb-nodq without double quantization).
 BASE_DTYPE_DEFAULT = "precision"
-QUANTIZED_BASES = ("fp8", "int8", "nf4", "nf4-bnb")
+QUANTIZED_BASES = ("fp8", "int8", "nf4", "nf4-bnb", "nf4-bnb-nodq")
 BASE_DTYPES = (BASE_DTYPE_DEFAULT, "bf16", *QUANTIZED_BASES)
 # What trains on a base stored other than the precision setting says: adapters beside frozen layers
 # (lora-kernel falls back to lora's layer), or the head alone.
@@ -119,8 +119,9 @@ class Settings:
                          "precision: as --precision says (fp32, or bf16 with --precision bf16); bf16: bfloat16; "
                          "fp8: float8 rowwise, float8 products (torch._scaled_mm, a CUDA GPU of compute "
                          "capability 8.9 or newer); int8: int8 weight-only, per output channel; nf4: QLoRA's "
-                         "4-bit NormalFloat, per block of 64; nf4-bnb: the same NF4 through bitsandbytes' kernels. "
-                         "Adapters and the head stay full precision. fp8, int8 and nf4 use torchao, nf4-bnb "
+                         "4-bit NormalFloat, per block of 64; nf4-bnb: the same NF4 through bitsandbytes' kernels; "
+                         "nf4-bnb-nodq: nf4-bnb without double quantization (float32 scales). Adapters and the "
+                         "head stay full precision. fp8, int8 and nf4 use torchao, the nf4-bnb ones "
                          "bitsandbytes; with --implementation hf only nf4 is taken, QLoRA through bitsandbytes "
                          "(both: pip install \"lora-bench[quant]\"); docs/quantized-base.md.",
                          LORA, choices=BASE_DTYPES)

@@ -163,6 +163,8 @@ HF_BASE_REFUSALS = {
     "fp8": "bitsandbytes stores no float8 weights",
     "nf4-bnb": "the peer's nf4 is bitsandbytes' NF4 already (QLoRA); nf4-bnb runs the book model's layers on "
                "bitsandbytes' kernels",
+    "nf4-bnb-nodq": "the peer's nf4 is bitsandbytes' NF4 with double quantization (QLoRA); nf4-bnb-nodq runs the "
+                    "book model's layers on bitsandbytes' kernels without it",
 }
 
 

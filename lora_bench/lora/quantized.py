@@ -11,6 +11,9 @@ precision (docs/quantized-base.md).
 - ``nf4-bnb``: the same NF4 format stored and multiplied by bitsandbytes, the QLoRA reference
   library (``quantize_4bit`` with double quantization, ``matmul_4bit``): its CUDA kernel dequantizes
   the weight before each bf16 or float32 product, forward and backward.
+- ``nf4-bnb-nodq``: bitsandbytes' NF4 without double quantization (QLoRA's
+  ``bnb_4bit_use_double_quant=False``): the scales kept in float32, 4 bytes a block of 64 instead of
+  about 1, so a product needs no kernels to rebuild them before the weight's dequantization.
 - ``fp8``: torchao's float8 rowwise format (``Float8DynamicActivationFloat8WeightConfig`` with
   ``PerRow``): float8 e4m3 weights with one scale per output channel; each product quantizes its
   activations rowwise too and runs ``torch._scaled_mm`` (CUDA, compute capability 8.9 or newer).
@@ -41,9 +44,9 @@ from lora_bench.lora.layer import LinearWithLoRA, LoRALinearBase
 from lora_bench.lora.merged import LinearWithLoRAMerged
 from lora_bench.optional import QUANT_EXTRA, installed_version, require_quietly
 
-FORMATS = ("bf16", "int8", "nf4", "fp8", "nf4-bnb")
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nf4-bnb", "nf4-bnb-nodq")
 LIBRARY_FORMATS = ("int8", "nf4", "fp8")  # what torchao stores
-BNB_FORMATS = ("nf4-bnb",)  # what bitsandbytes stores
+BNB_FORMATS = ("nf4-bnb", "nf4-bnb-nodq")  # what bitsandbytes stores (with and without double quantization)
 NF4_BLOCK = 64  # weights per absmax scale (QLoRA's, torchao's and bitsandbytes' default)
 NF4_SCALER_BLOCK = 256  # scales per int8 block of scales (torchao's default), or fewer where a layer has fewer
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 products: Ada, Hopper and newer
@@ -145,10 +148,11 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor | Bnb4bit:
     w = weight.detach()
     if fmt == "bf16":
         return w.to(torch.bfloat16)
-    if fmt == "nf4-bnb":
+    if fmt in BNB_FORMATS:
         functional = bitsandbytes(f"base_dtype={fmt}").functional
-        packed, state = functional.quantize_4bit(w.contiguous(), blocksize=NF4_BLOCK, compress_statistics=True,
-                                                 quant_type="nf4", quant_storage=torch.uint8)
+        packed, state = functional.quantize_4bit(w.contiguous(), blocksize=NF4_BLOCK,
+                                                 compress_statistics=fmt == "nf4-bnb", quant_type="nf4",
+                                                 quant_storage=torch.uint8)
         return Bnb4bit(packed, state)
     ao = torchao(f"base_dtype={fmt}")
     q = ao.quantization
@@ -174,7 +178,7 @@ def dequantize(stored, fmt: str) -> torch.Tensor:
     """The values a stored weight stands for, in its high-precision dtype."""
     if fmt == "bf16":
         return stored
-    if fmt == "nf4-bnb":
+    if fmt in BNB_FORMATS:
         return bitsandbytes(f"base_dtype={fmt}").functional.dequantize_4bit(stored.packed, stored.state)
     if fmt == "nf4":
         return stored.get_original_weight()
@@ -269,7 +273,7 @@ class QuantizedLinear(nn.Module):
                 y = _product_compiled(xc, self.weight_stored, self.fmt)
             elif self.fmt == "nf4":  # torchao's NF4 linear: its own autograd function, the same backward
                 y = F.linear(xc, self.weight_stored)
-            elif self.fmt == "nf4-bnb":  # bitsandbytes' 4-bit product: its own autograd function, the same backward
+            elif self.fmt in BNB_FORMATS:  # bitsandbytes' 4-bit product: its own autograd function, the same backward
                 stored = self.weight_stored
                 y = self._matmul_4bit(xc, stored.packed.t(), quant_state=stored.state_for(compute))
             else:

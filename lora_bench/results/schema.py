@@ -134,8 +134,8 @@ ENV_COLUMNS: list[Column] = [
         ("safetensors_version", "safetensors version (the same runs)"),
         ("huggingface_hub_version", "huggingface_hub version (the same runs)"),
         ("torchao_version", "torchao version (runs with base_dtype fp8, int8 or nf4, whose frozen base it stores)"),
-        ("bitsandbytes_version", "bitsandbytes version (runs with base_dtype nf4-bnb, and with implementation=hf "
-                                 "and base_dtype=nf4: QLoRA, whose 4-bit weights it stores)"),
+        ("bitsandbytes_version", "bitsandbytes version (runs with base_dtype nf4-bnb or nf4-bnb-nodq, and with "
+                                 "implementation=hf and base_dtype=nf4: QLoRA, whose 4-bit weights it stores)"),
     ]
 ]
 SETTING_PREFIX = "cfg_"  # every setting is a column cfg_<name>

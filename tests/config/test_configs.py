@@ -132,15 +132,34 @@ def test_quantized_base_compiled_is_the_studys_1558m_lora_rows_with_each_block_c
         assert {k: getattr(cfg, k) for k in same} == {k: getattr(study[cfg.base_dtype], k) for k in same}
 
 
+def test_quantized_base_scales_sweep_is_the_bnb_sweep_with_and_without_double_quantization():
+    """The scales sweep sets bitsandbytes' NF4 with double quantization (nf4-bnb) against the same
+    without it (nf4-bnb-nodq), beside the bf16 base, in the bitsandbytes sweep's mode at both sizes,
+    5 repeats."""
+    bnb = {(r.cfg.model_size, r.cfg.base_dtype): r.cfg
+           for r in load_sweep(REPO / "configs" / "quantized-base-bnb.yaml").runs}
+    sw = load_sweep(REPO / "configs" / "quantized-base-bnb-scales.yaml")
+    assert sw.repeats == 5
+    assert sorted({(r.cfg.model_size, r.cfg.base_dtype) for r in sw.runs}) == sorted(
+        (size, base) for size in ("124M", "1558M") for base in ("bf16", "nf4-bnb", "nf4-bnb-nodq"))
+    same = ("weights", "trainable_layers", "batch_size", "lora_rank", "lora_alpha", "precision", "attention", "ops",
+            "optimizer", "max_steps", "warmup_steps", "eval_freq", "skip_final_eval", "cuda_graphs", "compile")
+    for r in sw.runs:
+        ref = bnb[(r.cfg.model_size, "nf4-bnb")]
+        assert {k: getattr(r.cfg, k) for k in same} == {k: getattr(ref, k) for k in same}
+
+
 def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
     """The profile sweep is the study's 1558M lora rows on each stored base (bf16, fp8, int8, nf4)
-    and the bitsandbytes sweep's nf4-bnb row, in their mode but eager (a profiler sees no kernels
-    inside a replayed CUDA graph), profiled per phase with its top kernels."""
-    study = {r.cfg.base_dtype: r.cfg for name in ("quantized-base-study", "quantized-base-bnb")
+    and the bitsandbytes sweeps' nf4-bnb and nf4-bnb-nodq rows, in their mode but eager (a profiler
+    sees no kernels inside a replayed CUDA graph), profiled per phase with its top kernels."""
+    study = {r.cfg.base_dtype: r.cfg for name in ("quantized-base-study", "quantized-base-bnb",
+                                                  "quantized-base-bnb-scales")
              for r in load_sweep(REPO / "configs" / f"{name}.yaml").runs
              if r.cfg.model_size == "1558M" and r.cfg.implementation == "book" and r.cfg.trainable_layers == "lora"}
     profile = load_sweep(REPO / "configs" / "quantized-base-profile.yaml").runs
-    assert sorted(r.cfg.base_dtype for r in profile) == sorted(["bf16", "fp8", "int8", "nf4", "nf4-bnb"])
+    assert sorted(r.cfg.base_dtype for r in profile) == sorted(["bf16", "fp8", "int8", "nf4", "nf4-bnb",
+                                                                "nf4-bnb-nodq"])
     same = ("weights", "batch_size", "lora_rank", "lora_alpha", "precision", "attention", "ops", "optimizer",
             "max_steps", "warmup_steps", "eval_freq", "skip_final_eval", "compile")
     for r in profile:

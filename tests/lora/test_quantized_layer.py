@@ -1,5 +1,5 @@
 """The quantized frozen base (lora_bench.lora.quantized): a LoRA layer whose base weight torchao
-(or, for nf4-bnb, bitsandbytes) stores, against a float64 evaluation that uses the DEQUANTIZED
+(or, for nf4-bnb and nf4-bnb-nodq, bitsandbytes) stores, against a float64 evaluation that uses the DEQUANTIZED
 weight (so the bound is the products' rounding alone, not the quantization error), and the
 quantization error itself against each format's bound, on fresh random weights."""
 
@@ -57,15 +57,15 @@ def _float64(layer: LinearWithLoRA, x: torch.Tensor, g: torch.Tensor) -> list[to
     return [y, *torch.autograd.grad(y, [x64, a, bm], g.double())]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16", "nf4-bnb"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "bf16", "nf4-bnb", "nf4-bnb-nodq"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_base_layer_matches_float64_of_the_dequantized_weight(fmt, dtype):
     """Output and gradients of x, A and B, each within the bound of its longest chain: float32
     activations, λ·u·√k (dot_tol); bfloat16 activations, the 16-bit chain's 3 roundings
     (rounded_input_tol) plus one for the dequantized weight rounded to bfloat16 for the product."""
-    if fmt == "nf4-bnb":
+    if fmt.startswith("nf4-bnb"):
         pytest.importorskip("bitsandbytes")
-    k = KB if fmt == "nf4-bnb" else K
+    k = KB if fmt.startswith("nf4-bnb") else K
     layer, x = _layer(fmt, dtype, k)
     g = fresh(2, 5, N, device="cpu", dtype=dtype)
     y = layer(x)
@@ -138,6 +138,27 @@ def test_bitsandbytes_nf4_error_is_within_its_block_scale_times_half_the_largest
     assert (err > bound.unsqueeze(1) / 2).any()  # the bound is about this format: rounding uses most of it
 
 
+def test_bitsandbytes_nf4_without_double_quantization_keeps_each_block_absmax_exactly():
+    """nf4-bnb-nodq: the same codes as nf4-bnb, each block's absmax kept in float32 (no nested
+    state), equal to the block's own absmax; so each weight is off by at most half the largest gap
+    between codes times that absmax."""
+    pytest.importorskip("bitsandbytes")
+    w = fresh(N, KB, device="cpu", dtype=torch.float32, scale=KB ** -0.5)
+    q = QuantizedLinear(_linear(w), "nf4-bnb-nodq", "cpu")
+    state = q.weight_stored.state
+    assert state.quant_type == "nf4" and state.blocksize == NF4_BLOCK and not state.nested
+    assert state.absmax.dtype == torch.float32 and state.absmax.numel() == w.numel() // NF4_BLOCK
+    blocks = w.double().reshape(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    assert torch.equal(state.absmax.double(), absmax)
+    double = QuantizedLinear(_linear(w), "nf4-bnb", "cpu").weight_stored.packed
+    assert torch.equal(q.weight_stored.packed, double)  # the same 4-bit codes: only the scales' storage differs
+    bound = absmax * NF4_HALF_GAP * (1 + 8 * U32)
+    err = (blocks - q.dequantized_weight().double().reshape(-1, NF4_BLOCK)).abs()
+    assert (err <= bound.unsqueeze(1)).all(), float((err / bound.unsqueeze(1)).max())
+    assert (err > bound.unsqueeze(1) / 2).any()
+
+
 def test_bitsandbytes_nf4_dequantizes_straight_to_the_compute_dtype():
     """Under bf16 autocast the bf16 product reads the weight dequantized to bf16 (the quant state's
     output dtype), no float32 copy; the stored codes and absmaxes are the float32 state's, shared."""
@@ -159,20 +180,22 @@ def test_nf4_code_values_are_the_qlora_reference_ones():
     assert torch.allclose(codes, torch.tensor(NF4_CODES, dtype=torch.float64), atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt, per_weight", [("int8", 1), ("nf4", 0.5), ("bf16", 2), ("nf4-bnb", 0.5)])
+@pytest.mark.parametrize("fmt, per_weight", [("int8", 1), ("nf4", 0.5), ("bf16", 2), ("nf4-bnb", 0.5),
+                                             ("nf4-bnb-nodq", 0.5)])
 def test_stored_bytes_count_the_format(fmt, per_weight):
     """Bytes held: the values at their width, plus the scales (int8: one float32 scale and one int8
     zero point, 0 for the symmetric format torchao keeps anyway, per row; NF4: one
     int8 per block of 64 and a float32 per block of scales, the 16-value code table, the mean;
     bitsandbytes' NF4: one 8-bit code per block of 64 and a float32 per block of 256 of those, the
-    16-value NF4 table, the 256-value table of the absmaxes' codes, their mean)."""
-    if fmt == "nf4-bnb":
+    16-value NF4 table, the 256-value table of the absmaxes' codes, their mean; without double
+    quantization: a float32 absmax per block of 64 and the 16-value NF4 table)."""
+    if fmt.startswith("nf4-bnb"):
         pytest.importorskip("bitsandbytes")
-    w = fresh(N, KB if fmt == "nf4-bnb" else K, device="cpu", dtype=torch.float32)
+    w = fresh(N, KB if fmt.startswith("nf4-bnb") else K, device="cpu", dtype=torch.float32)
     q = QuantizedLinear(_linear(w), fmt, "cpu")
     blocks = w.numel() // NF4_BLOCK
     extra = {"int8": 5 * N, "nf4": blocks + 4 * (blocks // nf4_scaler_block(blocks)) + 16 * 4 + 4, "bf16": 0,
-             "nf4-bnb": blocks + 4 * -(-blocks // 256) + 16 * 4 + 256 * 4 + 4}[fmt]
+             "nf4-bnb": blocks + 4 * -(-blocks // 256) + 16 * 4 + 256 * 4 + 4, "nf4-bnb-nodq": 4 * blocks + 16 * 4}[fmt]
     assert q.stored_bytes() == per_weight * w.numel() + extra
     assert stored_bytes(w) == 4 * w.numel()
 
@@ -287,14 +310,15 @@ def _layer_on_cuda(dtype: torch.dtype, fmt: str = "fp8", k: int = K) -> tuple[Li
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' CUDA kernels need a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bitsandbytes_nf4_layer_on_cuda_matches_float64_of_the_dequantized_weight(dtype):
+@pytest.mark.parametrize("fmt", ["nf4-bnb", "nf4-bnb-nodq"])
+def test_bitsandbytes_nf4_layer_on_cuda_matches_float64_of_the_dequantized_weight(fmt, dtype):
     """nf4-bnb on CUDA, eager and replayed as a CUDA graph on new inputs: output and gradients of
     x, A and B within the bounds of the CPU test (float32: λ·u·√k; bfloat16: the 16-bit chain's
     roundings plus the weight's)."""
     pytest.importorskip("bitsandbytes")
     from lora_bench.train.graphs import warm_up
 
-    layer, x = _layer_on_cuda(dtype, "nf4-bnb", KB)
+    layer, x = _layer_on_cuda(dtype, fmt, KB)
     chains = lora_chains(rows=ROWS, k=KB, n=N, r=R)
 
     def check(got, x, g, how):
@@ -302,7 +326,7 @@ def test_bitsandbytes_nf4_layer_on_cuda_matches_float64_of_the_dequantized_weigh
         for name, o, w in zip(("y", "grad_x", "grad_A", "grad_B"), got, want):
             fp32 = dtype == torch.float32
             tol = dot_tol(torch.float32, chains[name]) if fp32 else rounded_input_tol(torch.bfloat16, 4)
-            assert rel_err(o, w) <= tol, f"nf4-bnb {dtype} {how} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
+            assert rel_err(o, w) <= tol, f"{fmt} {dtype} {how} {name}: {rel_err(o, w):.3g} > {tol:.3g}"
 
     def step(x, g):
         y = layer(x)

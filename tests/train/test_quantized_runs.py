@@ -34,7 +34,8 @@ TINY = ["--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-
 TINY_BLOCK_WEIGHTS = 2 * (4 * 32 * 32 + 2 * 32 * 128)  # 2 blocks: q, k, v, out (32×32), the MLP's 32×128 twice
 RATIO = {"int8": (3.4, 4.0), "nf4": (6.5, 8.0)}
 STORED_DTYPE = {"int8": ("qdata", torch.int8), "nf4": ("quantized_data", torch.uint8),
-                "nf4-bnb": ("packed", torch.uint8), "fp8": ("qdata", torch.float8_e4m3fn)}
+                "nf4-bnb": ("packed", torch.uint8), "nf4-bnb-nodq": ("packed", torch.uint8),
+                "fp8": ("qdata", torch.float8_e4m3fn)}
 
 
 def _cfg(sms_file, **kw) -> TrainConfig:
@@ -76,20 +77,24 @@ def test_a_lora_run_on_a_quantized_base_trains_and_records_it(fmt, sms_file, cac
     assert runs.loc["fp32", "base_weight_mib"] * 2**20 == 4 * TINY_BLOCK_WEIGHTS
 
 
-def _bnb_nf4_bytes(numel: int) -> int:
+def _bnb_nf4_bytes(numel: int, fmt: str = "nf4-bnb") -> int:
     """bitsandbytes' NF4 bytes for a weight of ``numel``: half a byte a weight, an 8-bit absmax code
-    per block of 64, a float32 per block of 256 of those, the 16- and 256-value code tables, the mean."""
+    per block of 64, a float32 per block of 256 of those, the 16- and 256-value code tables, the mean;
+    without double quantization a float32 absmax per block of 64 and the 16-value table."""
     blocks = numel // 64
+    if fmt == "nf4-bnb-nodq":
+        return numel // 2 + 4 * blocks + 16 * 4
     return numel // 2 + blocks + 4 * -(-blocks // 256) + 16 * 4 + 256 * 4 + 4
 
 
 @pytest.mark.slow
-def test_a_lora_run_on_a_bitsandbytes_nf4_base_trains_and_records_it(sms_file, cache_dir, tmp_path):
-    """nf4-bnb at width 64 (bitsandbytes' CPU kernels need whole 64-weight rows): the run trains
-    (its loss on the same batches falls), records bitsandbytes' version and not torchao's, and its
-    weight memory is each block layer's NF4 bytes with the quant state."""
+@pytest.mark.parametrize("fmt", ["nf4-bnb", "nf4-bnb-nodq"])
+def test_a_lora_run_on_a_bitsandbytes_nf4_base_trains_and_records_it(fmt, sms_file, cache_dir, tmp_path):
+    """nf4-bnb (and without double quantization) at width 64 (bitsandbytes' CPU kernels need whole
+    64-weight rows): the run trains (its loss on the same batches falls), records bitsandbytes'
+    version and not torchao's, and its weight memory is each block layer's NF4 bytes with the quant state."""
     pytest.importorskip("bitsandbytes")
-    row, record = _run(_cfg(sms_file, base_dtype="nf4-bnb", emb_dim=64), tmp_path, "bnb", cache_dir)
+    row, record = _run(_cfg(sms_file, base_dtype=fmt, emb_dim=64), tmp_path, "bnb", cache_dir)
     assert row["status"] == "done", row.get("error")
     losses = record["train_losses"]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
@@ -97,7 +102,7 @@ def test_a_lora_run_on_a_bitsandbytes_nf4_base_trains_and_records_it(sms_file, c
     runs = read_runs(tmp_path / "runs.csv").set_index("run_id")
     assert runs.loc["bnb", "bitsandbytes_version"] == metadata.version("bitsandbytes")
     assert runs.loc["bnb", "torchao_version"] == ""
-    per_block = 4 * _bnb_nf4_bytes(64 * 64) + 2 * _bnb_nf4_bytes(64 * 256)  # q, k, v, out; the MLP's two
+    per_block = 4 * _bnb_nf4_bytes(64 * 64, fmt) + 2 * _bnb_nf4_bytes(64 * 256, fmt)  # q, k, v, out; the MLP's two
     assert runs.loc["bnb", "base_weight_mib"] * 2**20 == pytest.approx(2 * per_block, rel=1e-9)
 
 
@@ -117,14 +122,15 @@ def test_a_compiled_run_on_a_quantized_base_trains(fmt, sms_file, cache_dir, tmp
     assert len(losses) == 3 and losses[-1] < losses[0], f"the loss on the same batches did not fall: {losses}"
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4", "nf4-bnb"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "nf4-bnb", "nf4-bnb-nodq"])
 def test_the_frozen_block_weights_are_stored_quantized(fmt, sms_file, cache_dir):
     """Every linear layer of the blocks holds the library's stored weight (torchao's tensor, or
     bitsandbytes' packed codes with their quant state; no float weight parameter left); the
     adapters and the trainable head stay float32; lora-kernel's layers run lora's."""
-    if fmt == "nf4-bnb":
+    bnb = fmt.startswith("nf4-bnb")
+    if bnb:
         pytest.importorskip("bitsandbytes")
-    extra = {"emb_dim": 64} if fmt == "nf4-bnb" else {}
+    extra = {"emb_dim": 64} if bnb else {}
     ctx = RunContext(_cfg(sms_file, base_dtype=fmt, trainable_layers="lora-kernel", **extra), cache_dir=cache_dir,
                      progress=False)
     linears = _block_linears(ctx.model)
@@ -133,8 +139,8 @@ def test_the_frozen_block_weights_are_stored_quantized(fmt, sms_file, cache_dir)
     for layer in linears:
         assert isinstance(layer, QuantizedLinear)
         assert getattr(layer.weight_stored, field).dtype == dtype
-        library = "bitsandbytes" if fmt == "nf4-bnb" else "torchao"
-        held = layer.weight_stored.state if fmt == "nf4-bnb" else layer.weight_stored
+        library = "bitsandbytes" if bnb else "torchao"
+        held = layer.weight_stored.state if bnb else layer.weight_stored
         assert type(held).__module__.startswith(library)
     assert all(type(m) is LinearWithLoRA for m in ctx.model.trf_blocks.modules() if isinstance(m, LoRALinearBase))
     names = {n for n, _ in ctx.model.named_parameters()}
@@ -162,23 +168,28 @@ REFUSED = [
     (["--trainable-layers", "lora-merged", "--base-dtype", "nf4"],
      ["--base-dtype=nf4", "lora-merged", "changes the frozen base", "lora, lora-kernel, last_layer"]),
     (["--trainable-layers", "lora", "--base-dtype", "fp8"],
-     ["--base-dtype=fp8", "--device=cpu", "compute capability 8.9", "precision, bf16, int8, nf4, nf4-bnb"]),
+     ["--base-dtype=fp8", "--device=cpu", "compute capability 8.9",
+      "precision, bf16, int8, nf4, nf4-bnb, nf4-bnb-nodq"]),
     (["--device", "auto", "--trainable-layers", "lora", "--base-dtype", "fp8"],
-     ["--base-dtype=fp8", "none is available here", "precision, bf16, int8, nf4, nf4-bnb"]),
+     ["--base-dtype=fp8", "none is available here", "precision, bf16, int8, nf4, nf4-bnb, nf4-bnb-nodq"]),
     (["--trainable-layers", "lora", "--base-dtype", "int4"],
-     ["--base-dtype", "int4", "precision, bf16, fp8, int8, nf4, nf4-bnb"]),
+     ["--base-dtype", "int4", "precision, bf16, fp8, int8, nf4, nf4-bnb, nf4-bnb-nodq"]),
     (["--trainable-layers", "lora", "--base-dtype", "nf4-bnb"],  # the tiny model is 32 wide
      ["--base-dtype=nf4-bnb on the CPU is refused", "not a multiple of 64 (emb_dim=32)", "--emb-dim"]),
     (["--trainable-layers", "all", "--base-dtype", "nf4-bnb", "--emb-dim", "64"],
      ["--base-dtype=nf4-bnb", "--trainable-layers=all", "lora, lora-kernel, last_layer"]),
     (["--implementation", "hf", "--trainable-layers", "lora", "--base-dtype", "nf4-bnb", "--emb-dim", "64"],
      ["--base-dtype=nf4-bnb with --implementation=hf is refused", "bitsandbytes' NF4 already", "precision, nf4"]),
+    (["--implementation", "hf", "--trainable-layers", "lora", "--base-dtype", "nf4-bnb-nodq", "--emb-dim", "64"],
+     ["--base-dtype=nf4-bnb-nodq with --implementation=hf is refused", "without it", "precision, nf4"]),
+    (["--trainable-layers", "lora", "--base-dtype", "nf4-bnb-nodq"],
+     ["--base-dtype=nf4-bnb-nodq on the CPU is refused", "not a multiple of 64 (emb_dim=32)", "--emb-dim"]),
 ]
 
 
 @pytest.mark.parametrize("args, says", REFUSED, ids=["all-int8", "last_block-bf16", "lora-merged-nf4", "fp8-cpu",
                                                      "fp8-no-gpu", "unknown", "nf4-bnb-width", "all-nf4-bnb",
-                                                     "hf-nf4-bnb"])
+                                                     "hf-nf4-bnb", "hf-nf4-bnb-nodq", "nf4-bnb-nodq-width"])
 def test_impossible_quantized_bases_are_refused_before_any_run(args, says, tmp_path, run_cli):
     code, out = run_cli("train", *TINY, *args, "--results-dir", tmp_path)
     assert code == 2, out
