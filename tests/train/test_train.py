@@ -149,11 +149,15 @@ def test_book_mode_matches_reference_bit_for_bit(sms_file, cache_dir, tmp_path, 
 def test_pinned_tiny_loss_trajectory(sms_file, cache_dir, tmp_path):
     """Regression guard: the periodic losses of a tiny all-layers run, evaluated in float64
     (numerics.float64_runs) and pinned from this implementation after its float32 run matched the
-    transcribed reference above. A float64 evaluation on another CPU rounds in another order, and
-    the run amplifies that as it amplifies float32's rounding: so the pinned values may be as far
-    from it as SPREAD × the float32 run's distance from it, scaled down to float64's unit roundoff,
-    plus λ·u (numerics.same_function_tol's rule at float64's unit). The float32 run's accuracies
-    are checked too."""
+    transcribed reference above. The float64 evaluation starts from the run's own float32 draws
+    (initial weights), and those are not the same bits on every CPU: torch's vectorized normal
+    draws differ between its CPU code paths (ATEN_CPU_CAPABILITY=default against avx2) and with the
+    platform's math library, by a float32 rounding here and there. The run carries such an initial
+    perturbation of at most float32's unit roundoff as it carries float32's rounding, so the pinned
+    values may be as far from another CPU's float64 evaluation as SPREAD × the float32 run's
+    distance from it, plus λ·u at float64's unit (numerics.same_function_tol's rule). A change of
+    what the run computes (its data, RNG use, steps, loss) moves the losses by far more. The float32
+    run's accuracies are checked too."""
     cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers="all", device="cpu",
                       data_file=str(sms_file), num_epochs=1, eval_freq=50, skip_final_eval=True)
     runs = {}
@@ -164,8 +168,7 @@ def test_pinned_tiny_loss_trajectory(sms_file, cache_dir, tmp_path):
         runs[run_id] = json.loads((tmp_path / run_id / "run.json").read_text())
     got32, got64 = (torch.tensor(runs[k]["train_losses"] + runs[k]["val_losses"], dtype=torch.float64)
                     for k in ("p32", "p64"))
-    u32, u64 = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.float64]
-    bound = SPREAD * rel_err(got32, got64) * u64 / u32 + LAMBDA * u64
+    bound = SPREAD * rel_err(got32, got64) + LAMBDA * UNIT_ROUNDOFF[torch.float64]
     err = rel_err(torch.tensor(PINNED_TRAIN + PINNED_VAL, dtype=torch.float64), got64)
     assert err <= bound, f"float64 losses {got64.tolist()} are {err:.3g} from the pinned ones, bound {bound:.3g}"
     assert runs["p32"]["train_accs"] == [0.625] and runs["p32"]["val_accs"] == [0.525]
