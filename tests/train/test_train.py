@@ -152,9 +152,9 @@ def test_pinned_tiny_loss_trajectory(sms_file, cache_dir, tmp_path):
     transcribed reference above. The float64 evaluation starts from the run's own float32 draws
     (initial weights), and those are not the same bits on every CPU: torch's normal draws differ
     between its CPU code paths (ATEN_CPU_CAPABILITY=default against avx2), by a float32 rounding
-    here and there, and the losses of two CPUs' float64 evaluations by more than float64's rounding
-    explains (about 1e-10 on two CPUs with the same code path). The run carries such an initial
-    perturbation of at most float32's unit roundoff as it carries float32's rounding, so the pinned
+    here and there, and two CPUs' float64 evaluations differ by more than float64's rounding
+    explains (about 1e-10 between the pinned values and another CPU's). The run carries such an
+    initial perturbation of at most float32's unit roundoff as it carries float32's rounding, so the pinned
     values may be as far from another CPU's float64 evaluation as SPREAD × the float32 run's
     distance from it, plus λ·u at float64's unit (numerics.same_function_tol's rule). A change of
     what the run computes (its data, RNG use, steps, loss) moves the losses by far more. The float32
