@@ -655,6 +655,7 @@ def table_quantized(folder: str = QUANTIZED, bases: tuple[str, ...] = BASES, *, 
 
 
 QUANTIZED_BNB = "answer/quantized-bnb"
+QUANTIZED_BNB_SCALES = "answer/quantized-bnb-scales"
 QUANTIZED_COMPILED = "answer/quantized-compiled"
 
 
@@ -662,6 +663,12 @@ def table_quantized_bnb() -> str:
     """configs/quantized-base-bnb.yaml: lora on the bf16 base and on NF4 from torchao and from
     bitsandbytes, in the study's table form."""
     return table_quantized(QUANTIZED_BNB, ("bf16", "nf4", "nf4-bnb"))
+
+
+def table_quantized_bnb_scales() -> str:
+    """configs/quantized-base-bnb-scales.yaml: lora on the bf16 base and on bitsandbytes' NF4 with
+    and without double-quantized scales, in the study's table form."""
+    return table_quantized(QUANTIZED_BNB_SCALES, ("bf16", "nf4-bnb", "nf4-bnb-nodq"))
 
 
 def table_quantized_compiled() -> str:
@@ -728,7 +735,9 @@ def table_quantized_profile() -> str:
     each run; the rest as "everything else"), with the phases' totals and launches."""
     df = runs(QUANTIZED_PROFILE)
     df = df[df["status"] == "done"].set_index("cfg_base_dtype")
-    order = [b for b in (*BASES[1:], "nf4-bnb") if b in df.index]
+    from lora_bench.config import BASE_DTYPES
+
+    order = [b for b in BASE_DTYPES if b in df.index]
     groups: dict[str, dict[str, float]] = {g: {} for g in [*QUANT_GROUPS, OTHER_KERNELS]}
     totals: dict[str, dict[str, float]] = {}
     for dtype in order:
@@ -760,6 +769,7 @@ TABLES = {
     "quantized": table_quantized,
     "quantized-accuracy": table_quantized_accuracy,
     "quantized-bnb": table_quantized_bnb,
+    "quantized-bnb-scales": table_quantized_bnb_scales,
     "quantized-compiled": table_quantized_compiled,
     "quantized-profile": table_quantized_profile,
     "answer": table_answer,
