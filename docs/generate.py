@@ -685,6 +685,7 @@ def table_quantized_accuracy() -> str:
     per base dtype and size over the seeds (median and the seeds' range), and each base's
     difference from the bf16 base in points with its 95 % interval (seeds paired: seed r of every
     base starts from the same model)."""
+    from lora_bench.config import BASE_DTYPES
     from lora_bench.report.stats import difference_interval, interval_text
 
     df = runs(QUANTIZED_ACCURACY)
@@ -694,7 +695,7 @@ def table_quantized_accuracy() -> str:
         part = done[done["model_size"] == size]
         val = _samples(part, QUANTIZED_ACCURACY, ["cfg_base_dtype"], "val_acc")
         test = _samples(part, QUANTIZED_ACCURACY, ["cfg_base_dtype"], "test_acc")
-        for dtype in BASES[1:]:
+        for dtype in BASE_DTYPES:
             if (dtype,) not in val:
                 continue
             v, t = val[(dtype,)], test[(dtype,)]

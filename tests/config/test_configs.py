@@ -149,6 +149,28 @@ def test_quantized_base_scales_sweep_is_the_bnb_sweep_with_and_without_double_qu
         assert {k: getattr(r.cfg, k) for k in same} == {k: getattr(ref, k) for k in same}
 
 
+def test_quantized_base_accuracy_trains_every_stored_base_from_the_same_seeds():
+    """The accuracy sweep trains lora on the bf16 base and on every quantized base the project
+    declares, at 124M for 5 epochs and 1558M for 1, from 5 seeds with full evaluations; seed r's
+    runs of one size differ in their base dtype alone (so each starts from the same model)."""
+    from lora_bench.config import QUANTIZED_BASES
+
+    sw = load_sweep(REPO / "configs" / "quantized-base-accuracy.yaml")
+    assert sw.repeats == 5
+    bases = ("bf16", *QUANTIZED_BASES)
+    assert sorted((r.cfg.model_size, r.cfg.base_dtype) for r in sw.runs) == sorted(
+        (size, base) for size in ("124M", "1558M") for base in bases for _ in range(5))
+    by_point: dict[tuple[str, int], set] = {}
+    for r in sw.runs:
+        cfg = r.cfg
+        assert (cfg.trainable_layers, cfg.num_epochs, cfg.skip_final_eval) == \
+            ("lora", {"124M": 5, "1558M": 1}[cfg.model_size], False)
+        rest = tuple(sorted((k, str(v)) for k, v in vars(cfg).items() if k != "base_dtype"))
+        by_point.setdefault((cfg.model_size, r.repeat), set()).add(rest)
+    assert all(len(v) == 1 for v in by_point.values())
+    assert len({next(iter(v)) for v in by_point.values()}) == 10  # the seeds differ between repeats
+
+
 def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
     """The profile sweep is the study's 1558M lora rows on each stored base (bf16, fp8, int8, nf4)
     and the bitsandbytes sweeps' nf4-bnb and nf4-bnb-nodq rows, in their mode but eager (a profiler
