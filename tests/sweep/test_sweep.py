@@ -225,7 +225,7 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
     path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent("""\
         runs:
           - {label: quick}
-          - {label: slow, num_epochs: 100000}  # trains until the signal
+          - {label: slow, max_steps: null, num_epochs: 100000}  # trains until the signal
           - {label: after, seed: 7}
         """))
     results = tmp_path / "res"

@@ -290,8 +290,8 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
         pack: 2
         runs:
           - {label: quick, batch_size: 4}
-          - {label: slow1, lora_rank: 2, num_epochs: 100000}  # both train until the signal
-          - {label: slow2, lora_rank: 4, num_epochs: 100000}
+          - {label: slow1, lora_rank: 2, max_steps: null, num_epochs: 100000}  # both train until the signal
+          - {label: slow2, lora_rank: 4, max_steps: null, num_epochs: 100000}
           - {label: after, seed: 7}
         """))
     results = tmp_path / "res"
