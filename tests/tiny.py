@@ -22,6 +22,9 @@ TINY_BASE = f"""\
   eval_freq: 0
   skip_final_eval: true
 """
+# a run's settings (the inside of a YAML mapping) that train until a signal or a kill stops it: no
+# step limit (TINY_BASE's two steps lifted) and more epochs than a test waits for
+UNTIL_SIGNAL = "max_steps: null, num_epochs: 100000"
 
 
 def interrupt_sweep(path: Path, results: Path, cache: Path, *, once: Path, timeout: float) -> tuple[int, str]:

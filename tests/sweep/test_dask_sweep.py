@@ -21,14 +21,13 @@ pytest.importorskip("distributed")
 psutil = pytest.importorskip("psutil")
 
 from rich.console import Console  # noqa: E402
-from tiny import TINY_BASE
+from tiny import TINY_BASE, UNTIL_SIGNAL
 
 from lora_bench.errors import UsageError  # noqa: E402
 from lora_bench.sweep.dask_runner import local_workers, run_sweep_dask, start_local_cluster  # noqa: E402
 from lora_bench.sweep.spec import load_sweep  # noqa: E402
 
 TINY = TINY_BASE
-SLOW = "max_steps: 5000, num_epochs: 1000"
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -86,7 +85,7 @@ def test_two_workers_record_every_run_once_and_resume_skips_them(tmp_path):
 def test_a_killed_worker_fails_its_run_and_the_others_finish(tmp_path, cluster):
     path = write(tmp_path, "name: k\nbase:\n" + TINY + textwrap.dedent(f"""\
         runs:
-          - {{label: slow, {SLOW}}}
+          - {{label: slow, {UNTIL_SIGNAL}}}
           - {{label: a}}
           - {{label: b, seed: 7}}
         """))
@@ -120,8 +119,8 @@ def test_sigint_stops_running_runs_and_resume_runs_only_the_missing(tmp_path, cl
     path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent(f"""\
         runs:
           - {{label: quick}}
-          - {{label: slow1, {SLOW}}}
-          - {{label: slow2, {SLOW}, seed: 5}}
+          - {{label: slow1, {UNTIL_SIGNAL}}}
+          - {{label: slow2, {UNTIL_SIGNAL}, seed: 5}}
           - {{label: after, seed: 7}}
         """))
     sw = load_sweep(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from tiny import SAMPLE, TINY_BASE, interrupt_sweep
+from tiny import SAMPLE, TINY_BASE, UNTIL_SIGNAL, interrupt_sweep
 
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.sweep.spec import load_sweep, parse_shard, select_shard
@@ -222,11 +222,11 @@ def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monke
 
 @pytest.mark.slow
 def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeypatch, capsys, run_cli):
-    path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent("""\
+    path = write(tmp_path, "name: i\nbase:\n" + TINY + textwrap.dedent(f"""\
         runs:
-          - {label: quick}
-          - {label: slow, max_steps: null, num_epochs: 100000}  # trains until the signal
-          - {label: after, seed: 7}
+          - {{label: quick}}
+          - {{label: slow, {UNTIL_SIGNAL}}}
+          - {{label: after, seed: 7}}
         """))
     results = tmp_path / "res"
     ids = {r.label: r.run_id for r in load_sweep(path).runs}

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from numerics import assert_same_function, float64_runs
 from rich.console import Console
-from tiny import SAMPLE, TINY_BASE, interrupt_sweep
+from tiny import SAMPLE, TINY_BASE, UNTIL_SIGNAL, interrupt_sweep
 
 from lora_bench.classifier.book import build_classifier
 from lora_bench.classifier.packed import build_packed_classifier
@@ -286,13 +286,13 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
     """SIGINT while a pack trains: both of its runs are recorded interrupted, the finished run
     stays, the run after is not started; the resumed sweep packs the two again and runs the rest:
     every run once in runs.csv, none lost."""
-    path = _sweep_file(tmp_path, "name: pi\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent("""\
+    path = _sweep_file(tmp_path, "name: pi\nbase:\n" + TINY_BASE + "  trainable_layers: lora\n" + textwrap.dedent(f"""\
         pack: 2
         runs:
-          - {label: quick, batch_size: 4}
-          - {label: slow1, lora_rank: 2, max_steps: null, num_epochs: 100000}  # both train until the signal
-          - {label: slow2, lora_rank: 4, max_steps: null, num_epochs: 100000}
-          - {label: after, seed: 7}
+          - {{label: quick, batch_size: 4}}
+          - {{label: slow1, lora_rank: 2, {UNTIL_SIGNAL}}}
+          - {{label: slow2, lora_rank: 4, {UNTIL_SIGNAL}}}
+          - {{label: after, seed: 7}}
         """))
     results = tmp_path / "res"
     ids = {r.label: r.run_id for r in load_sweep(path).runs}
