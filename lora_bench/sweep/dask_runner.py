@@ -12,7 +12,7 @@ provenance and the recorded row are those of a one-GPU sweep.
 One writer. The child writes into a scratch results folder in its Dask worker's local directory;
 the task returns the recorded row with the run's files (run.json, steps.csv, worker.log,
 job.json, profiles), and the client -- this sweep process -- puts them into the results folder,
-upserts runs.csv and adds the run to the folder's manifest under this command's invocation. Only
+rebuilds runs.csv and adds the run to the folder's manifest under this command's invocation. Only
 the client writes the results folder, so workers on other hosts need no shared file system, and
 runs.csv never sees two writers. The client claims each run's folder before submitting it and
 holds the claim until the run is stored, as a one-GPU sweep does (lora_bench.results.claims): a
@@ -57,7 +57,7 @@ from lora_bench.fileio import atomic_write_bytes
 from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.save import save_row
-from lora_bench.results.store import upsert_run
+from lora_bench.results.store import rebuild_index
 from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, run_job
 from lora_bench.sweep.resume import repair_runs_csv
 from lora_bench.sweep.runner import (
@@ -205,7 +205,7 @@ class _Stop:
 
 
 def store_result(results_dir: Path, payload: dict) -> dict:
-    """Put a finished run's files into the results folder, upsert its row and add it to this
+    """Put a finished run's files into the results folder, index it in runs.csv and add it to this
     invocation's manifest entry (the one writer)."""
     row = payload["row"]
     run_dir = Path(results_dir) / row["run_id"]
@@ -216,7 +216,7 @@ def store_result(results_dir: Path, payload: dict) -> dict:
             spec["results_dir"] = str(results_dir)
             data = json.dumps(spec, indent=1).encode()
         atomic_write_bytes(run_dir / rel, data)
-    upsert_run(Path(results_dir) / "runs.csv", row)
+    rebuild_index(results_dir)
     return row
 
 
