@@ -59,7 +59,6 @@ from lora_bench.results.manifest import record_invocation
 from lora_bench.results.save import save_row
 from lora_bench.results.store import rebuild_index
 from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, run_job
-from lora_bench.sweep.resume import repair_runs_csv
 from lora_bench.sweep.runner import (
     SweepResult,
     finished_elsewhere,
@@ -292,7 +291,7 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
         for claim in claims.values():
             claim.release()
     result.interrupted = bool(stop.signals)
-    repair_runs_csv(results_dir)
+    rebuild_index(results_dir)  # a record left running by a process that died is recorded interrupted
     return result
 
 
