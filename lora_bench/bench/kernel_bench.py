@@ -8,7 +8,7 @@ kernels: the eager bf16/fp16 default), ``lora-kernel:cpp`` (the C++ op with cuBL
 ``lora-kernel:fused``. The ``backend`` column names the plan(s) the layer's calls ran, eagerly
 and, where it differs, replayed from a CUDA graph ("direct; graph fused").
 
-How it times (docs performance.md):
+How it times (docs/measuring.md):
 * CUDA events around each repeat, with no synchronisation between repeats: back to back, as in
   training. When the GPU outruns the host, the start event fires as soon as it is recorded and
   the interval includes the host's launch time; when the GPU is the bottleneck it is device time.

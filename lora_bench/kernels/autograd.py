@@ -2,7 +2,7 @@
 
 Same parameters, init and alpha semantics as ``lora`` (y = x·Wᵀ + b + alpha·(x·A)·B, alpha not
 divided by the rank); only forward/backward differ. One autograd op does the minimal work
-(docs performance.md, "LoRA layer, minimal work"):
+(docs/kernel-design.md#the-minimal-work):
 
     forward   h = x·A;  y = x·Wᵀ + b + s·h·B                 saves x and h (N×r), nothing N×n
     backward  u = g·Bᵀ; grad_x = g·W + s·u·Aᵀ; grad_A = s·xᵀ·u; grad_B = s·hᵀ·g
