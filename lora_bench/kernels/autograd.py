@@ -1,22 +1,13 @@
 """``--trainable-layers lora-kernel``: the minimal-work LoRA op, and where each call runs.
 
 Same parameters, init and alpha semantics as ``lora`` (y = x·Wᵀ + b + alpha·(x·A)·B, alpha not
-divided by the rank); only forward/backward differ. One autograd op does the minimal work
-(docs/kernel-design.md#the-minimal-work):
-
-    forward   h = x·A;  y = x·Wᵀ + b + s·h·B                 saves x and h (N×r), nothing N×n
-    backward  u = g·Bᵀ; grad_x = g·W + s·u·Aᵀ; grad_A = s·xᵀ·u; grad_B = s·hᵀ·g
-              grad_W = gᵀ·x and grad_b = Σg only if W/b require grad (a trainable head)
-
-Each call runs one plan (:mod:`lora_bench.kernels.plans`), chosen by
-:func:`lora_bench.kernels.policy.choose` under the policy in force (``use_policy``; a run's
-``kernel_plan`` setting forces one): "direct" and "cpp" run the C++ autograd op (built by
-:mod:`lora_bench.kernels.lora_cpp`; "direct" launches the Triton kernels itself); "fused",
-"cublas" and "torch" run the Python Function ``LoRAKernelFunction`` below with their plan's pieces. Under torch.compile the layer is traced as two custom ops
-(``lora_bench::lora_linear_fwd`` / ``_bwd``, with fake implementations and an autograd formula)
-that run those same three plans, chosen once when the call is traced: the compiled graph has no
-break at the layer and the compiler fuses the work around it. Every call notes its plan
-(``policy.note``): what a run reports as its ``backend``.
+divided by the rank); only forward/backward differ: one autograd op saves x and h (N×r), nothing
+N×n, and never forms the frozen weight's gradient (docs/kernel-design.md#the-minimal-work). Each
+call runs one plan (:mod:`lora_bench.kernels.plans`) chosen by :func:`lora_bench.kernels.policy.choose`:
+"direct" and "cpp" run the C++ op, the others the Python Function ``LoRAKernelFunction`` below, or
+under torch.compile the custom ops ``lora_bench::lora_linear_fwd`` / ``_bwd``, the plan chosen once
+when the call is traced. Every call notes its plan: what a run reports as its ``backend``
+(docs/kernel-design.md#how-a-plan-is-chosen).
 """
 
 from __future__ import annotations
