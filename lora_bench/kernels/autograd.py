@@ -81,9 +81,6 @@ def outside_autocast(backward, ctx, grad_out):
     return backward(ctx, grad_out)
 
 
-_AB = (3, 4)  # the forward inputs A and B of LoRAKernelFunction
-
-
 class LoRAKernelFunction(torch.autograd.Function):
     """y = x·Wᵀ + b + s·(x·A)·B with the minimal backward. Inputs: x (..., k), weight (n, k),
     bias (n) or None, A (k, r), B (r, n), scale (a float), plan (fused, cublas or torch: forward
@@ -121,6 +118,7 @@ class LoRAKernelFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, h, w, a, bm)
         ctx.scale, ctx.plan, ctx.dev = s, plan, dev
         ctx.defer = defer
+        ctx.ab_edges = (3, 4) if bias is not None else (2, 3)  # A's and B's among the tensor inputs
         ctx.x_meta = (x.shape, x.dtype)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None, A.dtype, B.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -152,8 +150,8 @@ class LoRAKernelFunction(torch.autograd.Function):
                 ga, gb = PYTHON[mode].grad_ab(x2, u, h, g, s, do_a=need_a, do_b=need_bl, dtype=a_dt)
                 return ga, cast(gb, bl_dt)
 
-            if ctx.defer and deferred.accumulating(ctx, _AB):
-                deferred.defer(ctx, _AB, adapter_grads, reads=(x2, u, h, g), device=g.device)
+            if ctx.defer and deferred.accumulating(ctx, ctx.ab_edges):
+                deferred.defer(ctx, ctx.ab_edges, adapter_grads, reads=(x2, u, h, g), device=g.device)
             else:
                 grad_a, grad_bl = adapter_grads()
         # Only a trainable base layer (the classification head) pays for these.

@@ -5,10 +5,10 @@ adapter gradients (grad_A, grad_B: the plan's ``grad_ab``) run on one side strea
 which waits for the caller's stream where each layer's backward runs, and the backward pass joins
 them once: the first deferring layer of a pass queues ``_join`` as autograd's final callback (it
 runs when the whole backward has run, before ``backward()`` returns, so inside a CUDA-graph capture
-of the backward too), which makes the caller's streams wait on the side stream, gives each
-parameter its gradient (``.grad`` set where it is None, added to where it is not: autograd's
-accumulation) and drops the tensors the side stream read, which were kept alive until then. On
-the CPU (no streams) the same bookkeeping runs the adapter gradients at the join.
+of the backward too). The join accumulates each parameter's gradient of the pass as autograd does
+(``.grad`` set where it is None, added to where it is not), on the side stream, then makes the
+caller's streams wait for it and drops the tensors the side stream read (kept alive until then).
+On the CPU (no streams) the same bookkeeping runs the adapter gradients at the join.
 
 The layer's Function returns None for A's and B's gradients: autograd never sees them, so no hook
 of theirs fires. Calls refuse to defer, with the reason noted in the plan log (``refusal``), where
@@ -56,12 +56,13 @@ def refusal(params: Sequence[torch.Tensor]) -> str | None:
     return None
 
 
-def accumulating(ctx, indices: Sequence[int]) -> bool:
-    """Whether autograd accumulates into the leaves at forward-input ``indices`` of ``ctx`` in the
-    backward pass now running (inputs that need no gradient do not count)."""
+def accumulating(ctx, edges: Sequence[int]) -> bool:
+    """Whether autograd accumulates, in the backward pass now running, into the leaves at ``edges``
+    of ``ctx`` (positions among its forward's tensor inputs: ``ctx.next_functions``; an input that
+    needs no gradient does not count)."""
     if torch.is_grad_enabled():  # create_graph: the gradients must be differentiable
         return False
-    for i in indices:
+    for i in edges:
         node = ctx.next_functions[i][0]
         if node is None:
             continue
@@ -75,12 +76,12 @@ def accumulating(ctx, indices: Sequence[int]) -> bool:
     return True
 
 
-def defer(ctx, indices: Sequence[int], compute: Callable[[], Sequence[torch.Tensor | None]], *,
+def defer(ctx, edges: Sequence[int], compute: Callable[[], Sequence[torch.Tensor | None]], *,
           reads: Sequence[torch.Tensor], device: torch.device) -> None:
-    """Run ``compute`` (the gradients of the leaves at forward-input ``indices``, in that order)
-    off the caller's stream and accumulate them into the leaves when the backward pass joins;
-    ``reads``: the tensors it reads, kept alive until then. Call only where ``accumulating``."""
-    params = [None if ctx.next_functions[i][0] is None else ctx.next_functions[i][0].variable for i in indices]
+    """Run ``compute`` (the gradients of the leaves at ``edges``, in that order) off the caller's
+    stream and accumulate them into the leaves when the backward pass joins; ``reads``: the tensors
+    it reads, kept alive until then. Call only where ``accumulating``."""
+    params = [None if ctx.next_functions[i][0] is None else ctx.next_functions[i][0].variable for i in edges]
     task = torch._C._current_graph_task_id()
     with _LOCK:
         p = _PASSES.get(task)
@@ -97,7 +98,7 @@ def defer(ctx, indices: Sequence[int], compute: Callable[[], Sequence[torch.Tens
         p.mains.append(main)
     p.side.wait_stream(main)
     with torch.cuda.stream(p.side):
-        p.accumulate(params, compute())
+        p.collect(params, compute())
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -111,7 +112,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 class _Pass:
     """One backward pass's deferred work: the side stream and the streams it forked from (CUDA) or
-    the work itself (CPU), the gradients to hand over and the tensors to keep until the join."""
+    the work itself (CPU), each leaf's gradient summed over the pass, the tensors kept until the join."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -119,44 +120,54 @@ class _Pass:
         self.mains: list[torch.cuda.Stream] = []
         self.work: list[tuple[list, Callable]] = []
         self.keep: list[tuple[torch.Tensor, ...]] = []
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, its new .grad)
+        self.sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, its gradient this pass)
 
-    def accumulate(self, params, grads) -> None:
-        """Add each gradient to its leaf's (on the current stream): autograd's accumulation, with a
-        leaf that had no gradient given one at the join."""
+    def collect(self, params, grads) -> None:
+        """Add each gradient to its leaf's sum over this pass (on the current stream), as autograd
+        sums a leaf's incoming gradients before it accumulates them."""
         for param, grad in zip(params, grads):
             if param is None or grad is None:
                 continue
             if grad.dtype is not param.dtype:
                 grad = grad.to(param.dtype)
-            held = self.new.get(id(param))
-            if held is not None:
-                held[1].add_(grad)
-            elif param.grad is not None:
-                param.grad.add_(grad)
+            held = self.sums.get(id(param))
+            if held is None:
+                self.sums[id(param)] = (param, grad)
             else:
-                if grad.stride() != param.stride():  # the layout autograd gives a new gradient
-                    grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype,
-                                               device=param.device).copy_(grad)
-                self.new[id(param)] = (param, grad)
+                self.sums[id(param)] = (param, held[1] + grad)
+
+    def hand_over(self) -> None:
+        """Autograd's accumulation of each leaf's sum (on the current stream): ``.grad`` set to it
+        where it is None (in the layout of the leaf), added to where it is not."""
+        for param, grad in self.sums.values():
+            if param.grad is not None:
+                param.grad.add_(grad)
+            elif grad.stride() == param.stride():
+                param.grad = grad
+            else:
+                param.grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype,
+                                                 device=param.device).copy_(grad)
 
 
 def _join(task: int) -> None:
-    """autograd's final callback of a pass that deferred: the caller's streams wait for the side
-    stream (or, on the CPU, the work runs now), the leaves get their gradients, the reads go."""
+    """autograd's final callback of a pass that deferred: the leaves get their gradients (on the
+    side stream; on the CPU the work runs now), the caller's streams wait for the side stream, the
+    kept tensors go."""
     with _LOCK:
         p = _PASSES.pop(task)
         COUNTS["joins"] += 1
-    if p.side is None:
-        with torch.no_grad(), torch.autocast(p.device.type, enabled=False):
+    with torch.no_grad(), torch.autocast(p.device.type, enabled=False):
+        if p.side is None:
             for params, compute in p.work:
-                p.accumulate(params, compute())
-    else:
-        for stream in (*p.mains, torch.cuda.current_stream(p.device)):
-            stream.wait_stream(p.side)
-    for param, grad in p.new.values():
-        param.grad = grad
+                p.collect(params, compute())
+            p.hand_over()
+        else:
+            with torch.cuda.stream(p.side):
+                p.hand_over()
+            for stream in (*p.mains, torch.cuda.current_stream(p.device)):
+                stream.wait_stream(p.side)
     p.keep.clear()
+    p.sums.clear()
 
 
 __all__ = ["COUNTS", "CPP_OP", "DEFERRED", "accumulating", "chosen", "defer", "refusal", "side_stream"]

@@ -99,7 +99,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
             return (*ga.unbind(0), *cast(gb, b_dt).unbind(0))
 
         frozen = (None,) * (S * (2 if ctx.has_bias else 1))
-        ab = range(5 + len(frozen), 5 + len(frozen) + 2 * S)  # the forward inputs A_1..A_S, B_1..B_S
+        ab = range(1 + len(frozen), 1 + len(frozen) + 2 * S)  # A_1..A_S, B_1..B_S among the tensor inputs
         if ctx.defer and deferred.accumulating(ctx, ab):
             deferred.defer(ctx, ab, adapter_grads, reads=(x2, u, h, g), device=g.device)
             return (grad_x, None, None, None, None, *frozen, *(None,) * (2 * S))
