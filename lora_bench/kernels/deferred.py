@@ -29,7 +29,7 @@ from lora_bench.kernels.policy import current_policy, note_adapter_grads
 
 DEFERRED = ADAPTER_GRADS_DEFERRED
 COUNTS = {"deferred": 0, "joins": 0}  # layer backwards deferred and passes joined, since import
-_PASSES: dict[int, _Pass] = {}  # by autograd graph task
+_PASSES: dict[tuple[int, torch.device], _Pass] = {}  # by autograd graph task and device
 _SIDE: dict[int, torch.cuda.Stream] = {}  # one side stream per CUDA device
 _LOCK = threading.Lock()
 CPP_OP = f"{ADAPTER_GRADS_INLINE}: the C++ op (plans direct, cpp) runs them in its own backward"
@@ -82,12 +82,12 @@ def defer(ctx, edges: Sequence[int], compute: Callable[[], Sequence[torch.Tensor
     stream and accumulate them into the leaves when the backward pass joins; ``reads``: the tensors
     it reads, kept alive until then. Call only where ``accumulating``."""
     params = [None if ctx.next_functions[i][0] is None else ctx.next_functions[i][0].variable for i in edges]
-    task = torch._C._current_graph_task_id()
+    key = (torch._C._current_graph_task_id(), device)
     with _LOCK:
-        p = _PASSES.get(task)
+        p = _PASSES.get(key)
         if p is None:
-            p = _PASSES[task] = _Pass(device)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _join(task))
+            p = _PASSES[key] = _Pass(device)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _join(key))
         COUNTS["deferred"] += 1
     p.keep.append(tuple(reads))
     if p.side is None:
@@ -149,12 +149,12 @@ class _Pass:
                                                  device=param.device).copy_(grad)
 
 
-def _join(task: int) -> None:
+def _join(key: tuple[int, torch.device]) -> None:
     """autograd's final callback of a pass that deferred: the leaves get their gradients (on the
     side stream; on the CPU the work runs now), the caller's streams wait for the side stream, the
     kept tensors go."""
     with _LOCK:
-        p = _PASSES.pop(task)
+        p = _PASSES.pop(key)
         COUNTS["joins"] += 1
     with torch.no_grad(), torch.autocast(p.device.type, enabled=False):
         if p.side is None:
