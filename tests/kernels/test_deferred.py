@@ -212,6 +212,23 @@ def test_autograd_grad_inputs_and_create_graph_run_inline():
         assert (t is None and w is None) or torch.equal(t, w), i
 
 
+def test_cpp_op_layers_run_inline_and_say_so():
+    import warnings
+
+    from lora_bench.kernels import lora_cpp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if lora_cpp.module() is None:
+            pytest.skip(f"the C++ op cannot be built here: {lora_cpp.build_error()}")
+    m, x = _a_layer(), torch.randn(4, 10)
+    before = _counts()
+    with use_policy(PlanPolicy(forced=Plan.CPP, adapter_grads="deferred")), record_plans() as log:
+        m(x).sum().backward()
+    assert log.backend() == "cpp" and log.adapter_grads == {deferred.CPP_OP}
+    assert _since(before)["deferred"] == 0 and m.lora.A.grad is not None and m.lora.B.grad is not None
+
+
 def test_policy_names_and_the_environment_setting(monkeypatch):
     assert PlanPolicy().adapter_grads == "inline" and PlanPolicy(adapter_grads=" Deferred ").adapter_grads == "deferred"
     with pytest.raises(KernelPlanError, match="expected one of inline, deferred"):
