@@ -63,7 +63,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if ".lora." in n}
 
 
-def _one_mode(model, mode: str, idx, idx2) -> tuple[dict, dict, dict]:
+def _one_mode(model, mode: str, *, idx, idx2) -> tuple[dict, dict, dict]:
     """(eager grads, replayed grads, deferral counts of the capture) under ``mode``."""
     model.zero_grad(set_to_none=True)
     with use_policy(PlanPolicy(forced=Plan.FUSED, adapter_grads=mode)):
@@ -94,7 +94,7 @@ def check(size: str, data_file, console: Console) -> bool:
     model = _model(size, data_file)
     gen = torch.Generator(device="cuda").manual_seed(1)
     idx, idx2 = (torch.randint(0, 50257, (8, 120), device="cuda", generator=gen) for _ in range(2))
-    runs = {mode: _one_mode(model, mode, idx, idx2) for mode in MODES}
+    runs = {mode: _one_mode(model, mode, idx=idx, idx2=idx2) for mode in MODES}
     ok = runs["inline"][2]["joins"] == 0 and runs["deferred"][2]["joins"] == 1
     console.print(f"{size} capture: inline {runs['inline'][2]}, deferred {runs['deferred'][2]} "
                   "(deferred: layer backwards deferred, passes joined; expected joins 0 and 1)")

@@ -39,7 +39,7 @@ def _since(before: dict[str, int]) -> dict[str, int]:
     return {k: deferred.COUNTS[k] - before[k] for k in before}
 
 
-def _layer_steps(policy, operands, gs, alpha, *, need_x=True):
+def _layer_steps(policy, operands, gs, *, alpha, need_x=True):
     """Backward of the layer for each output gradient in ``gs`` (accumulating), under ``policy``;
     returns the leaves' gradients and the plan log."""
     x, w, b, a, bm = (t.detach().clone() if t is not None else None for t in operands)
@@ -69,9 +69,9 @@ def test_deferred_layer_gradients_equal_inline_and_float64(case, steps):
     ops = layer_operands(batch=batch, k=k, n=n, r=r, device="cpu", dtype=torch.float32, **case)
     gs = [fresh(*batch, n, device="cpu", dtype=torch.float32) for _ in range(steps)]
     before = _counts()
-    inline, log_i = _layer_steps(INLINE, ops, gs, alpha, need_x=need_x)
+    inline, log_i = _layer_steps(INLINE, ops, gs, alpha=alpha, need_x=need_x)
     assert _since(before) == {"deferred": 0, "joins": 0}
-    got, log_d = _layer_steps(DEFERRED, ops, gs, alpha, need_x=need_x)
+    got, log_d = _layer_steps(DEFERRED, ops, gs, alpha=alpha, need_x=need_x)
     assert _since(before) == {"deferred": steps, "joins": steps}
     assert log_i.adapter_grads == {"inline"} and log_d.adapter_grads == {"deferred"}
     for name, t, want in zip(("grad_A", "grad_B", "grad_x"), got, inline):
@@ -267,7 +267,7 @@ def _interp_main() -> None:
         ops = layer_operands(batch=(rows,), k=k, n=n, r=r, device="cpu", dtype=torch.float32)
         gs = [fresh(rows, n, device="cpu", dtype=torch.float32) for _ in range(2)]
         before = _counts()
-        (gi, log_i), (gd, log_d) = (_layer_steps(policy[m], ops, gs, 1.5) for m in ("inline", "deferred"))
+        (gi, log_i), (gd, log_d) = (_layer_steps(policy[m], ops, gs, alpha=1.5) for m in ("inline", "deferred"))
         x, w, b, a, bm = (t.double().requires_grad_(True) for t in ops)
         for g in gs:
             (x @ w.t() + 1.5 * (x @ a) @ bm + b).backward(g.double())
