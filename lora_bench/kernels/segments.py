@@ -36,8 +36,9 @@ def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 class LoRASegmentsFunction(torch.autograd.Function):
     """S LoRA layers with one input x (..., k), run by the fused segment kernels: returns
     y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x, the scale, S, whether
-    the layers have biases and whether their adapter gradients are deferred: the S weights, the S biases (``has_bias``), the S A's and the S B's — passed one by one so that
-    autograd hands each its own gradient; the kernels read them through their stacked views
+    the layers have biases and whether their adapter gradients are deferred: the S weights, the S
+    biases (``has_bias``), the S A's and the S B's — passed one by one so that autograd hands each
+    its own gradient; the kernels read them through their stacked views
     (``stacked``: the caller checked that they lie back to back). The weights and biases are frozen.
 
     Autocast as in ``LoRAKernelFunction``: operands cast once to autocast's dtype (one cast per

@@ -234,7 +234,8 @@ def test_policy_names_and_the_environment_setting(monkeypatch):
     with pytest.raises(KernelPlanError, match="expected one of inline, deferred"):
         PlanPolicy(adapter_grads="sideways")
     assert policy_for("auto", INLINE, adapter_grads="deferred") == DEFERRED
-    assert policy_for("fused", INLINE, adapter_grads="deferred") == PlanPolicy(forced=Plan.FUSED, adapter_grads="deferred")
+    assert (policy_for("fused", INLINE, adapter_grads="deferred")
+            == PlanPolicy(forced=Plan.FUSED, adapter_grads="deferred"))
     assert policy_for("auto", DEFERRED) == DEFERRED
     try:
         for value, want in ((None, "inline"), ("deferred", "deferred")):
