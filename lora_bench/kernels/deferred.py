@@ -1,21 +1,13 @@
 """Adapter gradients off the critical path: the ``adapter_grads="deferred"`` policy.
 
-In a deferring layer's backward only grad_x (and the u it needs) runs on the caller's stream. The
-adapter gradients (grad_A, grad_B: the plan's ``grad_ab``) run on one side stream per device,
-which waits for the caller's stream where each layer's backward runs, and the backward pass joins
-them once: the first deferring layer of a pass queues ``_join`` as autograd's final callback (it
-runs when the whole backward has run, before ``backward()`` returns, so inside a CUDA-graph capture
-of the backward too). The join accumulates each parameter's gradient of the pass as autograd does
-(``.grad`` set where it is None, added to where it is not), on the side stream, then makes the
-caller's streams wait for it and drops the tensors the side stream read (kept alive until then).
-On the CPU (no streams) the same bookkeeping runs the adapter gradients at the join.
-
-The layer's Function returns None for A's and B's gradients: autograd never sees them, so no hook
-of theirs fires. Calls refuse to defer, with the reason noted in the plan log (``refusal``), where
-that would be wrong; a backward defers only where autograd is accumulating into A and B in this
-pass (``accumulating``: not ``torch.autograd.grad``, ``backward(inputs=...)`` without them, or
-``create_graph``), else it runs inline.
-"""
+In a deferring layer's backward only grad_x (and the u it needs) runs on the caller's stream; the
+adapter gradients (the plan's ``grad_ab``) run on one side stream per device, and the backward
+pass joins them once, in a callback autograd runs when the whole pass has run (``_join``): it
+accumulates each parameter's gradient as autograd does, makes the caller's streams wait, and drops
+what the side stream read. On the CPU the adapter gradients run at the join. Calls refuse to defer
+where that would be wrong, the reason noted in the plan log (``refusal``); a backward defers only
+where autograd accumulates into A and B in this pass (``accumulating``), else it runs inline.
+How and why: docs/kernel-design.md#adapter-gradients-off-the-critical-path."""
 
 from __future__ import annotations
 
