@@ -24,17 +24,16 @@ from lora_bench.report import stats
 from lora_bench.report.aggregate import (
     NOT_GROUPED,
     collapse_modes,
-    matches,
     numbers,
     order_key,
     parse_baseline,
-    same,
     text_summary,
     varying_settings,
 )
 from lora_bench.report.empty import why_empty
 from lora_bench.report.load import MODE, RUN_DIR, kernel_counts, shared_ids_note
-from lora_bench.report.samples import estimate, sample
+from lora_bench.report.groups import RunGroup, difference, group_runs, same
+from lora_bench.report.samples import sample
 from lora_bench.report.stats import Estimate
 from lora_bench.report.names import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
 from lora_bench.results.schema import SETTING_PREFIX
@@ -48,6 +47,9 @@ STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
     "lora_rank", "batch_size", "context_length", "no_padding", "accumulation_steps", "trainable_token_pos",
     "average_embeddings", "disable_causal_mask")), "pack_size", *MODE_FIELDS)  # a pack's step is its points' at once
 ACCURACIES = ("val_acc", "test_acc")
+STEP = "step_ms_median"
+METRICS = (STEP, "host_step_ms_median", *(f"{p}{ph}_ms_median" for ph in PHASES for p in ("", "host_")),
+           "tokens_per_s", "mfu", *ACCURACIES)  # the estimates a group shows
 
 
 # The cause of a phase's time, measured: the GPU's busy fraction, the kernel time a profiled repeat
@@ -223,8 +225,7 @@ class Study:
         metric, b = self.accuracy_metric, self.base_of(g)
         if not metric or b is None or metric not in g.accuracy or metric not in b.accuracy:
             return stats.NONE, None
-        d = stats.difference_interval(sample(g.runs, metric), sample(b.runs, metric))
-        return d, stats.excludes_zero(d)
+        return difference(sample(g.runs, metric), sample(b.runs, metric))
 
     @property
     def per_step(self) -> bool:
@@ -263,10 +264,10 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     size_keys = [k for k in (SIZE, *SHAPE_OVERRIDES) if k in keys]
     rest = [k for k in keys if k not in size_keys and k not in spec and k != MODE]
     rest = _informative(timed, [*size_keys, *spec, *([MODE] if MODE in keys else [])], rest)
-    groups = []
-    for _, g in timed.groupby([*size_keys, *spec, *([MODE] if MODE in keys else []), *rest] or ["run_id"],
-                              sort=False, dropna=False):
-        groups.append(_group(g, size_keys=size_keys, spec=spec, mode=MODE in g and MODE not in spec, rest=rest))
+    by = [*size_keys, *spec, *([MODE] if MODE in keys else []), *rest] or ["run_id"]
+    groups = [_group(rg, size_keys=size_keys, spec=spec, mode=MODE in rg.runs and MODE not in spec, rest=rest)
+              for rg in group_runs(timed, by, metrics=METRICS, baseline=spec, ratio_metric=STEP,
+                                   threshold=threshold, lone_baseline=False)]
     sizes = sorted({g.size for g in groups}, key=lambda s: (order_key(s.split()[0]), s))
     groups.sort(key=lambda g: (_cond_order(g, rest), order_key(g.mode, col=MODE), sizes.index(g.size),
                                tuple(order_key(g.settings.get(k), col=k) for k in spec)))
@@ -279,7 +280,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
         runs = pd.concat([g.runs for g in untimed])
         study.notes.append(f"{len(untimed)} group(s) without step times ({why_empty(runs, 'step_ms_median')}): "
                            "left out of the crossover and the phase tables")
-    _ratios(study)
+    _base_params(study)
     study.lines = _lines(study)
     study.profiles = _attach_profiles(study, profiled)
     return study
@@ -325,7 +326,8 @@ def _first(g: pd.DataFrame, col: str):
     return g[col].iloc[0] if col in g else None
 
 
-def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, rest: list[str]) -> Group:
+def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: list[str]) -> Group:
+    g, est = rg.runs, rg.estimates
     settings = {k: _first(g, k) for k in (*size_keys, *spec, *([MODE] if MODE in g else []), *rest)}
     size = " ".join([value_text(settings.get(SIZE))] + [f"{setting_name(k)}={value_text(settings[k])}"
                                                         for k in size_keys[1:] if not is_blank(settings[k])])
@@ -333,7 +335,7 @@ def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, res
     phases = {}
     for ph in PHASES:
         bound = text_summary(g[f"bound_{ph}"]) if f"bound_{ph}" in g else ""
-        phases[ph] = Phase(device=estimate(g, f"{ph}_ms_median"), host=estimate(g, f"host_{ph}_ms_median"),
+        phases[ph] = Phase(device=est[f"{ph}_ms_median"], host=est[f"host_{ph}_ms_median"],
                            bound=bound)
     seeds = sorted({value_text(v) for v in g.get(SETTING_PREFIX + "seed", pd.Series(dtype=str)) if not is_blank(v)})
 
@@ -342,26 +344,18 @@ def _group(g: pd.DataFrame, *, size_keys: list[str], spec: dict, mode: bool, res
 
     return Group(size=size, variant=variant, mode=value_text(_first(g, MODE)) if mode else "",
                  condition=condition_text({k: settings[k] for k in rest}), settings=settings, runs=g,
-                 step=estimate(g, "step_ms_median"), host_step=estimate(g, "host_step_ms_median"), phases=phases,
+                 step=est[STEP], host_step=est["host_step_ms_median"], phases=phases,
                  seeds=seeds,
-                 tokens_per_step=med("tokens_per_step"), tokens_per_s=estimate(g, "tokens_per_s"),
-                 mfu=estimate(g, "mfu"),
+                 tokens_per_step=med("tokens_per_step"), tokens_per_s=est["tokens_per_s"],
+                 mfu=est["mfu"],
                  flops_per_step=med("flops_per_step"),
                  params=float(numbers(g["total_params"]).min()) if "total_params" in g and len(numbers(g["total_params"])) else math.nan,
-                 accuracy={a: acc for a in ACCURACIES if a in g and (acc := estimate(g, a)).known},
-                 is_baseline=bool(spec) and bool(matches(g, spec).all()))
+                 accuracy={a: est[a] for a in ACCURACIES if a in g and est[a].known}, is_baseline=rg.is_baseline,
+                 ratio=rg.ratio.value, ratio_lo=rg.ratio.lo, ratio_hi=rg.ratio.hi, ratio_over=rg.ratio.over,
+                 verdict=rg.verdict)
 
 
-def _ratios(study: Study) -> None:
-    """Each group's step time against the baseline group of its size, mode and condition: the ratio
-    of medians, its interval and its verdict."""
-    for g in study.groups:
-        b = study.base_of(g)
-        if b is None or not (g.step.known and b.step.known) or not b.step.median:
-            continue
-        r = stats.ratio_interval(sample(g.runs, "step_ms_median"), sample(b.runs, "step_ms_median"))
-        g.ratio, g.ratio_lo, g.ratio_hi, g.ratio_over = r.value, r.lo, r.hi, r.over
-        g.verdict = "" if g.is_baseline else stats.verdict(r, threshold=study.threshold)
+def _base_params(study: Study) -> None:
     # the base model's size: LoRA adds adapter parameters, so the smallest count at a size is the model's
     smallest: dict[str, float] = {}
     for g in study.groups:
