@@ -249,11 +249,9 @@ def default_baseline(done: pd.DataFrame) -> str | None:
 def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "",
                 threshold: float = stats.THRESHOLD) -> Study:
     done = df[df["status"] == "done"]
-    profiled = _profiled(done)
-    timed = done.drop(index=profiled.index)
+    profiled, timed = _split(done)
     notes = [n for n in (shared_ids_note(df),) if n]
-    if timed.empty:  # nothing but profiled runs: their times are all there is
-        timed = done
+    if timed is done:  # nothing but profiled runs: their times are all there is
         notes.append("every run had a profiler attached: its step times are perturbed by it")
     elif len(profiled):
         notes.append(f"{len(profiled)} profiled run(s) left out of the timings (a profiler perturbs them); "
@@ -284,6 +282,18 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     study.lines = _lines(study)
     study.profiles = _attach_profiles(study, profiled)
     return study
+
+
+def study_baseline(df: pd.DataFrame) -> str | None:
+    """The baseline a study of ``df`` sets its groups against when none is given."""
+    return default_baseline(_split(df[df["status"] == "done"])[1])
+
+
+def _split(done: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(profiled runs, timed runs): every run is timed where all of them are profiled."""
+    profiled = _profiled(done)
+    timed = done.drop(index=profiled.index)
+    return profiled, done if timed.empty else timed
 
 
 def _profiled(done: pd.DataFrame) -> pd.DataFrame:
