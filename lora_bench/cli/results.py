@@ -128,7 +128,7 @@ def render(
     """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs."""
     from lora_bench.errors import UsageError
     from lora_bench.escaping import markup
-    from lora_bench.report.committed import declared_folders, recipes, render_all, stale_reports
+    from lora_bench.publish.committed import declared_folders, recipes, render_all, stale_reports
 
     _folder(root)
     declared = declared_folders(root)

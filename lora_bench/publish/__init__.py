@@ -1,0 +1,3 @@
+"""What the repository publishes from its committed results: the reports each results folder
+declares (committed), the generated tables of README.md and docs/*.md and docs/results-schema.md
+(docs and its docs_* table modules), all read from the runs through lora_bench.report."""
