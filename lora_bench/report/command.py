@@ -21,6 +21,7 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.report import figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
+from lora_bench.report.group_table import to_csv
 from lora_bench.report.load import RESULTS_DIR, load_results
 from lora_bench.report.render_html import to_html
 from lora_bench.report.render_json import report_json
@@ -28,7 +29,6 @@ from lora_bench.report.render_markdown import to_markdown
 from lora_bench.report.render_terminal import print_document
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study, study_baseline
-from lora_bench.report.tables import to_csv
 from lora_bench.results.manifest import MANIFEST
 from lora_bench.results.records import RUN_RECORD, STEPS_CSV
 from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV

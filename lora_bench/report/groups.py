@@ -136,10 +136,9 @@ def _against(group: RunGroup, frame: pd.DataFrame, base: pd.DataFrame, *, keys: 
         rows = base
     group.has_baseline = not rows.empty
     own = group.estimates.get(metric) or estimate(group.runs, metric)
-    if rows.empty or not own.known:
-        r = NONE
-    else:
-        r = stats.ratio_interval(sample(group.runs, metric), sample(rows, metric))
+    r, word = NONE, unknown
+    if not rows.empty and own.known:
+        r, word = ratio(sample(group.runs, metric), sample(rows, metric), metric=metric, threshold=threshold)
     group.ratio = r
     if not group.is_baseline:
-        group.verdict = verdict(r, metric=metric, threshold=threshold) if r.known else unknown
+        group.verdict = word if r.known else unknown
