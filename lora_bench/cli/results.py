@@ -32,7 +32,8 @@ def index(
     check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 when README.md is not up to date.")] = False,
 ) -> None:
     """Generate ROOT/README.md from every folder's manifest.json and rows."""
-    from lora_bench.results.index import INDEX, render_index, write_index
+    from lora_bench.publish.results_index import render_index, write_index
+    from lora_bench.results.index import INDEX
 
     _folder(root)
     if check:
