@@ -1,8 +1,7 @@
-"""Aggregation of finished runs (never runs anything): group the repeats of each configuration
-(the median of each number with its 95 % interval, the verdicts of text columns counted), compare
-against a baseline: the ratio of medians with its 95 % interval and the verdict read off it
-(lora_bench.report.stats: percentile bootstrap over repeats, or over the steps of a group's one
-run; slower / faster only where the whole interval clears 1 ± the threshold)."""
+"""The table of groups of a report, from finished runs (never runs anything): the runs grouped by
+the settings that vary (or those asked for), each group's median of every number with its 95 %
+interval and its ratio to a baseline with the verdict (lora_bench.report.groups, the one engine),
+the text columns' values counted; and the options' words: columns, the baseline, the order."""
 
 from __future__ import annotations
 
