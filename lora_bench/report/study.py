@@ -167,7 +167,8 @@ def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: 
                  tokens_per_step=med("tokens_per_step"), tokens_per_s=est["tokens_per_s"],
                  mfu=est["mfu"],
                  flops_per_step=med("flops_per_step"),
-                 params=float(numbers(g["total_params"]).min()) if "total_params" in g and len(numbers(g["total_params"])) else math.nan,
+                 params=float(numbers(g["total_params"]).min()) if "total_params" in g and len(numbers(g["total_params"]))
+                 else math.nan,
                  accuracy={a: est[a] for a in ACCURACIES if a in g and est[a].known}, is_baseline=rg.is_baseline,
                  ratio=rg.ratio.value, ratio_lo=rg.ratio.lo, ratio_hi=rg.ratio.hi, ratio_over=rg.ratio.over,
                  verdict=rg.verdict)

@@ -42,7 +42,8 @@ def header(df: pd.DataFrame, done: pd.DataFrame, timed: pd.DataFrame, *, title: 
     layers = sorted(_values(timed, LAYERS), key=order_key)
     return Header(title=title or (names[0] if len(names) == 1 else "results"),
                   question=_question(spec, sizes, layers, modes=len(_values(timed, MODE))),
-                  gpus=_values(done, "gpu_name"), devices=[d.upper() for d in _values(done, "device")], versions={k: ", ".join(_values(done, c)) for k, c in ENV if _values(done, c)},
+                  gpus=_values(done, "gpu_name"), devices=[d.upper() for d in _values(done, "device")],
+                  versions={k: ", ".join(_values(done, c)) for k, c in ENV if _values(done, c)},
                   commits=[(str(c) or "unknown", int(n)) for c, n in commits.items()],
                   first=started[0] if started else "", last=started[-1] if started else "", fixed=fixed,
                   varying=varying, n_runs=len(done),
