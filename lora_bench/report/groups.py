@@ -122,17 +122,18 @@ def group_runs(frame: pd.DataFrame, keys: list[str], *, metrics: tuple[str, ...]
         group = RunGroup(values=values, runs=g, estimates={m: estimate(g, m) for m in metrics},
                          is_baseline=bool(spec) and bool(matches(g, spec, equal=equal).all()))
         if base is not None:
-            _against(group, frame, base, keys=keys, spec=spec, metric=ratio_metric, threshold=threshold,
+            _against(group, base, keys=keys, spec=spec, metric=ratio_metric, threshold=threshold,
                      lone_baseline=lone_baseline, unknown=unknown, equal=equal)
         out.append(group)
     return out
 
 
-def _against(group: RunGroup, frame: pd.DataFrame, base: pd.DataFrame, *, keys: list[str], spec: dict, metric: str,
+def _against(group: RunGroup, base: pd.DataFrame, *, keys: list[str], spec: dict, metric: str,
              threshold: float, lone_baseline: bool, unknown: str, equal: Callable) -> None:
+    """``group``'s ratio to the ``base`` runs sharing its keys outside the baseline's, and its verdict."""
     other = [k for k in keys if k not in spec]
     rows = base[matches(base, {k: group.values[k] for k in other}, equal=equal)] if other else base
-    if rows.empty and lone_baseline and base.groupby(keys, dropna=False).ngroups == 1:
+    if rows.empty and lone_baseline and keys and base.groupby(keys, dropna=False).ngroups == 1:
         rows = base
     group.has_baseline = not rows.empty
     own = group.estimates.get(metric) or estimate(group.runs, metric)
