@@ -1,20 +1,7 @@
-"""Text from files and users, made safe where it is shown: a terminal, a CSV cell, a Markdown
-table. One function per place, applied where the text leaves lora-bench (the renderers, the CSV
-writers, the error printer), so the values themselves stay as they were given.
-
-- ``terminal``: control characters (C0, DEL, C1, and Unicode's invisible format characters such as
-  the bidirectional overrides) are shown as escapes (``\\x1b``, ``\\u202e``) instead of being sent:
-  a value cannot retitle the window, clear the screen or reorder what is printed around it.
-  ``markup`` also escapes rich's markup (``[bold]``, ``[link=…]``) for text that rich parses.
-- ``csv_cell`` / ``csv_value``: a text cell that a spreadsheet would read as a formula (it starts
-  with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return, or their full-width forms) gets a
-  leading ``'``, as OWASP's CSV-injection guidance recommends; a number (``-1.5``) stays a number.
-  A text that starts with ``'`` itself gets one more, so every written cell reads back exactly:
-  ``csv_value`` drops one leading ``'``, and lora-bench's readers apply it to every cell.
-- ``markdown_cell``: a Markdown table cell shows its text literally: ``|`` cannot end the cell,
-  backticks, brackets and HTML (``<script>``) are escaped, a line break becomes a space.
-  ``markdown_text`` escapes only HTML and control characters, for generated paragraphs whose
-  Markdown marks are meant."""
+"""Text from files and users, made safe where it is shown: a terminal (``terminal``, ``markup``),
+a CSV cell (``csv_cell``, read back by ``csv_value``), Markdown (``markdown_cell``,
+``markdown_text``). One function per place, applied where the text leaves lora-bench (the
+renderers, the CSV writers, the error printer), so the values themselves stay as they were given."""
 
 from __future__ import annotations
 
@@ -39,8 +26,10 @@ def _shown(ch: str) -> str:
 
 
 def terminal(text: object, *, newlines: bool = False) -> str:
-    """``text`` with every control and invisible format character shown as an escape;
-    ``newlines`` keeps line breaks (a multi-line message) and tabs."""
+    """``text`` with every control and invisible format character (C0, DEL, C1, and Unicode's
+    invisible format characters such as the bidirectional overrides) shown as an escape (``\\x1b``,
+    ``\\u202e``) instead of being sent: a value cannot retitle the window, clear the screen or
+    reorder what is printed around it. ``newlines`` keeps line breaks (a multi-line message) and tabs."""
     text = str(text)
     if text.isprintable():  # the common case, at C speed: nothing to escape
         return text
@@ -49,7 +38,8 @@ def terminal(text: object, *, newlines: bool = False) -> str:
 
 
 def markup(text: object, *, newlines: bool = False) -> str:
-    """``terminal(text)`` with rich's markup escaped: for text inside a string that rich parses."""
+    """``terminal(text)`` with rich's markup (``[bold]``, ``[link=…]``) escaped: for text inside a
+    string that rich parses."""
     return _rich_escape(terminal(text, newlines=newlines))
 
 
@@ -60,8 +50,11 @@ QUOTE = "'"
 
 
 def csv_cell(value: object) -> object:
-    """A value as a CSV writer should store it: text a spreadsheet would run as a formula, or that
-    starts with a quote, gets a leading quote; numbers and other values are returned unchanged."""
+    """A value as a CSV writer should store it: text a spreadsheet would run as a formula (it starts
+    with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return, or their full-width forms) gets a
+    leading ``'``, as OWASP's CSV-injection guidance recommends; a number (``-1.5``) and other
+    values are returned unchanged. A text that starts with ``'`` itself gets one more, so every
+    written cell reads back exactly through ``csv_value``."""
     if not isinstance(value, str) or not value:
         return value
     if value.startswith(QUOTE) or (value.startswith(_FORMULA_START) and not _NUMBER.fullmatch(value)):
@@ -70,7 +63,8 @@ def csv_cell(value: object) -> object:
 
 
 def csv_value(text: str) -> str:
-    """A cell as ``csv_cell`` stored it, read back: one leading quote dropped."""
+    """A cell as ``csv_cell`` stored it, read back: one leading quote dropped (lora-bench's readers
+    apply it to every cell)."""
     return text[1:] if isinstance(text, str) and text.startswith(QUOTE) else text
 
 
@@ -79,7 +73,9 @@ _MD_SPECIAL = re.compile(r"([\\`|\[\]])")
 
 
 def markdown_cell(text: object) -> str:
-    """``text`` shown literally in a Markdown table cell (GitHub's and CommonMark's tables)."""
+    """``text`` shown literally in a Markdown table cell (GitHub's and CommonMark's tables): ``|``
+    cannot end the cell, backticks, brackets and HTML (``<script>``) are escaped, a line break
+    becomes a space."""
     out = _MD_SPECIAL.sub(r"\\\1", markdown_text(text))
     return out.replace("\n", " ").replace("\t", " ")
 

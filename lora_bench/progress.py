@@ -1,18 +1,8 @@
 """Progress of a training run on the terminal — epoch, step, the last resolved loss, elapsed and
-remaining time — at a cost per step below the phase timer's own.
-
-``update`` runs every step inside the measured loop, so it does almost nothing: it stores the step
-and compares the clock with the next refresh time. Only on a refresh (at most ``refresh_per_s``
-times a second) does it read the last loss the timer has already resolved (reading a loss itself
-would synchronise the GPU), format one line and rewrite it in place. There is no refresh thread (a
-background redraw takes the GIL at random points of a host-bound step), and the line is written
-directly rather than laid out by rich's Live/Progress, whose redraw costs a few milliseconds of
-Python. Whatever the console prints meanwhile (evaluation lines) clears the line first, through a
-rich render hook, so nothing is garbled; the next refresh draws it again below.
-
-Off a terminal (a pipe, a log file) nothing is rewritten in place: a plain line is printed on the
-first step, when an epoch begins, at most every ``PLAIN_EVERY_S`` seconds in between, and after the
-last step, so a log shows the run moving. ``enabled=False`` (``--no-progress``) prints nothing."""
+remaining time — at a cost per step below the phase timer's own: ``update`` only stores the step
+and checks the clock; at most ``refresh_per_s`` times a second one line is rewritten in place, with
+no thread and no GPU sync. Off a terminal a plain line is printed now and then; ``enabled=False``
+(``--no-progress``) prints nothing. Why this way: docs/measuring.md#the-progress-line."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("peers", "results"),
     ("train",),
     ("sweep", "report", "bench"),
+    ("publish",),
     ("cli",),
     ("__main__",),
 ]

@@ -3,26 +3,10 @@
 Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
 gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
 measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the plan policy
-(:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct`` (the C++ op launching the Triton
-kernels: the eager bf16/fp16 default), ``lora-kernel:cpp`` (the C++ op with cuBLAS GEMMs) or
-``lora-kernel:fused``. The ``backend`` column names the plan(s) the layer's calls ran, eagerly
-and, where it differs, replayed from a CUDA graph ("direct; graph fused").
-
-How it times (docs performance.md):
-* CUDA events around each repeat, with no synchronisation between repeats: back to back, as in
-  training. When the GPU outruns the host, the start event fires as soon as it is recorded and
-  the interval includes the host's launch time; when the GPU is the bottleneck it is device time.
-  Either way it is what a training step pays. ``graph_fwdbwd_ms`` replays the same forward+backward
-  from a CUDA graph, for every implementation: device cost with launch overhead removed.
-* implementations are interleaved: the repeats of each phase run in rounds of ``ROUND`` repeats,
-  every implementation once per round (the order rotating), so slow drift of a shared host (a
-  virtual machine's eager timings wander by tens of percent over seconds) hits all of them alike.
-  ``x_frozen`` / ``x_lora`` are the medians over rounds of the per-round ratios of block medians.
-* warm-up first (Triton compiles, cuBLAS handles); median, p10, p90 over the repeats.
-* fresh random inputs, never zeros, rotated over several (layer, x, grad) sets whose total is
-  several times the L2, so neither weights nor activations are served from cache.
-* on CPU: perf_counter, fewer repeats.
-Gradients are taken with ``torch.autograd.grad`` (no .grad accumulation kernels in the timing).
+(:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct``. The ``backend`` column names the
+plan(s) the layer's calls ran, eagerly and, where it differs, replayed from a CUDA graph ("direct;
+graph fused"). How it times (events back to back, implementations interleaved in rounds, fresh
+inputs beyond the L2): docs/kernel-design.md#how-kernel-bench-times.
 """
 
 from __future__ import annotations

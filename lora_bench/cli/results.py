@@ -32,7 +32,8 @@ def index(
     check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 when README.md is not up to date.")] = False,
 ) -> None:
     """Generate ROOT/README.md from every folder's manifest.json and rows."""
-    from lora_bench.results.index import INDEX, render_index, write_index
+    from lora_bench.publish.results_index import render_index, write_index
+    from lora_bench.results.index import INDEX
 
     _folder(root)
     if check:
@@ -128,7 +129,7 @@ def render(
     """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs."""
     from lora_bench.errors import UsageError
     from lora_bench.escaping import markup
-    from lora_bench.report.committed import declared_folders, recipes, render_all, stale_reports
+    from lora_bench.publish.committed import declared_folders, recipes, render_all, stale_reports
 
     _folder(root)
     declared = declared_folders(root)

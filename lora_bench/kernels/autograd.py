@@ -1,22 +1,16 @@
 """``--trainable-layers lora-kernel``: the minimal-work LoRA op, and where each call runs.
 
 Same parameters, init and alpha semantics as ``lora`` (y = x·Wᵀ + b + alpha·(x·A)·B, alpha not
-divided by the rank); only forward/backward differ. One autograd op does the minimal work
-(docs performance.md, "LoRA layer, minimal work"):
-
-    forward   h = x·A;  y = x·Wᵀ + b + s·h·B                 saves x and h (N×r), nothing N×n
-    backward  u = g·Bᵀ; grad_x = g·W + s·u·Aᵀ; grad_A = s·xᵀ·u; grad_B = s·hᵀ·g
-              grad_W = gᵀ·x and grad_b = Σg only if W/b require grad (a trainable head)
-
-Each call runs one plan (:mod:`lora_bench.kernels.plans`), chosen by
-:func:`lora_bench.kernels.policy.choose` under the policy in force (``use_policy``; a run's
-``kernel_plan`` setting forces one): "direct" and "cpp" run the C++ autograd op (built by
-:mod:`lora_bench.kernels.lora_cpp`; "direct" launches the Triton kernels itself); "fused",
-"cublas" and "torch" run the Python Function ``LoRAKernelFunction`` below with their plan's pieces. Under torch.compile the layer is traced as two custom ops
-(``lora_bench::lora_linear_fwd`` / ``_bwd``, with fake implementations and an autograd formula)
-that run those same three plans, chosen once when the call is traced: the compiled graph has no
-break at the layer and the compiler fuses the work around it. Every call notes its plan
-(``policy.note``): what a run reports as its ``backend``.
+divided by the rank); only forward/backward differ: one autograd op saves x and h (N×r), nothing
+N×n, and never forms the frozen weight's gradient (docs/kernel-design.md#the-minimal-work). Each
+call runs one plan (:mod:`lora_bench.kernels.plans`) chosen by :func:`lora_bench.kernels.policy.choose`:
+"direct" and "cpp" run the C++ op, the others the Python Function ``LoRAKernelFunction`` below, or
+under torch.compile the custom ops ``lora_bench::lora_linear_fwd`` / ``_bwd``, the plan chosen once
+when the call is traced. Every call notes its plan: what a run reports as its ``backend``
+(docs/kernel-design.md#how-a-plan-is-chosen). Where the policy defers the adapter gradients
+(``adapter_grads="deferred"``), the Python Function's backward hands grad_A and grad_B to
+:mod:`lora_bench.kernels.deferred` (a side stream, joined once per backward pass); the C++ op and
+the compiled custom ops run them inline.
 """
 
 from __future__ import annotations
@@ -25,10 +19,10 @@ from typing import Optional
 
 import torch
 
-from lora_bench.kernels import available
+from lora_bench.kernels import available, deferred
 from lora_bench.kernels.call import Plan
 from lora_bench.kernels.plans import PYTHON, cpp, direct
-from lora_bench.kernels.policy import choose, current_policy, note
+from lora_bench.kernels.policy import choose, current_policy, note, note_adapter_grads
 
 
 def compute_dtype(x: torch.Tensor, dev: str) -> torch.dtype:
@@ -81,7 +75,7 @@ def outside_autocast(backward, ctx, grad_out):
 class LoRAKernelFunction(torch.autograd.Function):
     """y = x·Wᵀ + b + s·(x·A)·B with the minimal backward. Inputs: x (..., k), weight (n, k),
     bias (n) or None, A (k, r), B (r, n), scale (a float), plan (fused, cublas or torch: forward
-    and backward run it).
+    and backward run it), defer (the adapter gradients go to ``deferred``: ``deferred.chosen``).
 
     Autocast: ``custom_fwd`` records CUDA autocast state; on any device, with autocast on, every
     operand is cast once to autocast's dtype (what F.linear does) and the math runs with autocast
@@ -91,7 +85,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, A, B, scale, plan):
+    def forward(ctx, x, weight, bias, A, B, scale, plan, defer):
         n, k = weight.shape
         dev = "cuda" if x.is_cuda else x.device.type
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (N, k); a copy only if the batch dims don't flatten
@@ -114,6 +108,8 @@ class LoRAKernelFunction(torch.autograd.Function):
             y, h = PYTHON[plan].forward(x2, w, b, a, bm, s)
         ctx.save_for_backward(x2, h, w, a, bm)
         ctx.scale, ctx.plan, ctx.dev = s, plan, dev
+        ctx.defer = defer
+        ctx.ab_edges = (3, 4) if bias is not None else (2, 3)  # A's and B's among the tensor inputs
         ctx.x_meta = (x.shape, x.dtype)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None, A.dtype, B.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -126,7 +122,7 @@ class LoRAKernelFunction(torch.autograd.Function):
     def _backward(ctx, grad_out):
         x2, h, w, a, bm = ctx.saved_tensors
         s, mode = ctx.scale, ctx.plan
-        need_x, need_w, need_b, need_a, need_bl, _, _ = ctx.needs_input_grad
+        need_x, need_w, need_b, need_a, need_bl = ctx.needs_input_grad[:5]
         w_dt, b_dt, a_dt, bl_dt = ctx.param_dtypes
         grad_x = grad_w = grad_b = grad_a = grad_bl = None
         g = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, w.shape[0])  # (N, n)
@@ -139,15 +135,22 @@ class LoRAKernelFunction(torch.autograd.Function):
         elif need_a:
             u = g @ cast(bm, g.dtype).t()  # the input needs no gradient (first layer): skip the big GEMM
         if need_a or need_bl:
-            grad_a, grad_bl = PYTHON[mode].grad_ab(x2, u if u is not None else h, h, g, s,
-                                                   do_a=need_a, do_b=need_bl, dtype=a_dt)
-            grad_bl = cast(grad_bl, bl_dt)
+            u = u if u is not None else h
+
+            def adapter_grads():
+                ga, gb = PYTHON[mode].grad_ab(x2, u, h, g, s, do_a=need_a, do_b=need_bl, dtype=a_dt)
+                return ga, cast(gb, bl_dt)
+
+            if ctx.defer and deferred.accumulating(ctx, ctx.ab_edges):
+                deferred.defer(ctx, ctx.ab_edges, adapter_grads, reads=(x2, u, h, g), device=g.device)
+            else:
+                grad_a, grad_bl = adapter_grads()
         # Only a trainable base layer (the classification head) pays for these.
         if need_w:
             grad_w = cast(g.t() @ x2, w_dt)  # (n, k)
         if need_b:
             grad_b = cast(g.sum(0), b_dt)
-        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None
+        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None, None
 
 
 # ------------------------------------------------------------------ under torch.compile
@@ -237,6 +240,14 @@ def _compiled_forward(x, weight, bias, A, B, scale):
     return y.view(*x.shape[:-1], n)
 
 
+def _note(plan: Plan) -> None:
+    """Note an eager call's plan, and where the policy defers adapter gradients, that the C++ op's
+    plans run them inline (the Python Function notes its own, ``deferred.chosen``)."""
+    note(plan)
+    if plan.cpp_op and current_policy().adapter_grads == deferred.DEFERRED:
+        note_adapter_grads(deferred.CPP_OP)
+
+
 def lora_linear(x, weight, bias, A, B, scale):
     """The lora-kernel layer as a function: y = x·Wᵀ + b + scale·(x·A)·B, through the plan that
     ``call_plan`` (or, under torch.compile, the trace) chooses."""
@@ -246,13 +257,13 @@ def lora_linear(x, weight, bias, A, B, scale):
     if plan is Plan.DIRECT:
         y = direct.layer(x, weight, bias, A, B, scale)
         if y is not None:
-            note(plan)
+            _note(plan)
             return y
         plan = Plan.CPP  # this shape could not be registered: the C++ op's ATen GEMMs
-    note(plan)
+    _note(plan)
     if plan is Plan.CPP:
         return cpp.layer(x, weight, bias, A, B, scale)
-    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan)
+    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan, deferred.chosen((A, B)))
 
 
 __all__ = ["LoRAKernelFunction", "call_plan", "cast", "compute_dtype", "exact_fp32", "lora_linear", "outside_autocast",

@@ -1,22 +1,10 @@
-"""Launch a Triton kernel with less host work than ``kernel[grid](...)``.
-
-Why: one ``kernel[grid](...)`` call of Triton 3.6 costs 57-122 us of host time on an H200 host
-(``torch.mm``: 14-23 us), and a LoRA layer is host-bound at GPT-2 sizes: three such launches
-cost more than the frozen layer's whole forward+backward. Triton's own path re-derives, on every
-call, the specialisation of each argument, a string cache key, the device and stream, and then
-has its C launcher call ``data_ptr()`` and ``cuPointerGetAttribute`` once per tensor.
-
-Here the first call for a key goes through Triton (compiling if needed) and keeps the returned
-``CompiledKernel``; later calls hand raw pointers straight to its C launcher. The key covers
-everything Triton 3.x specialises on (dtypes, 16-byte alignment of each pointer, integer
-arguments equal to 1 or divisible by 16, constexprs, warps, stages, device), so a cached binary is
-only reused where Triton would pick the same one. Launch hooks (profilers such as proton) are not
-called on the fast path. Host cost of one ``lora_fwd`` call: 31 us against 57 us through Triton
-(docs/kernel-design.md).
-
-Only for the Triton versions whose launch internals this code follows (3.6 to 3.9); elsewhere,
-or with ``LORA_BENCH_TRITON_FAST_LAUNCH=0``, every call takes Triton's own path.
-"""
+"""Launch a Triton kernel with less host work than ``kernel[grid](...)``: the first call for a
+key goes through Triton (compiling if needed) and keeps the ``CompiledKernel``; later calls hand
+raw pointers straight to its C launcher. The key covers everything Triton specialises on, so a
+cached binary is only reused where Triton would pick the same one; launch hooks are not called on
+this path. Only for the Triton versions whose launch internals this code follows (3.6 to 3.9);
+elsewhere, or with ``LORA_BENCH_TRITON_FAST_LAUNCH=0``, every call takes Triton's own path. Why:
+docs/kernel-design.md#the-implementations."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""Build and load lora-kernel's C++ autograd op (plans "cpp" and "direct"; source: ``lora_op.cpp``).
-
-Same math as ``lora_bench.kernels.autograd.LoRAKernelFunction``, written as a
-``torch::autograd::Function``: one pybind call per forward, no Python at all in backward. An eager
-layer on a fast GPU is host-bound, and the Python Function costs tens of microseconds of
-apply/ctx work each way (docs/kernel-design.md).
-
-Built on first use with ``torch.utils.cpp_extension.load`` (ninja; host C++ only, so one build
-serves CPU and CUDA tensors) into ``$LORA_BENCH_EXT_DIR`` when set, else into lora-bench's cache
-(``$LORA_BENCH_CACHE`` or ``~/.cache/lora-bench``) under ``extensions/torch-<version>``; later
-processes load the cached build. A failed build (no C++ compiler, no ninja) warns once and
-``module()`` returns None: callers fall back to the Python Function.
-
-torch guards a build with a ``lock`` file that a killed build leaves behind, and every later
-process then waits on it forever. A build here also holds an advisory lock (``flock``) that the
-operating system releases when its process dies; whoever holds it knows that a ``lock`` file
-left in the folder belongs to no live lora-bench build and removes it.
-"""
+"""Build and load lora-kernel's C++ autograd op (plans "cpp" and "direct"; source: ``lora_op.cpp``):
+the math of ``lora_bench.kernels.autograd.LoRAKernelFunction`` as a ``torch::autograd::Function``,
+one pybind call per forward and no Python in backward. Built on first use into
+``$LORA_BENCH_EXT_DIR``, else lora-bench's cache; later processes load the cached build. A failed
+build warns once and ``module()`` returns None: callers fall back to the Python Function. A build
+holds an ``flock`` that dies with its process, so a ``lock`` file a killed build left behind is
+removed rather than waited on forever. Where and why: docs/kernel-design.md#the-implementations."""
 
 from __future__ import annotations
 

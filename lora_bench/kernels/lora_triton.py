@@ -1,20 +1,9 @@
-"""Triton kernels for the LoRA layer y = x·Wᵀ + b + s·(x·A)·B (W frozen).
-
-Two kernels cover forward and backward (shapes: x N×k, W n×k, A k×r, B r×n):
-
-* ``lora_mm``: out = X·Wt + bias + s·(X·P)·Q and H = X·P, in one launch. Each output tile
-  accumulates X_tile·P_tile (BLOCK_M×r) next to X_tile·Wt_tile in the same K loop, so X is read
-  once for both, then adds s·H_tile·Q_tile in the epilogue. Forward: (X, Wt, P, Q) = (x, Wᵀ, A, B)
-  gives y and h. Backward: (g, W, Bᵀ, Aᵀ) gives grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ. Every column
-  tile recomputes its rows' H (extra MMA work r/BLOCK_N, ~12 % at r=16): cheaper than a second
-  launch plus a round trip of H through memory; only column tile 0 stores it.
-* ``lora_grad_ab``: grad_A = s·xᵀ·u (k×r) and grad_B = s·hᵀ·g (r×n), one launch, the program id
-  choosing which; both reduce over the N rows, so each program streams one column strip. With
-  ~1k rows there are too few strips to fill the GPU, so the rows are split too (grid axis 1): each
-  program reduces its share and atomically adds it into a zero-filled fp32 output.
-
-This module imports Triton; import it lazily (``lora_bench.kernels.available`` does).
-"""
+"""Triton kernels for the LoRA layer y = x·Wᵀ + b + s·(x·A)·B (W frozen; x N×k, W n×k, A k×r,
+B r×n): ``lora_mm`` computes out = X·Wt + bias + s·(X·P)·Q and H = X·P in one launch (forward
+(x, Wᵀ, A, B) gives y and h; backward (g, W, Bᵀ, Aᵀ) gives grad_x and u); ``lora_grad_ab``
+computes grad_A = s·xᵀ·u and grad_B = s·hᵀ·g in one launch. Their tiling and why:
+docs/kernel-design.md#the-implementations. This module imports Triton; import it lazily
+(``lora_bench.kernels.available`` does)."""
 
 from __future__ import annotations
 

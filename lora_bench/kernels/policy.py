@@ -8,8 +8,8 @@ themselves are :mod:`lora_bench.kernels.plans`.
 The policy in force is held in a context variable: ``use_policy`` sets it for a block,
 ``graph_plan`` switches it to capture mode (graph warm-ups run the plan their capture will use).
 ``policy_for(name)`` is the policy of a run's ``kernel_plan`` setting. ``record_plans`` collects
-the plans that layer calls with gradients enabled ran: what a run reports in its ``backend``
-column.
+the plans that layer calls with gradients enabled ran (what a run reports in its ``backend``
+column) and where their adapter gradients ran (``adapter_grads``: inline, deferred, or why not).
 """
 
 from __future__ import annotations
@@ -17,34 +17,42 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 from collections.abc import Iterator
 
 import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.names import AUTO
+from lora_bench.kernels.names import ADAPTER_GRADS, ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE, AUTO
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.rules import RULES
 
 
 class KernelPlanError(UsageError, ValueError):
-    """A plan name that is not one of ``Plan`` (a forced plan, e.g. the ``kernel_plan`` setting)."""
+    """A plan name that is not one of ``Plan`` (a forced plan, e.g. the ``kernel_plan`` setting), or
+    a name for where the adapter gradients run that is not one of ``ADAPTER_GRADS``."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanPolicy:
     """How plans are chosen. ``forced``: run this plan wherever it can run (see ``choose``).
     ``cpp_graph_min_weight``: the weight size from which captured and compiled layers run cuBLAS
-    GEMMs. ``capture``: choose as under CUDA-graph capture (graph warm-ups, ``graph_plan``)."""
+    GEMMs. ``capture``: choose as under CUDA-graph capture (graph warm-ups, ``graph_plan``).
+    ``adapter_grads``: where the Python plans' backward runs the adapter gradients: ``inline`` in
+    the layer's backward, ``deferred`` on a side stream joined once per backward pass
+    (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline)."""
 
     forced: Plan | None = None
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT
     capture: bool = False
+    adapter_grads: str = ADAPTER_GRADS_INLINE
 
     def __post_init__(self) -> None:
         if self.forced is not None and not isinstance(self.forced, Plan):  # a plan's name
             object.__setattr__(self, "forced", parse_plan(str(self.forced)))
+        object.__setattr__(self, "adapter_grads", parse_adapter_grads(self.adapter_grads))
 
 
 def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bool, compiling: bool,
@@ -106,23 +114,41 @@ def parse_plan(text: str) -> Plan:
                               f"{', '.join(p.value for p in Plan)}") from None
 
 
-def policy_for(kernel_plan: str, base: PlanPolicy | None = None) -> PlanPolicy:
+def parse_adapter_grads(text: str) -> str:
+    """One of ``ADAPTER_GRADS`` from its name (KernelPlanError naming the allowed ones otherwise)."""
+    name = str(text).strip().lower()
+    if name not in ADAPTER_GRADS:
+        raise KernelPlanError(f"lora-kernel adapter gradients {text!r}: expected one of {', '.join(ADAPTER_GRADS)}")
+    return name
+
+
+def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None) -> PlanPolicy:
     """``base`` (default: the policy in force) with the plan a run's ``kernel_plan`` setting forces
-    (``auto``: none)."""
+    (``auto``: none) and, where given, where the adapter gradients run."""
     base = current_policy() if base is None else base
+    if adapter_grads is not None:
+        base = dataclasses.replace(base, adapter_grads=adapter_grads)
     if kernel_plan == AUTO:
         return base
     return dataclasses.replace(base, forced=parse_plan(kernel_plan))
 
 
 # ------------------------------------------------------------------------- the policy in force
-_POLICY: contextvars.ContextVar[PlanPolicy] = contextvars.ContextVar("lora_bench_plan_policy",
-                                                                     default=PlanPolicy())
+_POLICY: contextvars.ContextVar[PlanPolicy | None] = contextvars.ContextVar("lora_bench_plan_policy",
+                                                                            default=None)
+
+
+@functools.cache
+def default_policy() -> PlanPolicy:
+    """The policy in force where ``use_policy`` set none: the rules choose, and the adapter
+    gradients run where ``$LORA_BENCH_ADAPTER_GRADS`` says (unset: inline), read once."""
+    return PlanPolicy(adapter_grads=os.environ.get(ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE))
 
 
 def current_policy() -> PlanPolicy:
-    """The policy in force here (the default one unless ``use_policy`` set another)."""
-    return _POLICY.get()
+    """The policy in force here (``default_policy`` unless ``use_policy`` set another)."""
+    policy = _POLICY.get()
+    return default_policy() if policy is None else policy
 
 
 @contextlib.contextmanager
@@ -150,6 +176,7 @@ class PlanLog:
 
     def __init__(self) -> None:
         self.plans: set[Plan] = set()
+        self.adapter_grads: set[str] = set()  # "inline", "deferred", or "inline: why it could not defer"
 
     def __iter__(self) -> Iterator[Plan]:
         return iter(sorted(self.plans, key=lambda p: p.value))
@@ -183,6 +210,13 @@ def note(plan: Plan) -> None:
         log.plans.add(plan)
 
 
+def note_adapter_grads(where: str) -> None:
+    """Record where a layer call's adapter gradients run (calls with gradients enabled, while recording)."""
+    log = _LOG.get()
+    if log is not None and torch.is_grad_enabled():
+        log.adapter_grads.add(where)
+
+
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
-           "TRITON_MAX_RANK", "choose", "current_policy", "graph_plan", "note", "parse_plan", "policy_for",
-           "record_plans", "use_policy"]
+           "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
+           "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

@@ -4,14 +4,15 @@ The three layers share their input. Stored side by side (each parameter a view o
 ``lora_bench.lora.kernel.group_layers``) they run as one where the fused plan runs: one input cast
 and one cast of each adapter instead of three, one grad_x instead of three summed. Elsewhere
 (eager CUDA, the CPU, torch.compile, a plan other than fused) each layer runs on its own, as
-ungrouped (:func:`lora_bench.kernels.autograd.lora_linear`).
+ungrouped (:func:`lora_bench.kernels.autograd.lora_linear`). Deferred adapter gradients
+(``adapter_grads="deferred"``) are deferred for the three layers at once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lora_bench.kernels import available
+from lora_bench.kernels import available, deferred
 from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
 from lora_bench.kernels.policy import note
@@ -34,9 +35,10 @@ def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 class LoRASegmentsFunction(torch.autograd.Function):
     """S LoRA layers with one input x (..., k), run by the fused segment kernels: returns
-    y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x and the scale: the S
-    weights, the S biases (``has_bias``), the S A's and the S B's — passed one by one so that
-    autograd hands each its own gradient; the kernels read them through their stacked views
+    y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x, the scale, S, whether
+    the layers have biases and whether their adapter gradients are deferred: the S weights, the S
+    biases (``has_bias``), the S A's and the S B's — passed one by one so that autograd hands each
+    its own gradient; the kernels read them through their stacked views
     (``stacked``: the caller checked that they lie back to back). The weights and biases are frozen.
 
     Autocast as in ``LoRAKernelFunction``: operands cast once to autocast's dtype (one cast per
@@ -44,7 +46,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, scale, segments, has_bias, *params):
+    def forward(ctx, x, scale, segments, has_bias, defer, *params):
         S = segments
         ws, bs = params[:S], (params[S:2 * S] if has_bias else None)
         As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
@@ -69,6 +71,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
         ctx.scale, ctx.segments, ctx.has_bias, ctx.dev = s, S, has_bias, dev
         ctx.x_meta = (x.shape, x.dtype)
         ctx.ab_dtypes = (As[0].dtype, Bs[0].dtype)
+        ctx.defer = defer
         return y if x.dim() == 2 else y.view(*x.shape[:-1], S * n)
 
     @staticmethod
@@ -91,10 +94,17 @@ class LoRASegmentsFunction(torch.autograd.Function):
         else:  # the input needs no gradient: u alone, each layer's g·Bᵀ
             n = b3.shape[2]
             u = torch.cat([g[:, i * n:(i + 1) * n] @ b3[i].t() for i in range(S)], 1)
-        ga, gb = kern.lora_grad_ab(x2, u, h, g, scale=s, grad_dtype=a_dt, segments=S)
-        gb = cast(gb, b_dt)
+
+        def adapter_grads():
+            ga, gb = kern.lora_grad_ab(x2, u, h, g, scale=s, grad_dtype=a_dt, segments=S)
+            return (*ga.unbind(0), *cast(gb, b_dt).unbind(0))
+
         frozen = (None,) * (S * (2 if ctx.has_bias else 1))
-        return (grad_x, None, None, None, *frozen, *ga.unbind(0), *gb.unbind(0))
+        ab = range(1 + len(frozen), 1 + len(frozen) + 2 * S)  # A_1..A_S, B_1..B_S among the tensor inputs
+        if ctx.defer and deferred.accumulating(ctx, ab):
+            deferred.defer(ctx, ab, adapter_grads, reads=(x2, u, h, g), device=g.device)
+            return (grad_x, None, None, None, None, *frozen, *(None,) * (2 * S))
+        return (grad_x, None, None, None, None, *frozen, *adapter_grads())
 
 
 def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
@@ -110,7 +120,8 @@ def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
             params = segment_params(layers)
             if params is not None:
                 note(Plan.FUSED)
-                y = LoRASegmentsFunction.apply(x, first.lora.alpha, S, first.linear.bias is not None, *params)
+                defer = deferred.chosen(params[-2 * S:])
+                y = LoRASegmentsFunction.apply(x, first.lora.alpha, S, first.linear.bias is not None, defer, *params)
                 return y.split(w.shape[0], dim=-1)
     return tuple(lora_linear(x, m.linear.weight, m.linear.bias, m.lora.A, m.lora.B, m.lora.alpha) for m in layers)
 

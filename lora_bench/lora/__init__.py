@@ -1,4 +1,5 @@
-"""LoRA variants and their registry: ``--trainable-layers`` name -> layer class."""
+"""LoRA variants and their registry (``--trainable-layers`` name -> layer class), the packed layer,
+and the formats a frozen base is stored in (``bases``, used through ``quantized``)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Many LoRA adapters on one frozen model ("packing"): N adapters train at once on a batch stacked
 N times along the batch dimension, point p's rows being the p-th block of B rows.
 
-``PackedLoRALinear`` replaces one ``nn.Linear``. Its frozen base weight runs one product over all
-N·B rows (read once, not N times); each adapter then adds its own ``alpha · (x·A)·B`` to its own
-rows, all adapters in one batched product, alpha scaling the rank-r activations x·A and the
-base's output added inside the second product (``baddbmm``). Mixed ranks are padded: each
-adapter's ``A`` (in×r) and ``B`` (r×out) are stored with zero columns and rows up to the pack's
-largest rank, which changes nothing they compute — the padded part of x·A is zero, its products
-with B's zero rows add zeros, its gradients are exactly zero, so AdamW (weight decay included)
-keeps it zero. Grouping the adapters by rank instead would cost a gather of each group's rows, a
-stack of its A's and B's and the reassembly of the groups' outputs in every layer, forward and
-backward: about four times the adapter path's kernels at four ranks. A layer whose base is
-trainable (the classifier's new head) holds one base per adapter instead, applied to its
-adapter's rows with one batched product.
-
-A point's parameters read back under the names and shapes its solo model gives them
-(``point_state_dict``: views of the stored tensors without their padding)."""
+``PackedLoRALinear`` replaces one ``nn.Linear``: its frozen base runs one product over all N·B
+rows, and each adapter adds its own ``alpha · (x·A)·B`` to its own rows, all adapters in one
+batched product; mixed ranks are stored zero-padded to the pack's largest rank, which changes
+nothing they compute; a trainable base (the new head) holds one base per adapter. A point's
+parameters read back under the names and shapes its solo model gives them (``point_state_dict``).
+Why this way and what it costs: docs/packing.md#how."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
-"""GPT-2 checkpoints in the Hugging Face layout (``model.safetensors``): find, read, map.
-
-This module owns the second source of pretrained weights: finding ``model.safetensors`` (the Hub's
-cache, a download through ``huggingface_hub``, or a local folder), reading it into the Hugging Face
-key layout, and mapping it onto :class:`lora_bench.model.gpt2.GPTModel` through the reference mapping of
-:mod:`lora_bench.model.checkpoints` (the Hugging Face Conv1D weights are stored in×out, exactly as the OpenAI
-TensorFlow variables are, so the two sources share one mapping and give bit-identical models). It
-also converts a book model's weights into the Hugging Face layout and loads such a state into
-transformers' ``GPT2Model``.
-
-safetensors and huggingface_hub are optional (``pip install "lora-bench[peers]"``) and imported
-only when used.
-
-Nothing the files declare is trusted before it is checked: config.json is read only up to a size,
-and the safetensors header (its length, the number of tensors, each one's name, dtype, shape and
-place in the file, and, where the model is known, its shape against the model's) before any tensor
-is read.
-"""
+"""GPT-2 checkpoints in the Hugging Face layout (``model.safetensors``), the second source of
+pretrained weights: find the file (the Hub's cache, a download through ``huggingface_hub``, or a
+local folder), read it into the Hugging Face key layout, and map it onto
+:class:`lora_bench.model.gpt2.GPTModel` through :mod:`lora_bench.model.checkpoints`' reference
+mapping (Conv1D weights are stored in×out, as the OpenAI TensorFlow variables are, so the two
+sources give bit-identical models); also convert a book model's weights into that layout and load
+them into transformers' ``GPT2Model``. safetensors and huggingface_hub are optional
+(``pip install "lora-bench[peers]"``) and imported only when used. Nothing the files declare is
+trusted before it is checked: config.json is read only up to a size, and the safetensors header
+(its length, the number of tensors, each one's name, dtype, shape and place in the file, and,
+where the model is known, its shape against the model's) before any tensor is read."""
 
 from __future__ import annotations
 

@@ -1,41 +1,8 @@
 """The classifier built with Hugging Face transformers (``GPT2ForSequenceClassification``) and, for
 LoRA, PEFT: a peer of the book model that the same harness trains (loop, loss, optimizer, timer).
-
-What maps, and how:
-
-* shape: ``GPT2Config`` from the book's sizes (n_positions 1024, vocab 50257, every dropout 0.0 as the
-  book's drop_rate, layer_norm_epsilon 1e-5); the harness's ``attention`` picks the attention
-  implementation (book -> "eager", sdpa -> "sdpa") and ``ops`` the activation (book -> "gelu_new", the
-  hand-written tanh GELU; fused -> "gelu_pytorch_tanh", ``F.gelu(approximate="tanh")``). The layer
-  norms are always ``nn.LayerNorm``.
-* weights: the book's seeded random model (``torch.manual_seed(seed)`` then ``GPTModel``) converted,
-  so ``weights=random`` starts from the same function as the book; or pretrained weights from the
-  OpenAI checkpoint (through the book loader) or from the Hugging Face safetensors.
-* head: the book's head, ``nn.Linear(emb_dim, 2)`` with a bias, drawn after ``torch.manual_seed(seed)``
-  exactly as the book draws it, replaces transformers' bias-free ``score``; so the trainable parameter
-  counts of all, last_layer, last_block and last_two_blocks equal the book's.
-* token position: the wrapper returns logits at every position, (B, T, 2), like the book model, and
-  the harness's ``select_logits`` picks last / first / flexible / the mean. (transformers' own forward
-  pools at the last non-pad token; the book's ``last`` is position -1, a pad for padded rows.) The
-  config's ``pad_token_id`` stays unset: with one set, every transformers forward looks for pads on the
-  host, a device sync that also forbids CUDA-graph capture.
-* LoRA: PEFT on every Conv1D (c_attn, c_proj, c_fc) with ``lora_alpha = alpha * r`` (PEFT scales by
-  lora_alpha / r, the book by alpha), no dropout, B zeros, and the head in ``modules_to_save``. The book
-  has separate query/key/value linears, each with its own A (in×r) and B (r×out); PEFT's c_attn is one
-  fused linear with one A (in×r) and one B (r×3·out). Per block that is 4·e·r attention adapter
-  parameters instead of the book's 6·e·r, and the head gets no adapter (the book wraps the new head
-  too: (e + 2)·r more). With the book's query/key/value A's equal, the two compute the same function
-  (tests/peers/test_peers.py). PEFT draws A from kaiming_uniform(a=√5) over fan_in = in_features (bound
-  1/√in); the book over fan_in = r (its A is in×r: bound 1/√r); ``lora_init="book"`` redraws PEFT's A
-  with the book's bound.
-* QLoRA (``base_dtype=nf4``): the body loaded through transformers' ``from_pretrained`` with
-  bitsandbytes' ``BitsAndBytesConfig`` (``qlora_config``), the way QLoRA is run with transformers:
-  every Conv1D of the blocks becomes a ``bitsandbytes.nn.Linear4bit`` holding its weight, transposed to
-  out × in, as NF4 codes, one absmax per block of 64 weights, the absmaxes quantized again to 8 bits
-  per block of 256 (double quantization, QLoRA's own setting, as the book model's torchao NF4 does);
-  products in the run's compute dtype (float32, or bfloat16 under ``precision=bf16``). PEFT then wraps
-  the same modules with its bitsandbytes LoRA layer. The other stored formats have no faithful
-  bitsandbytes analogue and are refused (``config.hf_problems``).
+Its shape, weights, head and token position map to the book model's, its LoRA to the book's
+function, and ``base_dtype=nf4`` loads the body through bitsandbytes (QLoRA); what does not map is
+refused up front. What maps, and how: docs/peers.md.
 """
 
 from __future__ import annotations

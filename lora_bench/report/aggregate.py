@@ -1,8 +1,7 @@
-"""Aggregation of finished runs (never runs anything): group the repeats of each configuration
-(the median of each number with its 95 % interval, the verdicts of text columns counted), compare
-against a baseline: the ratio of medians with its 95 % interval and the verdict read off it
-(lora_bench.report.stats: percentile bootstrap over repeats, or over the steps of a group's one
-run; slower / faster only where the whole interval clears 1 ± the threshold)."""
+"""The table of groups of a report, from finished runs (never runs anything): the runs grouped by
+the settings that vary (or those asked for), each group's median of every number with its 95 %
+interval and its ratio to a baseline with the verdict (lora_bench.report.groups, the one engine),
+the text columns' values counted; and the options' words: columns, the baseline, the order."""
 
 from __future__ import annotations
 
@@ -18,9 +17,10 @@ from lora_bench.config import PATH_SETTINGS, TRAINABLE_LAYERS
 from lora_bench.errors import UsageError
 from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
+from lora_bench.report.groups import group_runs, metric_sense, same
 from lora_bench.report.load import MODE, shared_ids_note
 from lora_bench.report.names import MODE_FIELDS, is_blank
-from lora_bench.report.samples import estimate, pack_count, sample
+from lora_bench.report.samples import pack_count
 from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
 
 FORMATS = ("table", "markdown", "csv", "html", "json")
@@ -31,22 +31,12 @@ NOT_GROUPED = {SETTING_PREFIX + k for k in PATH_SETTINGS}  # paths differ per ma
 # a seed that differs across repeats makes them repeats over seeds, not separate configurations
 REPEAT_SETTINGS = {SETTING_PREFIX + "seed"}
 SIZE_ORDER = ("tiny", "124M", "355M", "774M", "1558M")
-SPEED_UNITS = ("ms", "s", "min", "tokens/s", "TFLOP/s")
 
 
 def rule(threshold: float = stats.THRESHOLD, metric: str = "step_ms_median") -> str:
     """The verdict rule, as the notes under a table state it, in the words of ``metric``'s verdicts."""
     higher, speed = metric_sense(metric)
     return stats.rule_text(threshold, higher_is_better=bool(higher), speed=speed)
-
-
-def metric_sense(col: str) -> tuple[bool | None, bool]:
-    """(higher is better, or None where the schema names no direction; whether it is a speed:
-    a time or a throughput)."""
-    c = column_index().get(col)
-    better = {"higher": True, "lower": False}.get(getattr(c, "better", ""))
-    speed = c is not None and (c.unit in SPEED_UNITS or col == "mfu") and better is not None
-    return better, speed
 
 
 @dataclass
@@ -98,9 +88,12 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
     if spec and is_text(done, metrics[0]):
         notes.append(f"{metrics[0]} is text: no ratio to the baseline (put a numeric metric first)")
     extras = extra_metrics(done, metrics)
+    numeric = [m for m in [*metrics, *extras] if not is_text(done, m)]
+    ratio = metrics[0] if spec and not is_text(done, metrics[0]) else None
     records = []
-    for values, g in done.groupby(keys, sort=False, dropna=False):
-        rec = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
+    for group in group_runs(done, keys, metrics=numeric, baseline=spec, ratio_metric=ratio, threshold=threshold):
+        g = group.runs
+        rec = dict(group.values)
         rec["n"] = len(g)
         rec["packs"] = pack_count(g)
         for m in [*metrics, *extras]:
@@ -108,9 +101,11 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
                 rec[m] = text_summary(g[m])
                 rec.update({f"{m}_lo": math.nan, f"{m}_hi": math.nan, f"{m}_over": ""})
             else:
-                rec.update(estimate_columns(m, estimate(g, m)))
-        if spec and not is_text(done, metrics[0]):
-            rec.update(against_baseline(rec, g, done, keys=keys, spec=spec, metric=metrics[0], threshold=threshold))
+                rec.update(estimate_columns(m, group.estimates[m]))
+        if ratio:
+            r = group.ratio
+            rec.update({"ratio": r.value, "ratio_lo": r.lo, "ratio_hi": r.hi, "ratio_over": r.over,
+                        "verdict": group.verdict, "is_baseline": group.is_baseline})
         records.append(rec)
     records.sort(key=lambda r: tuple(order_key(r[k], col=k) for k in keys))
     return Report(keys=keys, metrics=metrics, groups=pd.DataFrame(records), done=done, baseline=spec,
@@ -238,35 +233,6 @@ def parse_baseline(text: str, done: pd.DataFrame) -> dict[str, str]:
     return spec
 
 
-def matches(df: pd.DataFrame, spec: dict) -> pd.Series:
-    mask = pd.Series(True, index=df.index)
-    for col, value in spec.items():
-        mask &= df[col].map(lambda v, value=value: same(v, value))
-    return mask
-
-
-def against_baseline(rec: dict, g: pd.DataFrame, done: pd.DataFrame, *, keys: list[str], spec: dict,
-                     metric: str, threshold: float) -> dict:
-    """Ratio of this group's median to its baseline's, with its interval and verdict: against the
-    baseline runs that share this group's other settings (e.g. the same model size), or the only
-    baseline group if there is one."""
-    base = done[matches(done, spec)]
-    other = [k for k in keys if k not in spec]
-    same_rows = base[matches(base, {k: rec[k] for k in other})] if other else base
-    if same_rows.empty and base.groupby(keys, dropna=False).ngroups == 1:
-        same_rows = base
-    is_base = bool(matches(g, spec).all())
-    if same_rows.empty or pd.isna(rec[metric]):
-        r = stats.NONE
-    else:
-        r = stats.ratio_interval(sample(g, metric), sample(same_rows, metric))
-    higher, speed = metric_sense(metric)
-    word = "" if is_base or not r.known else stats.verdict(r, threshold=threshold, higher_is_better=bool(higher),
-                                                          speed=speed)
-    return {"ratio": r.value, "ratio_lo": r.lo, "ratio_hi": r.hi, "ratio_over": r.over, "verdict": word,
-            "is_baseline": is_base}
-
-
 def numbers(s: pd.Series) -> pd.Series:
     return pd.to_numeric(s, errors="coerce").dropna().astype(float)
 
@@ -277,16 +243,6 @@ def text_summary(s: pd.Series) -> str:
     if len(counts) <= 1:
         return next(iter(counts), "")
     return " · ".join(f"{v} {n}" for v, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def same(a, b) -> bool:
-    a, b = str(a), str(b)
-    if a.casefold() == b.casefold():
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
 
 
 def order_key(value, *, col: str = "") -> tuple:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from lora_bench.report import stats
 from lora_bench.report.names import count_text
 from lora_bench.report.stats import Estimate, span_text
-from lora_bench.report.study import STARVED, Group, Line, Study
+from lora_bench.report.study_model import STARVED, Group, Line, Study
 from lora_bench.timing import PHASES
 
 MIN_SHARE = 0.05  # a phase under 5 % of the step is not worth naming as host-bound

@@ -21,14 +21,14 @@ from lora_bench.fileio import atomic_write_text
 from lora_bench.report import figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
+from lora_bench.report.group_table import to_csv
 from lora_bench.report.load import RESULTS_DIR, load_results
 from lora_bench.report.render_html import to_html
 from lora_bench.report.render_json import report_json
 from lora_bench.report.render_markdown import to_markdown
 from lora_bench.report.render_terminal import print_document
 from lora_bench.report.stats import THRESHOLD
-from lora_bench.report.study import build_study
-from lora_bench.report.tables import to_csv
+from lora_bench.report.study import build_study, study_baseline
 from lora_bench.results.manifest import MANIFEST
 from lora_bench.results.records import RUN_RECORD, STEPS_CSV
 from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV
@@ -63,11 +63,11 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     if names:  # the folders as the report names them, in its notes too (run_dir stays the path read)
         df[RESULTS_DIR] = df[RESULTS_DIR].map(lambda v: _renamed(v, paths, names))
     table_only = bool(group_by or metrics) or fmt in ("csv", "json")
-    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=baseline, threshold=threshold)
-    study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
-    if study.baseline_text and not baseline and not (group_by or metrics):  # the groups against the study's baseline
-        rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=study.baseline_text,
-                           threshold=threshold)
+    # the table of groups is set against the study's baseline unless it is asked for on its own terms
+    against = baseline or (None if group_by or metrics else study_baseline(df))
+    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
+    study = (build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
+             if not table_only or plot is not None else None)  # the study's view: the document and its figures
     for option, path in (("--output", output), *(("--plot", p) for p in
                                                   figure_paths(plot, fmt=fmt, output=output,
                                                                table_only=table_only).values())):

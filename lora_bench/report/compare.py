@@ -22,14 +22,13 @@ from lora_bench.report.aggregate import (
     REPEAT_SETTINGS,
     collapse_modes,
     is_text,
-    metric_sense,
     order_key,
     resolve_column,
 )
 from lora_bench.report.empty import is_empty, why_empty
+from lora_bench.report.groups import exact, fails_gate, group_runs, metric_sense
 from lora_bench.report.load import MODE, load_results, result_dirs
 from lora_bench.report.names import MODE_FIELDS, mode_name, setting_name, value_text
-from lora_bench.report.samples import estimate, sample
 from lora_bench.report.stats import Estimate
 from lora_bench.results.schema import SETTING_PREFIX
 
@@ -38,6 +37,7 @@ HOST_SPEED = "host_op_us"  # measured per run (timing.host_op_us): differs betwe
 HOST_SPEED_TOLERANCE = 0.10  # runs of one host differ by less (the study's repeats: a few percent)
 DEFAULT_METRIC = "step_ms_median"
 SIDES = ("baseline", "candidate")
+SIDE = "compared side"  # the column that tells the two folders' runs apart once they are read as one
 
 
 @dataclass
@@ -121,22 +121,21 @@ def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, th
     if fail_above is not None and higher is None:
         raise UsageError(f"--fail-above needs a metric where lower or higher is better; {col} has no direction")
     cols = _setting_columns(base, cand)
-    keyed = {side: _filled(f, cols) for side, f in zip(SIDES, (base, cand))}
-    groups = {side: _groups(frame, keyed[side], cols) for side, frame in zip(SIDES, (base, cand))}
+    both = pd.concat([f.assign(**_filled(f, cols), **{SIDE: side}) for side, f in zip(SIDES, (base, cand))],
+                     ignore_index=True)
+    found = group_runs(both, [*cols, SIDE], metrics=[col], baseline={SIDE: SIDES[0]}, ratio_metric=col,
+                       threshold=threshold, lone_baseline=False, unknown=stats.UNCLEAR, equal=exact, sort=True)
+    groups = {side: {tuple(g.values[c] for c in cols): g for g in found if g.values[SIDE] == side} for side in SIDES}
     all_keys = list(dict.fromkeys([*groups["baseline"], *groups["candidate"]]))
     shown = _shown_keys(cols, all_keys)
     rows = []
     for key in all_keys:
         if key not in groups["baseline"] or key not in groups["candidate"]:
             continue
-        b, c = groups["baseline"][key], groups["candidate"][key]
-        ratio = stats.ratio_interval(sample(c, col), sample(b, col))
-        word = stats.verdict(ratio, threshold=threshold, higher_is_better=bool(higher), speed=speed)
-        fails = fail_above is not None and stats.verdict(
-            ratio, threshold=fail_above, higher_is_better=bool(higher), speed=speed) == stats.worse(
-            higher_is_better=bool(higher), speed=speed)
-        rows.append(Row(settings=_display(cols, key, shown), baseline=estimate(b, col), candidate=estimate(c, col),
-                        ratio=ratio, verdict=word, fails=fails))
+        c = groups["candidate"][key]
+        rows.append(Row(settings=_display(cols, key, shown), baseline=groups["baseline"][key].estimates[col],
+                        candidate=c.estimates[col], ratio=c.ratio, verdict=c.verdict,
+                        fails=fails_gate(c.ratio, metric=col, fail_above=fail_above)))
     rows.sort(key=lambda r: tuple(order_key(r.settings[k], col=_column(k)) for k in shown))
     only = {side: [_display(cols, k, shown) for k in all_keys if k in groups[side] and k not in groups[other]]
             for side, other in (SIDES, SIDES[::-1])}
@@ -146,16 +145,6 @@ def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, th
     return Comparison(baseline_dir=str(baseline), candidate_dir=str(candidate), metric=col, threshold=threshold,
                       fail_above=fail_above, keys=shown, rows=rows, only=only,
                       environment=environment_differences(base, cand), notes=notes)
-
-
-def _groups(frame: pd.DataFrame, keyed: pd.DataFrame, cols: list[str]) -> dict[tuple, pd.DataFrame]:
-    """The runs of one side by their settings (a tuple of compared texts, in ``cols`` order)."""
-    if not cols:
-        return {(): frame}
-    out = {}
-    for key, idx in keyed.groupby(cols, dropna=False).groups.items():
-        out[key if isinstance(key, tuple) else (key,)] = frame.loc[idx]
-    return out
 
 
 def _metric(metric: str, base: pd.DataFrame, cand: pd.DataFrame) -> str:

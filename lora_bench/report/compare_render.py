@@ -8,10 +8,11 @@ import pandas as pd
 from lora_bench.report import stats
 from lora_bench.report.compare import SIDES, Comparison, gate_text
 from lora_bench.report.document import Document, Section
+from lora_bench.report.group_table import csv_text
 from lora_bench.report.names import column_label
 from lora_bench.report.render_json import dumps, statistic
 from lora_bench.report.stats import span_text
-from lora_bench.report.tables import CI, Table, csv_text, est, interval_notes
+from lora_bench.report.tables import CI, Table, est, interval_notes
 
 FORMATS = ("table", "markdown", "csv", "json")
 

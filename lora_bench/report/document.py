@@ -11,8 +11,9 @@ import pandas as pd
 from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
+from lora_bench.report.group_table import groups_table
 from lora_bench.report.stats import threshold_text
-from lora_bench.report.study import Study
+from lora_bench.report.study_model import Study
 from lora_bench.report.tables import (
     STEP_STATISTIC,
     STEPS_FOOTNOTE,
@@ -20,7 +21,6 @@ from lora_bench.report.tables import (
     accuracy_table,
     crossover_table,
     fastest_lora_table,
-    groups_table,
     header_facts,
     profiles_table,
     why_tables,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lora_bench.fileio import atomic_write_bytes
 from lora_bench.report.stats import STEPS_MARK, STEPS_NOTE, span_text
-from lora_bench.report.study import Group, Study
+from lora_bench.report.study_model import Group, Study
 
 PHASE_COLOURS = {"data": "#9e9e9e", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 MODE_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")

@@ -28,7 +28,7 @@ import pandas as pd
 from lora_bench.errors import ResultsError
 from lora_bench.report.load import RESULTS_DIR, RUN_DIR
 from lora_bench.report.names import is_blank
-from lora_bench.report.stats import REPEATS, STEPS, Estimate, Sample, median_interval
+from lora_bench.report.stats import REPEATS, STEPS, Sample
 from lora_bench.results.records import STEPS_CSV
 from lora_bench.results.schema import STEP_COLUMNS
 from lora_bench.results.store import read_steps
@@ -116,11 +116,6 @@ def repeat_keys(runs: pd.DataFrame) -> tuple | None:
             return None
         keys.append(tuple(str(v) for v in row))
     return tuple(keys)
-
-
-def estimate(runs: pd.DataFrame, metric: str) -> Estimate:
-    """The median of ``metric`` over ``runs`` with its 95 % interval."""
-    return median_interval(sample(runs, metric))
 
 
 def _measured_steps(run: pd.Series) -> pd.DataFrame | None:

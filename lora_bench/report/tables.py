@@ -1,6 +1,6 @@
-"""Every table of a report as plain text cells (one model for the terminal, Markdown and HTML
-renderers): the header facts, the crossover, where the time goes, kernel profiles, accuracy over
-seeds, and the table of all groups. Every median and every ratio carries its 95 % interval in
+"""Every table of a study report as plain text cells (one model for the terminal, Markdown and HTML
+renderers): the header facts, the crossover, where the time goes, kernel profiles and accuracy
+over seeds (the table of all groups: lora_bench.report.group_table). Every median and every ratio carries its 95 % interval in
 brackets (lora_bench.report.stats), marked † where it is over the steps of one run."""
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from lora_bench.escaping import csv_cell as stored_cell
-from lora_bench.report.aggregate import Report, estimate_of, rule
+from lora_bench.report.aggregate import rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.stats import RESAMPLING, STEPS_MARK, STEPS_NOTE, Estimate, span_text
-from lora_bench.report.study import GPU_BOUND, STARVED, Group, Study
-from lora_bench.results.schema import column_index
+from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study
 from lora_bench.timing import PHASES
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
@@ -268,96 +266,3 @@ def accuracy_table(study: Study) -> Table | None:
               "outside seed noise: that interval leaves out 0"), f"step ms and step ratio: as in the crossover table",
              *interval_notes(*_shown(study.groups))]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)
-
-
-# -- every group ---------------------------------------------------------------------------------
-def _digits(values: pd.Series, col: str) -> int:
-    """One precision per column (by its largest value) so the column's decimals line up."""
-    if getattr(column_index().get(col), "unit", "") == "%":
-        return 2
-    top = pd.to_numeric(values, errors="coerce").abs().max()
-    return 1 if top >= 100 else 2 if top >= 1 else 3
-
-
-def _cell(v, digits: int) -> str:
-    if isinstance(v, str):
-        return v or "-"
-    return "-" if v is None or pd.isna(v) else f"{float(v):.{digits}f}"
-
-
-def runs_cell(rec: dict) -> str:
-    """A group's run count, with the packs they trained in where they did."""
-    packs = int(rec.get("packs") or 0)
-    return str(rec["n"]) + (f" ({packs} pack{'s' if packs != 1 else ''})" if packs else "")
-
-
-def groups_table(rep: Report, *, title: str = "") -> Table:
-    """Every group with the median of each metric and its interval, the ratio to the baseline."""
-    head = [column_label(k) for k in rep.keys] + ["n"]
-    head += [f"{column_label(m)} {CI}" if m not in rep.text_metrics else column_label(m) for m in rep.metrics]
-    if rep.baseline:
-        head.append("vs " + ",".join(f"{column_label(k)}={v}" for k, v in rep.baseline.items()) + f" {CI}")
-    rows, shown = [], []
-    digits = {m: _digits(rep.groups[m], m) for m in rep.metrics}
-    for rec in rep.groups.to_dict("records"):
-        row = [str(rec[k]) if not is_blank(rec[k]) else "-" for k in rep.keys] + [runs_cell(rec)]
-        for m in rep.metrics:
-            if m in rep.text_metrics:
-                row.append(_cell(rec[m], digits[m]))
-                continue
-            e = estimate_of(rec, m)
-            shown.append(e)
-            row.append(est(e, digits[m]))
-        if rep.baseline:
-            row.append(_groups_ratio(rec))
-            shown.append(estimate_of(rec, "ratio"))
-        rows.append(row)
-    notes = [f"median over repeats of each configuration (each run's own value: for times its median over its "
-             f"measured steps), with its 95 % interval (percentile bootstrap over the repeats, seeded)"]
-    if rep.baseline and "ratio" in rep.groups:
-        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval "
-                     f"({RESAMPLING}) and verdict; {rule(rep.threshold, rep.primary)}")
-    notes += interval_notes(*shown)
-    for col, what in (("gpu_name", "GPUs"), ("hostname", "hosts")):
-        seen = sorted({str(v) for v in rep.done.get(col, pd.Series(dtype=str)).dropna() if str(v)})
-        if len(seen) > 1:
-            notes.append(f"runs come from {len(seen)} {what} ({', '.join(seen)}): compare within one")
-    if rep.excluded:
-        notes.append("not included: " + ", ".join(f"{v} {k}" for k, v in sorted(rep.excluded.items())) + " run(s)")
-    notes += rep.notes
-    return Table(title=title, head=head, rows=rows, notes=notes, n_keys=len(rep.keys))
-
-
-def _groups_ratio(rec: dict) -> str:
-    r = rec.get("ratio")
-    if r is None or pd.isna(r):
-        return "-"
-    if rec.get("is_baseline"):
-        return f"{r:.2f}× (baseline)"
-    word = f" {rec['verdict']}" if rec.get("verdict") else ""
-    return f"{r:.2f}× {span_text(estimate_of(rec, 'ratio'))}{word}"
-
-
-def to_csv(rep: Report) -> str:
-    """The groups as CSV: keys, n, per metric its median, interval (lo, hi) and what the interval
-    resamples, the p10/p90 and tokens/s beside them, the ratio with its interval and verdict."""
-    cols = [*rep.keys, "n"]
-    for m in [*rep.metrics, *rep.extras]:
-        cols += [c for c in (m, f"{m}_lo", f"{m}_hi", f"{m}_over") if c in rep.groups]
-    cols += [c for c in ("ratio", "ratio_lo", "ratio_hi", "ratio_over", "verdict", "is_baseline") if c in rep.groups]
-    return csv_text(rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys}))
-
-
-def csv_cell(v):
-    """A text cell as the results' writer stores it (``escaping.csv_cell``: no formula runs), a lone
-    '-' (a blank cell of the tables) left as it is."""
-    return v if v in ("-", "+") else stored_cell(v)
-
-
-def csv_text(df: pd.DataFrame) -> str:
-    """The one CSV writer of reports and comparisons: formulas defused, floats to 6 significant digits."""
-    out = df.copy()
-    for col in out.columns:
-        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
-            out[col] = out[col].map(csv_cell)
-    return out.to_csv(index=False, float_format="%.6g")

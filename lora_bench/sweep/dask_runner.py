@@ -1,35 +1,8 @@
-"""Running a sweep's planned runs on a Dask distributed cluster: by default a local one with one
-worker process per GPU (``CUDA_VISIBLE_DEVICES=i``, one thread: one run at a time per GPU), or
-``--workers N`` of them, or an existing cluster (``--scheduler tcp://HOST:PORT``; start each of its
-workers with one thread and one GPU: ``CUDA_VISIBLE_DEVICES=i dask worker ADDR --nthreads 1
---memory-limit 0``).
-
-Each Dask task runs ONE planned run exactly as process isolation does: ``isolation.run_job``
-starts ``python -m lora_bench.sweep.child JOB.json`` in a child process, which records done /
-failed / interrupted itself, and a child that dies is recorded failed by the task. So isolation,
-provenance and the recorded row are those of a one-GPU sweep.
-
-One writer. The child writes into a scratch results folder in its Dask worker's local directory;
-the task returns the recorded row with the run's files (run.json, steps.csv, worker.log,
-job.json, profiles), and the client -- this sweep process -- puts them into the results folder,
-rebuilds runs.csv and adds the run to the folder's manifest under this command's invocation. Only
-the client writes the results folder, so workers on other hosts need no shared file system, and
-runs.csv never sees two writers. The client claims each run's folder before submitting it and
-holds the claim until the run is stored, as a one-GPU sweep does (lora_bench.results.claims): a
-run claimed by another process sharing the folder is left to it.
-
-Failures. A Dask worker that dies mid-run (the task's future reports KilledWorker) leaves its run
-recorded as failed; the scheduler's ``allowed-failures`` is 0 on the local cluster, so the run is
-not retried on another worker (an external scheduler retries as its own setting says). The run's
-child dies with its worker (``isolation.die_with_parent``), so no orphan keeps the GPU. The sweep goes on. A
-task the dead worker held but had not begun (the scheduler hands a worker its next task early)
-fails with it; each task reports its start as a scheduler event, and one that never started is
-submitted again (at most ``REQUEUES`` times) instead of being recorded.
-
-Interrupts. The first SIGINT / SIGTERM stops the sweep: runs not started are not started, each
-running child gets the signal and records itself 'interrupted', and the client stores those rows
-as they come back (for up to ``GRACE_S``); a second signal stops waiting. Finished rows stay;
-running the same command again resumes (finished runs are skipped), with Dask or without."""
+"""Running a sweep's planned runs on a Dask distributed cluster (a local one, one worker per GPU,
+or ``--scheduler``'s): each task runs one planned run in a child process as process isolation
+does; only this client writes the results folder, holding each run's claim until it is stored; a
+dead worker's run is recorded failed, a task it held unstarted is submitted again; the first
+signal stops the sweep and stores the interrupted rows. The whole: docs/sweeps.md#on-a-dask-cluster."""
 
 from __future__ import annotations
 

@@ -1,38 +1,8 @@
 """Sweep files: parse a YAML sweep, report every problem of every run it expands to at once,
 expand it into planned runs with deterministic ids, pick a shard, and list the plan
 (``--dry-run``). Running the plan (resume, isolation, interrupts, progress) is
-``lora_bench.sweep.runner``'s.
-
-A sweep file is a mapping with these keys::
-
-    name: all-vs-lora          # names the results folder (results/<name>)
-    base: {model_size: 124M}   # settings of every run (the keys of `train --config` files)
-    grid:                      # every combination of these values (the last key varies fastest)
-      trainable_layers: [all, lora]
-    runs:                      # explicit runs, each crossed with the grid; `label` names one
-      - {label: small, lora_rank: 4}
-    repeats: 3                 # run everything this many times (default 1)
-    vary_seed: true            # repeat r runs with seed + r (default false: the same seed)
-    pack: 4                    # train up to 4 runs at once on one model (default 1; docs/packing.md)
-
-Repeats are repeat-major (all runs once, then all again), so drift over a long sweep spreads over
-every setting. By default each repeat uses the same seed: the repeats measure timing noise. With
-``vary_seed: true`` repeat r runs with the run's seed + r (123, 124, 125 for the default seed): the
-repeats then also measure the spread of accuracy over seeds. The seed is recorded in ``cfg_seed``.
-
-Precedence of settings: defaults < ``base`` < the ``grid`` point < the explicit ``runs`` entry <
-command-line overrides (``key=value``, ``--device``, ``--data-file``), which apply to every run.
-Relative ``data_file`` / ``weights_dir`` values in the file are resolved against the file's folder,
-so a sweep file can point at data shipped beside it.
-
-Run ids are ``<size>-<layers>-<hash of the settings that differ from their defaults>-r<repeat>``.
-The paths and the device enter the hash *as the file declares them* (before overrides and path
-resolution): the same sweep run on two machines with different data paths or devices yields the
-same ids, so shards of it share a results folder and resume there (a report over two folders keeps
-each folder's rows). Every other override changes the ids.
-
-A sweep is counted before it is expanded: one that would hold more than ``MAX_RUNS`` runs is
-refused."""
+``lora_bench.sweep.runner``'s. The file's keys, repeats and seeds, the precedence of settings and
+how run ids are made: docs/sweeps.md."""
 
 from __future__ import annotations
 
@@ -67,7 +37,7 @@ from lora_bench.safe_yaml import short_repr
 from lora_bench.train.identity import make_run_id, settings_hash
 
 SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed", "pack")
-ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (see module docstring)
+ID_AS_DECLARED = (*PATH_SETTINGS, "device")  # hashed as the file writes them (docs/sweeps.md#run-ids)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_RUNS = 100_000
 

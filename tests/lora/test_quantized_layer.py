@@ -241,6 +241,19 @@ def test_compiled_int8_in_bfloat16_is_not_rewritten_into_the_decoding_kernel():
         assert rel_err(o, w) <= tol, f"compiled int8 bfloat16 {name}: {rel_err(o, w):.3g} > {tol:.3g}"
 
 
+def test_every_declared_base_dtype_is_one_registered_format_whose_library_version_is_a_column():
+    """The settings declare the base_dtype names; the registry holds one format for each but
+    ``precision`` (no stored base), and each format's library version goes to a declared column."""
+    from lora_bench.config import BASE_DTYPE_DEFAULT, BASE_DTYPES
+    from lora_bench.lora.bases import BASES
+    from lora_bench.results.schema import ENV_COLUMNS
+
+    assert sorted(BASES) == sorted(set(BASE_DTYPES) - {BASE_DTYPE_DEFAULT})
+    assert all(name == fmt.name for name, fmt in BASES.items())
+    columns = {c.name for c in ENV_COLUMNS}
+    assert {"torchao_version", "bitsandbytes_version"} == {k for f in BASES.values() for k in f.versions()} <= columns
+
+
 def test_the_stored_weight_is_not_a_parameter_and_takes_no_gradient():
     layer, x = _layer("int8", torch.float32)
     names = [n for n, _ in layer.named_parameters()]

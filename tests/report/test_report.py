@@ -20,7 +20,7 @@ from lora_bench.report.aggregate import build_report, default_keys, text_summary
 from lora_bench.report.empty import why_empty
 from lora_bench.report.load import MODE, load_results
 from lora_bench.report.render_markdown import table_markdown
-from lora_bench.report.tables import csv_cell, groups_table
+from lora_bench.report.group_table import csv_cell, groups_table
 from lora_bench.results.schema import STEP_COLUMNS
 from lora_bench.results.store import write_csv
 from paths import FIXTURES

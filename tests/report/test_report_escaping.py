@@ -16,7 +16,8 @@ from lora_bench.report.document import Document, Section
 from lora_bench.report.load import load_results
 from lora_bench.report.render_markdown import table_markdown, to_markdown
 from lora_bench.report.render_terminal import print_document
-from lora_bench.report.tables import Table, groups_table, to_csv
+from lora_bench.report.group_table import groups_table, to_csv
+from lora_bench.report.tables import Table
 from lora_bench.results.store import read_run_table, write_csv
 from paths import FIXTURES
 

@@ -1,6 +1,6 @@
 """Committed reports are what their runs give today: every report a results folder's manifest
 declares is rendered again from the committed runs into a temporary folder and compared with the
-committed file (``lora_bench.report.committed``), as ``lora-bench results render --check`` does.
+committed file (``lora_bench.publish.committed``), as ``lora-bench results render --check`` does.
 
 What is compared, and why: Markdown, CSV and JSON exactly; an HTML page exactly except for its
 embedded figures, which are cut out and compared as PNG files; a PNG by its pixel size and the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lora_bench.errors import ResultsError
-from lora_bench.report.committed import (
+from lora_bench.publish.committed import (
     CONTENT_KEY,
     EMBEDDED_PNG,
     REPORT_FILE,

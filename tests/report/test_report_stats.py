@@ -204,7 +204,7 @@ def test_the_runs_of_one_pack_count_once_for_the_packs_measurements():
 
 def test_a_report_says_how_many_packs_its_groups_trained_in(tmp_path):
     from lora_bench.report.aggregate import PACKS_NOTE, build_report
-    from lora_bench.report.tables import groups_table
+    from lora_bench.report.group_table import groups_table
 
     rows = [{"run_id": f"p{r}-{i}", "status": "done", "trainable_layers": "lora", "model_size": "124M",
              "results_dir": "r", "sweep_name": "s", "repeat": r, "pack_id": f"pack-{r}", "pack_size": 2,
@@ -227,7 +227,7 @@ def test_a_reports_verdict_rule_names_the_words_its_verdicts_use(metric, above, 
     rise of the metric gets the note's first word, a clear fall its second."""
     from lora_bench.report.aggregate import build_report
     from lora_bench.report.render_json import statistic
-    from lora_bench.report.tables import groups_table
+    from lora_bench.report.group_table import groups_table
 
     rows = [{"run_id": f"{v}-{r}", "status": "done", "variant": v, "results_dir": "r", "sweep_name": "s", "repeat": r,
              metric: value * (1 + 0.001 * r)}

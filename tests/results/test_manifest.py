@@ -15,7 +15,7 @@ import pytest
 
 from lora_bench.results import environment as env_mod
 from lora_bench.results import manifest as man
-from lora_bench.results.index import render_index
+from lora_bench.publish.results_index import render_index
 from lora_bench.results.prune import SUPERSEDED, find_superseded, prune_superseded
 from lora_bench.results.schema import run_column_names
 from lora_bench.results.store import result_rows, write_csv

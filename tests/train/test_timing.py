@@ -98,7 +98,7 @@ def test_schema_units_and_columns(tiny_cfg, tmp_path):
 
 
 def test_flops_floor_matches_performance_doc():
-    # performance.md: 124M all 0.49 TFLOP/step, LoRA 0.33 at 960 tokens; 1558M 8.50 / 5.66
+    # docs/measuring.md#analytic-work-per-step: 124M all 0.49 TFLOP/step, LoRA 0.33 at 960 tokens; 1558M 8.50 / 5.66
     for size, all_tf, lora_tf in (("124M", 0.49, 0.33), ("1558M", 8.50, 5.66)):
         cfg = gpt_config(size)
         assert flops_per_step(cfg, trainable_layers="all", tokens=960) / 1e12 == pytest.approx(all_tf, rel=0.02)

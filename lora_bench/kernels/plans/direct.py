@@ -1,26 +1,9 @@
-"""The ``direct`` plan: the C++ op launches the project's Triton kernels itself.
-
-Why: an eager LoRA layer at GPT-2 sizes is host-bound (docs/kernel-design.md). The C++ op's
-"cpp" plan runs three ATen GEMMs forward and five backward, each a dispatcher call with cuBLAS's
-host work (15-25 us apiece on an H200 host), so that layer costs ~2× the frozen one. Here the C++
-op makes one ``cuLaunchKernel`` call forward (the fused GEMM: y and h) and two backward (grad_x
-with u, then grad_A with grad_B): the frozen layer's one call each way, plus one.
-
-How: the first call for a layer shape (tokens, n, k, r, dtypes, bias) runs the Triton kernels
-once through ``lora_triton`` on scratch operands of exactly that shape, records the compiled
-kernels (``launch.recording``), and registers with the C++ op what a launch needs: the
-CUfunction, grid, threads, shared memory, and which of the @triton.jit function's runtime
-arguments the compiled kernel kept, in order (Triton drops constexprs and appends its scratch
-pointers). That list is read from the kernel's signature and checked against the parameter
-sizes declared in its PTX; anything unexpected (another Triton ABI, scratch memory, clusters)
-leaves the shape on the ATen plan, with one warning. The C++ op computes the integer arguments
-from the shapes the same way the Python wrappers do (contiguous operands), and checks on every
-call that the operands still fit (shapes, dtypes, contiguity, 16-byte alignment) before it
-launches; otherwise it runs its ATen path.
-
-Only 16-bit compute dtypes take it (bf16, fp16, also under autocast with fp32 A and B, which the
-kernels read as they are). Exact fp32 keeps cuBLAS: there the fused kernel's FMA GEMM is slower.
-"""
+"""The ``direct`` plan: the C++ op launches the project's Triton kernels itself, one
+``cuLaunchKernel`` call forward (the fused GEMM: y and h) and two backward (grad_x with u, then
+grad_A with grad_B), where the ``cpp`` plan makes three dispatcher calls forward and five backward.
+The first call for a layer shape records its compiled kernels and registers them with the C++ op;
+a shape whose kernels do not fit, or a call whose operands no longer do, runs the ATen path. Only
+16-bit compute dtypes take it. How and why: docs/kernel-design.md#the-implementations."""
 
 from __future__ import annotations
 

@@ -1,0 +1,215 @@
+"""The docs tables of the all-vs-LoRA study: the README's first screen and the study with repeats
+(results/answer/study: medians, ratios and verdicts from lora_bench.report.groups, as the study's
+report states them), the one-run study by tokens per step (results/answer/tokens-per-step), where
+a 124M step goes, and one setting's spread over every committed folder."""
+
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+
+from lora_bench.publish.source import LAYERS, RESULTS, ROOT, as_read, fmt_ms, md_table, runs
+from lora_bench.report.groups import RunGroup, group_runs
+from lora_bench.report.stats import UNCLEAR, interval_text
+from lora_bench.results.store import read_runs
+
+STUDY = "answer/tokens-per-step"
+SIZES = ("124M", "355M", "774M", "1558M")
+STEP = "step_ms_median"
+
+ANSWER = "answer/study"  # the study with repeats: the README's headline
+ANSWER_MODES = (("reference", "reference mode: eager fp32, book ops"),
+                ("best", "CUDA graphs + bf16 autocast + SDPA + fused ops + fused AdamW"))
+
+
+def _study_step(label: str) -> dict[tuple[str, str], float]:
+    df = runs(STUDY)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
+    return {(r.model_size, r.trainable_layers): r.step_ms_median for r in df.itertuples()}
+
+
+def _repeats(label: str) -> dict[tuple[str, str], RunGroup]:
+    """Each (size, layers) point of the study with repeats in one mode, set against all layers at
+    its size as the study's report does (lora_bench.report.groups): its median step ms over the
+    repeats, and its ratio to all's, the repeats paired by sweep and repeat."""
+    df = runs(ANSWER)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
+    found = group_runs(as_read(df, ANSWER), ["model_size", "trainable_layers"], metrics=[STEP],
+                       baseline={"trainable_layers": "all"}, ratio_metric=STEP, lone_baseline=False, unknown=UNCLEAR,
+                       sort=True)
+    return {(g.values["model_size"], g.values["trainable_layers"]): g for g in found}
+
+
+def table_answer() -> str:
+    """The first screen of the README: median step ms over the study's repeats with 95 % intervals,
+    batch 8, 124M and 1558M, in each mode named in full, and LoRA ÷ all with its interval."""
+    rows = []
+    for label, mode in ANSWER_MODES:
+        reps = _repeats(label)
+        for size in ("124M", "1558M"):
+            a, lo = (reps[(size, k)] for k in ("all", "lora"))
+            n = min(a.estimates[STEP].n, lo.estimates[STEP].n)
+            rows.append([f"GPT-2 {size}, {mode}", interval_text(a.estimates[STEP], digits=1),
+                         interval_text(lo.estimates[STEP], digits=1), f"**{interval_text(lo.ratio)}**", str(n)])
+    return md_table(["median step ms [95 % interval], batch 8 × 120 tokens, one H200", "all layers", "LoRA r16",
+                     "LoRA ÷ all", "repeats"], rows)
+
+
+def table_study_repeats() -> str:
+    """The study with repeats: median step ms [95 %] of all, and lora and lora-kernel ÷ all [95 %]
+    with their verdicts, at every size, in both modes."""
+    rows, counts = [], set()
+    for label, mode in ANSWER_MODES:
+        reps = _repeats(label)
+        for size in SIZES:
+            cells = [f"{size}, {mode}", interval_text(reps[(size, "all")].estimates[STEP], digits=1)]
+            for layers in ("lora", "lora-kernel"):
+                g = reps[(size, layers)]
+                counts.add(g.ratio.n)
+                cells.append(f"{interval_text(g.ratio)} {g.verdict}")
+            rows.append(cells)
+    n = "–".join(str(c) for c in sorted(counts))
+    return md_table([f"batch 8 × 120 tokens, one H200, {n} repeats", "all: step ms", "lora ÷ all",
+                     "lora-kernel ÷ all"], rows)
+
+
+def table_cause() -> str:
+    """The GPU's busy fraction per phase in the reference mode: the profiled repeat's kernel ms per
+    step over the timed repeats' median device ms (lora_bench.report.study.Phase.busy)."""
+    df = runs(ANSWER)
+    done = df[df["status"] == "done"]
+    timed = done[done["sweep_label"] == "reference"]
+    prof = done[done["cfg_profile"] == "kernels"]
+    rows = []
+    for r in prof.sort_values(["cfg_n_layers", "trainable_layers"]).itertuples():
+        kernels = pd.read_csv(RESULTS / ANSWER / r.run_id / "kernels_by_phase.csv").set_index("phase")
+        t = timed[(timed.model_size == r.model_size) & (timed.trainable_layers == r.trainable_layers)]
+        cells = [f"{r.model_size} {r.trainable_layers}"]
+        for ph in ("forward", "backward", "optimizer"):
+            dev = float(t[f"{ph}_ms_median"].median())
+            cells.append(f"{100 * min(kernels.loc[ph, 'kernel_ms_per_step'] / dev, 1):.0f} %")
+        rows.append(cells)
+    return md_table(["eager fp32, GPU busy (kernel time ÷ device time)", "forward", "backward", "optimizer"], rows)
+
+
+def table_fastest() -> str:
+    """The fastest measured LoRA configuration per size in the study with repeats (mode and layer)."""
+    rows = []
+    for size in ("124M", "355M", "774M", "1558M"):
+        best = None
+        for label, mode in ANSWER_MODES:
+            for layers, g in _repeats(label).items():
+                if layers[0] == size and layers[1] != "all":
+                    est = g.estimates[STEP]
+                    if best is None or est.value < best[0].value:
+                        best = (est, mode, layers[1])
+        rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", interval_text(best[0], digits=2)])
+    return md_table(["fastest measured LoRA step, batch 8 × 120 tokens, one H200", "configuration",
+                     "median step ms [95 % interval]"], rows, align="---|---|---:")
+
+
+def _study_sizes(label: str, *, title: str) -> list[list]:
+    step = _study_step(label)
+    rows = [[f"{layers}, {title}", *(fmt_ms(step[(s, layers)]) for s in SIZES)] for layers in LAYERS]
+    rows.append([f"lora ÷ all, {title}", *(f"{step[(s, 'lora')] / step[(s, 'all')]:.2f}" for s in SIZES)])
+    rows.append([f"lora-kernel ÷ all, {title}",
+                 *(f"{step[(s, 'lora-kernel')] / step[(s, 'all')]:.2f}" for s in SIZES)])
+    return rows
+
+
+def table_study_eager() -> str:
+    rows = _study_sizes("eager-fp32", title="batch 8") + _study_sizes("eager-fp32-b32", title="batch 32")
+    return md_table(["eager fp32 (reference mode), median step ms", *SIZES], rows)
+
+
+def table_study_graphs() -> str:
+    rows = (_study_sizes("graphs-bf16-fused-fopt", title="batch 8")
+            + _study_sizes("graphs-bf16-fused-fopt-b32", title="batch 32"))
+    return md_table(["CUDA graphs + bf16 + fused ops + fused AdamW, median step ms", *SIZES], rows)
+
+
+def table_study_phases() -> str:
+    """Device time per phase at the two ends of the size range, eager fp32, batch 8."""
+    df = runs(STUDY)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == "eager-fp32")].set_index(["model_size", "trainable_layers"])
+    rows = []
+    for size in ("124M", "1558M"):
+        for layers in LAYERS:
+            r = df.loc[(size, layers)]
+            rows.append([f"{size} {layers}", *(fmt_ms(r[f"{p}_ms_median"]) for p in ("forward", "backward", "optimizer")),
+                         fmt_ms(r["step_ms_median"])])
+    return md_table(["eager fp32, batch 8, device ms", "forward", "backward", "optimizer", "step"], rows)
+
+
+# -- where a 124M step goes (results/method/phase-timing; kernels from the study's profiled repeat) --
+PROFILED_124M = {"all": "124M-all-0522a0d805-r0", "lora": "124M-lora-ef77143c2f-r0"}
+def table_phases_124m() -> str:
+    df = runs("method/phase-timing").set_index("run_id")
+    rows = []
+    for layers in ("all", "lora"):
+        reps = [df.loc[f"{layers}-events-r{i}"] for i in range(3)]
+
+        def med(col: str) -> float:
+            return statistics.median(float(r[col]) for r in reps)
+
+        kernels = pd.read_csv(RESULTS / ANSWER / PROFILED_124M[layers] / "kernels_by_phase.csv")
+        k = kernels.set_index("phase")
+        launches = " / ".join(f"{k.loc[p, 'launches_per_step']:,.0f}" for p in ("forward", "backward", "optimizer"))
+        rows.append([layers if layers == "all" else "lora r16",
+                     *(f"{fmt_ms(med(f'{p}_ms_median'))} / {fmt_ms(med(f'host_{p}_ms_median'))}"
+                       for p in ("forward", "backward", "optimizer")),
+                     fmt_ms(med("step_ms_median")), launches, f"{k['kernel_ms_per_step'].sum():.1f}"])
+    return md_table(["124M, eager fp32", "forward device / host ms", "backward device / host ms",
+                   "optimizer device / host ms", "step ms", "kernels per step (fwd / bwd / opt)",
+                   "kernel ms per step"], rows)
+
+
+def table_profilers() -> str:
+    """What each way of measuring does to the 124M step it measures."""
+    df = runs("method/phase-timing").set_index("run_id")
+    rows = []
+    for run, what in (("events-r0", "CUDA events at phase boundaries (default)"),
+                      ("sync", "synchronise at every boundary (`--timing sync`)"),
+                      ("torchprof", "torch.profiler (`--profile torch`)"),
+                      ("lineprof", "line_profiler (`--profile line`)")):
+        rows.append([what, *(fmt_ms(df.loc[f"{layers}-{run}", "step_ms_median"]) for layers in ("all", "lora"))])
+    return md_table(["124M, eager fp32, measured by", "all: step ms", "lora: step ms"], rows)
+
+
+
+
+def _is_reference_124m_all(df: pd.DataFrame) -> pd.Series:
+    """Rows of 124M, all layers, the reference's mode (eager fp32, book ops and optimizer), batch 8,
+    on an H200, timed and not profiled."""
+    def col(name, default):
+        return df[name].astype("string").fillna(default) if name in df else pd.Series(default, index=df.index)
+    return ((col("cfg_model_size", "") == "124M") & (col("cfg_trainable_layers", "") == "all")
+            & (col("status", "") == "done") & (col("cfg_batch_size", "") == "8")
+            & col("cfg_precision", "fp32").isin(["fp32"]) & (col("cfg_cuda_graphs", "False").str.lower() != "true")
+            & col("cfg_compile", "none").isin(["none", "False", "false"]) & (col("cfg_ops", "book") == "book")
+            & (col("cfg_attention", "book") == "book") & col("cfg_optimizer", "book").isin(["book", "adamw"])
+            & col("cfg_profile", "off").isin(["off", "none"]) & col("gpu_name", "").str.contains("H200")
+            & col("cfg_nproc", "1").isin(["1"])
+            & df["step_ms_median"].notna())
+
+
+def table_spread_124m() -> str:
+    """One setting in every committed folder that holds it: 124M all layers in the reference's
+    mode on an H200, one process. Median step ms of each folder's runs (range), the environment they recorded,
+    and the measured host op cost where the runs recorded it."""
+    rows = []
+    for path in sorted(RESULTS.rglob("runs.csv")):
+        df = read_runs(path)
+        part = df[_is_reference_124m_all(df)]
+        if part.empty:
+            continue
+        steps = sorted(float(v) for v in part["step_ms_median"])
+        env = " · ".join(sorted({f"{r.cpu}, Python {r.python_version}, torch {r.torch_version}, driver {r.gpu_driver}"
+                                 for r in part.itertuples()}))
+        probe = part["host_op_us"].dropna() if "host_op_us" in part else pd.Series(dtype=float)
+        rows.append([f"`{path.parent.relative_to(ROOT).as_posix()}`", len(steps), fmt_ms(statistics.median(steps)),
+                     f"{fmt_ms(steps[0])}–{fmt_ms(steps[-1])}", env,
+                     f"{statistics.median(probe):.1f}" if len(probe) else "not recorded"])
+    return md_table(["folder", "runs", "step ms (median)", "range", "recorded environment", "host op µs"], rows,
+                  align="---|---:|---:|---:|---|---:")

@@ -1,0 +1,78 @@
+"""The one grouping engine (lora_bench.report.groups): a group's ratio is its median over the
+median of the baseline runs that share its other keys, paired by repeat, with the verdict in the
+words of the metric's sense; the rules the views read differently are parameters; and the report's
+table of groups and the study view state the same ratio and verdict for the same runs."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from lora_bench.report import stats
+from lora_bench.report.aggregate import build_report
+from lora_bench.report.groups import exact, group_runs, same
+from lora_bench.report.load import RESULTS_DIR
+from lora_bench.report.study import build_study
+
+SIZE, LAYERS, STEP = "cfg_model_size", "cfg_trainable_layers", "step_ms_median"
+
+
+def _frame(steps: dict[tuple[str, str], list[float]]) -> pd.DataFrame:
+    """Finished runs, one per value, the i-th value of every point from repeat i of one sweep."""
+    rows = []
+    for (size, layers), values in steps.items():
+        for i, v in enumerate(values):
+            rows.append({"run_id": f"{size}-{layers}-r{i}", "status": "done", SIZE: size, LAYERS: layers,
+                         "cfg_seed": 123, STEP: v, "val_acc": 90.0 + i, RESULTS_DIR: "r", "sweep_name": "s",
+                         "repeat": i, "started_at": f"2026-01-01T00:0{i}:00"})
+    return pd.DataFrame(rows)
+
+
+STEPS = {("124M", "all"): [40.0, 40.4, 39.8, 40.2, 40.1], ("124M", "lora"): [60.0, 60.5, 59.9, 60.3, 60.2],
+         ("1558M", "all"): [250.0, 252.0, 249.0, 251.0, 250.5], ("1558M", "lora"): [200.0, 201.0, 199.0, 200.5, 200.2]}
+
+
+def _by(groups) -> dict:
+    return {(g.values[SIZE], g.values[LAYERS]): g for g in groups}
+
+
+def test_each_group_is_set_against_the_baseline_of_its_other_keys():
+    found = _by(group_runs(_frame(STEPS), [SIZE, LAYERS], metrics=[STEP], baseline={LAYERS: "all"},
+                           ratio_metric=STEP))
+    small, large = found[("124M", "lora")], found[("1558M", "lora")]
+    assert small.ratio.value == 60.2 / 40.1 and small.verdict == stats.SLOWER
+    assert large.ratio.value == 200.2 / 250.5 and large.verdict == stats.FASTER
+    assert small.ratio.paired and small.ratio.over == stats.REPEATS and small.ratio.lo <= small.ratio.value
+    base = found[("124M", "all")]
+    assert base.is_baseline and base.verdict == "" and base.ratio.value == 1.0
+    assert small.estimates[STEP].value == 60.2 and small.estimates[STEP].has_interval
+
+
+def test_a_metric_that_is_not_a_speed_reads_higher_or_lower():
+    frame = _frame(STEPS)
+    frame.loc[frame[LAYERS] == "lora", "val_acc"] += 20
+    found = _by(group_runs(frame, [SIZE, LAYERS], baseline={LAYERS: "all"}, ratio_metric="val_acc"))
+    assert found[("124M", "lora")].verdict == stats.HIGHER
+
+
+def test_the_rules_the_views_read_differently_are_parameters():
+    steps = {k: v for k, v in STEPS.items() if k != ("1558M", "all")}  # no baseline at 1558M
+    frame = _frame(steps)
+    lone = _by(group_runs(frame, [SIZE, LAYERS], metrics=[STEP], baseline={LAYERS: "all"}, ratio_metric=STEP))
+    assert lone[("1558M", "lora")].ratio.value == 200.2 / 40.1  # the only baseline group there is
+    own = _by(group_runs(frame, [SIZE, LAYERS], metrics=[STEP], baseline={LAYERS: "all"}, ratio_metric=STEP,
+                         lone_baseline=False, unknown=stats.UNCLEAR))
+    assert math.isnan(own[("1558M", "lora")].ratio.value) and own[("1558M", "lora")].verdict == stats.UNCLEAR
+    assert not own[("1558M", "lora")].has_baseline and own[("124M", "lora")].has_baseline
+    assert same("16", "16.0") and not exact("16", "16.0")
+
+
+def test_the_report_and_the_study_state_one_ratio_and_verdict():
+    frame = _frame(STEPS)
+    rep = build_report(frame, baseline="trainable_layers=all")
+    study = build_study(frame, baseline="trainable_layers=all")
+    table = {(r[SIZE], r[LAYERS]): (r["ratio"], r["ratio_lo"], r["ratio_hi"], r["verdict"])
+             for r in rep.groups.to_dict("records")}
+    view = {(g.size, g.variant): (g.ratio, g.ratio_lo, g.ratio_hi, g.verdict) for g in study.groups}
+    assert table == view and table[("1558M", "lora")][3] == stats.FASTER
