@@ -91,6 +91,9 @@ def export_mlflow(folder: Path, runs: list[RunExport], *, tracking_uri: str | No
     entities = require("mlflow.entities", purpose="lora-bench's export to MLflow", extra=EXTRA)
     exceptions = require("mlflow.exceptions", purpose="lora-bench's export to MLflow", extra=EXTRA)
     uri = tracking_uri or default_uri(folder)
+    if uri.startswith("sqlite:"):  # MLflow's database stores, which mlflow-skinny leaves to these two
+        require("sqlalchemy", purpose="MLflow's SQLite store", extra=EXTRA)
+        require("alembic", purpose="MLflow's SQLite store", extra=EXTRA)
     name = experiment or experiment_name(folder, tracking_uri=tracking_uri)
     done = []
     try:
