@@ -8,9 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_bench.errors import UsageError
-from lora_bench.trackers.mlflow_store import export_mlflow
+from lora_bench.trackers import mlflow_store, tensorboard_files
 from lora_bench.trackers.record import run_exports
-from lora_bench.trackers.tensorboard_files import OUTPUT, export_tensorboard
 
 TRACKERS = ("mlflow", "tensorboard")
 
@@ -33,12 +32,17 @@ def export_folder(folder: Path, *, to: str, tracking_uri: str | None = None, out
         raise UsageError("--tracking-uri and --experiment apply to --to mlflow")
     if to != "tensorboard" and output is not None:
         raise UsageError("--output applies to --to tensorboard (MLflow writes to --tracking-uri)")
+    if to == "mlflow":  # a missing extra answers before anything is read
+        mlflow_store.modules(tracking_uri or mlflow_store.default_uri(folder))
+    else:
+        tensorboard_files.modules()
     runs = run_exports(folder, run_ids)
     if not runs:
         raise UsageError(f"{folder} holds no runs (no rows in runs.csv, no <run_id>/run.json): nothing to export")
     if to == "mlflow":
-        return export_mlflow(folder, runs, tracking_uri=tracking_uri, experiment=experiment)
-    return export_tensorboard(runs, output=output if output is not None else folder / OUTPUT)
+        return mlflow_store.export_mlflow(folder, runs, tracking_uri=tracking_uri, experiment=experiment)
+    return tensorboard_files.export_tensorboard(runs, output=output if output is not None else
+                                                folder / tensorboard_files.OUTPUT)
 
 
 def log_run(results_dir: Path, run_id: str, *, to: str, say: Callable[[str], None] = print) -> None:

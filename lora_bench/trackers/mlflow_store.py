@@ -47,6 +47,16 @@ def _quiet():
             log.setLevel(level)
 
 
+def modules(uri: str):
+    """MLflow's client, entities and exceptions (and what a SQLite store needs), or the UsageError
+    naming the extra that installs them."""
+    need = ["mlflow", "mlflow.tracking", "mlflow.entities", "mlflow.exceptions"]
+    if uri.startswith("sqlite:"):  # MLflow's database stores, which mlflow-skinny leaves to these two
+        need += ["sqlalchemy", "alembic"]
+    loaded = [require(m, purpose="lora-bench's export to MLflow", extra=EXTRA) for m in need]
+    return loaded[1:4]
+
+
 def _existing(client, experiment_id: str) -> dict[str, list]:
     """The experiment's live runs by their lora-bench run id."""
     out: dict[str, list] = {}
@@ -86,14 +96,8 @@ def _write(client, entities, experiment_id: str, run: RunExport) -> str:
 def export_mlflow(folder: Path, runs: list[RunExport], *, tracking_uri: str | None = None,
                   experiment: str | None = None) -> list[tuple[str, str]]:
     """Write ``runs`` to MLflow; returns (run id, 'written', 'replaced' or 'unchanged') per run."""
-    require("mlflow", purpose="lora-bench's export to MLflow", extra=EXTRA)
-    tracking = require("mlflow.tracking", purpose="lora-bench's export to MLflow", extra=EXTRA)
-    entities = require("mlflow.entities", purpose="lora-bench's export to MLflow", extra=EXTRA)
-    exceptions = require("mlflow.exceptions", purpose="lora-bench's export to MLflow", extra=EXTRA)
     uri = tracking_uri or default_uri(folder)
-    if uri.startswith("sqlite:"):  # MLflow's database stores, which mlflow-skinny leaves to these two
-        require("sqlalchemy", purpose="MLflow's SQLite store", extra=EXTRA)
-        require("alembic", purpose="MLflow's SQLite store", extra=EXTRA)
+    tracking, entities, exceptions = modules(uri)
     name = experiment or experiment_name(folder, tracking_uri=tracking_uri)
     done = []
     try:

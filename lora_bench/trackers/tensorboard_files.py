@@ -22,7 +22,8 @@ EVENTS = "events.out.tfevents.*"  # what TensorBoard reads as an event file: a n
 PURPOSE = "lora-bench's export to TensorBoard"
 
 
-def _modules():
+def modules():
+    """TensorBoard's record writer and protocol buffers, or the UsageError naming the extra."""
     require("tensorboard", purpose=PURPOSE, extra=EXTRA)
     return (require("tensorboard.summary.writer.record_writer", purpose=PURPOSE, extra=EXTRA),
             require("tensorboard.compat.proto.event_pb2", purpose=PURPOSE, extra=EXTRA),
@@ -34,7 +35,7 @@ def _modules():
 
 def _events(run: RunExport) -> bytes:
     """The run's event file: its version record, the hyperparameters, the tags, the scalars."""
-    records, event_pb2, summary_pb2, tensor_pb2, types_pb2, hparams_pb2 = _modules()
+    records, event_pb2, summary_pb2, tensor_pb2, types_pb2, hparams_pb2 = modules()
     when = (run.start_ms or 0) / 1000
     out = io.BytesIO()
     writer = records.RecordWriter(out)
@@ -62,7 +63,6 @@ def _events(run: RunExport) -> bytes:
 
 def export_tensorboard(runs: list[RunExport], *, output: Path) -> list[tuple[str, str]]:
     """Write ``runs`` under ``output``; returns (run id, 'written', 'replaced' or 'unchanged') per run."""
-    _modules()  # before any folder is made: a missing extra answers at once
     done = []
     for run in runs:
         logdir = Path(output) / run.run_id
