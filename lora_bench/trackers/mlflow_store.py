@@ -72,7 +72,7 @@ def _existing(client, experiment_id: str) -> dict[str, list]:
             return out
 
 
-def _write(client, entities, experiment_id: str, run: RunExport) -> str:
+def _write(client, entities, *, experiment_id: str, run: RunExport) -> str:
     created = client.create_run(experiment_id, start_time=run.start_ms, tags=run.tags, run_name=run.run_id)
     mid = created.info.run_id
     try:
@@ -120,7 +120,7 @@ def export_mlflow(folder: Path, runs: list[RunExport], *, tracking_uri: str | No
                         client.delete_run(r.info.run_id)
                 action = "unchanged" if keep is not None else "replaced" if there else "written"
                 if action != "unchanged":
-                    _write(client, entities, experiment_id, run)
+                    _write(client, entities, experiment_id=experiment_id, run=run)
                 done.append((run.run_id, action))
     except exceptions.MlflowException as e:
         message = " ".join(str(e.message if hasattr(e, "message") else e).split())

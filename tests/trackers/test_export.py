@@ -23,7 +23,8 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
                                         reason="the trackers extra is not installed")
 # what a sweep label may hold (printable text), aimed at SQL, HTML, Markdown, the shell and CSV
 HOSTILE = "x'; DROP TABLE runs; -- </td><script>alert(1)</script> | *b* `$(id)` \"q\" \\ =1+1 ✓"
-PHASE_COLUMNS = [f"{host}{p}_ms" for host in ("", "host_") for p in ("data", "forward", "backward", "optimizer", "step")]
+PHASE_COLUMNS = [f"{host}{p}_ms" for host in ("", "host_")
+                 for p in ("data", "forward", "backward", "optimizer", "step")]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_mlflow_round_trip(folder, tmp_path, run_cli):
     tags = run.data.tags
     assert tags["lora_bench.run_id"] == row["run_id"] and tags["lora_bench.status"] == "done"
     assert tags["lora_bench.sweep_label"] == HOSTILE
-    assert tags["lora_bench.git_commit"] == row["git_commit"] and tags["lora_bench.torch_version"] == row["torch_version"]
+    assert tags["lora_bench.git_commit"] == row["git_commit"]
+    assert tags["lora_bench.torch_version"] == row["torch_version"]
     assert tags["lora_bench.command"].startswith("lora-bench sweep ")
     assert run.info.status == "FINISHED" and run.info.run_name == row["run_id"]
     for name, expected in _expected_histories(row, steps, record).items():
@@ -121,7 +123,7 @@ def test_tensorboard_round_trip(folder, tmp_path, run_cli):
 
 @pytest.mark.slow
 def test_a_second_export_skips_an_unchanged_run_and_replaces_a_recorded_one(folder, tmp_path, run_cli):
-    from lora_bench.trackers.export import log_run
+    from lora_bench.trackers.export import log_folder, log_run
 
     copy = shutil.copytree(folder, tmp_path / "results")
     row, steps, _ = _run(copy)
@@ -133,8 +135,8 @@ def test_a_second_export_skips_an_unchanged_run_and_replaces_a_recorded_one(fold
     said: list[str] = []
     log_run(copy, row["run_id"], to="mlflow", say=said.append)
     assert said == [f"mlflow: {row['run_id']} replaced"]
-    code, out = run_cli("results", "export", "--to", "tensorboard", copy)
-    assert code == 0 and f"replaced: {row['run_id']}" in out, out
+    log_folder(copy, to="tensorboard", say=said.append)
+    assert said[1:] == [f"tensorboard: {row['run_id']} replaced"]
 
     client = mlflow_tracking.MlflowClient(tracking_uri=f"sqlite:///{copy / 'mlflow' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("results").experiment_id])
@@ -166,3 +168,17 @@ def test_without_the_extra_the_command_says_what_installs_it(to, package, tmp_pa
     assert code == 2, out
     assert f"'{package}'" in out and 'pip install "lora-bench[trackers]"' in " ".join(out.split())
     assert "Traceback" not in out
+
+
+def test_a_logger_is_checked_before_a_run(tmp_path, hide_package):
+    from lora_bench.errors import UsageError
+    from lora_bench.trackers.export import check_logger
+
+    for to in ("mlflow", "tensorboard"):
+        check_logger(to, tmp_path)
+    with pytest.raises(UsageError, match="--logger 'wandb' is not a tracker lora-bench writes"):
+        check_logger("wandb", tmp_path)
+    hide_package("tensorboard")
+    with pytest.raises(UsageError, match=r"pip install \"lora-bench\[trackers\]\""):
+        check_logger("tensorboard", tmp_path)
+    assert list(tmp_path.iterdir()) == []
