@@ -1,5 +1,6 @@
 """Execution modes reproduce book mode: in float32, a mode's loss trajectory is as close to book
-mode's float64 evaluation as book mode's own float32 one (tests/numerics.py); bf16 is close.
+mode's float64 evaluation as book mode's own float32 one (tests/numerics.py); bf16 is close;
+bf16-true is within the bound its counted roundings to bfloat16 give against float64.
 CPU tests for what runs here; GPU-marked tests for CUDA graphs, torch.compile and bf16 on CUDA."""
 
 from __future__ import annotations
@@ -293,8 +294,9 @@ def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
 
 # ---- GPU (marked; run on the device) ---------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", ["all", "lora"])
-def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+@pytest.mark.parametrize("layers", ["all", "lora", "frozen"])
+def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers, precision):
     """The replayed graphs run the eager step's kernels on the same values: their losses equal, bit
     for bit, those of the eager run with the same AdamW, the capturable one (its step count on the
     device). That AdamW is another rounding order of the default update, and over 30 steps its
@@ -304,7 +306,7 @@ def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
     from lora_bench.train import context
 
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
-                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0, precision=precision)
     _, eager_row = _losses(base, tmp_path, f"{layers}-eager")
     real, asked = context.optimizer_options, []
 
@@ -409,6 +411,38 @@ def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path
         got, row_c = _losses(base, tmp_path, "cublas")
     assert row_f["backend"] == "fused" and row_c["backend"] == "cublas+fused"
     assert _rel(got, fused) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel", "frozen"])
+def test_bf16_true_on_cuda_against_float64(tiny_cfg, tmp_path, layers, graphs):
+    """bf16-true on the GPU, eager and replayed from CUDA graphs: within the bound its counted
+    roundings give against the float64 run (test_bf16_true_against_float64_on_cpu's derivation)."""
+    from numerics import rounded_input_tol
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, learning_rate=1e-3,
+                            lora_rank=4, lora_alpha=8.0, attention="sdpa", ops="fused")
+    ref = _losses64(base, tmp_path, f"{layers}-float64")
+    got, row = _losses(base.replace(precision="bf16-true", cuda_graphs=graphs, optimizer="fused"), tmp_path,
+                       f"{layers}-{graphs}")
+    assert row["status"] == "done"
+    assert 0 < _rel(got, ref) <= rounded_input_tol(torch.bfloat16, bf16_true_roundings(base))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers,scope", [("lora", "model"), ("lora-kernel", "blocks"), ("frozen", "blocks")])
+def test_bf16_true_compiled_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, scope):
+    """The study's best mode in bf16-true (compiled, in CUDA graphs, fused AdamW): as close to the
+    float64 run as another rounding order of the eager bf16-true run."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, attention="sdpa", ops="fused")
+    ref = _losses64(base, tmp_path, f"{layers}-float64")
+    eager, _ = _losses(base.replace(precision="bf16-true"), tmp_path, f"{layers}-eager")
+    got, row = _losses(base.replace(precision="bf16-true", compile=True, compile_scope=scope, cuda_graphs=True,
+                                    optimizer="fused"), tmp_path, f"{layers}-{scope}-cg")
+    assert row["status"] == "done"
+    _assert_same_run(got, eager, ref, what="bf16-true, compiled, in graphs", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
