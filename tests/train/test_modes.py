@@ -107,9 +107,10 @@ def test_bf16_true_against_float64_on_cpu(tiny_cfg, tmp_path, layers, ops):
     by at most u = 2^-8 relative, so the losses may be (n + 1)·u off (numerics.rounded_input_tol).
     The weights each step starts from differ too, by the earlier updates' differences: AdamW's
     update is invariant to the gradient's scale, so a gradient off by ε relative moves an update
-    by about ε·lr, and 15 steps at lr 1e-3 move the weights by under 0.015·ε, a second-order
-    term against the forward's ε on weights of the tiny model's size (0.1 to 1). The run is not
-    float32 in disguise: its losses are not fp32's."""
+    by at most about ε·lr, and 15 steps at lr 1e-3 leave a weight off by at most 0.015·ε, small
+    beside the forward's own error on the tiny model's weights (0.1 to 1; an adapter's B starts
+    at zero and grows by those updates, so its error stays ε relative to what it adds). The run is
+    not float32 in disguise: its losses are not fp32's."""
     from numerics import rounded_input_tol
 
     base = tiny_cfg.replace(trainable_layers=layers, max_steps=15, eval_freq=0, learning_rate=1e-3, lora_rank=4,
