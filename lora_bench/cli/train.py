@@ -16,6 +16,7 @@ import typer
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
     PRECEDENCE,
+    Logger,
     NoProgress,
     Overrides,
     console,
@@ -101,7 +102,8 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
 
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
-          results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool) -> None:
+          results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool,
+          logger: str | None = None) -> None:
     """What ``lora-bench train`` does, with ``given`` the setting options' values, through one error
     path: every outcome becomes an exit code here; a domain error is one line (naming the rank
     under torchrun), and only a bug shows a traceback. With ``--nproc N`` it starts N copies of
@@ -116,7 +118,7 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
         env = rank_env()
         with rank_errors(env):
             code = _run(cfg, env=env, name_of=name_of, results_dir=results_dir, run_id=run_id, overwrite=overwrite,
-                        cache_dir=cache_dir, progress=not no_progress)
+                        cache_dir=cache_dir, progress=not no_progress, logger=logger)
     except Interrupted as e:  # recorded, and the run said where: 128 + the signal, as a shell reports
         code = e.exit_code
     except LoraBenchError as e:
@@ -141,7 +143,7 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
 
 
 def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | None, overwrite: bool,
-         cache_dir: Path | None, progress: bool) -> int:
+         cache_dir: Path | None, progress: bool, logger: str | None) -> int:
     """The machine asked once (``preflight``), then the run: started under torchrun (``--nproc``),
     or executed here, by this process or this rank. Returns the exit code."""
     from lora_bench.train.distributed import rank_device
@@ -153,6 +155,10 @@ def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | Non
         rank_device(env, cfg.device)
     preflight(cfg, name_of=name_of)
     output_dir(results_dir, "--results-dir")
+    if logger is not None:
+        from lora_bench.trackers.export import check_logger
+
+        check_logger(logger, results_dir)
     if cfg.nproc > 1 and env is None:
         from lora_bench.train.launch import launch_train
 
@@ -161,17 +167,21 @@ def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | Non
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
                       cache_dir=cache_dir, overwrite=overwrite)
     if env is None or env.is_main:
-        _report(row, results_dir)
+        _report(row, results_dir, logger=logger)
     return 0
 
 
-def _report(row: dict, results_dir: Path) -> None:
-    """The run's phase table and where its results are."""
+def _report(row: dict, results_dir: Path, *, logger: str | None = None) -> None:
+    """The run's phase table and where its results are; the run exported where ``--logger`` asks."""
     from lora_bench.report.phase_table import phase_table
 
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
+    if logger is not None:
+        from lora_bench.trackers.export import log_run
+
+        log_run(results_dir, row["run_id"], to=logger, say=lambda line: console.print(markup(line), highlight=False))
 
 
 def _parameter(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
@@ -183,7 +193,7 @@ def command() -> Any:
 
     def train_command(ctx: typer.Context, **kw: Any) -> None:
         fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "overwrite", "cache_dir",
-                                         "no_progress")}
+                                         "no_progress", "logger")}
         train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
 
     train_command.__signature__ = inspect.Signature([
@@ -197,6 +207,7 @@ def command() -> Any:
         _parameter("overwrite", Overwrite, False),
         _parameter("cache_dir", CacheDir, None),
         _parameter("no_progress", NoProgress, False),
+        _parameter("logger", Logger, None),
     ])
     train_command.__doc__ = HELP
     return train_command

@@ -182,3 +182,28 @@ def test_a_logger_is_checked_before_a_run(tmp_path, hide_package):
     with pytest.raises(UsageError, match=r"pip install \"lora-bench\[trackers\]\""):
         check_logger("tensorboard", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_train_with_a_logger_exports_its_run_once_saved(tmp_path, run_cli):
+    results = tmp_path / "results"
+    code, out = run_cli("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu",
+                        "--data-file", SAMPLE, "--max-steps", "3", "--warmup-steps", "1", "--eval-freq", "0",
+                        "--skip-final-eval", "--no-progress", "--results-dir", results, "--logger", "tensorboard")
+    assert code == 0, out
+    (run_dir,) = [p.parent for p in results.glob("*/run.json")]
+    with open(run_dir / "steps.csv", newline="") as f:
+        steps = list(csv.DictReader(f))
+    events = event_accumulator.EventAccumulator(str(results / "tensorboard" / run_dir.name),
+                                                size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("step/loss")] == \
+        [(int(s["step"]), float(np.float32(s["loss"]))) for s in steps]
+
+
+def test_a_bad_logger_is_refused_before_the_run(tmp_path, run_cli):
+    code, out = run_cli("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu",
+                        "--data-file", SAMPLE, "--max-steps", "3", "--warmup-steps", "1", "--results-dir", tmp_path / "r",
+                        "--logger", "wandb")
+    assert code == 2 and "wandb" in out and "Traceback" not in out
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*/run.json"))
