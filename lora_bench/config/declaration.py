@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.kernels.names import AUTO, PLAN_NAMES
+from lora_bench.kernels.names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, PLAN_NAMES
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
@@ -126,6 +126,11 @@ class Settings:
     kernel_plan: str = _s(AUTO, "lora-kernel: the plan its layers run. auto: chosen per call by lora-bench's rules "
                           "(docs/kernel-design.md); direct, cpp, fused, cublas, torch: that plan wherever it can "
                           "run (recorded in the backend column).", LORA, choices=KERNEL_PLANS)
+    adapter_grads: str = _s(ADAPTER_GRADS_INLINE, "lora-kernel: where its adapter gradients run. inline: in each "
+                            "layer's backward; deferred: on a side stream joined once per backward pass, off the "
+                            "step's critical path (the Python plans fused, cublas and torch; the C++ op's plans and "
+                            "torch.compile stay inline; refused with a process group) (docs/kernel-design.md).",
+                            LORA, choices=ADAPTER_GRADS)
     base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
                          "precision: as --precision says (fp32, or bf16 with --precision bf16 or bf16-true); bf16: "
                          "bfloat16; "

@@ -132,6 +132,10 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
     if ok("kernel_plan", "trainable_layers") and v["kernel_plan"] != "auto" and v["trainable_layers"] != "lora-kernel":
         out.append(problem("kernel_plan", "{kernel_plan}={p} is only used with {trainable_layers}=lora-kernel",
                            p=v["kernel_plan"]))
+    if ok("adapter_grads", "trainable_layers") and v["adapter_grads"] != "inline" \
+            and v["trainable_layers"] != "lora-kernel":
+        out.append(problem("adapter_grads", "{adapter_grads}={p} is only used with {trainable_layers}=lora-kernel",
+                           p=v["adapter_grads"]))
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
     if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":

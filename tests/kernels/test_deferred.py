@@ -413,3 +413,36 @@ def test_gpu_deferred_equals_inline_eager_and_replayed_from_a_graph():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.slow
+def test_a_run_with_the_deferred_setting_defers_and_trains_as_inline(tiny_cfg, tmp_path):
+    """The run setting reaches the layers: every lora-kernel backward of a tiny CPU run defers, one
+    join per backward, and the run's step losses are the inline run's (the same adapter gradients)."""
+    import csv
+
+    from rich.console import Console
+
+    from lora_bench.train.run import execute_run
+
+    cfg = tiny_cfg.replace(trainable_layers="lora-kernel", lora_rank=4, eval_freq=0)
+    losses = {}
+    for where in ("inline", "deferred"):
+        before = _counts()
+        execute_run(cfg.replace(adapter_grads=where), results_dir=tmp_path, run_id=where, console=Console(quiet=True),
+                    progress=False, cache_dir=tmp_path / "cache")
+        got = _since(before)
+        if where == "deferred":
+            assert got["joins"] == cfg.max_steps and got["deferred"] > 0  # one join per backward pass
+        else:
+            assert got == {"deferred": 0, "joins": 0}
+        with open(tmp_path / where / "steps.csv", newline="") as f:
+            losses[where] = [row["loss"] for row in csv.DictReader(f)]
+    assert len(losses["inline"]) == cfg.max_steps and losses["inline"] == losses["deferred"]
+
+
+def test_adapter_grads_other_than_inline_needs_lora_kernel():
+    from lora_bench.config import TrainConfig
+
+    problems = TrainConfig(trainable_layers="lora", adapter_grads="deferred").problems()
+    assert any("adapter_grads" in p and "lora-kernel" in p for p in map(str, problems)), problems
