@@ -193,9 +193,11 @@ def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
 
 def test_floor_study_measures_every_variant_beside_the_floor_in_both_bf16_precisions():
     sw = load_sweep(REPO / "configs" / "floor-study.yaml")
-    got = {(r.cfg.model_size, r.cfg.trainable_layers, r.cfg.precision) for r in sw.runs}
-    assert got == {(s, t, p) for s in ("124M", "1558M") for t in ("frozen", "lora", "lora-kernel", "all")
-                   for p in ("bf16", "bf16-true")}
+    got = {(r.cfg.model_size, r.cfg.trainable_layers, r.cfg.precision, r.cfg.adapter_grads) for r in sw.runs}
+    rows = {("frozen", "bf16", "inline"), ("frozen", "bf16-true", "inline"), ("all", "bf16", "inline"),
+            ("lora", "bf16", "inline"), ("lora", "bf16-true", "inline"), ("lora-kernel", "bf16", "inline"),
+            ("lora-kernel", "bf16", "deferred"), ("lora-kernel", "bf16-true", "deferred")}
+    assert got == {(s, *row) for s in ("124M", "1558M") for row in rows}
     assert sw.repeats == 5 and len(sw.runs) == len(got) * 5
     for r in sw.runs:
         c = r.cfg
