@@ -12,7 +12,7 @@ from rich.console import Console
 from lora_bench.cli.options import THRESHOLD_PCT, Threshold, console, threshold_fraction
 from lora_bench.errors import UsageError
 
-HELP = """Compare two results folders setting by setting: candidate ÷ baseline, with 95 % intervals.
+HELP = """Compare two results folders setting by setting: candidate ÷ baseline, with intervals and n.
 
 Runs are matched by their settings, never by run id. Exit code 1 where --fail-above is given and a setting is slower by more than PCT % with its whole interval (a CI gate); 2 for a usage error.
 

@@ -1,8 +1,8 @@
 """The answer paragraph, generated from the study by explicit rules (never written by hand). Each
 rule is a small function of the measured groups and returns one clause or sentence:
 
-- ``verdict``: a group is 'slower' / 'faster' than its baseline where the 95 % interval of the
-  ratio of median step times clears 1 ± the threshold, 'no difference' where it lies inside that
+- ``verdict``: a group is 'slower' / 'faster' than its baseline where the interval of the
+  ratio of step times clears 1 ± the threshold, 'no difference' where it lies inside that
   band, 'unclear' otherwise (lora_bench.report.stats.verdict); every ratio and median stated
   carries its interval in brackets;
 - ``crossover``: the two adjacent sizes between which a variant turns from slower to faster (it
@@ -16,7 +16,7 @@ rule is a small function of the measured groups and returns one clause or senten
 - ``phase_deltas``: the phases whose device time changes by at least MIN_CHANGE of the baseline's step;
 - ``why_slower`` / ``why_faster``: these clauses for the primary variant at the smallest size where
   it is slower and the largest size where it is faster, in each mode;
-- ``accuracy_sentence``: the differences in accuracy from the baseline whose 95 % interval leaves
+- ``accuracy_sentence``: the differences in accuracy from the baseline whose interval leaves
   out 0 (outside the spread over seeds), or the largest one when none does;
 - ``answer``: one bullet per mode and condition, explanations for the first condition, accuracy last."""
 
@@ -36,7 +36,7 @@ MIN_CHANGE = 0.02  # nor a change of a phase under 2 % of the baseline's step
 
 
 def ratio_text(g: Group) -> str:
-    """'1.50× [1.47–1.53]': the ratio of medians and its 95 % interval."""
+    """'1.50× [1.47–1.53] (n = 5, 93.8 %)': the ratio and its interval."""
     return f"{g.ratio:.2f}× {span_text(g.ratio_estimate)}"
 
 
@@ -48,7 +48,7 @@ def verdict(g: Group) -> str:
 
 
 def ms_text(e: Estimate) -> str:
-    """'77.0 ms [76.1–78.0]': a median step time and its 95 % interval."""
+    """'77.0 ms [76.1–78.0] (n = 5, 93.8 %)': a median step time and its interval."""
     return f"{e.median:.1f} ms {span_text(e, digits=1)}"
 
 

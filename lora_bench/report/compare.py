@@ -2,7 +2,7 @@
 setting. Runs are matched by their settings (the ``cfg_*`` columns, paths left out, and the seed
 where seeds vary across repeats), never by run id, so two sweeps of one file on two machines, or
 before and after a change, line up. Per setting: the median of the metric on each side with its
-95 % interval, the ratio candidate ÷ baseline with its interval, and the verdict read off that
+interval, the ratio candidate ÷ baseline with its interval, and the verdict read off that
 interval (lora_bench.report.stats). A gate (``fail_above``) fails where a setting is worse by more
 than that fraction with its whole interval: a verdict of no difference or unclear never fails it.
 Differences between the folders' environments (GPU, driver, torch, CPU, Python) are stated."""
