@@ -42,7 +42,7 @@ def _repeats(label: str) -> dict[tuple[str, str], RunGroup]:
 
 
 def table_answer() -> str:
-    """The first screen of the README: median step ms over the study's repeats with 95 % intervals,
+    """The first screen of the README: median step ms over the study's repeats with their intervals,
     batch 8, 124M and 1558M, in each mode named in full, and LoRA ÷ all with its interval."""
     rows = []
     for label, mode in ANSWER_MODES:
@@ -52,12 +52,12 @@ def table_answer() -> str:
             n = min(a.estimates[STEP].n, lo.estimates[STEP].n)
             rows.append([f"GPT-2 {size}, {mode}", interval_text(a.estimates[STEP], digits=1),
                          interval_text(lo.estimates[STEP], digits=1), f"**{interval_text(lo.ratio)}**", str(n)])
-    return md_table(["median step ms [95 % interval], batch 8 × 120 tokens, one H200", "all layers", "LoRA r16",
+    return md_table(["median step ms [interval], batch 8 × 120 tokens, one H200", "all layers", "LoRA r16",
                      "LoRA ÷ all", "repeats"], rows)
 
 
 def table_study_repeats() -> str:
-    """The study with repeats: median step ms [95 %] of all, and lora and lora-kernel ÷ all [95 %]
+    """The study with repeats: median step ms [interval] of all, and lora and lora-kernel ÷ all [interval]
     with their verdicts, at every size, in both modes."""
     rows, counts = [], set()
     for label, mode in ANSWER_MODES:
@@ -106,7 +106,7 @@ def table_fastest() -> str:
                         best = (est, mode, layers[1])
         rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", interval_text(best[0], digits=2)])
     return md_table(["fastest measured LoRA step, batch 8 × 120 tokens, one H200", "configuration",
-                     "median step ms [95 % interval]"], rows, align="---|---|---:")
+                     "median step ms [interval]"], rows, align="---|---|---:")
 
 
 def _study_sizes(label: str, *, title: str) -> list[list]:
