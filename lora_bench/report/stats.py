@@ -259,10 +259,11 @@ def n_text(e: Estimate) -> str:
     return ", ".join(parts)
 
 
-def span_text(e: Estimate, *, digits: int = 2) -> str:
+def span_text(e: Estimate, *, digits: int = 2, told: bool = True) -> str:
     """'[1.47–1.53] (n = 5, 93.8 %)', '[-4.20 to -3.80] (n = 5, ≥ 87.5 %)', '[204.1–206.2]† (n = 1,
-    95.1 %)' (over one run's steps); '(no interval, n = 1)'."""
-    told = n_text(e)
+    95.1 %)' (over one run's steps); '(no interval, n = 1)'. ``told=False`` leaves out n and the
+    confidence, for a table whose header states them once for every cell (``shared_n_text``)."""
+    told = n_text(e) if told else ""
     if not e.has_interval:
         return f"(no interval, {told})" if told else "(no interval)"
     lo, hi = f"{e.lo:,.{digits}f}", f"{e.hi:,.{digits}f}"
@@ -270,11 +271,18 @@ def span_text(e: Estimate, *, digits: int = 2) -> str:
     return f"[{lo}{sep}{hi}]{STEPS_MARK if e.per_step else ''}" + (f" ({told})" if told else "")
 
 
-def interval_text(e: Estimate, *, digits: int = 2, unit: str = "") -> str:
+def interval_text(e: Estimate, *, digits: int = 2, unit: str = "", told: bool = True) -> str:
     """'1.50× [1.47–1.53] (n = 5, 93.8 %)', '205.0 [204.1–206.2]† (n = 1, 95.1 %)'; '-' without a value."""
     if not e.known:
         return "-"
-    return f"{e.value:,.{digits}f}{unit} {span_text(e, digits=digits)}"
+    return f"{e.value:,.{digits}f}{unit} {span_text(e, digits=digits, told=told)}"
+
+
+def shared_n_text(estimates) -> str:
+    """'n = 5, 93.8 %' where every one of ``estimates`` has an interval with that n and confidence
+    (a header can then state it once for the column); '' otherwise."""
+    texts = {n_text(e) if e.has_interval else "" for e in estimates}
+    return texts.pop() if len(texts) == 1 else ""
 
 
 def threshold_text(threshold: float) -> str:
