@@ -17,7 +17,8 @@ rule is a small function of the measured groups and returns one clause or senten
 - ``why_slower`` / ``why_faster``: these clauses for the primary variant at the smallest size where
   it is slower and the largest size where it is faster, in each mode;
 - ``accuracy_sentence``: the differences in accuracy from the baseline whose interval leaves
-  out 0 (outside the spread over seeds), or the largest one when none does;
+  out 0 (outside the spread over seeds; judged from MIN_REPEATS repeats a side), or the largest
+  one when none does;
 - ``answer``: one bullet per mode and condition, explanations for the first condition, accuracy last."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from lora_bench.report import stats
 from lora_bench.report.names import count_text
+from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate, span_text
 from lora_bench.report.study_model import STARVED, Group, Line, Study
 from lora_bench.timing import PHASES
@@ -230,9 +232,10 @@ def accuracy_sentence(study: Study) -> str:
     else:
         g, d, _ = max(pairs, key=lambda t: abs(t[1].value))
         text = (f"{_cap(name)} ({over}): every difference from the baseline is within the spread over seeds"
-                if unknown < len(pairs) else f"{_cap(name)} ({over}): one run per group, so the spread is unknown")
+                if unknown < len(pairs) else f"{_cap(name)} ({over}): too few repeats to judge (a verdict needs "
+                f"{MIN_REPEATS} a side)")
         text += f" (largest: {g.variant} {points(d)} at {where(g)})"
-    return text + (f"; {unknown} group(s) with one run: spread unknown" if unknown and outside else "") + "."
+    return text + (f"; {unknown} group(s) with too few repeats to judge" if unknown and outside else "") + "."
 
 
 @dataclass
