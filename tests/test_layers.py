@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("classifier",),
     ("peers", "results"),
     ("train",),
-    ("sweep", "report", "bench"),
+    ("sweep", "report", "bench", "trackers"),
     ("publish",),
     ("cli",),
     ("__main__",),
@@ -35,6 +35,7 @@ LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # exist only to wrap one, such as the Triton kernels and the C++ op's build).
 LAZY_ALLOWED = ("tensorflow", "triton", "matplotlib", "transformers", "peft", "safetensors", "huggingface_hub",
                 "dask", "distributed", "line_profiler", "torchao", "bitsandbytes", "ninja", "torch.utils.cpp_extension",
+                "mlflow", "tensorboard",
                 "lora_bench.kernels.lora_triton", "lora_bench.kernels.adamw_triton", "lora_bench.kernels.launch",
                 "lora_bench.kernels.lora_cpp",
                 "lora_bench.sweep.dask_runner")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import FROZEN, TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.lora import inject_lora, lora_class
 from lora_bench.model import checkpoints as weights
@@ -94,6 +94,8 @@ def make_trainable(model: GPTModel, cfg: TrainConfig) -> None:
             p.requires_grad = True
     elif cfg.is_lora:
         inject_lora(model, cls=lora_class(layers), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+    elif layers == FROZEN:  # below every block: its gradient is the one sent back through all of them
+        model.pos_emb.weight.requires_grad = True
     # last_layer: only the new head, which is trainable on creation
 
 

@@ -34,6 +34,10 @@ CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BE
                                                   help="Download cache (default ~/.cache/lora-bench).")]
 NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPUT_PANEL,
                                           help="No progress bars (logs, CI).")]
+Logger = Annotated[Optional[str], typer.Option(
+    "--logger", metavar="mlflow|tensorboard", rich_help_panel=OUTPUT_PANEL, show_default=False,
+    help="Also export each run, once saved, to MLflow or TensorBoard in the results folder "
+         "(lora-bench\\[trackers]; docs/trackers.md).")]
 Overrides = Annotated[Optional[list[str]], typer.Argument(
     metavar="KEY=VALUE", show_default=False,
     help="Settings as in a YAML file, e.g. lora_rank=16 precision=bf16 (values read as YAML reads them).")]

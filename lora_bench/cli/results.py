@@ -156,3 +156,33 @@ def render(
             console.print(f"rendered: {markup(r.command())}", highlight=False, soft_wrap=True)
         for p in dict.fromkeys(files):
             console.print(f"wrote {markup(p)}", highlight=False)
+
+
+@results_app.command("export")
+def export(
+    folder: Folder,
+    to: Annotated[str, typer.Option("--to", metavar="mlflow|tensorboard",
+                                    help="The tracker: mlflow or tensorboard.", show_default=False)],
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow: the tracking URI (a server, sqlite:///FILE, "
+                                                             "...); default: a SQLite store in FOLDER/mlflow.",
+                                                        show_default=False)] = None,
+    experiment: Annotated[Optional[str], typer.Option(help="MLflow: the experiment (default: the folder's name in "
+                                                           "its own store, its absolute path in a --tracking-uri "
+                                                           "store).", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="TensorBoard: where the event files go, one subfolder "
+                                                        "per run (default: FOLDER/tensorboard).",
+                                                   show_default=False)] = None,
+) -> None:
+    """Write every run of FOLDER to MLflow or TensorBoard: settings as parameters, per-step losses,
+    phase times and accuracies as metrics at their steps, provenance as tags (MLflow: run.json as an
+    artifact). Runs exported before are skipped when unchanged and replaced when recorded again."""
+    from lora_bench.escaping import markup
+    from lora_bench.trackers.export import export_folder
+    from lora_bench.trackers.mlflow_store import default_uri
+    from lora_bench.trackers.tensorboard_files import OUTPUT
+
+    done = export_folder(_folder(folder), to=to, tracking_uri=tracking_uri, output=output, experiment=experiment)
+    for run_id, what in done:
+        console.print(f"{what}: {markup(run_id)}", highlight=False)
+    where = (tracking_uri or default_uri(folder)) if to == "mlflow" else (output or folder / OUTPUT)
+    console.print(f"{len(done)} run(s) in {markup(where)}", highlight=False, soft_wrap=True)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lora_bench.cli.options import PRECEDENCE, CacheDir, NoProgress, Overrides, console, results_dir_option
+from lora_bench.cli.options import PRECEDENCE, CacheDir, Logger, NoProgress, Overrides, console, results_dir_option
 from lora_bench.config import (
     ADAPTER_SETTINGS,
     PATH_SETTINGS,
@@ -98,6 +98,7 @@ def sweep(
                           f"pack key, else 1): runs that differ only in {', '.join(ADAPTER_SETTINGS)} pack; "
                           "only trainable_layers=lora (docs/packing.md).", show_default=False)] = None,
     no_progress: NoProgress = False,
+    logger: Logger = None,
 ) -> None:
     from lora_bench.sweep.command import sweep_command
     from lora_bench.sweep.isolation import ISOLATION
@@ -115,7 +116,19 @@ def sweep(
         raise UsageError("; ".join(missing))
     if results_dir is not None and results_dir.exists() and not results_dir.is_dir():
         raise UsageError(f"--results-dir {results_dir}: a file is in the way of this folder")
-    raise typer.Exit(sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
+    if logger is not None:
+        from lora_bench.trackers.export import check_logger
+
+        check_logger(logger, results_dir or Path("results"))
+    code = sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
                                    progress=not no_progress, console=console, workers=workers,
-                                   scheduler=scheduler, pack=pack))
+                                   scheduler=scheduler, pack=pack)
+    if logger is not None and not dry_run:
+        from lora_bench.escaping import markup
+        from lora_bench.sweep.spec import load_sweep
+        from lora_bench.trackers.export import log_folder
+
+        folder = results_dir or Path("results") / load_sweep(file, overrides=values).name
+        log_folder(folder, to=logger, say=lambda line: console.print(markup(line), highlight=False))
+    raise typer.Exit(code)

@@ -16,6 +16,7 @@ import typer
 from lora_bench.cli.options import (
     OUTPUT_PANEL,
     PRECEDENCE,
+    Logger,
     NoProgress,
     Overrides,
     console,
@@ -101,66 +102,86 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
 
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
-          results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool) -> None:
-    """What ``lora-bench train`` does, with ``given`` the setting options' values. With ``--nproc N``
-    it starts N copies of this command under torchrun (``lora_bench.train.launch``); a copy sees
-    torchrun's environment, pins its rank's GPU before anything touches CUDA, and runs."""
-    # the settings alone first: a bad value or file answers before torch and the training stack load
-    cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
-    from lora_bench.train.distributed import exit_rank, rank_device, rank_env, rank_errors
+          results_dir: Path, run_id: str | None, overwrite: bool, cache_dir: Path | None, no_progress: bool,
+          logger: str | None = None) -> None:
+    """What ``lora-bench train`` does, with ``given`` the setting options' values, through one error
+    path: every outcome becomes an exit code here; a domain error is one line (naming the rank
+    under torchrun), and only a bug shows a traceback. With ``--nproc N`` it starts N copies of
+    this command under torchrun (``lora_bench.train.launch``); a copy sees torchrun's environment,
+    pins its rank's GPU before anything touches CUDA, runs, and ends its process itself."""
+    env = None
+    try:
+        # the settings alone first: a bad value or file answers before torch and the training stack load
+        cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
+        from lora_bench.train.distributed import rank_env, rank_errors
+
+        env = rank_env()
+        with rank_errors(env):
+            code = _run(cfg, env=env, name_of=name_of, results_dir=results_dir, run_id=run_id, overwrite=overwrite,
+                        cache_dir=cache_dir, progress=not no_progress, logger=logger)
+    except Interrupted as e:  # recorded, and the run said where: 128 + the signal, as a shell reports
+        code = e.exit_code
+    except LoraBenchError as e:
+        if isinstance(e, SaveError) and e.row.get("timing_clock") not in (None, "off"):
+            from lora_bench.report.phase_table import phase_table
+
+            console.print(phase_table(e.row))  # the numbers on the terminal at least, whatever the folder kept
+        rank = f"rank {env.rank}: " if env is not None else ""
+        err_console.print(f"[bold red]error:[/bold red] {rank}{markup(e, newlines=True)}", highlight=False)
+        code = e.exit_code
+    except BaseException:
+        if env is None:
+            raise
+        traceback.print_exc()  # a rank's bug, where the launcher collects its output
+        code = 1
+    if env is not None:  # a rank ends its process itself (see distributed.exit_rank)
+        from lora_bench.train.distributed import exit_rank
+
+        exit_rank(code)
+    if code:
+        raise typer.Exit(code)
+
+
+def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | None, overwrite: bool,
+         cache_dir: Path | None, progress: bool, logger: str | None) -> int:
+    """The machine asked once (``preflight``), then the run: started under torchrun (``--nproc``),
+    or executed here, by this process or this rank. Returns the exit code."""
+    from lora_bench.train.distributed import rank_device
     from lora_bench.train.identity import make_run_id
-    from lora_bench.train.preflight import check_machine
+    from lora_bench.train.preflight import preflight
     from lora_bench.train.run import execute_run
 
-    env = rank_env()
     if env is not None:
         rank_device(env, cfg.device)
-    check_machine(cfg, name_of=name_of)
+    preflight(cfg, name_of=name_of)
     output_dir(results_dir, "--results-dir")
+    if logger is not None:
+        from lora_bench.trackers.export import check_logger
+
+        check_logger(logger, results_dir)
     if cfg.nproc > 1 and env is None:
         from lora_bench.train.launch import launch_train
 
-        raise typer.Exit(launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
-                                      run_id=run_id or make_run_id(cfg), console=console))
-    if env is not None:  # a rank: it ends its process itself (see distributed.exit_rank)
-        code = 0
-        try:
-            with rank_errors(env):
-                row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console,
-                                  progress=not no_progress, cache_dir=cache_dir, overwrite=overwrite)
-            if env.is_main:
-                _report(row, results_dir)
-        except Interrupted as e:
-            code = e.exit_code
-        except LoraBenchError as e:
-            err_console.print(f"[bold red]error:[/bold red] rank {env.rank}: {markup(e, newlines=True)}",
-                              highlight=False)
-            code = e.exit_code
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        exit_rank(code)
-    try:
-        row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=not no_progress,
-                          cache_dir=cache_dir, overwrite=overwrite)
-    except Interrupted as e:  # recorded, and execute_run said where: 128 + the signal, as a shell reports
-        raise typer.Exit(e.exit_code) from None
-    except SaveError as e:  # the numbers on the terminal at least, whatever the folder kept
-        if e.row.get("timing_clock") not in (None, "off"):
-            from lora_bench.report.phase_table import phase_table
-
-            console.print(phase_table(e.row))
-        raise
-    _report(row, results_dir)
+        return launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
+                            run_id=run_id or make_run_id(cfg), console=console)
+    row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
+                      cache_dir=cache_dir, overwrite=overwrite)
+    if env is None or env.is_main:
+        _report(row, results_dir, logger=logger)
+    return 0
 
 
-def _report(row: dict, results_dir: Path) -> None:
-    """The run's phase table and where its results are."""
+def _report(row: dict, results_dir: Path, *, logger: str | None = None) -> None:
+    """The run's phase table and where its results are; the run exported where ``--logger`` asks."""
     from lora_bench.report.phase_table import phase_table
 
     if row.get("timing_clock") not in (None, "off"):
         console.print(phase_table(row))
     console.print(f"results: {results_dir / 'runs.csv'} (run_id {row['run_id']})")
+    if logger is not None:
+        from lora_bench.trackers.export import log_run
+
+        log_run(results_dir, row["run_id"], to=logger, say=lambda line: console.print(markup(line), highlight=False))
 
 
 def _parameter(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
@@ -172,7 +193,7 @@ def command() -> Any:
 
     def train_command(ctx: typer.Context, **kw: Any) -> None:
         fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "overwrite", "cache_dir",
-                                         "no_progress")}
+                                         "no_progress", "logger")}
         train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
 
     train_command.__signature__ = inspect.Signature([
@@ -186,6 +207,7 @@ def command() -> Any:
         _parameter("overwrite", Overwrite, False),
         _parameter("cache_dir", CacheDir, None),
         _parameter("no_progress", NoProgress, False),
+        _parameter("logger", Logger, None),
     ])
     train_command.__doc__ = HELP
     return train_command

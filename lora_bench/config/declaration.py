@@ -17,14 +17,22 @@ MODEL_SIZE_NAMES = (*MODEL_SIZES, *REFERENCE_NAMES)
 WEIGHTS = ("pretrained", "random")
 WEIGHTS_SOURCES = ("openai", "hf")
 IMPLEMENTATIONS = ("book", "hf")
-TRAINABLE_LAYERS = ("last_layer", "last_block", "last_two_blocks", "all", "lora", "lora-merged", "lora-kernel")
+# frozen: the floor of every parameter-efficient step. Nothing inside the transformer blocks trains, but
+# the gradient goes back through all of them: only the position embedding (below the first block)
+# and the classification head train.
+FROZEN = "frozen"
+TRAINABLE_LAYERS = (FROZEN, "last_layer", "last_block", "last_two_blocks", "all", "lora", "lora-merged",
+                    "lora-kernel")
 LORA_LAYERS = ("lora", "lora-merged", "lora-kernel")
 TOKEN_POSITIONS = ("last", "first", "flexible")
 CONTEXT_LENGTHS = ("longest_training_example", "model_context_length")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 TIMING = ("events", "sync", "off")
 PROFILES = ("none", "line", "torch", "kernels")
-PRECISIONS = ("fp32", "tf32", "bf16")
+# bf16-true: every weight and activation in bfloat16, no autocast (litgpt's name); the trainable
+# parameters' update runs on float32 master copies (lora_bench.train.master_weights).
+BF16_TRUE = "bf16-true"
+PRECISIONS = ("fp32", "tf32", "bf16", BF16_TRUE)
 ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
 OPTIMIZERS = ("book", "fused")
@@ -37,8 +45,8 @@ BASE_DTYPE_DEFAULT = "precision"
 QUANTIZED_BASES = ("fp8", "int8", "nf4", "nf4-bnb", "nf4-bnb-nodq")
 BASE_DTYPES = (BASE_DTYPE_DEFAULT, "bf16", *QUANTIZED_BASES)
 # What trains on a base stored other than the precision setting says: adapters beside frozen layers
-# (lora-kernel falls back to lora's layer), or the head alone.
-BASE_DTYPE_LAYERS = ("lora", "lora-kernel", "last_layer")
+# (lora-kernel falls back to lora's layer), the head alone, or the head and the position embedding.
+BASE_DTYPE_LAYERS = ("lora", "lora-kernel", "last_layer", FROZEN)
 # What the Hugging Face implementation (transformers' GPT-2, PEFT's LoRA) can run: the trainable-layer
 # choices it maps (PEFT trains unmerged adapters with its own layers: no merged or fused-kernel peer).
 HF_TRAINABLE_LAYERS = ("all", "last_layer", "last_block", "last_two_blocks", "lora")
@@ -104,7 +112,10 @@ class Settings:
     # what is trained and how
     trainable_layers: str = _s("last_block", "Which parameters train: a slice of the model, all of it, or "
                                "LoRA adapters (lora: the reference's layer; lora-merged: one merged weight; "
-                               "lora-kernel: the fused kernels).", TRAINING, choices=TRAINABLE_LAYERS)
+                               "lora-kernel: the fused kernels). frozen: the floor of a parameter-efficient "
+                               "step, no weight of the transformer blocks trains but the gradient goes back "
+                               "through all of them (only the position embedding and the head train).",
+                               TRAINING, choices=TRAINABLE_LAYERS)
     lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, maximum=MAX_WIDTH, aliases=("--rank",))
     lora_alpha: float = _s(8.0, "LoRA alpha; the update is alpha * A @ B, NOT divided by the rank (as in the "
                            "reference).", LORA, aliases=("--alpha",))
@@ -116,7 +127,8 @@ class Settings:
                           "(docs/kernel-design.md); direct, cpp, fused, cublas, torch: that plan wherever it can "
                           "run (recorded in the backend column).", LORA, choices=KERNEL_PLANS)
     base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
-                         "precision: as --precision says (fp32, or bf16 with --precision bf16); bf16: bfloat16; "
+                         "precision: as --precision says (fp32, or bf16 with --precision bf16 or bf16-true); bf16: "
+                         "bfloat16; "
                          "fp8: float8 rowwise, float8 products (torch._scaled_mm, a CUDA GPU of compute "
                          "capability 8.9 or newer); int8: int8 weight-only, per output channel; nf4: QLoRA's "
                          "4-bit NormalFloat, per block of 64; nf4-bnb: the same NF4 through bitsandbytes' kernels; "
@@ -151,7 +163,9 @@ class Settings:
     device: str = _s("auto", "Where to run (auto: the first GPU if there is one, else the CPU).", MODES,
                      choices=("auto", "cpu", "cuda"), pattern=r"cuda:[0-9]{1,4}", pattern_text="cuda:N")
     precision: str = _s("fp32", "fp32: the reference; tf32: TF32 matrix products; bf16: autocast to bfloat16 "
-                        "with fp32 master weights.", MODES, choices=PRECISIONS)
+                        "with fp32 master weights; bf16-true: every weight and activation in bfloat16, no "
+                        "autocast, the loss in fp32, the trainable parameters updated through fp32 master "
+                        "copies in the optimizer.", MODES, choices=PRECISIONS)
     attention: str = _s("book", "book: the hand-written attention; sdpa: scaled_dot_product_attention.", MODES,
                         choices=ATTENTION)
     ops: str = _s("book", "book: the hand-written LayerNorm and GELU; fused: torch's built-in ones.", MODES,

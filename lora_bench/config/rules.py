@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BASE_DTYPES, BY_FLAG,
-                                           HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name)
+from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BASE_DTYPES, BF16_TRUE, BY_FLAG,
+                                           FROZEN, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name)
 from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
@@ -197,14 +197,26 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
     return out
 
 
+# why the floor (trainable_layers=frozen) is the book model's alone
+HF_FROZEN_REFUSAL = ("the floor is measured on lora-bench's own GPT-2, the model every lora variant runs; "
+                     "compare the peer with the book model's frozen run")
+
+
 def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
     """What has no peer in the Hugging Face implementation, each with its reason."""
     out = []
     if ok("trainable_layers") and v["trainable_layers"] not in HF_TRAINABLE_LAYERS:
-        out.append(problem("trainable_layers", "{trainable_layers}={t} has no Hugging Face peer (PEFT trains "
-                                               "unmerged adapters with its own layers); with {implementation}=hf "
-                                               "choose one of: {allowed}", t=v["trainable_layers"],
+        why = (HF_FROZEN_REFUSAL if v["trainable_layers"] == FROZEN else
+               "PEFT trains unmerged adapters with its own layers")
+        out.append(problem("trainable_layers", "{trainable_layers}={t} has no Hugging Face peer (" + why + "); with "
+                                               "{implementation}=hf choose one of: {allowed}", t=v["trainable_layers"],
                            allowed=raw(", ".join(HF_TRAINABLE_LAYERS))))
+    if ok("precision") and v["precision"] == BF16_TRUE:
+        out.append(problem("precision", "{precision}=bf16-true with {implementation}=hf is refused: the peer's "
+                                        "model is built and cast by its own code, which keeps float32 master "
+                                        "weights and computes in bfloat16 only under autocast ({precision}=bf16); "
+                                        "bf16-true casts the book model; with {implementation}=hf choose "
+                                        "{precision} one of: fp32, tf32, bf16"))
     if ok("disable_causal_mask") and v["disable_causal_mask"]:
         out.append(problem("disable_causal_mask", "{disable_causal_mask} has no Hugging Face peer: transformers' "
                                                   "GPT-2 always applies the causal mask; use {implementation}=book"))

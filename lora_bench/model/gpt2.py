@@ -1,6 +1,7 @@
 """GPT-2 exactly as the reference builds it (module names, construction order and RNG use), with
 two opt-in execution choices that leave the parameters identical: ``attention='sdpa'`` and
-``ops='fused'``."""
+``ops='fused'``, and the dtype of its logits (``GPTModel.logits_dtype``: float32 from a bfloat16
+model)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ class TransformerBlock(nn.Module):
 
 
 class GPTModel(nn.Module):
+    # the dtype the logits are returned in: None keeps the head's own; precision=bf16-true sets float32,
+    # so the loss is computed from float32 logits of a bfloat16 model
+    logits_dtype: torch.dtype | None = None
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -140,7 +145,8 @@ class GPTModel(nn.Module):
         x = self.drop_emb(x)
         x = self.trf_blocks(x)
         x = self.final_norm(x)
-        return self.out_head(x)  # (B, T, classes)
+        logits = self.out_head(x)  # (B, T, classes)
+        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
 
 
 def build_random_model(cfg: GPTConfig, *, seed: int = 123) -> GPTModel:

@@ -23,7 +23,7 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
 def peak_tflops(gpu_name: str, precision: str) -> float | None:
     for key, peaks in GPU_PEAKS.items():
         if key.lower() in (gpu_name or "").lower():
-            return peaks.get(precision)
+            return peaks.get("bf16" if precision == "bf16-true" else precision)
     return None
 
 
@@ -50,6 +50,8 @@ def flops_per_step(mcfg: GPTConfig, *, trainable_layers: str, tokens: float, ran
             return fwd + 2 * P * tokens + 4 * head * tokens + 6 * adapter * tokens
         adapter = L * (4 * (e + e) + (e + 4 * e) + (4 * e + e)) * rank + (e + n_classes) * rank
         return fwd + 2 * P * tokens + 2 * head * tokens + 6 * adapter * tokens
+    if trainable_layers == "frozen":  # input gradients through every block; only the head's weight gradient
+        return fwd + 2 * P * tokens + 4 * head * tokens
     blocks = {"last_layer": 0, "last_block": 1, "last_two_blocks": 2}.get(trainable_layers, 0)
     # input gradients and weight gradients cost the same for the trainable blocks and the head
     return fwd + 2 * (2 * per_block * blocks * tokens + 2 * head * tokens)

@@ -15,7 +15,7 @@ import pandas as pd
 from lora_bench.config import TrainConfig
 from lora_bench.escaping import csv_value
 from lora_bench.results.schema import SETTING_PREFIX, run_column_names
-from lora_bench.results.store import locked, text_value, write_csv
+from lora_bench.results.store import locked, text_value, write_csv, write_index
 
 SUPERSEDED = "superseded"
 # Settings that name paths or the device: they may differ between machines for the same run.
@@ -75,7 +75,6 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
         if dry_run or not found:
             return found
         by = {s.run_id: s.superseded_by for s in found}
-        keep = [r for r in rows if r["run_id"] not in by]
         moved = [{**r, "superseded_by": by[r["run_id"]]} for r in rows if r["run_id"] in by]
         dest = results_dir / SUPERSEDED
         old = dest / "runs.csv"
@@ -86,7 +85,7 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
         for s in found:
             if (results_dir / s.run_id).is_dir():
                 shutil.move(str(results_dir / s.run_id), str(dest / s.run_id))
-        write_csv(csv, keep, run_column_names())
+        write_index(results_dir, drop=by)
     return found
 
 

@@ -1,12 +1,13 @@
 """A run's record, saved as one: ``<run_id>/steps.csv``, ``<run_id>/run.json`` and the run's row in
 ``runs.csv`` always tell the same story.
 
-A record is begun before the run trains (``begin_record``: the row and run.json say ``running``,
-replacing an earlier attempt's record) and finished when the run ends (``save_record``: steps.csv,
-then run.json, then the row). run.json is the commit point: readers take its row over runs.csv's
-(lora_bench.results.store), so a process stopped between two writes leaves runs.csv one step
-behind, never a record at odds with itself, and the next write into the folder brings the row in
-line. Terminating signals that arrive during a save wait until it is done
+A record is begun before the run trains (``begin_record``: run.json says ``running``, replacing an
+earlier attempt's record) and finished when the run ends (``save_record``: steps.csv, then
+run.json); each save then rebuilds the folder's index, runs.csv, from the records
+(lora_bench.results.store). run.json is the commit point: readers take its row over runs.csv's, so
+a process stopped between two writes leaves runs.csv one step behind, never a record at odds with
+itself, and the next rebuild brings the row in line. Terminating signals that arrive during a save
+wait until it is done
 (lora_bench.signals.signals_deferred). A process killed outright (SIGKILL, the out-of-memory
 killer, a power cut) leaves a ``running`` record that no process claims: readers show it as
 interrupted and the next write records it so (``records.settle_run``).
@@ -26,10 +27,11 @@ import shutil
 from pathlib import Path
 
 from lora_bench.errors import SaveError
-from lora_bench.fileio import atomic_write_text, overwrite_in_place
-from lora_bench.results.records import RUN_RECORD, STEPS_CSV, record_text, run_record, with_row, write_record
+from lora_bench.fileio import atomic_write_bytes, atomic_write_text, overwrite_in_place
+from lora_bench.results.records import RUN_RECORD, STEPS_CSV, record_text, with_row, write_record
 from lora_bench.results.schema import STEP_COLUMNS
-from lora_bench.results.store import FINISHED, RUNS_CSV, csv_text, remove_runs, upsert_run
+from lora_bench.results.runs_csv import csv_text
+from lora_bench.results.store import FINISHED, RUNS_CSV, rebuild_index
 from lora_bench.signals import signals_deferred
 
 # what a file system says when it takes no more: full, over quota, past the file-size limit
@@ -37,35 +39,36 @@ NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def begin_record(results_dir: Path, row: dict) -> None:
-    """Before the run trains: its record says ``running`` (the row, then run.json, which replaces
-    an earlier attempt's record), and an earlier attempt's steps.csv goes. Stopped between the
-    two, the earlier record still stands whole (readers take run.json's row) and the next write
-    puts its row back. A folder without room for this much is refused now, before any work, with
-    a SaveError, and left as it was where that fits."""
+    """Before the run trains: its record says ``running`` (run.json, which replaces an earlier
+    attempt's record, then the index), and an earlier attempt's steps.csv goes. A folder without
+    room for this much is refused now, before any work, with a SaveError, and left as it was where
+    that fits (the earlier record put back, or none left)."""
     results_dir = Path(results_dir)
     run_dir = results_dir / row["run_id"]
     record = record_text({"row": row, "log": []})
     with signals_deferred():
-        earlier = run_record(run_dir)
+        earlier = _contents(run_dir / RUN_RECORD)
+        written = False
         try:
-            upsert_run(results_dir / RUNS_CSV, row)
             write_record(run_dir, record)
-            (run_dir / STEPS_CSV).unlink(missing_ok=True)
+            written = True
+            rebuild_index(results_dir)
         except OSError as e:
             if e.errno not in NO_ROOM:
                 raise
             with contextlib.suppress(OSError):  # a run that never started leaves no record of its own
-                if earlier is not None:
-                    upsert_run(results_dir / RUNS_CSV, earlier)
-                else:
-                    remove_runs(results_dir / RUNS_CSV, [row["run_id"]])
+                if written and earlier is not None:
+                    atomic_write_bytes(run_dir / RUN_RECORD, earlier)
+                elif written:
+                    (run_dir / RUN_RECORD).unlink()
             raise SaveError(f"cannot record run {row['run_id']} in {results_dir}: {_why(e, results_dir)}; nothing "
                             f"was run. Free some space there (or choose another --results-dir)", row=row) from None
+        (run_dir / STEPS_CSV).unlink(missing_ok=True)
 
 
 def save_record(results_dir: Path, row: dict, *, steps: list[dict] | None, log: list[str], curves: dict) -> dict:
     """The finished record: steps.csv (``steps``; None: the run measured no steps, and an earlier
-    steps.csv goes), run.json, then the row. Returns the row as recorded. Where the folder takes
+    steps.csv goes), run.json, then the index. Returns the row as recorded. Where the folder takes
     no more, the run is recorded as failed with the reason and its measured columns, as far as
     that fits, and a SaveError says what was kept."""
     results_dir = Path(results_dir)
@@ -85,7 +88,7 @@ def save_record(results_dir: Path, row: dict, *, steps: list[dict] | None, log: 
             need = len(record) + len(steps_file or "") + _size(results_dir / RUNS_CSV) + len(record) // 2
             _save_what_fits(results_dir, row, log=log, error=e, need=need)
         try:
-            upsert_run(results_dir / RUNS_CSV, row)
+            rebuild_index(results_dir)
         except OSError as e:
             if e.errno not in NO_ROOM:
                 raise
@@ -115,7 +118,7 @@ def _save_what_fits(results_dir: Path, row: dict, *, log: list[str], error: OSEr
         raise SaveError(f"{head}. Nothing of it could be written (the folder's copy says the run was interrupted); "
                         "its numbers are only those printed here", row=row) from None
     try:
-        upsert_run(results_dir / RUNS_CSV, failed)
+        rebuild_index(results_dir)
     except OSError as e:
         if e.errno not in NO_ROOM:
             raise
@@ -163,6 +166,13 @@ def _why(e: OSError, where: Path) -> str:
         return text
 
 
+def _contents(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
@@ -176,7 +186,7 @@ def _kb(n: int) -> str:
 
 def save_row(results_dir: Path, row: dict) -> dict:
     """A run's outcome recorded by someone other than the run (a sweep whose worker died): the row
-    replaces the one in run.json (its log and curves stay) and in runs.csv, signals deferred; a
+    replaces the one in run.json (its log and curves stay), then the index, signals deferred; a
     steps.csv that no finished record describes goes. SaveError where the folder takes no more."""
     results_dir = Path(results_dir)
     run_dir = results_dir / row["run_id"]
@@ -186,7 +196,7 @@ def save_row(results_dir: Path, row: dict) -> dict:
             if row.get("status") not in FINISHED:
                 (run_dir / STEPS_CSV).unlink(missing_ok=True)
             _write_compact(run_dir, record_text(with_row(run_dir, row)))
-            upsert_run(results_dir / RUNS_CSV, row)
+            rebuild_index(results_dir)
         except OSError as e:
             if e.errno not in NO_ROOM:
                 raise

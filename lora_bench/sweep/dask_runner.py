@@ -30,9 +30,8 @@ from lora_bench.fileio import atomic_write_bytes
 from lora_bench.results.claims import CLAIM_NAME, RunClaim, claim_run, claimant, try_claim
 from lora_bench.results.manifest import record_invocation
 from lora_bench.results.save import save_row
-from lora_bench.results.store import upsert_run
+from lora_bench.results.store import rebuild_index
 from lora_bench.sweep.isolation import GRACE_S, Interrupts, Job, base_row, run_job
-from lora_bench.sweep.resume import repair_runs_csv
 from lora_bench.sweep.runner import (
     SweepResult,
     finished_elsewhere,
@@ -178,7 +177,7 @@ class _Stop:
 
 
 def store_result(results_dir: Path, payload: dict) -> dict:
-    """Put a finished run's files into the results folder, upsert its row and add it to this
+    """Put a finished run's files into the results folder, index it in runs.csv and add it to this
     invocation's manifest entry (the one writer)."""
     row = payload["row"]
     run_dir = Path(results_dir) / row["run_id"]
@@ -189,7 +188,7 @@ def store_result(results_dir: Path, payload: dict) -> dict:
             spec["results_dir"] = str(results_dir)
             data = json.dumps(spec, indent=1).encode()
         atomic_write_bytes(run_dir / rel, data)
-    upsert_run(Path(results_dir) / "runs.csv", row)
+    rebuild_index(results_dir)
     return row
 
 
@@ -265,7 +264,7 @@ def run_sweep_dask(sweep: Sweep, *, results_dir: Path, console: Console, workers
         for claim in claims.values():
             claim.release()
     result.interrupted = bool(stop.signals)
-    repair_runs_csv(results_dir)
+    rebuild_index(results_dir)  # a record left running by a process that died is recorded interrupted
     return result
 
 

@@ -1,6 +1,5 @@
 """What a sweep finds in its results folder: which planned runs are done (by id, or by their
-settings), forgetting runs for ``--fresh``, and bringing ``runs.csv`` in line with the run.json
-records."""
+settings), forgetting runs for ``--fresh``, and rebuilding ``runs.csv`` from the run.json records."""
 
 from __future__ import annotations
 
@@ -10,38 +9,15 @@ from pathlib import Path
 from lora_bench.config import TrainConfig
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
-from lora_bench.results.records import RUN_RECORD, settle_run
-from lora_bench.results.store import (
-    FINISHED,
-    RUNS_CSV,
-    read_run_table,
-    remove_runs,
-    result_rows,
-    text_value,
-    upsert_run,
-)
+from lora_bench.results.store import FINISHED, RUNS_CSV, rebuild_index, remove_runs, result_rows, text_value
 from lora_bench.sweep.spec import ID_AS_DECLARED, PlannedRun
 
 
-def repair_runs_csv(results_dir: Path) -> int:
-    """Bring runs.csv in line with the per-run run.json files (each save's commit point). Writers
-    of runs.csv take a lock, so this only matters when a process died between its run.json and its
-    runs.csv row (or a row was cut mid-way); each sweep repairs that when it starts and ends, and
-    a record left running by a dead process is recorded as interrupted. Returns the number of rows
-    fixed."""
-    csv = Path(results_dir) / RUNS_CSV
-    have = {r["run_id"]: r for r in read_run_table(csv).rows} if csv.is_file() else {}
-    fixed = 0
-    for path in sorted(Path(results_dir).glob(f"*/{RUN_RECORD}")):
-        row = settle_run(path.parent)
-        if row is None:
-            continue
-        old = have.get(row["run_id"], {})
-        if (old.get("status"), old.get("started_at")) != (text_value(row.get("status")),
-                                                          text_value(row.get("started_at"))):
-            upsert_run(csv, row)
-            fixed += 1
-    return fixed
+def repair_runs_csv(results_dir: Path) -> None:
+    """Rebuild runs.csv from the per-run run.json records (``store.rebuild_index``): each sweep does
+    so when it starts and ends, which also records a run left running by a dead process as
+    interrupted."""
+    rebuild_index(results_dir)
 
 
 def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) -> dict[str, tuple[str, str]]:

@@ -22,7 +22,8 @@ from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
-from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
+from lora_bench.train.setup import (amp_context, build_optimizer, compile_model, prepare_precision, resolve_device,
+                                    set_precision)
 
 
 class RunContext:
@@ -75,8 +76,7 @@ class RunContext:
         if cfg.base_dtype != "precision" and cfg.implementation == "book":
             # stored on the device from the fp32 weights, before any cast
             _, self.notes = store_base(self.model, cfg.base_dtype, self.device)
-        if cfg.precision == "bf16":
-            cast(self.model, torch.bfloat16)
+        prepare_precision(self.model, cfg, cast)
         weight_bytes = weight_bytes_of(self.model)  # as the run holds them: after precision's cast
         self.base_weight_mib = weight_bytes / 2**20 if weight_bytes is not None else None
         self.model.to(self.device)
@@ -92,8 +92,7 @@ class RunContext:
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay, **optimizer_options(cfg))
+        self.optimizer = build_optimizer(self.model, cfg, **optimizer_options(cfg))
 
     def _setup_execution(self) -> None:
         self.forward_model, self.eval_model = execution_models(self.model, self.cfg, self.device, dp=self.dp)

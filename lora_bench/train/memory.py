@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import BF16_TRUE, FROZEN, TrainConfig
 from lora_bench.model.sizes import MODEL_SIZES, GPTConfig, resolve_model_size
 
 FLOAT, HALF = 4, 2  # bytes: fp32, and bf16 (frozen linear weights and activations in bf16 mode)
-ADAM = 3 * FLOAT  # a trainable parameter's gradient and AdamW's two moments, fp32 in every mode
+ADAM = 3 * FLOAT  # a trainable parameter's gradient and AdamW's two moments, fp32 in every mode (bf16-true
+# holds more: a bf16 gradient, its fp32 copy and the fp32 master)
 CLASSES = 2
 # Tokens per text when the length is the longest training text (known only once the data is
 # tokenised): the SMS Spam Collection's, 120. A floor: another corpus's texts may be longer.
@@ -88,6 +89,8 @@ def trainable_params(cfg: TrainConfig, m: GPTConfig) -> int:
         return model_params(m) - e * m.vocab_size + head
     if cfg.is_lora:
         return lora_params(m, cfg.lora_rank) + head
+    if cfg.trainable_layers == FROZEN:
+        return m.context_length * e + head
     blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), m.n_layers)
     return blocks * block_params(e) + (2 * e if blocks else 0) + head
 
@@ -109,18 +112,20 @@ def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
     trainable = trainable_params(cfg, m)
     if cfg.trainable_layers == "all":
         saved_blocks, frozen_blocks = n_layers, 0
-    elif cfg.is_lora:
+    elif cfg.is_lora or cfg.trainable_layers == FROZEN:  # the gradient goes back through every block
         saved_blocks, frozen_blocks = n_layers, n_layers
     else:
         saved_blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), n_layers)
         frozen_blocks = n_layers - saved_blocks
-    bf16 = cfg.precision == "bf16"
+    bf16 = cfg.precision in ("bf16", BF16_TRUE)
     adapters = lora_params(m, cfg.lora_rank) if cfg.is_lora else 0
     book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
     masks = n_layers * m.context_length ** 2 if book and not m.disable_causal_mask else 0
     body = params - e * m.vocab_size + e * CLASSES + CLASSES  # the vocabulary head replaced by the classifier's
     halved = frozen_blocks * block_linear_params(e) if bf16 else 0  # frozen linear weights, cast once to bf16
     weights = FLOAT * (body + adapters + masks) - (FLOAT - HALF) * halved
+    if cfg.precision == BF16_TRUE:  # everything in bf16 (the float32 masters count under AdamW's state)
+        weights = HALF * (body + adapters + masks)
     t = _tokens(cfg, m)
     batch = max(1, cfg.batch_size // max(1, processes))
     maps = ACT_MAPS * m.n_heads * t if book and cfg.attention == "book" else 0  # sdpa keeps no attention map

@@ -1,8 +1,9 @@
 """What only this machine can tell about a run's settings: whether its device exists (and is a
 CUDA device where CUDA graphs need one), whether its data file and checkpoint folder are there, and
-whether the optional packages the settings need (transformers, PEFT, …) can be imported.
-``train`` and ``sweep`` ask before the first run starts, so that a mistake leaves no failed row
-behind. The rules between settings themselves are ``lora_bench.config``'s."""
+whether the optional packages the settings need (transformers, PEFT, …) can be imported, and
+whether the run fits in memory. ``train`` asks once (``preflight``) and a sweep once for its plan
+(its parts, ``lora_bench.sweep.runner``), before the first run starts, so that a mistake leaves no
+failed row behind. The rules between settings themselves are ``lora_bench.config``'s."""
 
 from __future__ import annotations
 
@@ -108,10 +109,11 @@ def memory_problem(cfg: TrainConfig, *, cuda: bool) -> str | None:
     return fit_problem(cfg, device, processes=cfg.nproc)
 
 
-def check_machine(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:
-    """UsageError listing every machine problem of a run's settings (named by ``name_of``), or
-    naming the optional package they need that is missing; then whether the run fits in memory
-    (this process trains on the device it names, so a CUDA device is asked too)."""
+def preflight(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:
+    """The one check of a run's settings on this machine, before anything is recorded: UsageError
+    listing every device and input problem (named by ``name_of``), or naming the optional package
+    they need that is missing; then whether the run fits in memory (this process trains on the
+    device it names, so a CUDA device is asked too)."""
     problems = render(device_problems(cfg) + input_problems(cfg), name_of)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else

@@ -33,7 +33,6 @@ from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing_run
 from lora_bench.train.loop import TrainResult, train_classifier
-from lora_bench.train.preflight import require_packages
 from lora_bench.train.profiling import Profiler
 from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
 from lora_bench.train.setup import rank_settings
@@ -58,7 +57,6 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
     launcher names the rank that failed first."""
     env = rank_env()
     cfg = rank_settings(cfg, env).validate()
-    require_packages(cfg)  # before any row: a missing optional package is a usage error, not a failed run
     main = env is None or env.is_main
     console = console or Console()
     if not main:

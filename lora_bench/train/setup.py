@@ -1,15 +1,18 @@
-"""What a run sets up before it builds anything: the device, the float32 matmul precision and
-autocast, torch.compile's scope, and the settings a data-parallel rank runs."""
+"""What a run sets up around its model: the device, the float32 matmul precision and autocast, the
+model's dtypes and the optimizer the precision asks for (``prepare_precision``, ``build_optimizer``),
+torch.compile's scope, and the settings a data-parallel rank runs."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import BF16_TRUE, TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.train.distributed import RankEnv
+from lora_bench.train.master_weights import MasterWeights
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,6 +39,29 @@ def amp_context(cfg: TrainConfig, device: torch.device):
     if cfg.precision != "bf16":
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def prepare_precision(model: torch.nn.Module, cfg: TrainConfig, cast_frozen: Callable[..., object]) -> None:
+    """The model's dtypes for ``cfg.precision``: bf16 stores the frozen linear weights in bfloat16
+    once (``cast_frozen(model, torch.bfloat16)``: autocast computes in bfloat16 from fp32 trainable
+    parameters); bf16-true casts every parameter and buffer to bfloat16 (a stored base's quantized
+    weights are no parameters and stay as stored) and returns the logits in float32, so the loss
+    is computed in float32; fp32 and tf32 change nothing."""
+    if cfg.precision == "bf16":
+        cast_frozen(model, torch.bfloat16)
+    elif cfg.precision == BF16_TRUE:
+        model.to(torch.bfloat16)
+        model.logits_dtype = torch.float32
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options) -> torch.optim.Optimizer | MasterWeights:
+    """The run's AdamW (its learning rate and weight decay, and ``options``) over the model's
+    parameters; under bf16-true over float32 master copies of the trainable bfloat16 ones
+    (``train.master_weights``)."""
+    kw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **options)
+    if cfg.precision == BF16_TRUE:
+        return MasterWeights(model.parameters(), lambda masters: torch.optim.AdamW(masters, **kw))
+    return torch.optim.AdamW(model.parameters(), **kw)
 
 
 def compile_model(model: torch.nn.Module, scope: str, **compile_kw) -> torch.nn.Module:

@@ -77,6 +77,31 @@ def test_train_needs_no_network_for_the_corpus(run_cli, tmp_path, monkeypatch):
     assert "download" not in out, out
 
 
+def test_train_asks_the_machine_once(run_cli, tmp_path, monkeypatch):
+    """One preflight for a run: its check, and each of its parts, runs once before the run is done."""
+    import collections
+
+    from lora_bench.train import preflight
+
+    calls = collections.Counter()
+
+    def counted(name):
+        real = getattr(preflight, name)
+
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return wrapper
+
+    parts = ("preflight", "device_problems", "input_problems", "require_packages", "memory_problem")
+    for name in parts:
+        monkeypatch.setattr(preflight, name, counted(name))
+    code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",
+                        "--eval-freq", "0", "--data-file", str(SAMPLE), "--results-dir", str(tmp_path))
+    assert code == 0, out
+    assert calls == dict.fromkeys(parts, 1), calls
+
+
 def test_corrupt_checkpoint(run_cli, tmp_path, sms_file):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

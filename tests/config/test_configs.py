@@ -189,3 +189,16 @@ def test_quantized_base_profile_profiles_the_studys_1558m_lora_rows_eagerly():
         assert (cfg.model_size, cfg.trainable_layers, cfg.profile) == ("1558M", "lora", "kernels")
         assert not cfg.cuda_graphs
         assert {k: getattr(cfg, k) for k in same} == {k: getattr(study[cfg.base_dtype], k) for k in same}
+
+
+def test_floor_study_measures_every_variant_beside_the_floor_in_both_bf16_precisions():
+    sw = load_sweep(REPO / "configs" / "floor-study.yaml")
+    got = {(r.cfg.model_size, r.cfg.trainable_layers, r.cfg.precision) for r in sw.runs}
+    assert got == {(s, t, p) for s in ("124M", "1558M") for t in ("frozen", "lora", "lora-kernel", "all")
+                   for p in ("bf16", "bf16-true")}
+    assert sw.repeats == 5 and len(sw.runs) == len(got) * 5
+    for r in sw.runs:
+        c = r.cfg
+        assert (c.attention, c.ops, c.optimizer, c.cuda_graphs, c.batch_size, c.lora_rank) == ("sdpa", "fused", "fused",
+                                                                                                 True, 8, 16)
+        assert c.weights == "random" and c.skip_final_eval and c.eval_freq == 0 and c.warmup_steps < c.max_steps

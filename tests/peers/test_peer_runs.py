@@ -69,7 +69,7 @@ def test_what_has_no_hugging_face_peer_is_refused_with_every_reason():
     assert "does not compute what it computes eagerly" in problems[2] and "compile" in problems[2]
     assert TrainConfig.from_mapping({**cfg, "implementation": "book"}).cuda_graphs  # the book runs it all
     refused = [t for t in TRAINABLE_LAYERS if TrainConfig(implementation="hf", trainable_layers=t).problems()]
-    assert refused == ["lora-merged", "lora-kernel"]
+    assert refused == ["frozen", "lora-merged", "lora-kernel"]  # the floor is the book model's
 
 
 def test_refusals_on_the_command_line_name_the_flags(run_cli, tmp_path):

@@ -1,5 +1,6 @@
 """Execution modes reproduce book mode: in float32, a mode's loss trajectory is as close to book
-mode's float64 evaluation as book mode's own float32 one (tests/numerics.py); bf16 is close.
+mode's float64 evaluation as book mode's own float32 one (tests/numerics.py); bf16 is close;
+bf16-true is within the bound its counted roundings to bfloat16 give against float64.
 CPU tests for what runs here; GPU-marked tests for CUDA graphs, torch.compile and bf16 on CUDA."""
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def _losses64(cfg: TrainConfig, tmp_path, run_id: str) -> list[float]:
     return losses
 
 
-def _assert_same_run(got: list[float], want: list[float], ref: list[float], what: str = "") -> None:
-    """``got`` is another rounding order of the run whose float32 losses are ``want`` and float64
+def _assert_same_run(got: list[float], want: list[float], ref: list[float], what: str = "",
+                     dtype: torch.dtype = torch.float32) -> None:
+    """``got`` is another rounding order of the run whose ``dtype`` losses are ``want`` and float64
     losses ``ref`` (numerics.same_function_tol)."""
     assert 0 < len(got) == len(want) == len(ref)
-    assert_same_function(*(torch.tensor(t, dtype=torch.float64) for t in (got, want, ref)), what=what)
+    assert_same_function(*(torch.tensor(t, dtype=torch.float64) for t in (got, want, ref)), dtype=dtype, what=what)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -69,6 +71,112 @@ def test_bf16_autocast_close_to_book_on_cpu(tiny_cfg, tmp_path):
     got, row = _losses(base.replace(precision="bf16"), tmp_path, "bf16")
     assert 0 < _rel(got, book) < 3e-2  # bf16: close, not equal
     assert row["status"] == "done"
+
+
+# bf16-true: roundings to bfloat16 on the longest path from a token to a logit, per op (each op's
+# output is rounded once; a linear layer's bfloat16 weight is a rounding of its own beside its
+# output's; the float32 accumulation inside the products and norms is far below a bfloat16 unit)
+BF16_TRUE_ROUNDINGS = {
+    "embeddings": 2,  # the token embedding's stored value, the sum with the position embedding
+    "linear": 2,  # the weight, the output (the bias added in float32 inside the product)
+    "residual": 1,
+    "fused norm": 1, "fused gelu": 1, "sdpa": 1,  # one kernel each, float32 inside
+    # book LayerNorm: var, + eps, sqrt, divide, · scale, + shift, and the scale's stored value
+    "book norm": 7,
+    "book gelu": 7,  # x³, · 0.044715, + x, · √(2/π), tanh, 1 +, · 0.5x
+    "book attention": 4,  # q·kᵀ, / √d, softmax, · v
+}
+
+
+def bf16_true_roundings(cfg: TrainConfig) -> int:
+    """The roundings on the tiny model's longest path under bf16-true (BF16_TRUE_ROUNDINGS): the
+    embeddings, per block a norm, the query projection, attention, the output projection, the
+    residual add, a norm, the MLP's two layers around GELU, the residual add; the final norm and
+    the head."""
+    r, kind = BF16_TRUE_ROUNDINGS, cfg.ops
+    attention = r["sdpa"] if cfg.attention == "sdpa" else r["book attention"]
+    block = (2 * r[f"{kind} norm"] + 4 * r["linear"] + attention + 2 * r["residual"] + r[f"{kind} gelu"])
+    return r["embeddings"] + gpt_config(cfg.model_size).n_layers * block + r[f"{kind} norm"] + r["linear"]
+
+
+@pytest.mark.parametrize("layers,ops", [("all", "fused"), ("lora", "fused"), ("lora", "book")])
+def test_bf16_true_against_float64_on_cpu(tiny_cfg, tmp_path, layers, ops):
+    """15 AdamW steps in bf16-true against the same run in float64. Each step's loss comes from a
+    forward whose values are rounded to bfloat16 along a chain of n roundings (bf16_true_roundings;
+    the loss itself is computed in float32 from float32 logits): each rounding moves what it rounds
+    by at most u = 2^-8 relative, so the losses may be (n + 1)·u off (numerics.rounded_input_tol).
+    The weights each step starts from differ too, by the earlier updates' differences: AdamW's
+    update is invariant to the gradient's scale, so a gradient off by ε relative moves an update
+    by at most about ε·lr, and 15 steps at lr 1e-3 leave a weight off by at most 0.015·ε, small
+    beside the forward's own error on the tiny model's weights (0.1 to 1; an adapter's B starts
+    at zero and grows by those updates, so its error stays ε relative to what it adds). The run is
+    not float32 in disguise: its losses are not fp32's."""
+    from numerics import rounded_input_tol
+
+    base = tiny_cfg.replace(trainable_layers=layers, max_steps=15, eval_freq=0, learning_rate=1e-3, lora_rank=4,
+                            lora_alpha=8.0, attention="sdpa" if ops == "fused" else "book", ops=ops)
+    ref = _losses64(base, tmp_path, "float64")
+    fp32, _ = _losses(base, tmp_path, "fp32")
+    got, row = _losses(base.replace(precision="bf16-true"), tmp_path, "bf16-true")
+    assert row["status"] == "done" and row["cfg_precision"] == "bf16-true"
+    bound = rounded_input_tol(torch.bfloat16, bf16_true_roundings(base))
+    assert 0 < _rel(got, ref) <= bound, (_rel(got, ref), bound)
+    assert _rel(got, fp32) > 0
+
+
+def test_bf16_true_holds_the_model_in_bf16_and_the_masters_in_fp32(tiny_cfg, tmp_path):
+    """Every parameter and buffer of the model in bfloat16, its logits float32 (the loss is
+    computed from them), the optimizer's masters float32 and only the trainable parameters'; a
+    run with a stored base keeps its stored weights as they are."""
+    from lora_bench.lora.quantized import stored_bytes
+    from lora_bench.train.context import RunContext
+    from lora_bench.train.master_weights import MasterWeights
+
+    ctx = RunContext(tiny_cfg.replace(trainable_layers="lora", precision="bf16-true"), cache_dir=tmp_path,
+                     progress=False)
+    model = ctx.model
+    assert {t.dtype for t in (*model.parameters(), *model.buffers())} == {torch.bfloat16}
+    assert model(torch.randint(0, 50257, (2, 5))).dtype is torch.float32
+    opt = ctx.optimizer
+    assert isinstance(opt, MasterWeights) and opt.params == [p for p in model.parameters() if p.requires_grad]
+    assert {m.dtype for m in opt.masters} == {torch.float32}
+    stored = RunContext(tiny_cfg.replace(trainable_layers="lora", precision="bf16-true", base_dtype="int8"),
+                        cache_dir=tmp_path, progress=False).model
+    layer = stored.trf_blocks[0].att.W_query.linear
+    assert stored_bytes(layer.weight_stored) < 2 * layer.in_features * layer.out_features  # int8, not bf16
+    assert stored(torch.randint(0, 50257, (2, 5))).dtype is torch.float32
+
+
+def test_bf16_true_is_refused_where_it_cannot_run():
+    """The transformers peer casts its own model; a pack's optimizer keeps no master copies."""
+    from lora_bench.config import solo_reason
+
+    cfg = TrainConfig(weights="random", precision="bf16-true", trainable_layers="lora")
+    with pytest.raises(ConfigError) as err:
+        cfg.replace(implementation="hf").validate()
+    assert "precision=bf16-true with implementation=hf is refused: the peer's model is built" in str(err.value)
+    assert "keeps no float32 master copy" in solo_reason(cfg)
+    assert solo_reason(cfg.replace(precision="bf16")) is None
+    cfg.replace(cuda_graphs=True, compile=True, compile_scope="blocks", base_dtype="nf4").validate()
+
+
+def test_compiled_bf16_true_matches_eager_on_cpu(tiny_cfg, tmp_path, monkeypatch):
+    """torch.compile (aot_eager, fast on the CPU) of a bf16-true run, whole model and per block: as
+    close to the float64 run as another rounding order of the eager bf16-true run
+    (numerics.assert_same_function at bfloat16's unit)."""
+    import functools
+
+    base = tiny_cfg.replace(trainable_layers="lora", max_steps=8, eval_freq=0, learning_rate=1e-3, lora_rank=4,
+                            lora_alpha=8.0, attention="sdpa", ops="fused")
+    ref = _losses64(base, tmp_path, "float64")
+    eager, _ = _losses(base.replace(precision="bf16-true"), tmp_path, "eager")
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    for scope in ("model", "blocks"):
+        got, row = _losses(base.replace(precision="bf16-true", compile=True, compile_scope=scope), tmp_path, scope)
+        assert row["status"] == "done"
+        _assert_same_run(got, eager, ref, what=scope, dtype=torch.bfloat16)
+    torch._dynamo.reset()
 
 
 def test_fused_ops_are_numerically_the_book_ops():
@@ -187,8 +295,9 @@ def test_fused_optimizer_matches_book_on_cpu(tiny_cfg, tmp_path, layers):
 
 # ---- GPU (marked; run on the device) ---------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", ["all", "lora"])
-def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+@pytest.mark.parametrize("layers", ["all", "lora", "frozen"])
+def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers, precision):
     """The replayed graphs run the eager step's kernels on the same values: their losses equal, bit
     for bit, those of the eager run with the same AdamW, the capturable one (its step count on the
     device). That AdamW is another rounding order of the default update, and over 30 steps its
@@ -198,7 +307,7 @@ def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers):
     from lora_bench.train import context
 
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
-                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0)
+                            learning_rate=1e-3, lora_rank=4, lora_alpha=8.0, precision=precision)
     _, eager_row = _losses(base, tmp_path, f"{layers}-eager")
     real, asked = context.optimizer_options, []
 
@@ -303,6 +412,38 @@ def test_compiled_cublas_plan_for_large_weights_matches_fused(tiny_cfg, tmp_path
         got, row_c = _losses(base, tmp_path, "cublas")
     assert row_f["backend"] == "fused" and row_c["backend"] == "cublas+fused"
     assert _rel(got, fused) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("layers", ["all", "lora", "lora-kernel", "frozen"])
+def test_bf16_true_on_cuda_against_float64(tiny_cfg, tmp_path, layers, graphs):
+    """bf16-true on the GPU, eager and replayed from CUDA graphs: within the bound its counted
+    roundings give against the float64 run (test_bf16_true_against_float64_on_cpu's derivation)."""
+    from numerics import rounded_input_tol
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, learning_rate=1e-3,
+                            lora_rank=4, lora_alpha=8.0, attention="sdpa", ops="fused")
+    ref = _losses64(base, tmp_path, f"{layers}-float64")
+    got, row = _losses(base.replace(precision="bf16-true", cuda_graphs=graphs, optimizer="fused"), tmp_path,
+                       f"{layers}-{graphs}")
+    assert row["status"] == "done"
+    assert 0 < _rel(got, ref) <= rounded_input_tol(torch.bfloat16, bf16_true_roundings(base))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers,scope", [("lora", "model"), ("lora-kernel", "blocks"), ("frozen", "blocks")])
+def test_bf16_true_compiled_inside_cuda_graphs_matches_eager(tiny_cfg, tmp_path, layers, scope):
+    """The study's best mode in bf16-true (compiled, in CUDA graphs, fused AdamW): as close to the
+    float64 run as another rounding order of the eager bf16-true run."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=15, eval_freq=5, lora_rank=4,
+                            lora_alpha=8.0, learning_rate=1e-3, attention="sdpa", ops="fused")
+    ref = _losses64(base, tmp_path, f"{layers}-float64")
+    eager, _ = _losses(base.replace(precision="bf16-true"), tmp_path, f"{layers}-eager")
+    got, row = _losses(base.replace(precision="bf16-true", compile=True, compile_scope=scope, cuda_graphs=True,
+                                    optimizer="fused"), tmp_path, f"{layers}-{scope}-cg")
+    assert row["status"] == "done"
+    _assert_same_run(got, eager, ref, what="bf16-true, compiled, in graphs", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -106,6 +106,15 @@ def test_flops_floor_matches_performance_doc():
         # the doc's LoRA figure is 4·P·T without the "small rank-r terms"; ours adds them (≤ 5 %)
         assert lora_tf * 0.99 < lora < lora_tf * 1.05
         assert flops_per_step(cfg, trainable_layers="lora", tokens=960, rank=0) / 1e12 == pytest.approx(lora_tf, rel=0.02)
+        # the floor (frozen) does LoRA's work less the adapters: forward and every block's input gradient
+        assert flops_per_step(cfg, trainable_layers="frozen", tokens=960) / 1e12 == pytest.approx(lora_tf, rel=0.02)
+        assert flops_per_step(cfg, trainable_layers="frozen", tokens=960) < lora * 1e12
+
+
+def test_bf16_true_reads_the_bf16_peak():
+    from lora_bench.results.metrics import peak_tflops
+
+    assert peak_tflops("NVIDIA H200", "bf16-true") == peak_tflops("NVIDIA H200", "bf16") is not None
 
 
 def test_line_profile_report(tiny_cfg, tmp_path):
