@@ -47,7 +47,7 @@ Overrides = Annotated[Optional[list[str]], typer.Argument(
 THRESHOLD_PCT = 100 * THRESHOLD
 Threshold = Annotated[float, typer.Option(
     "--threshold", metavar="PCT", show_default=False,
-    help=f"A ratio counts as slower / faster only where its whole 95 % interval lies beyond 1 ± PCT % "
+    help=f"A ratio counts as slower / faster only where its whole interval lies beyond 1 ± PCT % "
          f"(default {THRESHOLD_PCT:g}).")]
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 from lora_bench.publish import docs_method as method
 from lora_bench.publish import docs_quantized as quantized
 from lora_bench.publish import docs_study as study
+from lora_bench.publish.docs_stats import table_order_stats
 from lora_bench.publish.docs_schema import results_schema
 from lora_bench.publish.source import ROOT
 
@@ -49,6 +50,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "five-epochs": method.table_five_epochs,
     "qkv-group": method.table_qkv_group,
     "first-use": method.table_first_use,
+    "order-stats": table_order_stats,
 }
 
 

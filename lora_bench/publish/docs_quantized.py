@@ -88,7 +88,7 @@ BASES = ("precision", "bf16", "fp8", "int8", "nf4")
 
 def table_quantized(folder: str = QUANTIZED, bases: tuple[str, ...] = BASES, *, kernels: bool = False) -> str:
     """configs/quantized-base-study.yaml (or another sweep of lora on stored bases in ``folder``) as
-    far as it ran: lora's step with its 95 % interval over the finished repeats, its ratio to the
+    far as it ran: lora's step with its interval over the finished repeats, its ratio to the
     bf16 base's (repeats paired) with the verdict, its phases (with ``kernels``, the replayed graph's
     kernels per phase) and the stored block weights per base dtype and size (medians over the
     finished repeats)."""
@@ -123,7 +123,7 @@ def table_quantized(folder: str = QUANTIZED, bases: tuple[str, ...] = BASES, *, 
                          f"{r['peak_mem_allocated_mib']:,.0f}"])
     head = ["fwd ms", "bwd ms"] + (["fwd kernels", "bwd kernels"] if kernels else [])
     return md_table(["lora, CUDA graphs + bf16 + SDPA + fused ops + fused AdamW" + (", blocks compiled" if kernels else "")
-                   + ", one H200", "runs done", "step ms [95 %]", "÷ bf16 base [95 %]", *head, "block weights MiB",
+                   + ", one H200", "runs done", "step ms [interval]", "÷ bf16 base [interval]", *head, "block weights MiB",
                    "÷ bf16 base", "peak MiB"], rows, align="---|---|" + "|".join(["---:"] * (5 + len(head))))
 
 
@@ -156,7 +156,7 @@ QUANTIZED_ACCURACY = "answer/quantized-accuracy"
 def table_quantized_accuracy() -> str:
     """configs/quantized-base-accuracy.yaml as far as it ran: lora's validation and test accuracy
     per base dtype and size over the seeds (median and the seeds' range), and each base's
-    difference from the bf16 base in points with its 95 % interval (seeds paired: seed r of every
+    difference from the bf16 base in points with its interval (seeds paired: seed r of every
     base starts from the same model)."""
     df = runs(QUANTIZED_ACCURACY)
     done = df[df["status"] == "done"]
@@ -177,7 +177,7 @@ def table_quantized_accuracy() -> str:
                 cells.append("(baseline)" if dtype == "bf16" else interval_text(d, digits=1, unit=" pt"))
             rows.append(cells)
     return md_table(["lora r16, random weights, best mode", "seeds done", "val % median (seeds' range)",
-                   "test % median (seeds' range)", "val − bf16 base [95 %]", "test − bf16 base [95 %]"], rows,
+                   "test % median (seeds' range)", "val − bf16 base [interval]", "test − bf16 base [interval]"], rows,
                   align="---|---|---:|---:|---:|---:")
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from lora_bench.publish.source import LAYERS, RESULTS, ROOT, as_read, fmt_ms, md_table, runs
 from lora_bench.report.groups import RunGroup, group_runs
-from lora_bench.report.stats import UNCLEAR, interval_text
+from lora_bench.report.stats import UNCLEAR, interval_text, shared_n_text
 from lora_bench.results.store import read_runs
 
 STUDY = "answer/tokens-per-step"
@@ -42,22 +42,23 @@ def _repeats(label: str) -> dict[tuple[str, str], RunGroup]:
 
 
 def table_answer() -> str:
-    """The first screen of the README: median step ms over the study's repeats with 95 % intervals,
+    """The first screen of the README: median step ms over the study's repeats with their intervals,
     batch 8, 124M and 1558M, in each mode named in full, and LoRA ÷ all with its interval."""
-    rows = []
+    found = []
     for label, mode in ANSWER_MODES:
         reps = _repeats(label)
-        for size in ("124M", "1558M"):
-            a, lo = (reps[(size, k)] for k in ("all", "lora"))
-            n = min(a.estimates[STEP].n, lo.estimates[STEP].n)
-            rows.append([f"GPT-2 {size}, {mode}", interval_text(a.estimates[STEP], digits=1),
-                         interval_text(lo.estimates[STEP], digits=1), f"**{interval_text(lo.ratio)}**", str(n)])
-    return md_table(["median step ms [95 % interval], batch 8 × 120 tokens, one H200", "all layers", "LoRA r16",
-                     "LoRA ÷ all", "repeats"], rows)
+        found += [(f"GPT-2 {size}, {mode}", *(reps[(size, k)] for k in ("all", "lora"))) for size in ("124M", "1558M")]
+    shared = shared_n_text(e for _, a, lo in found for e in (a.estimates[STEP], lo.estimates[STEP], lo.ratio))
+    told = not shared
+    rows = [[name, interval_text(a.estimates[STEP], digits=1, told=told),
+             interval_text(lo.estimates[STEP], digits=1, told=told), f"**{interval_text(lo.ratio, told=told)}**"]
+            for name, a, lo in found]
+    return md_table([f"median step ms [interval{f' ({shared})' if shared else ''}], batch 8 × 120 tokens, one H200",
+                     "all layers", "LoRA r16", "LoRA ÷ all"], rows)
 
 
 def table_study_repeats() -> str:
-    """The study with repeats: median step ms [95 %] of all, and lora and lora-kernel ÷ all [95 %]
+    """The study with repeats: median step ms [interval] of all, and lora and lora-kernel ÷ all [interval]
     with their verdicts, at every size, in both modes."""
     rows, counts = [], set()
     for label, mode in ANSWER_MODES:
@@ -104,9 +105,11 @@ def table_fastest() -> str:
                     est = g.estimates[STEP]
                     if best is None or est.value < best[0].value:
                         best = (est, mode, layers[1])
-        rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", interval_text(best[0], digits=2)])
+        rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", best[0]])
+    shared = shared_n_text(e for *_, e in rows)
+    rows = [[*head, interval_text(e, digits=2, told=not shared)] for *head, e in rows]
     return md_table(["fastest measured LoRA step, batch 8 × 120 tokens, one H200", "configuration",
-                     "median step ms [95 % interval]"], rows, align="---|---|---:")
+                     f"median step ms [interval{f' ({shared})' if shared else ''}]"], rows, align="---|---|---:")
 
 
 def _study_sizes(label: str, *, title: str) -> list[list]:

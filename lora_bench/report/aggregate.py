@@ -1,5 +1,5 @@
 """The table of groups of a report, from finished runs (never runs anything): the runs grouped by
-the settings that vary (or those asked for), each group's median of every number with its 95 %
+the settings that vary (or those asked for), each group's median of every number with its
 interval and its ratio to a baseline with the verdict (lora_bench.report.groups, the one engine),
 the text columns' values counted; and the options' words: columns, the baseline, the order."""
 
@@ -43,8 +43,9 @@ def rule(threshold: float = stats.THRESHOLD, metric: str = "step_ms_median") -> 
 class Report:
     keys: list[str]  # grouping columns
     metrics: list[str]
-    # one row per group: keys, n, per metric <m> (median, or text summary) and <m>_lo, <m>_hi, <m>_over (its
-    # 95 % interval and what it resamples); ratio, ratio_lo, ratio_hi, ratio_over, verdict, is_baseline
+    # one row per group: keys, n, per metric <m> (median, or text summary) and <m>_lo, <m>_hi, <m>_n,
+    # <m>_confidence, <m>_over, <m>_at_least (estimate_columns); the same for ratio, with ratio_paired,
+    # verdict, is_baseline
     groups: pd.DataFrame
     done: pd.DataFrame  # the runs aggregated (status done)
     baseline: dict[str, str] = field(default_factory=dict)
@@ -99,13 +100,13 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
         for m in [*metrics, *extras]:
             if is_text(done, m):
                 rec[m] = text_summary(g[m])
-                rec.update({f"{m}_lo": math.nan, f"{m}_hi": math.nan, f"{m}_over": ""})
+                rec.update({f"{m}_lo": math.nan, f"{m}_hi": math.nan, f"{m}_n": len(g), f"{m}_confidence": math.nan,
+                            f"{m}_over": "", f"{m}_at_least": False})
             else:
                 rec.update(estimate_columns(m, group.estimates[m]))
         if ratio:
             r = group.ratio
-            rec.update({"ratio": r.value, "ratio_lo": r.lo, "ratio_hi": r.hi, "ratio_over": r.over,
-                        "verdict": group.verdict, "is_baseline": group.is_baseline})
+            rec.update({**estimate_columns("ratio", r), "ratio_paired": r.paired, "verdict": group.verdict, "is_baseline": group.is_baseline})
         records.append(rec)
     records.sort(key=lambda r: tuple(order_key(r[k], col=k) for k in keys))
     return Report(keys=keys, metrics=metrics, groups=pd.DataFrame(records), done=done, baseline=spec,
@@ -123,15 +124,24 @@ def extra_metrics(done: pd.DataFrame, metrics: list[str]) -> list[str]:
     return [c for c in dict.fromkeys(out) if c not in metrics and not is_empty(done, c)]
 
 
+ESTIMATE_SUFFIXES = ("_lo", "_hi", "_n", "_confidence", "_over")  # a metric's columns beside its median
+
+
 def estimate_columns(metric: str, e: stats.Estimate) -> dict:
-    return {metric: e.value, f"{metric}_lo": e.lo, f"{metric}_hi": e.hi, f"{metric}_over": e.over}
+    """A metric's median, its interval, the n it stands on, the confidence the interval reaches
+    (a lower bound where ``<metric>_at_least``) and what the interval is over."""
+    return {metric: e.value, f"{metric}_lo": e.lo, f"{metric}_hi": e.hi, f"{metric}_n": e.n,
+            f"{metric}_confidence": e.confidence, f"{metric}_over": e.over, f"{metric}_at_least": e.at_least}
 
 
 def estimate_of(rec: dict, metric: str) -> stats.Estimate:
     """A group's estimate back from its columns."""
     over = rec.get(f"{metric}_over") or ""
+    n = rec.get(f"{metric}_n", rec.get("n"))
     return stats.Estimate(_float(rec.get(metric)), _float(rec.get(f"{metric}_lo")), _float(rec.get(f"{metric}_hi")),
-                          n=int(rec.get("n") or 0), over=over if isinstance(over, str) else "")
+                          n=int(n) if not is_blank(n) else 0, over=over if isinstance(over, str) else "",
+                          paired=bool(rec.get(f"{metric}_paired")), confidence=_float(rec.get(f"{metric}_confidence")),
+                          at_least=bool(rec.get(f"{metric}_at_least")))
 
 
 def _float(v) -> float:

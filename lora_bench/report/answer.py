@@ -1,8 +1,8 @@
 """The answer paragraph, generated from the study by explicit rules (never written by hand). Each
 rule is a small function of the measured groups and returns one clause or sentence:
 
-- ``verdict``: a group is 'slower' / 'faster' than its baseline where the 95 % interval of the
-  ratio of median step times clears 1 ± the threshold, 'no difference' where it lies inside that
+- ``verdict``: a group is 'slower' / 'faster' than its baseline where the interval of the
+  ratio of step times clears 1 ± the threshold, 'no difference' where it lies inside that
   band, 'unclear' otherwise (lora_bench.report.stats.verdict); every ratio and median stated
   carries its interval in brackets;
 - ``crossover``: the two adjacent sizes between which a variant turns from slower to faster (it
@@ -16,8 +16,9 @@ rule is a small function of the measured groups and returns one clause or senten
 - ``phase_deltas``: the phases whose device time changes by at least MIN_CHANGE of the baseline's step;
 - ``why_slower`` / ``why_faster``: these clauses for the primary variant at the smallest size where
   it is slower and the largest size where it is faster, in each mode;
-- ``accuracy_sentence``: the differences in accuracy from the baseline whose 95 % interval leaves
-  out 0 (outside the spread over seeds), or the largest one when none does;
+- ``accuracy_sentence``: the differences in accuracy from the baseline whose interval leaves
+  out 0 (outside the spread over seeds; judged from MIN_REPEATS repeats a side), or the largest
+  one when none does;
 - ``answer``: one bullet per mode and condition, explanations for the first condition, accuracy last."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from lora_bench.report import stats
 from lora_bench.report.names import count_text
+from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate, span_text
 from lora_bench.report.study_model import STARVED, Group, Line, Study
 from lora_bench.timing import PHASES
@@ -36,7 +38,7 @@ MIN_CHANGE = 0.02  # nor a change of a phase under 2 % of the baseline's step
 
 
 def ratio_text(g: Group) -> str:
-    """'1.50× [1.47–1.53]': the ratio of medians and its 95 % interval."""
+    """'1.50× [1.47–1.53] (n = 5, 93.8 %)': the ratio and its interval."""
     return f"{g.ratio:.2f}× {span_text(g.ratio_estimate)}"
 
 
@@ -48,7 +50,7 @@ def verdict(g: Group) -> str:
 
 
 def ms_text(e: Estimate) -> str:
-    """'77.0 ms [76.1–78.0]': a median step time and its 95 % interval."""
+    """'77.0 ms [76.1–78.0] (n = 5, 93.8 %)': a median step time and its interval."""
     return f"{e.median:.1f} ms {span_text(e, digits=1)}"
 
 
@@ -230,9 +232,10 @@ def accuracy_sentence(study: Study) -> str:
     else:
         g, d, _ = max(pairs, key=lambda t: abs(t[1].value))
         text = (f"{_cap(name)} ({over}): every difference from the baseline is within the spread over seeds"
-                if unknown < len(pairs) else f"{_cap(name)} ({over}): one run per group, so the spread is unknown")
+                if unknown < len(pairs) else f"{_cap(name)} ({over}): too few repeats to judge (a verdict needs "
+                f"{MIN_REPEATS} a side)")
         text += f" (largest: {g.variant} {points(d)} at {where(g)})"
-    return text + (f"; {unknown} group(s) with one run: spread unknown" if unknown and outside else "") + "."
+    return text + (f"; {unknown} group(s) with too few repeats to judge" if unknown and outside else "") + "."
 
 
 @dataclass

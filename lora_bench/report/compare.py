@@ -2,10 +2,16 @@
 setting. Runs are matched by their settings (the ``cfg_*`` columns, paths left out, and the seed
 where seeds vary across repeats), never by run id, so two sweeps of one file on two machines, or
 before and after a change, line up. Per setting: the median of the metric on each side with its
-95 % interval, the ratio candidate ÷ baseline with its interval, and the verdict read off that
-interval (lora_bench.report.stats). A gate (``fail_above``) fails where a setting is worse by more
-than that fraction with its whole interval: a verdict of no difference or unclear never fails it.
-Differences between the folders' environments (GPU, driver, torch, CPU, Python) are stated."""
+interval, the ratio candidate ÷ baseline with its interval, and the verdict read off that
+interval (lora_bench.report.stats). Differences between the folders' environments (GPU, driver,
+torch, CPU, Python) are stated.
+
+A comparison that cannot pass vacuously: ``problems`` names why it is not complete, and the command
+exits non-zero on any: no setting on both sides; settings on one side only (unless ``allow_missing``);
+with a gate, no matched setting with enough repeats for a verdict. A gate (``fail_above``) fails
+where a setting is worse by more than that fraction with its whole interval: no difference, unclear
+or too few repeats never fails it alone. ``ignore`` leaves settings out of the matching, so that
+folders that differ in them on purpose (``max_steps``) line up."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import exact, fails_gate, group_runs, metric_sense
 from lora_bench.report.load import MODE, load_results, result_dirs
 from lora_bench.report.names import MODE_FIELDS, mode_name, setting_name, value_text
+from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate
 from lora_bench.results.schema import SETTING_PREFIX
 
@@ -38,6 +45,8 @@ HOST_SPEED_TOLERANCE = 0.10  # runs of one host differ by less (the study's repe
 DEFAULT_METRIC = "step_ms_median"
 SIDES = ("baseline", "candidate")
 SIDE = "compared side"  # the column that tells the two folders' runs apart once they are read as one
+SORTS = ("name", "ratio")
+CHANGED = (stats.FASTER, stats.SLOWER, stats.HIGHER, stats.LOWER)  # the verdicts of a difference
 
 
 @dataclass
@@ -64,10 +73,44 @@ class Comparison:
     only: dict[str, list[dict[str, str]]]  # side -> settings found on that side alone
     environment: list[str]  # one line per environment column that differs between the folders
     notes: list[str] = field(default_factory=list)
+    allow_missing: bool = False
+    ignored: list[str] = field(default_factory=list)  # settings left out of the matching
 
     @property
     def failed(self) -> list[Row]:
         return [r for r in self.rows if r.fails]
+
+    @property
+    def judged(self) -> list[Row]:
+        """The rows with enough repeats for a verdict."""
+        return [r for r in self.rows if r.verdict != stats.TOO_FEW]
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the comparison is incomplete (the command then exits 1), one reason a line."""
+        out = []
+        if not self.rows:
+            out.append("no setting is on both sides: nothing was compared (settings that differ on purpose: "
+                       "--ignore KEY)")
+        missing = {side: len(self.only[side]) for side in SIDES if self.only[side]}
+        if missing and self.rows and not self.allow_missing:
+            where = ", ".join(f"{n} only in the {side}" for side, n in missing.items())
+            out.append(f"settings missing on one side ({where}): --allow-missing accepts that")
+        if self.fail_above is not None and self.rows and not self.judged:
+            out.append(f"no setting on both sides has {MIN_REPEATS} repeats a side: the gate judged nothing")
+        return out
+
+    def shown(self, *, only_changed: bool = False, sort: str = "name") -> list[Row]:
+        """The rows to show: all, or only those with a verdict of a difference (``only_changed``),
+        in the settings' order (``name``) or worst ratio first (``ratio``)."""
+        rows = [r for r in self.rows if r.verdict in CHANGED] if only_changed else list(self.rows)
+        if sort == "ratio":
+            higher, _ = metric_sense(self.metric)
+            rows.sort(key=lambda r: (not r.ratio.known, (r.ratio.value if higher else -r.ratio.value)
+                                     if r.ratio.known else 0.0))
+        elif sort != "name":
+            raise UsageError(f"--sort {sort!r} is not allowed; choose one of: {', '.join(SORTS)}")
+        return rows
 
 
 def _done(path: Path, side: str) -> pd.DataFrame:
@@ -100,8 +143,20 @@ def _seed_varies(frames: list[pd.DataFrame], keys: list[str]) -> bool:
                for f in frames)
 
 
-def _setting_columns(base: pd.DataFrame, cand: pd.DataFrame) -> list[str]:
-    cols = sorted({c for f in (base, cand) for c in f.columns if c.startswith(SETTING_PREFIX)} - NOT_GROUPED)
+def _ignored(keys, base: pd.DataFrame, cand: pd.DataFrame) -> set[str]:
+    """The setting columns ``--ignore`` names ('max_steps' or 'cfg_max_steps'); a name that is no
+    setting of either folder is a usage error."""
+    out = set()
+    for key in keys:
+        col = key if key.startswith(SETTING_PREFIX) else SETTING_PREFIX + key
+        if setting_name(col) not in SETTINGS and not any(col in f for f in (base, cand)):
+            raise UsageError(f"--ignore {key}: not a setting (see lora-bench train --help for their names)")
+        out.add(col)
+    return out
+
+
+def _setting_columns(base: pd.DataFrame, cand: pd.DataFrame, ignore: set[str] = frozenset()) -> list[str]:
+    cols = sorted({c for f in (base, cand) for c in f.columns if c.startswith(SETTING_PREFIX)} - NOT_GROUPED - ignore)
     rest = [c for c in cols if c not in REPEAT_SETTINGS]
     filled = [_filled(f, cols) for f in (base, cand)]
     return rest if _seed_varies(filled, rest) else cols
@@ -113,14 +168,15 @@ def _filled(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
 
 
 def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, threshold: float = stats.THRESHOLD,
-            fail_above: float | None = None) -> Comparison:
+            fail_above: float | None = None, ignore=(), allow_missing: bool = False) -> Comparison:
     """Compare ``candidate`` with ``baseline`` setting by setting (see the module)."""
     base, cand = _done(baseline, "baseline"), _done(candidate, "candidate")
     col = _metric(metric, base, cand)
     higher, speed = metric_sense(col)
     if fail_above is not None and higher is None:
         raise UsageError(f"--fail-above needs a metric where lower or higher is better; {col} has no direction")
-    cols = _setting_columns(base, cand)
+    ignored = _ignored(ignore, base, cand)
+    cols = _setting_columns(base, cand, ignored)
     both = pd.concat([f.assign(**_filled(f, cols), **{SIDE: side}) for side, f in zip(SIDES, (base, cand))],
                      ignore_index=True)
     found = group_runs(both, [*cols, SIDE], metrics=[col], baseline={SIDE: SIDES[0]}, ratio_metric=col,
@@ -140,11 +196,12 @@ def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, th
     only = {side: [_display(cols, k, shown) for k in all_keys if k in groups[side] and k not in groups[other]]
             for side, other in (SIDES, SIDES[::-1])}
     notes = []
-    if not rows:
-        notes.append("no setting is on both sides: nothing to divide (see the settings found on one side only)")
+    if ignored:
+        notes.append("settings left out of the matching (--ignore): " + ", ".join(sorted(map(setting_name, ignored))))
     return Comparison(baseline_dir=str(baseline), candidate_dir=str(candidate), metric=col, threshold=threshold,
                       fail_above=fail_above, keys=shown, rows=rows, only=only,
-                      environment=environment_differences(base, cand), notes=notes)
+                      environment=environment_differences(base, cand), notes=notes, allow_missing=allow_missing,
+                      ignored=sorted(map(setting_name, ignored)))
 
 
 def _metric(metric: str, base: pd.DataFrame, cand: pd.DataFrame) -> str:
@@ -208,15 +265,21 @@ def _us(v: float) -> str:
 
 
 def gate_text(c: Comparison) -> str:
-    """What the gate says: which settings fail it, or that none does."""
+    """What the gate says: which settings fail it, that the comparison is incomplete, or that it passed
+    (and how many settings it judged)."""
     if c.fail_above is None:
         return ""
     higher, speed = metric_sense(c.metric)
     worse = stats.worse(higher_is_better=bool(higher), speed=speed)
     t = stats.threshold_text(c.fail_above)
     bound = f"upper end below 1 ÷ (1 + {t})" if higher else f"lower end above 1 + {t}"
+    if not c.failed and c.problems:
+        return "gate failed: " + "; ".join(c.problems)
     if not c.failed:
-        return f"gate passed: no setting is {worse} by more than {t} with its interval's {bound}"
+        unjudged = len(c.rows) - len(c.judged)
+        rest = f"; {unjudged} with {stats.TOO_FEW} not judged" if unjudged else ""
+        return (f"gate passed: no setting is {worse} by more than {t} with its interval's {bound} "
+                f"({len(c.judged)} setting(s) judged{rest})")
     names = "; ".join(" · ".join(f"{k}={v}" for k, v in r.settings.items()) + f" ({r.ratio.value:.3f}×)"
                       for r in c.failed)
     return f"gate failed: {len(c.failed)} setting(s) {worse} by more than {t} with the interval's {bound}: {names}"

@@ -12,6 +12,7 @@ from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
 from lora_bench.report.group_table import groups_table
+from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import threshold_text
 from lora_bench.report.study_model import Study
 from lora_bench.report.tables import (
@@ -58,8 +59,9 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
     points = answer(study)
     if points:
         intro = (f"On {study.device}, the {STEP_STATISTIC}; a ratio below 1.0 is faster than "
-                 f"{study.baseline_text}. In brackets: 95 % intervals (percentile bootstrap over repeats); slower or "
-                 f"faster only where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
+                 f"{study.baseline_text}. In brackets: intervals with the repeats they stand on (n) and the confidence they "
+                 f"reach (order statistics, exact at any n); slower or faster only from {MIN_REPEATS} repeats a side "
+                 f"and where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
                  f"from the runs by the rules in `{RULES_AT}`.")
         text = [intro] + ([STEPS_FOOTNOTE + "."] if study.per_step else [])
         sections.append(Section("Answer", points=points, first_screen=True, text=text))

@@ -1,11 +1,11 @@
 """Report figures with matplotlib's Agg backend (files only: works on headless GPU hosts):
 
 - the crossover: step time relative to the baseline against model size (log axis labelled with
-  the sizes), one line per variant and execution mode, error bars the ratio's 95 % interval, the
+  the sizes), one line per variant and execution mode, error bars the ratio's interval, the
   1.0 line labelled, one panel per condition (e.g. batch size) when each panel has two sizes or more;
 - the phases: per execution mode, at the smallest and largest size, device and host time of each
   phase for every variant, side by side (host-bound phases have host bars as long as device bars);
-  each bar ends at the group's median step (the number beside it, with its 95 % interval, the
+  each bar ends at the group's median step (the number beside it, with its interval, the
   same statistic as the tables' step ms), its segments the phases' medians.
 
 Titles and axis labels name the statistic drawn and the device; legends sit outside the data; a
@@ -97,7 +97,7 @@ def crossover_figure(study: Study):
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"median step / {base}'s\n(medians of repeats' median step; bars: 95 % CI)")
+        ax.set_ylabel(f"median step / {base}'s\n(medians of repeats' median step; bars: order-statistic interval)")
     fig.suptitle(f"{_on(study)}step time relative to {study.baseline_text} by model size\n"
                  f"below 1.0: faster than {base}", fontsize=11)
     ncol = cols if max(len(k) for k in handles) > 45 else cols + 1  # long labels: one column per panel
@@ -184,7 +184,7 @@ def phase_figure(study: Study):
 
 def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
     """Per group and clock a bar of the phases' medians, and the group's median step (which the
-    phase medians need not add up to: phase_sum_pct) as a black mark with its 95 % interval and
+    phase medians need not add up to: phase_sum_pct) as a black mark with its interval and
     its number beside it: the same statistic as the tables' step ms."""
     names, y = [], 0.0
     ticks = []
@@ -214,7 +214,7 @@ def _phase_panel(ax, groups: list[Group], *, title: str) -> None:
         y += 0.5
     ax.set_yticks(ticks, names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step: segments = phase medians; black mark = median step [95 % CI]")
+    ax.set_xlabel("ms per step: segments = phase medians; black mark = median step [order-statistic interval]")
     ax.set_title(title, fontsize=9)
     ax.margins(x=0.25)
 

@@ -1,5 +1,5 @@
 """The table of every group of a report (one row per configuration: each metric's median with its
-95 % interval, the ratio to the baseline with its verdict) as plain text cells, and the one CSV
+interval and n, the ratio to the baseline with its verdict) as plain text cells, and the one CSV
 writer of reports and comparisons (formulas defused, floats to 6 significant digits)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pandas as pd
 
 from lora_bench.escaping import csv_cell as stored_cell
-from lora_bench.report.aggregate import Report, estimate_of, rule
+from lora_bench.report.aggregate import ESTIMATE_SUFFIXES, Report, estimate_of, rule
 from lora_bench.report.names import column_label, is_blank
-from lora_bench.report.stats import RESAMPLING, span_text
+from lora_bench.report.stats import RESAMPLING, STATISTIC, span_text
 from lora_bench.report.tables import CI, Table, est, interval_notes
 from lora_bench.results.schema import column_index
 
@@ -56,10 +56,10 @@ def groups_table(rep: Report, *, title: str = "") -> Table:
             shown.append(estimate_of(rec, "ratio"))
         rows.append(row)
     notes = [f"median over repeats of each configuration (each run's own value: for times its median over its "
-             f"measured steps), with its 95 % interval (percentile bootstrap over the repeats, seeded)"]
+             f"measured steps), with its {STATISTIC}"]
     if rep.baseline and "ratio" in rep.groups:
-        notes.append(f"ratio = median {column_label(rep.primary)} / the baseline's, its 95 % interval "
-                     f"({RESAMPLING}) and verdict; {rule(rep.threshold, rep.primary)}")
+        notes.append(f"ratio to the baseline's {column_label(rep.primary)}, its interval ({RESAMPLING}) and "
+                     f"verdict; {rule(rep.threshold, rep.primary)}")
     notes += interval_notes(*shown)
     for col, what in (("gpu_name", "GPUs"), ("hostname", "hosts")):
         seen = sorted({str(v) for v in rep.done.get(col, pd.Series(dtype=str)).dropna() if str(v)})
@@ -82,12 +82,13 @@ def _groups_ratio(rec: dict) -> str:
 
 
 def to_csv(rep: Report) -> str:
-    """The groups as CSV: keys, n, per metric its median, interval (lo, hi) and what the interval
-    resamples, the p10/p90 and tokens/s beside them, the ratio with its interval and verdict."""
+    """The groups as CSV: keys, n, per metric its median, interval (lo, hi), the n it stands on, the
+    confidence the interval reaches and what it is over, the p10/p90 and tokens/s beside them, the
+    ratio with the same and whether it is paired (unpaired: the confidence is a lower bound), the verdict."""
     cols = [*rep.keys, "n"]
-    for m in [*rep.metrics, *rep.extras]:
-        cols += [c for c in (m, f"{m}_lo", f"{m}_hi", f"{m}_over") if c in rep.groups]
-    cols += [c for c in ("ratio", "ratio_lo", "ratio_hi", "ratio_over", "verdict", "is_baseline") if c in rep.groups]
+    for m in [*rep.metrics, *rep.extras, "ratio"]:
+        cols += [c for c in (m, *(m + x for x in ESTIMATE_SUFFIXES)) if c in rep.groups]
+    cols += [c for c in ("ratio_paired", "verdict", "is_baseline") if c in rep.groups]
     return csv_text(rep.groups[cols].rename(columns={k: column_label(k) for k in rep.keys}))
 
 

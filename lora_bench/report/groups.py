@@ -1,6 +1,6 @@
 """The one grouping engine of the report's tables, the study view, ``lora-bench compare`` and the
 docs tables: ``group_runs`` groups runs by key columns and gives each group its estimates (a
-median with its 95 % interval per metric) and its ratio to the baseline runs that share its other
+median with its interval per metric) and its ratio to the baseline runs that share its other
 keys, with that ratio's interval and its verdict. Every interval, ratio, difference and verdict a
 report states is computed here, on the statistics of lora_bench.report.stats and the samples of
 lora_bench.report.samples.
@@ -28,7 +28,7 @@ SPEED_UNITS = ("ms", "s", "min", "tokens/s", "TFLOP/s")
 class RunGroup:
     values: dict  # key column -> the group's value
     runs: pd.DataFrame
-    estimates: dict[str, Estimate]  # metric -> median with its 95 % interval
+    estimates: dict[str, Estimate]  # metric -> median with its interval
     is_baseline: bool = False
     ratio: Estimate = NONE  # the ratio metric's median / its baseline's, with its interval
     verdict: str = ""  # stats.verdict of that ratio ('' for a baseline group)
@@ -68,12 +68,12 @@ def exact(a, b) -> bool:
 
 # -- one group, one pair -------------------------------------------------------------------------
 def estimate(runs: pd.DataFrame, metric: str) -> Estimate:
-    """The median of ``metric`` over ``runs`` with its 95 % interval."""
+    """The median of ``metric`` over ``runs`` with its interval."""
     return summary(sample(runs, metric))
 
 
 def summary(s: Sample) -> Estimate:
-    """A sample's median (or its one run's recorded value) with its 95 % interval."""
+    """A sample's median (or its one run's recorded value) with its interval."""
     return stats.median_interval(s)
 
 

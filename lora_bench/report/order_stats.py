@@ -25,7 +25,7 @@ def coverage(n: int, j: int) -> float:
     """P(x_(j) ≤ median ≤ x_(n+1−j)) for n independent values of a continuous distribution (1 ≤ j ≤ n/2)."""
     if n < 2 or not 1 <= j <= n // 2:
         raise ValueError(f"need n >= 2 and 1 <= j <= n/2, got n={n}, j={j}")
-    below = sum(math.comb(n, i) for i in range(j)) / 2.0 ** n
+    below = sum(math.comb(n, i) for i in range(j)) / 2 ** n  # exact integers: no overflow at large n
     return 1.0 - 2.0 * below
 
 
@@ -35,13 +35,16 @@ def median_ranks(n: int, confidence: float) -> tuple[int, int, float]:
     widest one, [min, max], and the lower coverage it reaches."""
     if n < 2:
         raise ValueError(f"an interval needs two values or more, got {n}")
-    best = 1
+    best, below, term, total = 1, 0, 1, 2 ** n  # below: the sum of C(n, i) for i < j, term: C(n, j - 1)
+    reached = 0.0
     for j in range(1, n // 2 + 1):
-        if coverage(n, j) >= confidence:
-            best = j
-        else:
+        below += term
+        cover = 1.0 - 2.0 * (below / total)
+        if j > 1 and cover < confidence:
             break
-    return best - 1, n - best, coverage(n, best)
+        best, reached = j, cover
+        term = term * (n - j + 1) // j
+    return best - 1, n - best, reached
 
 
 def median_interval(values, confidence: float) -> tuple[float, float, float]:

@@ -1,5 +1,5 @@
 """A report as JSON, for programs: the statistic used, every group with the median of each metric
-and its 95 % interval, the ratio to the baseline with its interval and verdict, and the notes.
+and its interval (n, the confidence it reaches), the ratio to the baseline with its interval and verdict, and the notes.
 NaN becomes null, so the text is strict JSON."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import math
 
 from lora_bench.report import stats
+from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.aggregate import Report, estimate_of, rule
 from lora_bench.report.names import column_label, value_text
 
@@ -16,9 +17,10 @@ def statistic(threshold: float, metric: str = "step_ms_median") -> dict:
     """What every number of a report or comparison is, for the reader of its JSON (the verdict rule
     in the words of ``metric``'s verdicts)."""
     return {"center": "median over repeats (each run's value: for times its median over its measured steps)",
-            "interval": f"{stats.CONFIDENCE:.0%} percentile bootstrap over repeats; over the steps of the one run "
-                        "where a group has one run (interval_over = steps)",
-            "confidence": stats.CONFIDENCE, "resamples": stats.N_BOOT, "seed": stats.SEED,
+            "interval": f"median with its {stats.STATISTIC} (each estimate's confidence; confidence_at_least: a lower bound); "
+                        f"{stats.RESAMPLING}; over the steps of the one run where a group has one run "
+                        "(interval_over = steps)",
+            "target_confidence": stats.CONFIDENCE, "min_repeats": MIN_REPEATS,
             "threshold": threshold, "verdict_rule": rule(threshold, metric), "steps_note": stats.STEPS_NOTE}
 
 

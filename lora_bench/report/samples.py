@@ -1,4 +1,4 @@
-"""What an interval resamples for a group of runs (lora_bench.report.stats): the repeats' values of
+"""What an interval rests on for a group of runs (lora_bench.report.stats): the repeats' values of
 a metric when the group has two runs or more; when it has one, that run's measured steps from its
 ``steps.csv`` (warm-up steps left out, as in the run's own medians):
 
@@ -14,7 +14,7 @@ repeat, not as many as it has points; a metric of each point's own (its accuracy
 counts per run.
 
 Each repeat is keyed by its folder, sweep and repeat number, so that a ratio of two groups that ran
-the same repeats of one sweep is resampled in pairs (lora_bench.report.stats)."""
+the same repeats of one sweep is taken in pairs (lora_bench.report.stats)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,26 @@
-"""The statistics every report and comparison states: a median with its 95 % interval, the ratio of
-two medians with its 95 % interval, and the verdict read off that interval.
+"""The statistics every report and comparison states: a median with its interval, a ratio or a
+difference of two sides with its interval, and the verdict read off that interval. Every interval
+states the confidence it truly reaches at its n (docs/measuring.md, "Intervals and verdicts").
 
-- Interval of a median: percentile bootstrap. The sample (a group's repeats, or the measured steps
-  of its one run) is resampled with replacement N_BOOT times, the median taken each time, and the
-  2.5th and 97.5th percentiles of those medians are the interval. The generator is seeded (SEED),
-  so the same numbers give the same interval on every machine and every call.
-- Interval of a ratio of medians (candidate ÷ baseline): the ratio of the two resampled medians
-  taken N_BOOT times, its 2.5th and 97.5th percentiles. Paired where both sides hold the same
-  repeats of one sweep (each value keyed by folder, sweep and repeat: the repeat's runs ran side by
-  side, interleaved, on one host): a resample draws repeats, and takes both sides' values of each
-  drawn repeat, so that what a repeat's process shares (the host's speed in that call) moves both
-  medians alike instead of widening the interval. Otherwise each side is resampled on its own.
-  Differences (accuracy points) likewise.
+- Interval of a median: the order-statistic interval (lora_bench.report.order_stats), exact and
+  distribution-free: the narrowest [x_(j), x_(n+1−j)] reaching CONFIDENCE, or [min, max] and the
+  lower confidence it reaches where n is too small for CONFIDENCE (93.8 % at n = 5).
+- Ratio (candidate ÷ baseline), paired: where both sides hold the same repeats of one sweep (each
+  value keyed by folder, sweep and repeat: the repeat's runs ran side by side, interleaved, on one
+  host), the per-repeat ratios c_i / b_i; the point is their median, the interval their
+  order-statistic interval (the sign-test interval of the median ratio), so what a repeat's runs
+  share (the host's speed in that call) cancels in each ratio instead of widening the interval.
+- Ratio, unpaired: the ratio of the two medians; each side's median gets its order-statistic
+  interval at 1 − (1 − CONFIDENCE) / 2, and [lo_c / hi_b, hi_c / lo_b] holds the true ratio
+  whenever both hold their medians: with probability at least γ_c + γ_b − 1 (Bonferroni), stated
+  as "≥". Differences (accuracy points) likewise, with − in place of ÷.
 - Over what: ``repeats`` (process-to-process spread) when a group has two runs or more; ``steps``
-  when it has one run, resampling that run's measured steps (the spread between processes is then
-  unknown, and every renderer says so); none when there is one value and no steps.
-- Verdict with threshold t (THRESHOLD, 2 %): ``slower`` when the ratio's interval lies above 1 + t,
-  ``faster`` when it lies below 1 / (1 + t), ``no difference`` when it lies inside
-  [1 / (1 + t), 1 + t], ``unclear`` otherwise (or without an interval)."""
+  when it has one run, over that run's measured steps (the spread between processes is then
+  unknown, and every renderer marks it); none for one value without steps.
+- Verdict with threshold t (THRESHOLD, 2 %): ``too few repeats`` below MIN_REPEATS repeats on
+  either side, or where an interval is over one run's steps; else ``slower`` when the ratio's
+  interval lies above 1 + t, ``faster`` when it lies below 1 / (1 + t), ``no difference`` when it
+  lies inside [1 / (1 + t), 1 + t], ``unclear`` otherwise (or without an interval)."""
 
 from __future__ import annotations
 
@@ -26,28 +29,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lora_bench.report.order_stats import MIN_REPEATS, median_interval as order_interval
 from lora_bench.report.threshold import THRESHOLD
 
 CONFIDENCE = 0.95
-N_BOOT = 2000
-SEED = 20260101
 REPEATS, STEPS = "repeats", "steps"
 FASTER, SLOWER, SAME, UNCLEAR = "faster", "slower", "no difference", "unclear"
+TOO_FEW = "too few repeats"
 HIGHER, LOWER = "higher", "lower"  # the words for a metric that is not a speed (accuracy, memory)
-VERDICTS = (FASTER, SLOWER, HIGHER, LOWER, SAME, UNCLEAR)
-_CHUNK = 4_000_000  # resampled values held at once (a long run's steps are drawn in blocks)
+VERDICTS = (FASTER, SLOWER, HIGHER, LOWER, SAME, UNCLEAR, TOO_FEW)
 
-RESAMPLING = ("repeats of one sweep paired: a resample draws repeats and takes both sides' runs of each, so that "
-              "what a repeat's runs share, the host's speed in that call, cancels; otherwise each side's repeats "
-              "resampled on their own")
-STATISTIC = "median with 95 % percentile-bootstrap interval"
-STEPS_NOTE = "interval over the steps of one run: process-to-process spread unknown"
+RESAMPLING = ("repeats of one sweep paired: the median of the per-repeat ratios with their order-statistic "
+              "(sign-test) interval, so what a repeat's runs share, the host's speed in that call, cancels; "
+              "otherwise the ratio of the medians, between the two medians' order-statistic intervals, with "
+              "the joint confidence's lower bound (≥)")
+STATISTIC = "order-statistic interval, stating the confidence it reaches at n"
+STEPS_NOTE = "interval over the steps of one run: process-to-process spread unknown, no verdict"
 STEPS_MARK = "†"  # marks an interval over the steps of one run
 
 
 @dataclass(frozen=True)
 class Sample:
-    """The values an interval resamples: a group's repeats, or the measured steps of its one run
+    """The values an interval rests on: a group's repeats, or the measured steps of its one run
     (``value``, the run's own recorded median, is then the point estimate)."""
 
     values: np.ndarray
@@ -64,9 +67,7 @@ class Sample:
             if over != REPEATS or len(keys) != int(keep.sum()) or len(set(keys)) != len(keys):
                 keys = None  # pairing needs one value per repeat
         v = v[keep]
-        if over == REPEATS and len(v) < 2:
-            over = ""
-        if over == STEPS and len(v) < 2:
+        if len(v) < 2:
             over = ""
         return cls(values=v, over=over, value=value, keys=keys)
 
@@ -77,17 +78,25 @@ class Sample:
             return self.value
         return float(np.median(self.values)) if len(self.values) else math.nan
 
+    @property
+    def n(self) -> int:
+        """Independent values: the repeats, or 1 for one run (its steps are not independent runs)."""
+        return 1 if self.over == STEPS else len(self.values)
+
 
 @dataclass(frozen=True)
 class Estimate:
-    """A median, or a ratio of medians, with its 95 % interval (NaN where there is none)."""
+    """A median, a ratio or a difference, with its interval and the confidence that interval
+    reaches (NaN where there is none)."""
 
     value: float
     lo: float = math.nan
     hi: float = math.nan
-    n: int = 0  # values the point estimate stands on (repeats, or 1 for one run)
+    n: int = 0  # values the estimate stands on: repeats (pairs; the fewer side's where unpaired), 1 for one run
     over: str = ""  # REPEATS, STEPS or "" (no interval)
-    paired: bool = False  # the interval resampled the two sides' repeats in pairs (module)
+    paired: bool = False  # a ratio or difference of per-repeat pairs (module)
+    confidence: float = math.nan  # the probability the interval holds the true value
+    at_least: bool = False  # ``confidence`` is a lower bound (two sides' intervals combined)
 
     @property
     def median(self) -> float:
@@ -106,9 +115,16 @@ class Estimate:
     def per_step(self) -> bool:
         return self.over == STEPS
 
+    @property
+    def enough(self) -> bool:
+        """Enough repeats for a verdict: MIN_REPEATS or more, an interval over repeats."""
+        return self.has_interval and self.over == REPEATS and self.n >= MIN_REPEATS
+
     def as_dict(self) -> dict:
         return {"value": _json_float(self.value), "lo": _json_float(self.lo), "hi": _json_float(self.hi),
-                "n": self.n, "interval_over": self.over or None, "paired": self.paired}
+                "n": self.n, "interval_over": self.over or None, "paired": self.paired,
+                "confidence": _json_float(self.confidence) if self.has_interval else None,
+                "confidence_at_least": self.at_least}
 
 
 NONE = Estimate(math.nan)
@@ -118,105 +134,91 @@ def _json_float(v: float) -> float | None:
     return None if math.isnan(v) else float(v)
 
 
-def _boot_medians(values: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarray:
-    """The medians of ``n_boot`` resamples (with replacement) of ``values``."""
-    n = len(values)
-    rows = max(1, _CHUNK // n)
-    out = np.empty(n_boot)
-    for start in range(0, n_boot, rows):
-        stop = min(n_boot, start + rows)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        out[start:stop] = np.median(values[idx], axis=1)
-    return out
+def _interval(values: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    return order_interval(values, confidence)
 
 
 def _paired(candidate: Sample, baseline: Sample) -> tuple[np.ndarray, np.ndarray] | None:
     """Both sides' values in the order of their common repeats, when they hold the same ones."""
     if candidate.keys is None or baseline.keys is None or set(candidate.keys) != set(baseline.keys):
         return None
+    if candidate.over != REPEATS or baseline.over != REPEATS:
+        return None
     where = {k: i for i, k in enumerate(baseline.keys)}
     order = [where[k] for k in candidate.keys]
     return candidate.values, baseline.values[order]
 
 
-def _boot_median_pairs(a: np.ndarray, b: np.ndarray, rng: np.random.Generator,
-                       n_boot: int) -> tuple[np.ndarray, np.ndarray]:
-    """The medians of ``n_boot`` resamples of the pairs (a[i], b[i]), each side's median apart."""
-    n = len(a)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    return np.median(a[idx], axis=1), np.median(b[idx], axis=1)
-
-
-def _two_sides(candidate: Sample, baseline: Sample, rng: np.random.Generator,
-               n_boot: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Resampled medians of both sides: paired where ``_paired`` finds pairs, else each on its own."""
-    pairs = _paired(candidate, baseline)
-    if pairs is not None:
-        return (*_boot_median_pairs(*pairs, rng, n_boot), True)
-    return _boot_medians(candidate.values, rng, n_boot), _boot_medians(baseline.values, rng, n_boot), False
-
-
-def _bounds(boots: np.ndarray) -> tuple[float, float]:
-    tail = (1 - CONFIDENCE) / 2
-    lo, hi = np.quantile(boots, (tail, 1 - tail))
-    return float(lo), float(hi)
-
-
-def _n(sample: Sample) -> int:
-    return 1 if sample.over == STEPS else len(sample.values)
-
-
-def median_interval(sample: Sample, *, seed: int = SEED, n_boot: int = N_BOOT) -> Estimate:
-    """The sample's median (or its run's recorded value) with the percentile-bootstrap interval."""
+def median_interval(sample: Sample) -> Estimate:
+    """The sample's median (or its run's recorded value) with its order-statistic interval."""
     point = sample.point
     if not sample.over:
-        return Estimate(point, n=_n(sample))
-    lo, hi = _bounds(_boot_medians(sample.values, np.random.default_rng(seed), n_boot))
-    return Estimate(point, min(lo, point), max(hi, point), n=_n(sample), over=sample.over)
+        return Estimate(point, n=sample.n)
+    lo, hi, reached = _interval(sample.values)
+    return Estimate(point, min(lo, point), max(hi, point), n=sample.n, over=sample.over, confidence=reached)
 
 
-def ratio_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED, n_boot: int = N_BOOT) -> Estimate:
-    """median(candidate) / median(baseline), paired by repeat where both sides hold the same repeats,
-    else each side resampled on its own (module); the interval is over steps when either side's is."""
+def _of_pairs(values: np.ndarray, n: int) -> Estimate:
+    """The median of per-repeat ratios or differences with their order-statistic interval."""
+    lo, hi, reached = _interval(values)
+    return Estimate(float(np.median(values)), lo, hi, n=n, over=REPEATS, paired=True, confidence=reached)
+
+
+def _sides(candidate: Sample, baseline: Sample) -> tuple[tuple[float, float], tuple[float, float], float, str]:
+    """Each side's interval at 1 − (1 − CONFIDENCE) / 2, the joint confidence's lower bound, and what
+    the intervals are over (STEPS when either side's is)."""
+    half = 1 - (1 - CONFIDENCE) / 2
+    lc, hc, gc = _interval(candidate.values, half)
+    lb, hb, gb = _interval(baseline.values, half)
+    over = STEPS if STEPS in (candidate.over, baseline.over) else REPEATS
+    return (lc, hc), (lb, hb), max(0.0, gc + gb - 1), over
+
+
+def ratio_interval(candidate: Sample, baseline: Sample) -> Estimate:
+    """candidate ÷ baseline: paired, the median of per-repeat ratios; unpaired, the ratio of the
+    medians between the combined intervals (module)."""
     num, den = candidate.point, baseline.point
     if math.isnan(num) or math.isnan(den) or den == 0:
         return NONE
+    n = min(candidate.n, baseline.n)
+    pairs = _paired(candidate, baseline)
+    if pairs is not None and (pairs[1] > 0).all():
+        return _of_pairs(pairs[0] / pairs[1], n)
     ratio = num / den
-    n = min(_n(candidate), _n(baseline))
     if not (candidate.over and baseline.over):
         return Estimate(ratio, n=n)
-    top, bottom, paired = _two_sides(candidate, baseline, np.random.default_rng(seed), n_boot)
-    if (bottom <= 0).any():
+    (lc, hc), (lb, hb), joint, over = _sides(candidate, baseline)
+    if lb <= 0:
         return Estimate(ratio, n=n)
-    lo, hi = _bounds(top / bottom)
-    over = STEPS if STEPS in (candidate.over, baseline.over) else REPEATS
-    return Estimate(ratio, min(lo, ratio), max(hi, ratio), n=n, over=over, paired=paired)
+    return Estimate(ratio, min(lc / hb, ratio), max(hc / lb, ratio), n=n, over=over, confidence=joint, at_least=True)
 
 
-def difference_interval(candidate: Sample, baseline: Sample, *, seed: int = SEED,
-                        n_boot: int = N_BOOT) -> Estimate:
-    """median(candidate) − median(baseline) (e.g. accuracy points), paired as ``ratio_interval``."""
+def difference_interval(candidate: Sample, baseline: Sample) -> Estimate:
+    """candidate − baseline (e.g. accuracy points), paired or combined as ``ratio_interval``."""
     a, b = candidate.point, baseline.point
     if math.isnan(a) or math.isnan(b):
         return NONE
+    n = min(candidate.n, baseline.n)
+    pairs = _paired(candidate, baseline)
+    if pairs is not None:
+        return _of_pairs(pairs[0] - pairs[1], n)
     d = a - b
-    n = min(_n(candidate), _n(baseline))
     if not (candidate.over and baseline.over):
         return Estimate(d, n=n)
-    top, bottom, paired = _two_sides(candidate, baseline, np.random.default_rng(seed), n_boot)
-    lo, hi = _bounds(top - bottom)
-    over = STEPS if STEPS in (candidate.over, baseline.over) else REPEATS
-    return Estimate(d, min(lo, d), max(hi, d), n=n, over=over, paired=paired)
+    (lc, hc), (lb, hb), joint, over = _sides(candidate, baseline)
+    return Estimate(d, min(lc - hb, d), max(hc - lb, d), n=n, over=over, confidence=joint, at_least=True)
 
 
 def verdict(ratio: Estimate, *, threshold: float = THRESHOLD, higher_is_better: bool = False,
             speed: bool = True) -> str:
-    """The module's verdict for a ratio candidate ÷ baseline: for a time (``speed``, lower is
-    better) slower above the band, faster below it; for a throughput (``higher_is_better``) the
-    other way round; for a metric that is not a speed, higher or lower. No difference inside the
-    band; unclear otherwise or without an interval."""
+    """The module's verdict for a ratio candidate ÷ baseline: too few repeats below MIN_REPEATS or
+    over one run's steps; for a time (``speed``, lower is better) slower above the band, faster
+    below it; for a throughput (``higher_is_better``) the other way round; for a metric that is not
+    a speed, higher or lower. No difference inside the band; unclear otherwise or without an interval."""
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
+    if ratio.known and (ratio.per_step or ratio.n < MIN_REPEATS):
+        return TOO_FEW
     if not ratio.has_interval:
         return UNCLEAR
     up, down = 1 + threshold, 1 / (1 + threshold)
@@ -238,26 +240,49 @@ def worse(*, higher_is_better: bool, speed: bool) -> str:
 
 
 def excludes_zero(diff: Estimate) -> bool | None:
-    """Whether a difference's interval leaves out 0 (None: no interval)."""
-    if not diff.has_interval:
+    """Whether a difference's interval leaves out 0 (None: no interval, or too few repeats to say)."""
+    if not diff.enough:
         return None
     return diff.lo > 0 or diff.hi < 0
 
 
-def span_text(e: Estimate, *, digits: int = 2) -> str:
-    """'[1.47–1.53]', '[-4.20 to -3.80]', '[204.1–206.2]†' (over one run's steps); '(no interval)'."""
+def confidence_text(e: Estimate) -> str:
+    """'93.8 %', '≥ 87.5 %': the confidence an interval reaches."""
+    return f"{'≥ ' if e.at_least else ''}{100 * e.confidence:.1f} %"
+
+
+def n_text(e: Estimate) -> str:
+    """'n = 5, 93.8 %' beside an interval; 'n = 1' beside none ('' where neither is known)."""
+    parts = [f"n = {e.n}"] if e.n else []
+    if e.has_interval and not math.isnan(e.confidence):
+        parts.append(confidence_text(e))
+    return ", ".join(parts)
+
+
+def span_text(e: Estimate, *, digits: int = 2, told: bool = True) -> str:
+    """'[1.47–1.53] (n = 5, 93.8 %)', '[-4.20 to -3.80] (n = 5, ≥ 87.5 %)', '[204.1–206.2]† (n = 1,
+    95.1 %)' (over one run's steps); '(no interval, n = 1)'. ``told=False`` leaves out n and the
+    confidence, for a table whose header states them once for every cell (``shared_n_text``)."""
+    told = n_text(e) if told else ""
     if not e.has_interval:
-        return "(no interval)"
+        return f"(no interval, {told})" if told else "(no interval)"
     lo, hi = f"{e.lo:,.{digits}f}", f"{e.hi:,.{digits}f}"
     sep = " to " if e.lo < 0 or e.hi < 0 else "–"
-    return f"[{lo}{sep}{hi}]{STEPS_MARK if e.per_step else ''}"
+    return f"[{lo}{sep}{hi}]{STEPS_MARK if e.per_step else ''}" + (f" ({told})" if told else "")
 
 
-def interval_text(e: Estimate, *, digits: int = 2, unit: str = "") -> str:
-    """'1.50× [1.47–1.53]', '33.4 [33.0–33.9]', '205.0 [204.1–206.2]†'; '-' without a value."""
+def interval_text(e: Estimate, *, digits: int = 2, unit: str = "", told: bool = True) -> str:
+    """'1.50× [1.47–1.53] (n = 5, 93.8 %)', '205.0 [204.1–206.2]† (n = 1, 95.1 %)'; '-' without a value."""
     if not e.known:
         return "-"
-    return f"{e.value:,.{digits}f}{unit} {span_text(e, digits=digits)}"
+    return f"{e.value:,.{digits}f}{unit} {span_text(e, digits=digits, told=told)}"
+
+
+def shared_n_text(estimates) -> str:
+    """'n = 5, 93.8 %' where every one of ``estimates`` has an interval with that n and confidence
+    (a header can then state it once for the column); '' otherwise."""
+    texts = {n_text(e) if e.has_interval else "" for e in estimates}
+    return texts.pop() if len(texts) == 1 else ""
 
 
 def threshold_text(threshold: float) -> str:
@@ -270,6 +295,7 @@ def rule_text(threshold: float = THRESHOLD, *, higher_is_better: bool = False, s
     higher / lower for a metric that is not a speed (accuracy, memory)."""
     t = threshold_text(threshold)
     above, below = (HIGHER, LOWER) if not speed else (FASTER, SLOWER) if higher_is_better else (SLOWER, FASTER)
-    return (f"verdict: {above} / {below} where the ratio's 95 % interval lies wholly above 1 + {t} / below "
-            f"1 ÷ (1 + {t}); no difference where it lies inside that band; unclear otherwise "
-            f"(intervals: percentile bootstrap over repeats, seeded; {STEPS_MARK}: {STEPS_NOTE})")
+    return (f"verdict: {TOO_FEW} below {MIN_REPEATS} repeats a side or over one run's steps; else {above} / "
+            f"{below} where the ratio's interval lies wholly above 1 + {t} / below 1 ÷ (1 + {t}); no difference "
+            f"where it lies inside that band; unclear otherwise (intervals: order statistics of the median, "
+            f"exact and distribution-free, with n and the confidence they reach at n; {STEPS_MARK}: {STEPS_NOTE})")

@@ -9,7 +9,7 @@ Rules (each stated where a reader sees its result):
   perturbs them); their kernel counts join the timed group with the same step shape and mode
   (model size, trainable layers, LoRA rank, batch, context, execution mode);
 - a seed that differs across repeats makes them repeats over seeds;
-- every median comes with its 95 % interval and every ratio of medians with its own, and a ratio's
+- every median comes with its interval and every ratio with its own, and a ratio's
   verdict is read off its interval (lora_bench.report.stats); a difference in accuracy is outside
   the seed noise where its interval leaves out 0."""
 
@@ -171,7 +171,7 @@ def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: 
                  else math.nan,
                  accuracy={a: est[a] for a in ACCURACIES if a in g and est[a].known}, is_baseline=rg.is_baseline,
                  ratio=rg.ratio.value, ratio_lo=rg.ratio.lo, ratio_hi=rg.ratio.hi, ratio_over=rg.ratio.over,
-                 verdict=rg.verdict)
+                 verdict=rg.verdict, ratio_stats=rg.ratio)
 
 
 def _base_params(study: Study) -> None:

@@ -1,5 +1,5 @@
 """What the study view holds (built by lora_bench.report.study): per group its step time and
-phases with their 95 % intervals and its ratio to the baseline with the verdict (all from
+phases with their intervals and its ratio to the baseline with the verdict (all from
 lora_bench.report.groups), the lines of one variant across sizes, the kernel profiles, the header
 facts; and the measured cause of a phase's time (the GPU's busy fraction, GPU_BOUND and STARVED)."""
 
@@ -73,13 +73,14 @@ class Group:
     params: float = math.nan  # parameters of the base model (the smallest count at this size)
     accuracy: dict[str, Estimate] = field(default_factory=dict)
     is_baseline: bool = False
-    ratio: float = math.nan  # median step / the baseline group's
-    ratio_lo: float = math.nan  # its 95 % interval
+    ratio: float = math.nan  # step / the baseline group's (lora_bench.report.stats.ratio_interval)
+    ratio_lo: float = math.nan  # its interval
     ratio_hi: float = math.nan
-    ratio_over: str = ""  # what the interval resamples: repeats, steps (of a one-run group) or nothing
+    ratio_over: str = ""  # what the interval is over: repeats, steps (of a one-run group) or nothing
     verdict: str = ""  # lora_bench.report.stats.verdict of the ratio ('' for the baseline itself)
     profile: str = ""  # run id of the profiled run whose kernel counts are shown
     counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # its (launches, kernel ms) by phase
+    ratio_stats: Estimate = stats.NONE  # the ratio as the engine gave it (its n, pairing and confidence)
 
     @property
     def n(self) -> int:
@@ -94,6 +95,8 @@ class Group:
 
     @property
     def ratio_estimate(self) -> Estimate:
+        if self.ratio_stats.known:
+            return self.ratio_stats
         return Estimate(self.ratio, self.ratio_lo, self.ratio_hi, n=self.n, over=self.ratio_over)
 
     @property
@@ -185,7 +188,7 @@ class Study:
         return next((a for a in reversed(ACCURACIES) if any(a in g.accuracy for g in self.groups)), "")
 
     def accuracy_vs_base(self, g: Group) -> tuple[Estimate, bool | None]:
-        """(Δ median accuracy in points against the baseline group with its 95 % interval, whether
+        """(Δ median accuracy in points against the baseline group with its interval, whether
         that interval leaves out 0: outside the spread over seeds; None without an interval)."""
         metric, b = self.accuracy_metric, self.base_of(g)
         if not metric or b is None or metric not in g.accuracy or metric not in b.accuracy:

@@ -1,7 +1,8 @@
 """Every table of a study report as plain text cells (one model for the terminal, Markdown and HTML
 renderers): the header facts, the crossover, where the time goes, kernel profiles and accuracy
-over seeds (the table of all groups: lora_bench.report.group_table). Every median and every ratio carries its 95 % interval in
-brackets (lora_bench.report.stats), marked † where it is over the steps of one run."""
+over seeds (the table of all groups: lora_bench.report.group_table). Every median and every ratio carries its interval in
+brackets with n and the confidence it reaches (lora_bench.report.stats), marked † where it is
+over the steps of one run."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import pandas as pd
 
 from lora_bench.report.aggregate import rule
 from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
-from lora_bench.report.stats import RESAMPLING, STEPS_MARK, STEPS_NOTE, Estimate, span_text
+from lora_bench.report.order_stats import MIN_REPEATS
+from lora_bench.report.stats import RESAMPLING, STATISTIC, STEPS_MARK, STEPS_NOTE, TOO_FEW, Estimate, span_text
 from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study
 from lora_bench.timing import PHASES
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
-CI = "[95 % CI]"
+CI = "[interval]"
 STEP_STATISTIC = "median over repeats of each run's median step"
 STEPS_FOOTNOTE = f"{STEPS_MARK}: {STEPS_NOTE}"
 
@@ -37,13 +39,13 @@ def num(v, digits: int = 1) -> str:
 
 
 def est(e: Estimate, digits: int = 1, *, lines: bool = False) -> str:
-    """A median and its interval: '33.4 [33.0–33.9]', on two lines where the renderer allows one."""
+    """A median and its interval: '33.4 [33.0–33.9] (n = 5, 93.8 %)', on two lines where the renderer allows one."""
     if not e.known:
         return "-"
     return f"{e.value:,.{digits}f}{chr(10) if lines else ' '}{span_text(e, digits=digits)}"
 
 
-NO_INTERVAL_NOTE = "(no interval): a group of one run with no steps.csv (or no per-step values) to resample"
+NO_INTERVAL_NOTE = "(no interval): a group of one run with no steps.csv (or no per-step values) to take one from"
 
 
 def interval_notes(*estimates: Estimate) -> list[str]:
@@ -117,9 +119,9 @@ def crossover_table(study: Study) -> Table:
                 by = {g.size: g for g in ln.groups}
                 rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
-    notes = [(f"step ms: {STEP_STATISTIC}; ratio = that median / the baseline's ({study.baseline_text}) at the "
-              "same size, mode and condition, then its verdict; [lo–hi]: the 95 % interval (percentile bootstrap, "
-              f"{RESAMPLING})"),
+    notes = [(f"step ms: {STEP_STATISTIC}; ratio to the baseline's ({study.baseline_text}) at the "
+              "same size, mode and condition, then its verdict; [lo–hi] (n, confidence): its interval, the repeats "
+              f"it stands on and the confidence it reaches ({RESAMPLING})"),
              rule(study.threshold), *interval_notes(*_shown(study.groups))]
     if legend(study):
         notes.append(legend(study))
@@ -147,7 +149,7 @@ def fastest_lora_table(study: Study) -> Table | None:
     rows = [[s, best[s].variant, best[s].mode or "-", *([best[s].condition or "-"] if with_cond else []),
              est(best[s].step, digits=2)] for s in study.sizes if s in best]
     notes = [f"the LoRA group with the lowest median step at each size, among those measured here; step ms: "
-             f"{STEP_STATISTIC}; [lo–hi]: its 95 % interval", *interval_notes(*(g.step for g in best.values()))]
+             f"{STEP_STATISTIC}; [lo–hi] (n, confidence): its {STATISTIC}", *interval_notes(*(g.step for g in best.values()))]
     return Table(title=f"Fastest measured LoRA step per size ({study.device})", head=head, rows=rows, notes=notes,
                  n_keys=4 if with_cond else 3)
 
@@ -188,7 +190,7 @@ def _why(groups: list[Group], *, title: str, min_share: float) -> Table:
                      est(g.mfu, 2, lines=True)])
     notes = [(f"step ms: {STEP_STATISTIC}; fwd, bwd, opt: forward, backward, optimizer; dev: device time (CUDA "
               "events), host: host time (perf_counter); each a median over repeats of each run's median, with its "
-              "95 % interval. GPU busy: the kernel time a profiled repeat saw in the phase over the phase's "
+              "interval. GPU busy: the kernel time a profiled repeat saw in the phase over the phase's "
               f"device time here (≥ {100 * GPU_BOUND:.0f} %: the GPU is the bottleneck; under {100 * STARVED:.0f} %: it waits for "
               f"Python to queue kernels; '-': no profiled repeat); phases under {100 * min_share:.0f} % of the step "
               "are not listed"),
@@ -238,6 +240,11 @@ def profiles_table(study: Study) -> Table | None:
     return Table(title="Kernel profiles", head=head, rows=rows, notes=notes, n_keys=5)
 
 
+def _unjudged(d: Estimate) -> str:
+    """Why a difference is not judged: too few repeats, or no interval at all."""
+    return f"? ({TOO_FEW})" if d.has_interval else "? (no interval)"
+
+
 # -- accuracy over seeds -------------------------------------------------------------------------
 def accuracy_table(study: Study) -> Table | None:
     metric = study.accuracy_metric
@@ -253,7 +260,7 @@ def accuracy_table(study: Study) -> Table | None:
         if a is None:
             continue
         d, outside = study.accuracy_vs_base(g)
-        mark = "baseline" if g.is_baseline else {True: "yes", False: "no", None: "? (no interval)"}[outside]
+        mark = "baseline" if g.is_baseline else {True: "yes", False: "no", None: _unjudged(d)}[outside]
         values = pd.to_numeric(g.runs[metric], errors="coerce").dropna()
         delta = "-" if not d.known or g.is_baseline else f"{d.value:+.2f} {span_text(d)}"
         rows.append([g.mode or "-", *([g.condition or "-"] if with_cond else []), g.size, g.variant,
@@ -261,8 +268,8 @@ def accuracy_table(study: Study) -> Table | None:
                      ratio_cell(g) if not g.is_baseline else "1.00× (baseline)", est(a, 2),
                      f"{num(values.min(), 2)}–{num(values.max(), 2)}" if len(values) else "-", delta, mark])
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
-    notes = [(f"{label}: median over the repeats of each group with its 95 % interval, and their min–max ({over}); "
-              f"Δ: median minus the baseline's, with its 95 % interval ({RESAMPLING}); "
-              "outside seed noise: that interval leaves out 0"), f"step ms and step ratio: as in the crossover table",
+    notes = [(f"{label}: median over the repeats of each group with its {STATISTIC}, and their min–max ({over}); "
+              f"Δ: the difference from the baseline, with its interval ({RESAMPLING.replace('ratio', 'difference')}); "
+              f"outside seed noise: that interval leaves out 0, judged from {MIN_REPEATS} repeats a side"), f"step ms and step ratio: as in the crossover table",
              *interval_notes(*_shown(study.groups))]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)

@@ -39,29 +39,33 @@ def test_intervals_verdicts_and_ratios():
     g = rep.groups.set_index(["cfg_model_size", "cfg_trainable_layers"])
     assert rep.keys == ["cfg_model_size", "cfg_trainable_layers"]  # data_file paths differ but are not a setting
     assert g.loc[("124M", "all"), "step_ms_median"] == pytest.approx(33.4)
-    # three repeats (33.0, 33.4, 34.1): a median's bootstrap interval runs from the smallest to the largest
+    # five repeats (33.0, 33.4, 34.1, 33.2, 33.8): the order-statistic interval is [min, max], 93.75 %
     assert (g.loc[("124M", "all"), "step_ms_median_lo"], g.loc[("124M", "all"), "step_ms_median_hi"]) == (
         pytest.approx(33.0), pytest.approx(34.1))
+    assert g.loc[("124M", "all"), "step_ms_median_confidence"] == 0.9375
+    assert g.loc[("124M", "all"), "step_ms_median_n"] == 5
     assert g.loc[("124M", "all"), "step_ms_median_over"] == stats.REPEATS
+    # paired repeats: the median of the five per-repeat ratios
     assert g.loc[("124M", "lora"), "ratio"] == pytest.approx(50.2 / 33.4)
     assert g.loc[("124M", "lora"), "ratio_lo"] > 1.02 and g.loc[("124M", "lora"), "verdict"] == "slower"
     # 0.2 ms apart with repeats 1 ms wide, but each repeat's lora-kernel run 0.6-0.9 % above that
     # repeat's all: paired by repeat, the interval lies inside the ±2 % band: no difference
     lo, hi = g.loc[("124M", "lora-kernel"), ["ratio_lo", "ratio_hi"]]
     assert 1 <= lo <= hi < 1.02 and g.loc[("124M", "lora-kernel"), "verdict"] == "no difference"
-    # the same values resampled side by side: the interval spans 1.0 and leaves the band: unclear
-    apart = stats.ratio_interval(stats.Sample.of([33.2, 33.6, 34.4]), stats.Sample.of([33.0, 33.4, 34.1]))
+    # the same values taken side by side: the interval spans 1.0 and leaves the band: unclear
+    apart = stats.ratio_interval(stats.Sample.of([33.2, 33.6, 34.4, 33.45, 34.05]),
+                                 stats.Sample.of([33.0, 33.4, 34.1, 33.2, 33.8]))
     assert apart.lo < 1 / 1.02 and apart.hi > 1.02 and stats.verdict(apart) == "unclear"
-    assert g.loc[("1558M", "lora"), "ratio"] == pytest.approx(240.4 / 299.0)  # same-size baseline
+    assert g.loc[("1558M", "lora"), "ratio"] == pytest.approx(240.2 / 299.5)  # same-size baseline, paired
     assert g.loc[("1558M", "lora"), "verdict"] == "faster"
-    # one repeat and no steps.csv: no interval, so no verdict either way
+    # one repeat and no steps.csv: no interval, and too few repeats for a verdict
     one = g.loc[("1558M", "lora-kernel")]
-    assert pd.isna(one["ratio_lo"]) and one["verdict"] == "unclear"
+    assert pd.isna(one["ratio_lo"]) and one["verdict"] == stats.TOO_FEW
     assert bool(g.loc[("1558M", "all"), "is_baseline"]) and g.loc[("1558M", "all"), "verdict"] == ""
     assert rep.excluded == {"failed": 1}
     # a wider threshold turns the clear slowdown's verdict only where its interval no longer clears it
     wide = build_report(load_results([REPORT_ROWS]), baseline="trainable_layers=all", threshold=0.6)
-    assert set(wide.groups["verdict"]) <= {"", "no difference", "unclear"}
+    assert set(wide.groups["verdict"]) <= {"", "no difference", "unclear", stats.TOO_FEW}
 
 
 def _with_steps(tmp_path: Path) -> Path:
@@ -83,7 +87,8 @@ def test_a_one_run_group_gets_an_interval_over_its_steps_and_says_so(tmp_path, r
     g = rep.groups.set_index(["cfg_model_size", "cfg_trainable_layers"]).loc[("1558M", "lora-kernel")]
     assert g["step_ms_median"] == 205.0 and g["step_ms_median_over"] == stats.STEPS
     assert 195 < g["step_ms_median_lo"] < 205 < g["step_ms_median_hi"] < 215  # warm-up steps left out
-    assert g["ratio_over"] == stats.STEPS and g["ratio_hi"] < 1 / 1.02 and g["verdict"] == "faster"
+    # over one run's steps: an interval, but the spread between processes is unknown: no verdict
+    assert g["ratio_over"] == stats.STEPS and g["ratio_hi"] < 1 / 1.02 and g["verdict"] == stats.TOO_FEW
     md = table_markdown(groups_table(rep))
     assert "205.0 \\[" in md and "\\]†" in md and f"†: {stats.STEPS_NOTE}" in md  # brackets escaped in Markdown
     for fmt, where in (("table", "†"), ("markdown", "†"), ("html", "†")):
@@ -101,9 +106,10 @@ def test_group_by_metrics_and_csv(run_cli):
     assert code == 0
     df = pd.read_csv(io.StringIO(out))
     assert list(df["trainable_layers"]) == ["all", "lora", "lora-kernel"]
-    assert list(df.columns[:6]) == ["trainable_layers", "n", "backward_ms_median", "backward_ms_median_lo",
-                                    "backward_ms_median_hi", "backward_ms_median_over"]
-    assert list(df["n"]) == [6, 6, 4]
+    assert list(df.columns[:8]) == ["trainable_layers", "n", "backward_ms_median", "backward_ms_median_lo",
+                                    "backward_ms_median_hi", "backward_ms_median_n", "backward_ms_median_confidence",
+                                    "backward_ms_median_over"]
+    assert list(df["n"]) == [10, 10, 6] and list(df["backward_ms_median_n"]) == [10, 10, 6]
     assert (df["backward_ms_median_lo"] <= df["backward_ms_median"]).all()
     assert (df["backward_ms_median"] <= df["backward_ms_median_hi"]).all()
 
@@ -120,21 +126,25 @@ def test_csv_and_json_carry_p10_p90_tokens_per_s_intervals_and_verdicts(tmp_path
     assert code == 0
     df = pd.read_csv(io.StringIO(out), keep_default_na=False)
     for col in ("step_ms_median_lo", "step_ms_median_hi", "step_ms_p10", "step_ms_p90", "tokens_per_s",
-                "tokens_per_s_lo", "tokens_per_s_hi", "ratio", "ratio_lo", "ratio_hi", "verdict"):
+                "tokens_per_s_lo", "tokens_per_s_hi", "ratio", "ratio_lo", "ratio_hi", "ratio_n", "ratio_confidence",
+                "ratio_paired", "verdict"):
         assert col in df.columns, col
     lora = df[(df["model_size"] == "124M") & (df["trainable_layers"] == "lora")].iloc[0]
-    assert lora["verdict"] == "slower" and float(lora["step_ms_p90"]) == pytest.approx(1.1 * 50.2)
+    assert lora["verdict"] == "slower" and float(lora["step_ms_p90"]) == pytest.approx(1.1 * 50.4)
+    assert int(lora["ratio_n"]) == 5 and float(lora["ratio_confidence"]) == 0.9375 and str(lora["ratio_paired"]) == "True"
     code, out = run_cli("report", folder, "--format", "json")
     assert code == 0
     doc = json.loads(out)  # strict JSON: no NaN
-    assert doc["statistic"]["confidence"] == 0.95 and doc["statistic"]["threshold"] == 0.02
+    assert doc["statistic"]["target_confidence"] == 0.95 and doc["statistic"]["threshold"] == 0.02
+    assert doc["statistic"]["min_repeats"] == 5
     assert doc["metric"] == "step_ms_median" and doc["baseline"] == {"trainable_layers": "all"}
     lora = next(x for x in doc["groups"] if x["settings"] == {"model_size": "124M", "trainable_layers": "lora"})
     m = lora["metrics"]["step_ms_median"]
-    assert m["value"] == pytest.approx(50.2) and m["lo"] <= m["value"] <= m["hi"] and m["interval_over"] == "repeats"
+    assert m["value"] == pytest.approx(50.4) and m["lo"] <= m["value"] <= m["hi"] and m["interval_over"] == "repeats"
+    assert m["n"] == 5 and m["confidence"] == 0.9375 and m["confidence_at_least"] is False
     assert lora["verdict"] == "slower" and lora["ratio"]["lo"] > 1.02 and "tokens_per_s" in lora["metrics"]
     one = next(x for x in doc["groups"] if x["settings"] == {"model_size": "1558M", "trainable_layers": "lora-kernel"})
-    assert one["ratio"]["lo"] is None and one["verdict"] == "unclear"
+    assert one["ratio"]["lo"] is None and one["verdict"] == stats.TOO_FEW and one["ratio"]["n"] == 1
     assert any("not included" in n or "test_acc is empty" in n for n in doc["notes"])
 
 
@@ -144,10 +154,11 @@ def test_terminal_report_and_plot(tmp_path, run_cli):
     assert code == 0
     head = out[:out.index("Where the time goes")]  # the first screen: question, answer, crossover
     assert "Why are lora and lora-kernel faster or slower than all" in head
-    assert "lora takes 1.50× [1.50–1.52] all's step time at 124M and 0.80× [0.80–0.81] at 1558M" in head
-    # the verdicts in the crossover: clear, no difference (paired repeats), and no interval for the one-run group
-    assert "1.50× slower" in head and "1.01× no difference" in head and "0.69× unclear" in head
-    assert "(no interval)" in head and "95 % interval" in head
+    assert ("lora takes 1.50× [1.50–1.52] (n = 5, 93.8 %) all's step time at 124M and 0.80× [0.80–0.81] "
+            "(n = 5, 93.8 %) at 1558M") in head
+    # the verdicts in the crossover: clear, no difference (paired repeats), and none for the one-run group
+    assert "1.50× slower" in head and "1.01× no difference" in head and "0.68× too few repeats" in head
+    assert "(no interval, n = 1)" in head and "the confidence they reach" in head
     assert "1 failed" in out
     for path in (png, tmp_path / "plots" / "report-phases.png"):
         data = path.read_bytes()
@@ -236,7 +247,7 @@ def test_report_of_the_same_sweep_in_two_folders_keeps_both(tmp_path, run_cli):
     both = build_report(load_results([a, b]))
     assert list(both.groups["n"]) == [2 * n for n in one.groups["n"]]  # every row of both folders counts
     code, out = run_cli("report", a, b, "--format", "markdown")
-    assert code == 0 and "17 run id(s) appear in more than one folder" in out  # 16 done, 1 failed
+    assert code == 0 and "27 run id(s) appear in more than one folder" in out  # 26 done, 1 failed
 
 
 def test_labels_lead_the_groups_only_where_they_split_runs():

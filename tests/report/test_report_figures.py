@@ -126,10 +126,10 @@ def test_figures_never_share_a_file_with_each_other_or_the_report(tmp_path, run_
 def test_figures_state_the_statistic_they_draw():
     study = build_study(load_results([STUDY]))
     (ax,) = crossover_figure(study).axes
-    assert "95 % CI" in ax.get_ylabel() and "median" in ax.get_ylabel()
+    assert "order-statistic interval" in ax.get_ylabel() and "median" in ax.get_ylabel()
     phases = phase_figure(study)
     first = next(a for a in phases.axes if a.get_visible())
-    assert "median step [95 % CI]" in first.get_xlabel()
+    assert "median step [order-statistic interval]" in first.get_xlabel()
     # each bar's number is the group's median step with its interval: the tables' step ms, not a sum of phases
     g = next(g for g in study.groups if g.size == "124M" and g.variant == "all" and g.mode == "eager fp32")
     assert any(t.get_text().strip().startswith(f"{g.step.median:.1f} [") for t in first.texts)

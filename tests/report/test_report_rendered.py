@@ -63,7 +63,7 @@ def test_a_hand_edited_report_is_named(tmp_path, run_cli):
     root, peers = _copy("answer/peers", tmp_path)
     assert stale_reports(root) == []  # the copy renders as committed (its inputs are named the same)
     md = peers / "report.md"
-    md.write_text(md.read_text().replace("30.6 (no interval)", "29.9 (no interval)", 1))
+    md.write_text(md.read_text().replace("30.6 (no interval, n = 1)", "29.9 (no interval, n = 1)", 1))
     a, b = (peers / "report-crossover.png").read_bytes(), (peers / "report-phases.png").read_bytes()
     (peers / "report-crossover.png").write_bytes(b)
     (peers / "report-phases.png").write_bytes(a)
@@ -72,7 +72,7 @@ def test_a_hand_edited_report_is_named(tmp_path, run_cli):
     (peers / "report.html").write_text(page.replace(first, "FIRST").replace(second, first).replace("FIRST", second))
     stale = {p.name: why for p, why in stale_reports(root)}
     assert set(stale) == {"report.md", "report-crossover.png", "report-phases.png", "report.html"}, stale
-    assert "29.9 (no interval)" in stale["report.md"] and "30.6 (no interval)" in stale["report.md"]
+    assert "29.9 (no interval, n = 1)" in stale["report.md"] and "30.6 (no interval, n = 1)" in stale["report.md"]
     assert "px" in stale["report-crossover.png"]  # the phase figure has another size
     assert stale["report.html"].startswith("embedded figure 1")
 

@@ -1,8 +1,8 @@
-"""lora_bench.report.stats and samples: the median's and the ratio's bootstrap intervals on
+"""lora_bench.report.stats and samples: the median's and the ratio's order-statistic intervals on
 synthetic samples with known answers (a 5 % slowdown in 1 % noise is found slower; equal
 distributions are 'no difference' in at least 95 % of seeded trials and falsely slower or faster
-in at most 5 %), the verdict's band, reproducibility, and intervals over the steps of a one-run
-group read from its steps.csv."""
+in at most 5 %), no verdict below MIN_REPEATS, the verdict's band, n and the confidence beside
+every interval, and intervals over the steps of a one-run group read from its steps.csv."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from lora_bench.report import stats
+from lora_bench.report.order_stats import MIN_REPEATS, coverage
 from lora_bench.report.samples import sample
 from lora_bench.report.stats import Estimate, Sample, median_interval, ratio_interval, verdict
 from lora_bench.results.schema import STEP_COLUMNS
@@ -22,7 +23,7 @@ TRIALS = 200
 
 
 def _verdicts(*, n: int, noise: float, slowdown: float, trials: int = TRIALS) -> Counter:
-    """Verdicts of ``trials`` seeded comparisons: n repeats a side, Gaussian relative noise."""
+    """Verdicts of ``trials`` seeded unpaired comparisons: n repeats a side, Gaussian relative noise."""
     out = Counter()
     for t in range(trials):
         rng = np.random.default_rng(10_000 + t)
@@ -33,26 +34,53 @@ def _verdicts(*, n: int, noise: float, slowdown: float, trials: int = TRIALS) ->
 
 
 def test_a_five_percent_slowdown_in_one_percent_noise_is_found_slower():
-    v = _verdicts(n=5, noise=0.01, slowdown=1.05)
+    v = _verdicts(n=10, noise=0.01, slowdown=1.05)
     assert v[stats.SLOWER] >= 0.9 * TRIALS, v
     assert v[stats.FASTER] == 0 and v[stats.SAME] == 0, v  # never the wrong way, never 'no difference'
 
 
 def test_equal_distributions_are_no_difference_in_95_percent_of_trials():
-    v = _verdicts(n=5, noise=0.005, slowdown=1.0)  # noise a quarter of the 2 % threshold
+    v = _verdicts(n=10, noise=0.002, slowdown=1.0)  # noise a tenth of the 2 % threshold
     assert v[stats.SAME] >= 0.95 * TRIALS, v
     # with noise near the threshold the intervals widen: unclear, but still almost never a false difference
     v = _verdicts(n=5, noise=0.01, slowdown=1.0)
     assert v[stats.SLOWER] + v[stats.FASTER] <= 0.05 * TRIALS, v
 
 
-def test_the_interval_covers_the_true_median_about_95_percent_of_the_time():
-    hits = 0
-    for t in range(TRIALS):
-        x = np.random.default_rng(t).normal(100.0, 1.0, size=25)
-        e = median_interval(Sample.of(x))
-        hits += e.lo <= 100.0 <= e.hi
-    assert hits >= 0.9 * TRIALS  # percentile bootstrap of a median: near nominal at n = 25
+@pytest.mark.parametrize("n", [2, 3, MIN_REPEATS - 1])
+def test_below_the_minimum_repeats_there_is_no_verdict(n):
+    """However far apart, a ratio of fewer than MIN_REPEATS repeats a side has an interval (with
+    the low confidence it reaches) but no verdict; paired or not."""
+    base, cand = [50.0 + 0.01 * i for i in range(n)], [80.0 + 0.01 * i for i in range(n)]
+    keys = [("f", "s", str(i)) for i in range(n)]
+    for r in (ratio_interval(Sample.of(cand), Sample.of(base)),
+              ratio_interval(Sample.of(cand, keys=keys), Sample.of(base, keys=keys))):
+        assert r.has_interval and r.lo > 1.5 and r.n == n and verdict(r) == stats.TOO_FEW
+        assert f"n = {n}" in stats.span_text(r)
+    five = [("f", "s", str(i)) for i in range(MIN_REPEATS)]
+    r = ratio_interval(Sample.of([80.0 + i for i in range(MIN_REPEATS)], keys=five),
+                       Sample.of([50.0 + i for i in range(MIN_REPEATS)], keys=five))
+    assert verdict(r) == stats.SLOWER
+
+
+def test_a_median_states_the_confidence_its_interval_reaches_at_n():
+    for n, text in ((5, "93.8 %"), (6, "96.9 %")):
+        e = median_interval(Sample.of(np.arange(n, dtype=float)))
+        assert (e.lo, e.hi) == (0.0, n - 1.0) and e.confidence == coverage(n, 1)
+        assert stats.span_text(e, digits=0) == f"[0–{n - 1}] (n = {n}, {text})"
+    e = median_interval(Sample.of(np.arange(25, dtype=float)))
+    assert e.confidence >= stats.CONFIDENCE and 0 < e.lo < 12 < e.hi < 24  # narrower than min–max at n = 25
+
+
+def test_an_unpaired_ratio_states_a_lower_bound_on_its_confidence():
+    """Each side's median interval at 97.5 % (or the most it reaches); the ratio's interval holds
+    the true ratio whenever both hold their medians: at least γ_c + γ_b − 1 (Bonferroni)."""
+    a, b = Sample.of(np.arange(10.0, 20.0)), Sample.of(np.arange(20.0, 30.0))
+    r = ratio_interval(a, b)
+    g = median_interval(a)  # at 95 %: the same ranks as at 97.5 % for n = 10 ([x_2, x_9], 97.9 %)
+    assert r.at_least and not r.paired and r.confidence == pytest.approx(2 * g.confidence - 1)
+    assert r.lo == pytest.approx(11.0 / 28.0) and r.hi == pytest.approx(18.0 / 21.0)
+    assert r.value == pytest.approx(14.5 / 24.5) and "≥ 95.7 %" in stats.span_text(r)
 
 
 def test_intervals_are_reproducible_and_contain_the_estimate():
@@ -60,28 +88,31 @@ def test_intervals_are_reproducible_and_contain_the_estimate():
     assert ratio_interval(a, b) == ratio_interval(a, b)
     e = median_interval(a)
     assert e.value == pytest.approx(10.05) and e.lo <= e.value <= e.hi and e.over == stats.REPEATS
-    assert e.lo >= 9.8 and e.hi <= 10.4  # a median's resamples stay within the sample
+    assert (e.lo, e.hi) == (9.8, 10.4)  # n = 4: [min, max], 87.5 %
     r = ratio_interval(a, b)
     assert r.value == pytest.approx(10.05 / 12.0) and r.lo < r.value < r.hi
-    assert r.lo >= 9.8 / 12.5 and r.hi <= 10.4 / 11.9
+    assert r.lo == pytest.approx(9.8 / 12.5) and r.hi == pytest.approx(10.4 / 11.9)
 
 
-def test_one_value_has_no_interval_and_an_unclear_verdict():
+def test_one_value_has_no_interval_and_no_verdict():
     one = Sample.of([10.0])
     assert not median_interval(one).has_interval and median_interval(one).value == 10.0
     r = ratio_interval(one, Sample.of([5.0, 5.1, 4.9]))
-    assert r.value == pytest.approx(2.0) and not r.has_interval and verdict(r) == stats.UNCLEAR
+    assert r.value == pytest.approx(2.0) and not r.has_interval and verdict(r) == stats.TOO_FEW
+    assert stats.span_text(r) == "(no interval, n = 1)"
 
 
 @pytest.mark.parametrize("lo, hi, expected", [
     (1.03, 1.08, stats.SLOWER), (0.90, 0.97, stats.FASTER), (0.985, 1.015, stats.SAME),
     (1.01, 1.05, stats.UNCLEAR), (0.95, 1.05, stats.UNCLEAR), (1.005, 1.019, stats.SAME)])
 def test_the_verdict_band(lo, hi, expected):
-    assert verdict(Estimate((lo + hi) / 2, lo, hi, n=3, over=stats.REPEATS)) == expected
+    assert verdict(Estimate((lo + hi) / 2, lo, hi, n=MIN_REPEATS, over=stats.REPEATS)) == expected
+    assert verdict(Estimate((lo + hi) / 2, lo, hi, n=MIN_REPEATS - 1, over=stats.REPEATS)) == stats.TOO_FEW
+    assert verdict(Estimate((lo + hi) / 2, lo, hi, n=1, over=stats.STEPS)) == stats.TOO_FEW
 
 
 def test_the_threshold_and_the_direction_change_the_verdict():
-    e = Estimate(1.04, 1.03, 1.05, n=3, over=stats.REPEATS)
+    e = Estimate(1.04, 1.03, 1.05, n=MIN_REPEATS, over=stats.REPEATS)
     assert verdict(e, threshold=0.02) == stats.SLOWER
     assert verdict(e, threshold=0.10) == stats.SAME
     assert verdict(e, higher_is_better=True) == stats.FASTER  # a throughput that rose
@@ -122,7 +153,7 @@ def test_a_one_run_group_is_resampled_over_its_measured_steps(tmp_path):
 def test_a_one_run_group_without_steps_has_no_interval(tmp_path):
     runs = pd.DataFrame([{"run_id": "r0", "run_dir": str(tmp_path / "missing"), "step_ms_median": 42.0}])
     e = median_interval(sample(runs, "step_ms_median"))
-    assert e.value == 42.0 and not e.has_interval and stats.interval_text(e) == "42.00 (no interval)"
+    assert e.value == 42.0 and not e.has_interval and stats.interval_text(e) == "42.00 (no interval, n = 1)"
 
 
 def _host_bound_pairs(rng, *, n: int, slowdown: float, host: float, noise: float):
@@ -235,6 +266,6 @@ def test_a_reports_verdict_rule_names_the_words_its_verdicts_use(metric, above, 
     rep = build_report(pd.DataFrame(rows), group_by=["variant"], baseline="variant=base", metrics=[metric])
     words = rep.groups.set_index("variant")["verdict"]
     assert (words["up"], words["down"]) == (above, below)
-    rule = f"verdict: {above} / {below} where the ratio's 95 % interval lies wholly above"
+    rule = f"verdict: {stats.TOO_FEW} below 5 repeats a side or over one run's steps; else {above} / {below} where"
     assert any(rule in note for note in groups_table(rep).notes)
     assert statistic(rep.threshold, rep.primary)["verdict_rule"].startswith(rule)

@@ -70,17 +70,20 @@ def _study(tmp_path, rows: list[dict], **kw):
 
 def test_groups_ratios_ranges_and_lines(tmp_path):
     rows = []
-    for r, (a, b) in enumerate(((50, 76), (52, 80))):
+    for r, (a, b) in enumerate(((50, 76), (52, 80), (51, 78), (50.5, 77), (51.5, 79))):
         rows += [_run(10 * r, size="124M", layers="all", step=a), _run(10 * r + 1, size="124M", layers="lora", step=b),
                  _run(10 * r + 2, size="1558M", layers="all", step=300 + r), _run(10 * r + 3, size="1558M", layers="lora", step=240 + r)]
+    two = _study(tmp_path, rows[:8])  # two repeats: an interval, no verdict
+    assert {g.verdict for ln in two.lines for g in ln.groups} == {stats.TOO_FEW}
+    assert two.lines[0].groups[0].ratio_estimate.n == 2
     s = _study(tmp_path, rows)
     assert s.baseline == {"cfg_trainable_layers": "all"} and s.sizes == ["124M", "1558M"]
     assert [ln.label for ln in s.lines] == ["lora · eager fp32"] and [g.size for g in s.lines[0].groups] == ["124M", "1558M"]
     small = s.lines[0].groups[0]
     assert small.ratio == pytest.approx(78 / 51)
-    # the bootstrap interval of a ratio of two-repeat medians: inside min/max to max/min, around the ratio
-    assert 76 / 52 <= small.ratio_lo < small.ratio < small.ratio_hi <= 80 / 50
-    assert small.ratio_over == stats.REPEATS
+    # unpaired (no sweep to pair the repeats by): from the two medians' intervals, [min, max] at n = 5
+    assert (small.ratio_lo, small.ratio_hi) == (pytest.approx(76 / 52), pytest.approx(80 / 50))
+    assert small.ratio_over == stats.REPEATS and small.ratio_estimate.at_least
     assert small.verdict == "slower" and small.params == PARAMS["124M"]  # the base model's size, not with adapters
     big = s.lines[0].groups[1]
     assert big.verdict == "faster" and big.ratio < 1
@@ -129,22 +132,26 @@ def test_a_packs_profile_joins_no_solo_group_of_the_same_shape(tmp_path):
 
 def test_accuracy_over_seeds(tmp_path):
     rows = []
-    for r, seed in enumerate((1, 2, 3)):
-        rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0)[r]),
-                 _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(95.5, 96.5, 96.0)[r]),
-                 _run(10 * r + 2, size="1558M", layers="all", step=300, seed=seed, acc=(97.0, 97.2, 97.1)[r]),
-                 _run(10 * r + 3, size="1558M", layers="lora", step=240, seed=seed, acc=(93.0, 93.2, 93.1)[r])]
+    for r, seed in enumerate((1, 2, 3, 4, 5)):
+        rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0, 95.5, 96.5)[r]),
+                 _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(95.5, 96.5, 96.0, 95.0, 97.0)[r]),
+                 _run(10 * r + 2, size="1558M", layers="all", step=300, seed=seed,
+                      acc=(97.0, 97.2, 97.1, 97.05, 97.15)[r]),
+                 _run(10 * r + 3, size="1558M", layers="lora", step=240, seed=seed,
+                      acc=(93.0, 93.2, 93.1, 93.05, 93.15)[r])]
+    few = _study(tmp_path, rows[:12])  # three seeds: a difference with an interval, not judged
+    assert few.accuracy_vs_base(next(g for g in few.groups if g.size == "1558M" and g.variant == "lora"))[1] is None
     s = _study(tmp_path, rows)
     assert s.seeds_vary and s.accuracy_metric == "test_acc" and len(s.groups) == 4  # seeds are repeats
     small = next(g for g in s.groups if g.size == "124M" and g.variant == "lora")
-    assert small.seeds == ["1", "2", "3"] and small.accuracy["test_acc"].median == 96.0
+    assert small.seeds == ["1", "2", "3", "4", "5"] and small.accuracy["test_acc"].median == 96.0
     d, outside = s.accuracy_vs_base(small)
     assert d.value == 0.0 and d.lo < 0 < d.hi and outside is False  # within the spread over seeds
     big = next(g for g in s.groups if g.size == "1558M" and g.variant == "lora")
     d, outside = s.accuracy_vs_base(big)
     assert d.value == pytest.approx(-4.0) and d.hi < 0 and outside is True
     text = rules.accuracy_sentence(s)
-    assert "median over 3 seeds" in text and "1 other difference" in text
+    assert "median over 5 seeds" in text and "1 other difference" in text
     assert f"lora -4.00 points {stats.span_text(d)} at 1558M" in text
 
 
@@ -232,15 +239,16 @@ def test_why_slower_and_why_faster():
     assert text.startswith("At 124M the forward and backward phases are host-bound for both all and lora (in a "
                            "profiled repeat the GPU ran kernels for forward 40 / 30 %, backward 40 / 30 % of the phase's "
                            "device time")
-    assert text.endswith("its step is 54 % longer (77.0 ms [76.0–78.0] vs 50.0 ms [49.0–51.0]).")
+    assert text.endswith("its step is 54 % longer (77.0 ms [76.0–78.0] (n = 2) vs 50.0 ms [49.0–51.0] (n = 2)).")
     b = _g("1558M", variant="all", step=295.0, phases={"data": 0.4, "forward": 89.4, "backward": 170.9, "optimizer": 34.1},
            mfu=0.43)
     g = _g("1558M", 0.84, verdict="faster", step=247.0, phases={"data": 0.9, "forward": 100.4, "backward": 133.1, "optimizer": 9.0})
     text = rules.why_faster(g, b, smallest=_g("124M", variant="all", mfu=0.14))
     assert text.startswith("At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer and spends 11.0 ms "
-                           "more in forward: its step is 16 % shorter (247.0 ms [246.0–248.0] vs 295.0 ms [294.0–296.0]).")
+                           "more in forward: its step is 16 % shorter (247.0 ms [246.0–248.0] (n = 2) vs 295.0 ms [294.0–296.0] "
+                           "(n = 2)).")
     assert "The optimizer alone takes 12 % of all's step" in text
-    assert "MFU 0.43 [0.42–0.43] at 1558M against 0.14 [0.14–0.15] at 124M" in text
+    assert "MFU 0.43 [0.42–0.43] (n = 2) at 1558M against 0.14 [0.14–0.15] (n = 2) at 124M" in text
 
 
 def test_host_bound_summary():
@@ -264,36 +272,42 @@ def test_answer_for_the_study_fixture():
     assert [p.heading for p in points] == ["eager fp32 · 960 tokens per step", f"{GRAPHS} · 960 tokens per step"]
     eager = " ".join(points[0].sentences)
     small, big = next(ln for ln in s.lines if ln.label == "lora · eager fp32").groups
+    # two repeats: each ratio with its interval and n, no verdict, so no crossover and no why-sentence
     assert (f"lora takes 1.54× {stats.span_text(small.ratio_estimate)} all's step time at 124M and 0.84× "
-            f"{stats.span_text(big.ratio_estimate)} at 1558M: the crossover lies between 124M and 1558M") in eager
-    assert small.verdict == "slower" and big.verdict == "faster" and small.n == 2
+            f"{stats.span_text(big.ratio_estimate)} at 1558M (too few repeats at 124M, too few repeats at 1558M)") in eager
+    assert small.verdict == big.verdict == stats.TOO_FEW and small.n == 2 and "(n = 2, " in eager
+    assert "crossover" not in eager and "its step is" not in eager
     # measured: the profiled repeats at 124M (kernel ms over the timed repeats' device ms); none at 1558M
     assert ("At 124M no phase is host-bound for every variant (backward for all and lora; forward for lora; optimizer "
             "for lora), measured as the GPU running kernels for under 50 % of the phase (the cause is not measured "
             "at 1558M: no profiled repeat)") in eager
-    assert "At 124M the backward phase is host-bound for both all and lora (in a profiled repeat the GPU ran " in eager
+    # the rules that explain a verdict, applied to the real groups as they would be with one
+    base_small, base_big = s.base_of(small), s.base_of(big)
+    slower = rules.why_slower(small, base_small)
+    assert "At 124M the backward phase is host-bound for both all and lora (in a profiled repeat the GPU ran " in slower
     # the profiles' counts: forward, backward, optimizer, data and the few launches outside any phase
-    assert "lora launches 37 % more kernels per step (2,480 vs 1,808, torch.profiler)" in eager
-    assert "its kernels run 20 % less device time (20.2 vs 25.3 ms): its step is 54 % longer (78.4 ms [" in eager
-    assert "At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer" in eager
+    assert "lora launches 37 % more kernels per step (2,480 vs 1,808, torch.profiler)" in slower
+    assert "its kernels run 20 % less device time (20.2 vs 25.3 ms): its step is 54 % longer (78.4 ms [" in slower
+    assert "At 1558M lora saves 37.8 ms in backward and 25.1 ms in optimizer" in rules.why_faster(
+        big, base_big, smallest=base_small)
     graphs = " ".join(points[1].sentences)
-    assert "faster at every size" in graphs and "The cause of each phase's time is not measured" in graphs
+    assert "too few repeats at 124M" in graphs and "The cause of each phase's time is not measured" in graphs
 
 
 def test_accuracy_table_sits_next_to_speed(tmp_path):
     rows = []
-    for r, seed in enumerate((1, 2, 3)):
-        rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0)[r]),
-                 _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(91.0, 91.5, 92.0)[r])]
+    for r, seed in enumerate((1, 2, 3, 4, 5)):
+        rows += [_run(10 * r, size="124M", layers="all", step=50, seed=seed, acc=(95.0, 96.0, 97.0, 95.5, 96.5)[r]),
+                 _run(10 * r + 1, size="124M", layers="lora", step=70, seed=seed, acc=(91.0, 91.5, 92.0, 91.25, 91.75)[r])]
     s = _study(tmp_path, rows)
     t = accuracy_table(s)
-    assert t.head[3:] == ["seeds", "step ms [95 % CI]", "step ratio [95 % CI]", "test acc % median [95 % CI]",
-                          "min–max", "Δ vs baseline [95 % CI]", "outside seed noise"]
+    assert t.head[3:] == ["seeds", "step ms [interval]", "step ratio [interval]", "test acc % median [interval]",
+                          "min–max", "Δ vs baseline [interval]", "outside seed noise"]
     base, lora = t.rows
-    assert base[3] == "3 (1, 2, 3)" and base[-1] == "baseline"
+    assert base[3] == "5 (1, 2, 3, 4, 5)" and base[-1] == "baseline"
     d, outside = s.accuracy_vs_base(s.groups[1])
     assert d.value == pytest.approx(-4.5) and outside is True
-    assert lora[4] == "70.0\n[70.0–70.0]" and lora[5].startswith("1.40× slower")
+    assert lora[4] == "70.0\n[70.0–70.0] (n = 5, 93.8 %)" and lora[5].startswith("1.40× slower")
     assert lora[6:] == [f"91.50 {stats.span_text(s.groups[1].accuracy['test_acc'])}", "91.00–92.00",
                         f"-4.50 {stats.span_text(d)}", "yes"]
     assert "seeds vary across repeats" in t.notes[0]
