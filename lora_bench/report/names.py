@@ -15,6 +15,7 @@ PRECISION_NAMES = {"fp32": "fp32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16
 # what each trainable-layer choice trains, for a legend under tables
 LAYER_HELP = {
     "all": "every weight trains (full fine-tuning)",
+    "frozen": "the floor: nothing in the blocks trains, the gradient goes back through all of them",
     "lora": "LoRA adapters in PyTorch (x·A·B beside each frozen linear layer)",
     "lora-kernel": "LoRA through the fused LoRA kernel",
     "lora-merged": "LoRA with the adapters merged into the weight every step",

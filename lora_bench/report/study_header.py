@@ -51,6 +51,10 @@ def header(df: pd.DataFrame, done: pd.DataFrame, timed: pd.DataFrame, *, title: 
                   hosts=len(_values(done, "hostname")))
 
 
+# what a baseline of trainable layers stands for, in a report's question
+BASELINE_NAMES = {"all": "full fine-tuning", "frozen": "the floor: the frozen model's step"}
+
+
 def _question(spec: dict, sizes: list[str], layers: list[str], *, modes: int) -> str:
     """The question the runs can answer, from what varies in them."""
     span = f"{sizes[0]} to {sizes[-1]}" if len(sizes) > 1 else (sizes[0] if sizes else "")
@@ -62,6 +66,7 @@ def _question(spec: dict, sizes: list[str], layers: list[str], *, modes: int) ->
             who = " and ".join(others) or "the other runs"
             verb = "is" if len(others) == 1 else "are"
             where = f"at model sizes from {span}" if len(sizes) > 1 else f"at {span}"
-            return f"Why {verb} {who} faster or slower than {base} (full fine-tuning) {where}{how}?"
+            what = f" ({BASELINE_NAMES[spec[LAYERS]]})" if spec[LAYERS] in BASELINE_NAMES else ""
+            return f"Why {verb} {who} faster or slower than {base}{what} {where}{how}?"
         return f"How do the runs compare with {base}{' from ' + span if len(sizes) > 1 else ''}, and why{how}?"
     return f"Where does the step time go{' from ' + span if span else ''}{how}?"
