@@ -176,7 +176,7 @@ PACK_COLUMNS = ("pack_size", "pack_id", "share_step_ms_median")
 # The columns whose values a packed point's row shares with its solo run's: what the run says of
 # the model it built and where it ran, not what it measured.
 SAME_VALUE = ("trainable_params", "total_params", "base_weight_mib", "backend", "device", "world_size", "steps",
-              "timing_clock", "torch_threads", "lora_rank", "learning_rate", "weight_decay")
+              "timing_clock", "torch_threads")
 
 
 def _masked(line: str) -> str:
