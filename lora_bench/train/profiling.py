@@ -18,9 +18,9 @@ from typing import Callable, Sequence
 import torch
 
 from lora_bench.fileio import atomic_write_bytes, atomic_write_text
-from lora_bench.results.store import write_csv
 from lora_bench.train import evaluate
 from lora_bench.train import loop as train
+from lora_bench.train.recording import write_csv
 
 TORCH_WINDOW = 10  # steps recorded after warm-up
 

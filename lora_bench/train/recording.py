@@ -3,7 +3,9 @@ before any work, the folder takes files, its manifest parses, no file is in the 
 folder, each point's folder is claimed (no other process executes it meanwhile) and an id already
 recorded is refused unless overwritten; then the invocation and a record that says running, under
 deferred signals; and at the end every point's record (steps.csv, run.json, its row in runs.csv),
-whatever state the run ended in, each tried on its own."""
+whatever state the run ended in, each tried on its own. It is train/'s one door to the results
+folder's lifecycle (lora_bench.results): the launcher of data-parallel runs, a run's identity
+check and its profile tables go through it too."""
 
 from __future__ import annotations
 
@@ -16,16 +18,24 @@ from rich.console import Console
 
 from lora_bench.errors import Interrupted, SaveError, UsageError
 from lora_bench.escaping import markup
-from lora_bench.results.claims import RunClaim, claim_run
-from lora_bench.results.manifest import read_manifest, record_invocation
-from lora_bench.results.records import RUNNING
-from lora_bench.results.save import NO_ROOM, begin_record, save_record
+from lora_bench.results.claims import RunClaim, claim_run, claimant, try_claim
+from lora_bench.results.index import INDEX
+from lora_bench.results.manifest import MANIFEST, read_manifest, record_invocation, start_invocation
+from lora_bench.results.prune import SUPERSEDED
+from lora_bench.results.records import RUN_RECORD, RUNNING, copied_record, run_record
+from lora_bench.results.save import NO_ROOM, begin_record, save_record, save_row
 from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import check_results_dir
+from lora_bench.results.store import (FINISHED, LOCK_SUFFIX, RUNS_CSV, TORN_CSV, check_results_dir, read_run_table,
+                                      write_csv)
 from lora_bench.signals import signal_name, signals_deferred
-from lora_bench.train.identity import refuse_existing_run
 
-__all__ = ["RUNNING", "begin", "cfg_columns", "claimed", "ended_by", "save_run", "save_runs"]
+__all__ = ["FINISHED", "LOCK_SUFFIX", "RESERVED_IDS", "RESULTS_FILES", "RUN_RECORD", "RUNNING", "begin", "cfg_columns",
+           "check_results_dir", "claim_run", "claimed", "ended_by", "existing_run", "free_run_id", "refuse_existing_run",
+           "save_run", "save_runs", "settle_row", "start_invocation", "write_csv"]
+
+# What a results folder holds beside its run folders: a run id naming one would turn it into a folder
+RESULTS_FILES = (RUNS_CSV, TORN_CSV, MANIFEST, SUPERSEDED, INDEX)
+RESERVED_IDS = frozenset(n.lower() for name in RESULTS_FILES for n in (name, name + LOCK_SUFFIX))
 
 
 @contextlib.contextmanager
@@ -117,3 +127,52 @@ def save_runs(rows: list[dict], *, steps: list[list[dict] | None], results_dir: 
             not_saved = not_saved or e
     if not_saved is not None:
         raise not_saved
+
+
+def existing_run(results_dir: Path, run_id: str) -> dict | None:
+    """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
+    row = run_record(results_dir / run_id)
+    if row is not None:
+        return row
+    copy_of = copied_record(results_dir / run_id)
+    if copy_of is not None:  # a copied folder (X.bak): replacing its record would lose the copy
+        return {"run_id": run_id, "status": f"a copy of run {copy_of!r}'s record is in its folder"}
+    csv = results_dir / RUNS_CSV
+    if csv.is_file():
+        table = read_run_table(csv)
+        for r in table.rows:
+            if r.get("run_id") == run_id:
+                return r
+        if run_id in table.torn_ids():
+            return {"run_id": run_id, "status": "unknown (its runs.csv row is cut mid-way)"}
+    return None
+
+
+def refuse_existing_run(results_dir: Path, run_id: str) -> None:
+    """UsageError when ``run_id`` is already recorded in ``results_dir``: ids are never reused silently."""
+    old = existing_run(results_dir, run_id)
+    if old is not None:
+        raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
+                         f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
+                         "--overwrite to replace it")
+
+
+def free_run_id(results_dir: Path, run_id: str, *, overwrite: bool) -> None:
+    """The run id is free (no process runs it; no earlier record, unless ``overwrite``, which drops
+    it now, so that a process that dies before recording cannot leave the old record standing)."""
+    run_dir = Path(results_dir) / run_id
+    claim = try_claim(run_dir)
+    if claim is None:
+        pid = claimant(run_dir)
+        raise UsageError(f"run id {run_id!r} is running in another process{f' (pid {pid})' if pid else ''}")
+    with claim:
+        if not overwrite:
+            refuse_existing_run(Path(results_dir), run_id)
+        (run_dir / RUN_RECORD).unlink(missing_ok=True)
+
+
+def settle_row(results_dir: Path, row: dict) -> None:
+    """Record ``row`` as its run's final row, written by a process other than the run's own (the
+    launcher of a data-parallel run)."""
+    record_invocation(results_dir, run_ids=[row["run_id"]])
+    save_row(results_dir, row)
