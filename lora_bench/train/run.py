@@ -1,8 +1,8 @@
 """A run of N >= 1 points trained at once on one model (a solo run: one point; a pack, see
 lora_bench.train.pack and docs/packing.md), from their settings to one recorded row each, as a
-straight line: check the points' identities and claim their folders (``recording``), set up device,
-precision and the rank's settings (``setup``), build what the loop needs (``context.RunContext``),
-train with every phase timed, evaluate, and record every point whatever state the run ended in.
+straight line: check the points' settings and ids (``points``), claim their folders
+(``recording``), build what the loop needs (``context.RunContext``), train with every phase timed
+(``loop``), evaluate, and record every point whatever state the run ended in (``recording``).
 
 A packed point is recorded as its own run — its row, its steps.csv with its own losses and its
 share of the pack's step time, its run.json with its own curves — with the pack's size and id
