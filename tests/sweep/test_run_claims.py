@@ -213,7 +213,7 @@ def test_two_identical_sweeps_started_at_once_run_every_run_once(tmp_path):
         import json, sys
         if sys.argv and sys.argv[-1].endswith("job.json"):
             with open({str(count)!r}, "a") as f:
-                f.write(json.load(open(sys.argv[-1]))["run_id"] + "\\n")
+                f.write("".join(p["run_id"] + "\\n" for p in json.load(open(sys.argv[-1]))["points"]))
         """))
     path = _sweep(tmp_path, """\
         runs:
