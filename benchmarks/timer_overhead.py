@@ -41,7 +41,7 @@ def measure(ctx: RunContext, *, mode: str, steps: int) -> float:
     torch.cuda.synchronize() if ctx.device.type == "cuda" else None
     t0 = time.perf_counter()
     res = train_classifier(ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                           settings=settings, timer=timer, amp=ctx.amp, say=lambda m: None)
+                           settings=settings, timer=timer, amp=ctx.amp)
     return (time.perf_counter() - t0) * 1e3 / res.steps
 
 

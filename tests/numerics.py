@@ -215,7 +215,7 @@ def float64_runs():
     from unittest import mock
 
     from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
-    from lora_bench.train import context as run  # where a run builds its model
+    from lora_bench.train import build as run  # where a run builds its model
 
     built = []
     real = run.build_classifier

@@ -1,7 +1,7 @@
 """A sweep's worker process: ``python -m lora_bench.sweep.child JOB.json`` runs the one job the
 parent wrote (one run, or a pack of runs), in the run folders the parent claimed, and exits 0
-done, 1 failed, 128 + the signal when interrupted. It dies with its parent (see ``isolation.die_with_parent``), recording the run as
-interrupted on the way out."""
+done, 1 failed, 128 + the signal when interrupted. It dies with its parent (see
+``isolation.die_with_parent``), recording the run as interrupted on the way out."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from lora_bench.errors import EXIT_INTERRUPTED, Interrupted, SaveError
 from lora_bench.results.claims import RunClaim
 from lora_bench.signals import RaiseOnSignal
 from lora_bench.sweep.isolation import die_with_parent
-from lora_bench.train.pack import PackPoint, execute_pack
-from lora_bench.train.run import execute_run
+from lora_bench.train.run import Point, execute
 
 PARENT_EXIT_S = 2.0
 
@@ -62,19 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         with _ChildSignals(parent):
             die_with_parent(parent)
             console = Console(file=sys.stdout, width=120, force_terminal=False)
-            if "pack" in spec:  # several runs trained at once (lora_bench.sweep.pack_job)
-                results = Path(spec["results_dir"])
-                points = [PackPoint(cfg=TrainConfig.from_mapping(p["config"]), run_id=p["run_id"],
-                                    extra=p.get("extra") or {}) for p in spec["pack"]]
-                claims = [RunClaim.inherit(int(fd), results / p.run_id) for fd, p in zip(spec["claim_fds"], points)]
-                execute_pack(points, results_dir=results, console=console, progress=False,
-                             cache_dir=spec.get("cache_dir"), overwrite=True, claims=claims, handle_signals=False)
-                return 0
-            claim = RunClaim.inherit(int(spec["claim_fd"]), Path(spec["results_dir"]) / spec["run_id"])
-            cfg = TrainConfig.from_mapping(spec["config"])
-            execute_run(cfg, results_dir=Path(spec["results_dir"]), run_id=spec["run_id"], console=console,
-                        progress=False, cache_dir=spec.get("cache_dir"), extra=spec.get("extra") or {},
-                        overwrite=True, claim=claim, handle_signals=False)
+            results = Path(spec["results_dir"])
+            points = [Point(cfg=TrainConfig.from_mapping(p["config"]), run_id=p["run_id"], extra=p.get("extra") or {})
+                      for p in spec["points"]]
+            claims = [RunClaim.inherit(int(fd), results / p.run_id) for fd, p in zip(spec["claim_fds"], points)]
+            execute(points, results_dir=results, console=console, progress=False, cache_dir=spec.get("cache_dir"),
+                    overwrite=True, claims=claims, handle_signals=False)
         return 0
     except Interrupted as e:
         return e.exit_code
@@ -83,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except SaveError as e:  # recorded as far as it fitted; the sweep stops on this exit code
         print(f"error: {e}", flush=True)
         return e.exit_code
-    except Exception:  # recorded by execute_run (or by the parent from this traceback in the log)
+    except Exception:  # recorded by the run (or by the parent from this traceback in the log)
         traceback.print_exc()
         return 1
 

@@ -1,21 +1,23 @@
-"""How one run of a sweep is isolated: in a child process (``python -m lora_bench.sweep.child
-JOB.json``, the default) or inline, and the signals that stop a sweep without losing or tearing a
-result.
+"""How one run of a sweep — one job, or a pack of jobs trained at once (lora_bench.sweep.packs) —
+is isolated: in a child process (``python -m lora_bench.sweep.child JOB.json``, the default) or
+inline, and the signals that stop a sweep without losing or tearing a result.
 
-Process mode: the parent claims the run's folder (lora_bench.results.claims) and passes the claim
-to the child, which runs ``execute_run`` and records done / failed / interrupted itself. When the
-child dies without recording (segfault, CUDA fatal error, OOM kill), the parent records the run as
-failed with the exit code or signal and the tail of the child's log. The child runs in its own
-session, so a terminal's Ctrl-C reaches only the parent, which forwards exactly one signal (a
-second one kills the child) and records 'interrupted' if the child could not. The child dies with
+Process mode: the parent claims each job's folder (lora_bench.results.claims) and passes the claims
+to the child, which runs ``train.run.execute`` and records done / failed / interrupted itself. When
+the child dies without recording (segfault, CUDA fatal error, OOM kill), the parent records each
+of its jobs as failed with the exit code or signal and the tail of the child's log. The child runs
+in its own session, so a terminal's Ctrl-C reaches only the parent, which forwards exactly one
+signal (a second one kills the child) and records 'interrupted' if the child could not. The child dies with
 its parent (``die_with_parent``): a sweep killed by SIGKILL leaves no worker behind."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,10 +39,12 @@ from lora_bench.results.schema import cfg_columns
 from lora_bench.results.store import FINISHED, upsert_run
 from lora_bench.signals import TERMINATING_SIGNALS, signal_name, signals_deferred
 from lora_bench.train import run as train_run
+from lora_bench.train.pack import pack_columns
 
 ISOLATION = ("process", "inline")
 GRACE_S = 60.0  # after a forwarded signal, how long the child may take to record before SIGKILL
 CHILD_MODULE = "lora_bench.sweep.child"
+JOB_SPEC = "job.json"  # what the child runs, in the first job's folder
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 WATCHDOG_S = 1.0
 
@@ -105,24 +109,57 @@ class Interrupts:
 
 
 def run_job(job: Job, *, isolation: str, interrupts: Interrupts, claim: RunClaim) -> dict:
-    """Run one job whose folder the caller has claimed and return its recorded row (status done,
-    failed or interrupted). Never raises for a failed run: the failure is in the row."""
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    # a stale run.json from an earlier attempt must not be mistaken for this attempt's record
-    (job.run_dir / RUN_RECORD).unlink(missing_ok=True)
-    log = job.run_dir / "worker.log"
+    """``run_jobs`` of one job: its recorded row."""
+    return run_jobs([job], isolation=isolation, interrupts=interrupts, claims=[claim])[0]
+
+
+def run_jobs(jobs: list[Job], *, isolation: str, interrupts: Interrupts, claims: list[RunClaim]) -> list[dict]:
+    """Run the jobs as one run of their points (one job: a solo run; several: a pack, each job a
+    point), whose folders the caller has claimed, and return each one's recorded row (status
+    done, failed or interrupted). Never raises for a failed run: the failure is in the rows. The
+    run's log goes to each job's worker.log. A SaveError (the folder takes no more) comes once
+    every job is settled, with the rows in its ``rows``."""
+    jobs = with_pack_columns(jobs)
+    for job in jobs:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        # a stale run.json from an earlier attempt must not be mistaken for this attempt's record
+        (job.run_dir / RUN_RECORD).unlink(missing_ok=True)
+    log = jobs[0].run_dir / "worker.log"
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     try:
         if isolation == "inline":
-            rc = _run_inline(job, log, interrupts, claim)
+            rc = _run_inline(jobs, log, interrupts, claims)
         else:
-            rc = _run_process(job, log, interrupts, claim)
+            rc = _run_process(jobs, log, interrupts, claims)
+        for job in jobs[1:]:
+            shutil.copyfile(log, job.run_dir / "worker.log")
     except OSError as e:  # the job's file or the worker's log: the folder takes no more
         if e.errno not in NO_ROOM:
             raise
-        raise SaveError(f"cannot start run {job.run_id}: {e.filename or job.run_dir}: {e.strerror or e}; "
+        what = f"run {jobs[0].run_id}" if len(jobs) == 1 else f"the pack of {jobs[0].run_id}"
+        raise SaveError(f"cannot start {what}: {e.filename or jobs[0].run_dir}: {e.strerror or e}; "
                         "free some space there") from None
-    return settle_job(job, rc=rc, log=log, interrupts=interrupts, started=started)
+    rows, not_saved = [], None
+    for job in jobs:
+        try:
+            rows.append(settle_job(job, rc=rc, log=log, interrupts=interrupts, started=started))
+        except SaveError as e:  # every job is settled; the sweep then stops, naming a run not saved in full
+            row = e.row or {"run_id": job.run_id, "status": "failed", "error": str(e)}
+            if not_saved is None or (row.get("status") not in FINISHED
+                                     and (not_saved.row or {}).get("status") in FINISHED):
+                not_saved = e
+            rows.append(row)
+    if not_saved is not None:
+        not_saved.rows = rows
+        raise not_saved
+    return rows
+
+
+def with_pack_columns(jobs: list[Job]) -> list[Job]:
+    """The jobs with their pack's columns in their extra row columns (also in a row the sweep
+    writes for a pack that died without recording); one job has none."""
+    pack = pack_columns([j.run_id for j in jobs])
+    return [dataclasses.replace(j, extra={**j.extra, **pack}) for j in jobs] if pack else jobs
 
 
 def settle_job(job: Job, *, rc: int, log: Path, interrupts: Interrupts, started: str) -> dict:
@@ -158,12 +195,12 @@ def settle_job(job: Job, *, rc: int, log: Path, interrupts: Interrupts, started:
     return row
 
 
-def _run_inline(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) -> int:
+def _run_inline(jobs: list[Job], log: Path, interrupts: Interrupts, claims: list[RunClaim]) -> int:
     with open(log, "w") as f:
         console = Console(file=f, width=120, force_terminal=False)
         try:
-            train_run.execute_run(job.cfg, results_dir=job.results_dir, run_id=job.run_id, console=console, progress=False,
-                        cache_dir=job.cache_dir, extra=job.extra, overwrite=True, claim=claim, handle_signals=False)
+            train_run.execute(points(jobs), results_dir=jobs[0].results_dir, console=console, progress=False,
+                              cache_dir=jobs[0].cache_dir, overwrite=True, claims=claims, handle_signals=False)
             return 0
         except KeyboardInterrupt as e:
             interrupts.signum = interrupts.signum or getattr(e, "signum", signal.SIGINT)
@@ -171,23 +208,26 @@ def _run_inline(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) ->
         except SaveError as e:  # recorded as far as it fitted; the message says what was kept
             print(f"error: {e}", file=f)
             return EXIT_NOT_SAVED
-        except Exception:  # recorded by execute_run; the traceback goes to the run's log
+        except Exception:  # recorded by the run; the traceback goes to the run's log
             traceback.print_exc(file=f)
             return 1
 
 
-def _run_process(job: Job, log: Path, interrupts: Interrupts, claim: RunClaim) -> int:
-    spec = job.run_dir / "job.json"
-    atomic_write_text(spec, json.dumps({"config": job.cfg.to_dict(), "run_id": job.run_id,
-                                        "results_dir": str(job.results_dir), "extra": job.extra,
-                                        "cache_dir": str(job.cache_dir) if job.cache_dir else None,
-                                        "claim_fd": claim.fd, "parent_pid": os.getpid()}, indent=1))
+def points(jobs: list[Job]) -> list[train_run.Point]:
+    return [train_run.Point(cfg=j.cfg, run_id=j.run_id, extra=j.extra) for j in jobs]
+
+
+def _run_process(jobs: list[Job], log: Path, interrupts: Interrupts, claims: list[RunClaim]) -> int:
+    spec = jobs[0].run_dir / JOB_SPEC
+    atomic_write_text(spec, json.dumps({
+        "points": [{"config": j.cfg.to_dict(), "run_id": j.run_id, "extra": j.extra} for j in jobs],
+        "results_dir": str(jobs[0].results_dir), "cache_dir": str(jobs[0].cache_dir) if jobs[0].cache_dir else None,
+        "claim_fds": [c.fd for c in claims], "parent_pid": os.getpid()}, indent=1))
     with open(log, "w") as f:
         # own session: Ctrl-C in a terminal goes to the parent only, which forwards it once;
-        # the claim's descriptor goes along, so the child holds the run's folder too
-        proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(spec)], stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                pass_fds=(claim.fd,))
+        # the claims' descriptors go along, so the child holds the runs' folders too
+        proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(spec)], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=tuple(c.fd for c in claims))
         interrupts.child = proc
         try:
             return _wait(proc, interrupts)

@@ -17,7 +17,7 @@ ALONE = (f"no other run left to do shares its settings but {', '.join(ADAPTER_SE
 
 @dataclass(frozen=True)
 class Pack:
-    """Runs to train at once on one model, in the sweep's order."""
+    """Runs to train at once on one model, in the sweep's order (one: a run alone)."""
 
     runs: tuple[PlannedRun, ...]
 
@@ -26,20 +26,20 @@ class Pack:
         return self.runs[0].index
 
 
-def plan_packs(runs: list[PlannedRun], size: int) -> tuple[list[PlannedRun | Pack], dict[str, list[PlannedRun]]]:
+def plan_packs(runs: list[PlannedRun], size: int) -> tuple[list[Pack], dict[str, list[PlannedRun]]]:
     """The units a sweep runs, in its order (a pack goes where its first run was): packs of at most
-    ``size`` compatible runs, and runs alone; and, per reason, the runs that train alone for it
-    (nothing when ``size`` is 1: packing is off)."""
+    ``size`` compatible runs, and runs alone (packs of one); and, per reason, the runs that train
+    alone for it (nothing when ``size`` is 1: packing is off)."""
     if size <= 1:
-        return list(runs), {}
+        return [Pack((run,)) for run in runs], {}
     alone: dict[str, list[PlannedRun]] = {}
     groups: dict[tuple, list[PlannedRun]] = {}
-    units: list[PlannedRun | Pack] = []
+    units: list[Pack] = []
     for run in runs:
         why = solo_reason(run.cfg)
         if why:
             alone.setdefault(why, []).append(run)
-            units.append(run)
+            units.append(Pack((run,)))
         else:
             groups.setdefault(pack_key(run.cfg), []).append(run)
     for members in groups.values():
@@ -47,16 +47,14 @@ def plan_packs(runs: list[PlannedRun], size: int) -> tuple[list[PlannedRun | Pac
             chunk = members[lo:lo + size]
             if len(chunk) == 1:
                 alone.setdefault(ALONE, []).append(chunk[0])
-                units.append(chunk[0])
-            else:
-                units.append(Pack(tuple(chunk)))
+            units.append(Pack(tuple(chunk)))
     units.sort(key=lambda u: u.index)
     return units, alone
 
 
-def describe_plan(units: list[PlannedRun | Pack], alone: dict[str, list[PlannedRun]], size: int) -> list[str]:
+def describe_plan(units: list[Pack], alone: dict[str, list[PlannedRun]], size: int) -> list[str]:
     """What the sweep prints before it starts: how many packs, and each reason runs train alone."""
-    packs = [u for u in units if isinstance(u, Pack)]
+    packs = [u for u in units if len(u.runs) > 1]
     if size <= 1:
         return []
     lines = [f"packing up to {size} runs at once: {sum(len(p.runs) for p in packs)} runs in {len(packs)} pack(s)"]

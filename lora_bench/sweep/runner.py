@@ -1,5 +1,6 @@
-"""The sweep loop: select the shard's runs, skip the finished ones, run the rest one at a time
-(each isolated, see lora_bench.sweep.isolation), and stop cleanly on a signal.
+"""The sweep loop: select the shard's runs, skip the finished ones, run the rest one unit at a time
+(a run alone, or a pack of runs trained at once, lora_bench.sweep.packs; each isolated, see
+lora_bench.sweep.isolation), and stop cleanly on a signal.
 
 Several sweeps may share a results folder (shards on several GPUs, or the same sweep started
 twice): each run is executed only by the process holding its folder's claim. A run claimed by
@@ -23,9 +24,8 @@ from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_cl
 from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import run_record
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows
-from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_job
-from lora_bench.sweep.pack_job import run_pack_job
-from lora_bench.sweep.packs import Pack, describe_plan, plan_packs
+from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_jobs
+from lora_bench.sweep.packs import describe_plan, plan_packs
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.preflight import device_problems, memory_problem, require_packages
@@ -107,30 +107,9 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
         task = bar.add_task(sweep.name, total=len(todo), current="")
         started: list[str] = []
 
-        def execute(run: PlannedRun, claim: RunClaim) -> None:
-            with claim:
-                if finished_elsewhere(results_dir, run.run_id, seen):
-                    result.elsewhere += 1
-                    bar.console.print(f"[green]✓[/green] done elsewhere {'':>22}{run.run_id}  (by another process)",
-                                      highlight=False)
-                    return
-                bar.update(task, current=run.run_id)
-                started.append(run.run_id)
-                if progress and not bar.console.is_terminal:  # a log has no live bar: say what starts
-                    bar.console.print(f"started {len(started)}/{len(todo)}  {run.run_id}  {markup(run.describe())}",
-                                      highlight=False)
-                job = Job(cfg=run.cfg, run_id=run.run_id, results_dir=results_dir, extra=sweep.provenance(run),
-                          cache_dir=cache_dir)
-                t0 = time.monotonic()
-                try:
-                    row = run_job(job, isolation=isolation, interrupts=stop, claim=claim)
-                except SaveError as e:  # the folder takes no more: so would every later run's record
-                    result.not_saved = str(e)
-                    row = e.row or {"run_id": run.run_id, "status": "failed", "error": str(e)}
-                result.rows.append(row)
-                print_run(bar.console, run, row, time.monotonic() - t0, results_dir)
-
-        def execute_pack(runs: list[PlannedRun], claims: list[RunClaim]) -> None:
+        def execute(runs: list[PlannedRun], claims: list[RunClaim]) -> None:
+            """Train the claimed runs at once (one: alone); each finished meanwhile by another process is
+            left as it is."""
             try:
                 mine = []
                 for run, claim in zip(runs, claims):
@@ -141,20 +120,21 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
                         claim.release()
                     else:
                         mine.append((run, claim))
-                if len(mine) == 1:
-                    run, claim = mine[0]
-                    execute(run, claim)
-                    return
                 if not mine:
                     return
                 runs, claims = [r for r, _ in mine], [c for _, c in mine]
-                bar.update(task, current=f"pack of {len(runs)}: {runs[0].run_id} …")
+                bar.update(task, current=runs[0].run_id if len(runs) == 1 else f"pack of {len(runs)}: {runs[0].run_id} …")
+                for run in runs:
+                    started.append(run.run_id)
+                    if progress and not bar.console.is_terminal:  # a log has no live bar: say what starts
+                        bar.console.print(f"started {len(started)}/{len(todo)}  {run.run_id}  {markup(run.describe())}",
+                                          highlight=False)
                 jobs = [Job(cfg=r.cfg, run_id=r.run_id, results_dir=results_dir, extra=sweep.provenance(r),
                             cache_dir=cache_dir) for r in runs]
                 t0 = time.monotonic()
                 try:
-                    rows = run_pack_job(jobs, isolation=isolation, interrupts=stop, claims=claims)
-                except SaveError as e:
+                    rows = run_jobs(jobs, isolation=isolation, interrupts=stop, claims=claims)
+                except SaveError as e:  # the folder takes no more: so would every later run's record
                     result.not_saved = str(e)
                     rows = getattr(e, "rows", None) or [{"run_id": r.run_id, "status": "failed", "error": str(e)}
                                                         for r in runs]
@@ -170,39 +150,27 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
             for unit in units:
                 if stop.stopped or result.not_saved:
                     break
-                if isinstance(unit, Pack):
-                    claimed, runs = [], []
-                    for run in unit.runs:
-                        claim = try_claim(results_dir / run.run_id)
-                        if claim is None:
-                            pid = claimant(results_dir / run.run_id)
-                            bar.console.print(f"[yellow]…[/yellow] {run.run_id} is running in another process"
-                                              f"{f' (pid {pid})' if pid else ''}; coming back to it later (alone)",
-                                              highlight=False)
-                            later.append(run)
-                        else:
-                            claimed.append(claim)
-                            runs.append(run)
-                    execute_pack(runs, claimed)
-                    bar.advance(task, len(runs))
-                    continue
-                run = unit
-                claim = try_claim(results_dir / run.run_id)
-                if claim is None:
-                    pid = claimant(results_dir / run.run_id)
-                    bar.console.print(f"[yellow]…[/yellow] {run.run_id} is running in another process"
-                                      f"{f' (pid {pid})' if pid else ''}; coming back to it later", highlight=False)
-                    later.append(run)
-                    continue
-                execute(run, claim)
-                bar.advance(task)
+                claimed, runs = [], []
+                for run in unit.runs:
+                    claim = try_claim(results_dir / run.run_id)
+                    if claim is None:
+                        pid = claimant(results_dir / run.run_id)
+                        bar.console.print(f"[yellow]…[/yellow] {run.run_id} is running in another process"
+                                          f"{f' (pid {pid})' if pid else ''}; coming back to it later"
+                                          f"{' (alone)' if len(unit.runs) > 1 else ''}", highlight=False)
+                        later.append(run)
+                    else:
+                        claimed.append(claim)
+                        runs.append(run)
+                execute(runs, claimed)
+                bar.advance(task, len(runs))
             for run in later:
                 if stop.stopped or result.not_saved:
                     break
                 claim = wait_for_claim(results_dir / run.run_id, stop=lambda: stop.stopped)
                 if claim is None:
                     break
-                execute(run, claim)
+                execute([run], [claim])
                 bar.advance(task)
         except KeyboardInterrupt as e:  # inline mode: a signal between runs; every record is complete
             stop.signum = stop.signum or (e.signum if isinstance(e, Interrupted) else signal.SIGINT)

@@ -1,6 +1,7 @@
-"""What a run builds before its loop, in the reference's order: the device and precision, the data
-splits, the model, the loaders, the optimizer (after re-seeding, as the reference does), then the
-execution mode (torch.compile, data parallelism, CUDA graphs for evaluation)."""
+"""What a run of N >= 1 points builds before its loop, in the reference's order: the device and
+precision, the data splits, the model, the loaders, the optimizer (after re-seeding, as the
+reference does), then the execution mode (torch.compile, data parallelism, CUDA graphs for
+evaluation). The points' settings agree on all but their adapter's own (lora_bench.train.pack)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,31 @@ from pathlib import Path
 
 import torch
 
-from lora_bench.classifier.book import build_classifier, cast_frozen, model_config
+from lora_bench.classifier.book import model_config
 from lora_bench.config import TrainConfig
 from lora_bench.data.sms_spam import build_loaders, cached_splits, packaged_sms_spam
 from lora_bench.data.tokenizer import gpt2_tokenizer
 from lora_bench.errors import UsageError
 from lora_bench.kernels.policy import PlanLog, policy_for
-from lora_bench.lora.kernel import group_qkv
-from lora_bench.lora.quantized import base_weight_bytes, store_base
-from lora_bench.model.gpt2 import count_params
-from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_weight_bytes, unpacked_params
+from lora_bench.train.build import build_model, build_optimizer
 from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
-from lora_bench.train.setup import (amp_context, build_optimizer, compile_model, prepare_precision, resolve_device,
-                                    set_precision)
+from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
 
 
 class RunContext:
     """A run's device, model, loaders and optimizer, and the models its loop and evaluation call;
     kept for the profilers and CUDA graphs. The steps run in the order the reference builds things
     (the data split, the model's random draws, then the seed before the optimizer), so book mode
-    stays bit-exact."""
+    stays bit-exact. ``cfgs``: the points' settings (one TrainConfig: a solo run); ``cfg`` is the
+    first's, which holds every setting the points share."""
 
-    def __init__(self, cfg: TrainConfig, *, cache_dir: Path, progress: bool, dp: DataParallel | None = None):
-        self.cfg = cfg
+    def __init__(self, cfgs: TrainConfig | list[TrainConfig], *, cache_dir: Path, progress: bool,
+                 dp: DataParallel | None = None):
+        self.cfgs = [cfgs] if isinstance(cfgs, TrainConfig) else list(cfgs)
+        self.cfg, self.n = self.cfgs[0], len(self.cfgs)
         self.dp = dp  # data-parallel runs: this rank's part (its device, the DDP wrapper)
         self._setup_device()
         splits = self._setup_splits(cache_dir, progress=progress)
@@ -59,29 +59,16 @@ class RunContext:
 
     def _setup_model(self, cache_dir: Path, *, progress: bool) -> None:
         cfg = self.cfg
-        too_big = fit_problem(cfg, self.device, processes=cfg.nproc)  # before anything is allocated
+        # before anything is allocated; a pack: one run of its whole batch at its largest rank
+        whole = cfg if self.n == 1 else cfg.replace(batch_size=cfg.batch_size * self.n,
+                                                     lora_rank=max(c.lora_rank for c in self.cfgs))
+        too_big = fit_problem(whole, self.device, processes=cfg.nproc)
         if too_big:
-            raise UsageError(too_big)
+            raise UsageError(too_big if self.n == 1 else f"a pack of {self.n} runs: {too_big} (or pack fewer runs)")
         self.mcfg = model_config(cfg)
-        if cfg.implementation == "hf":  # transformers' GPT-2 (and PEFT): its Conv1D layers are not nn.Linear
-            # base_dtype=nf4: transformers and bitsandbytes load the body 4-bit on the device (QLoRA)
-            self.model = build_hf_classifier(cfg, cache_dir=cache_dir, progress=progress, device=self.device)
-            cast, weight_bytes_of = cast_frozen_hf, hf_base_weight_bytes
-        else:
-            self.model = build_classifier(cfg, cache_dir=cache_dir, progress=progress)
-            cast, weight_bytes_of = cast_frozen, base_weight_bytes
-        self.trainable_params = count_params(self.model, trainable_only=True)
-        self.total_params = count_params(self.model) + unpacked_params(self.model)  # a 4-bit body's packed codes
-        self.notes: list[str] = []  # what the run says about how it was built
-        if cfg.base_dtype != "precision" and cfg.implementation == "book":
-            # stored on the device from the fp32 weights, before any cast
-            _, self.notes = store_base(self.model, cfg.base_dtype, self.device)
-        prepare_precision(self.model, cfg, cast)
-        weight_bytes = weight_bytes_of(self.model)  # as the run holds them: after precision's cast
-        self.base_weight_mib = weight_bytes / 2**20 if weight_bytes is not None else None
-        self.model.to(self.device)
-        if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and self.device.type == "cuda":
-            group_qkv(self.model)  # after .to(), which gives every parameter its own storage
+        built = build_model(self.cfgs, self.device, cache_dir=cache_dir, progress=progress)
+        self.model, self.notes, self.base_weight_mib = built.model, built.notes, built.base_weight_mib
+        self.trainable_params, self.total_params = built.trainable_params, built.total_params  # per point
 
     def _setup_loaders(self, splits: dict[str, Path]) -> None:
         cfg = self.cfg
@@ -90,9 +77,7 @@ class RunContext:
                                      no_padding=cfg.no_padding)
 
     def _setup_optimizer(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        self.optimizer = build_optimizer(self.model, cfg, **optimizer_options(cfg))
+        self.optimizer = build_optimizer(self.model, self.cfgs)
 
     def _setup_execution(self) -> None:
         self.forward_model, self.eval_model = execution_models(self.model, self.cfg, self.device, dp=self.dp)
@@ -129,12 +114,3 @@ def execution_models(model: torch.nn.Module, cfg: TrainConfig, device: torch.dev
         forward = compile_model(model, cfg.compile_scope) if cfg.compile else model
     graphed = cfg.cuda_graphs and device.type == "cuda"
     return forward, (GraphedEval(forward) if graphed else forward)
-
-
-def optimizer_options(cfg: TrainConfig) -> dict:
-    """AdamW's options beyond the learning rate and weight decay: the fused update when asked, and
-    a capturable one (its step count on the device) for a step captured as CUDA graphs."""
-    opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
-    if cfg.cuda_graphs:
-        opt_kw["capturable"] = True
-    return opt_kw

@@ -16,7 +16,6 @@ import torch
 
 from lora_bench.kernels.policy import graph_plan
 from lora_bench.train.distributed import GRAPH_WARMUP_ITERS
-from lora_bench.train.evaluate import calc_loss_batch
 from lora_bench.train.graph_nodes import instantiate, kernel_count, new_graph
 
 WARMUP_ITERS = 3
@@ -35,13 +34,17 @@ def warm_up(fn, iters: int) -> None:
 
 
 class GraphedStep:
+    """The step of a run's N points (``ctx.n``): its forward computes their losses (one point: the
+    reference's loss; a pack: each point's on the batch stacked inside the captured forward, whose
+    N·B rows live in the graphs' pool) and its backward differentiates their objective
+    (``evaluate.Objective``). A replay returns the losses."""
+
     def __init__(self, ctx, *, timer):
         cfg = ctx.cfg  # validated: a CUDA device (train.preflight), accumulation_steps=1 (config)
         self.ctx = ctx
         self.model = ctx.forward_model
         self.optimizer = ctx.optimizer
-        self.loss_kw = dict(token_pos=cfg.trainable_token_pos, ignore_index=cfg.ignore_index,
-                            average_embeddings=cfg.average_embeddings)
+        self.points = ctx.loop_settings().objective(ctx.n)
         # autocast's weight-cast cache must be off inside a capture
         self.amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
                     if cfg.precision == "bf16" else contextlib.nullcontext)
@@ -54,8 +57,8 @@ class GraphedStep:
 
     # -- capture ----------------------------------------------------------------------------------
     def _loss(self) -> torch.Tensor:
-        """The step's loss on the static batch (a pack's step: one per point, ``train.pack_loop``)."""
-        return calc_loss_batch(self.static_in, self.static_tgt, self.model, **self.loss_kw)
+        """The step's loss on the static batch (a pack's step: one per point)."""
+        return self.points.losses(self.static_in, self.static_tgt, self.model)
 
     def _forward(self):
         with self.amp():
@@ -65,7 +68,7 @@ class GraphedStep:
 
     def _objective(self, loss: torch.Tensor) -> torch.Tensor:
         """What the backward differentiates: the loss itself (a pack sums its points' losses)."""
-        return loss
+        return self.points.objective(loss)
 
     def _trainable(self) -> list[torch.Tensor]:
         # only these change in warm-up (frozen weights get no gradient, so AdamW skips them): at

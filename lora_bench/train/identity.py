@@ -1,5 +1,6 @@
-"""A run's identity: its id (deterministic for sweeps, time-stamped for one-off runs), the check
-that it can name a folder, and the refusal of an id already recorded in a results folder."""
+"""A run's identity: its id (deterministic for sweeps, time-stamped for one-off runs) and the check
+that it can name a folder inside a results folder (lora_bench.train.recording refuses an id
+already recorded there)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,10 @@ from pathlib import Path
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.results.index import INDEX
-from lora_bench.results.manifest import MANIFEST
-from lora_bench.results.prune import SUPERSEDED
-from lora_bench.results.records import copied_record, run_record
-from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV, read_run_table
+from lora_bench.train.recording import LOCK_SUFFIX, RESERVED_IDS, RESULTS_FILES
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ext4, XFS, Btrfs, APFS, tmpfs)
-# What a results folder holds beside its run folders: a run id naming one would turn it into a folder
-RESULTS_FILES = (RUNS_CSV, TORN_CSV, MANIFEST, SUPERSEDED, INDEX)
-RESERVED_IDS = frozenset(n.lower() for name in RESULTS_FILES for n in (name, name + LOCK_SUFFIX))
 
 
 def settings_hash(cfg: TrainConfig) -> str:
@@ -57,31 +51,3 @@ def check_run_id(run_id: str) -> None:
         raise UsageError(f"run id {run_id!r} is reserved: a results folder keeps its own files under the names "
                          f"{', '.join(RESULTS_FILES)} and each with {LOCK_SUFFIX} (in any case); choose another "
                          "--run-id")
-
-
-def existing_run(results_dir: Path, run_id: str) -> dict | None:
-    """The recorded row of ``run_id`` in this results folder (run.json, else runs.csv), if any."""
-    row = run_record(results_dir / run_id)
-    if row is not None:
-        return row
-    copy_of = copied_record(results_dir / run_id)
-    if copy_of is not None:  # a copied folder (X.bak): replacing its record would lose the copy
-        return {"run_id": run_id, "status": f"a copy of run {copy_of!r}'s record is in its folder"}
-    csv = results_dir / "runs.csv"
-    if csv.is_file():
-        table = read_run_table(csv)
-        for r in table.rows:
-            if r.get("run_id") == run_id:
-                return r
-        if run_id in table.torn_ids():
-            return {"run_id": run_id, "status": "unknown (its runs.csv row is cut mid-way)"}
-    return None
-
-
-def refuse_existing_run(results_dir: Path, run_id: str) -> None:
-    """UsageError when ``run_id`` is already recorded in ``results_dir``: ids are never reused silently."""
-    old = existing_run(results_dir, run_id)
-    if old is not None:
-        raise UsageError(f"run id {run_id!r} already exists in {results_dir} (status {old.get('status')}, "
-                         f"started {old.get('started_at') or '?'}); choose another --run-id, or pass "
-                         "--overwrite to replace it")

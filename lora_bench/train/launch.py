@@ -32,17 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_bench.config import TrainConfig
-from lora_bench.errors import EXIT_INTERRUPTED, UsageError
+from lora_bench.errors import EXIT_INTERRUPTED
 from lora_bench.escaping import markup
-from lora_bench.results.claims import claim_run, claimant, try_claim
-from lora_bench.results.manifest import record_invocation, start_invocation
-from lora_bench.results.records import RUN_RECORD
-from lora_bench.results.save import save_row
-from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import FINISHED, check_results_dir
+from lora_bench.train import recording
 from lora_bench.train.distributed import NO_MULTICAST_ENV, RANK_ERRORS_ENV
 from lora_bench.train.identity import check_run_id as check_name
-from lora_bench.train.identity import refuse_existing_run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
@@ -73,18 +67,10 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 
 
 def check_run_id(results_dir: Path, run_id: str, *, overwrite: bool) -> None:
-    """The run id is free (no process runs it; no earlier record, unless ``overwrite``, which drops
-    it now, so that a rank that dies before recording cannot leave the old record standing)."""
+    """The run id names a folder and is free (``recording.free_run_id``): a rank that dies before
+    recording cannot leave an old record standing."""
     check_name(run_id)
-    run_dir = Path(results_dir) / run_id
-    claim = try_claim(run_dir)
-    if claim is None:
-        pid = claimant(run_dir)
-        raise UsageError(f"run id {run_id!r} is running in another process{f' (pid {pid})' if pid else ''}")
-    with claim:
-        if not overwrite:
-            refuse_existing_run(Path(results_dir), run_id)
-        (run_dir / RUN_RECORD).unlink(missing_ok=True)
+    recording.free_run_id(results_dir, run_id, overwrite=overwrite)
 
 
 @dataclass
@@ -147,20 +133,20 @@ def launch_train(cfg: TrainConfig, *, argv: list[str], results_dir: Path, run_id
     """Run ``lora-bench ARGV`` (a ``train`` command line) under torchrun with ``cfg.nproc``
     processes as run ``run_id``; returns the exit code (0 done, 1 failed, 130 interrupted)."""
     results_dir = Path(results_dir)
-    check_results_dir(results_dir)
+    recording.check_results_dir(results_dir)
     check_run_id(results_dir, run_id, overwrite=overwrite)
     run_dir = results_dir / run_id
     errors_dir = run_dir / "ranks"
     shutil.rmtree(errors_dir, ignore_errors=True)
     errors_dir.mkdir(parents=True)
-    start_invocation()  # the ranks inherit this command line as their invocation
+    recording.start_invocation()  # the ranks inherit this command line as their invocation
     # torchrun's own parser sees the whole line, and --nproc is ambiguous to it: the ranks take
     # nproc from torchrun's world size instead (a file's or an override's nproc agrees with it)
     target = ["-m", "lora_bench", *strip_option(strip_option(argv, "--nproc"), "--run-id"), "--run-id", run_id]
     started = time.time()
     launched = run_torchrun(torchrun_command(cfg.nproc, target),
                             env=launch_environ(dict(os.environ), errors_dir=errors_dir), timeout_s=timeout_s)
-    with claim_run(run_dir):
+    with recording.claim_run(run_dir):
         return settle(cfg, run_id=run_id, results_dir=results_dir, launched=launched, errors_dir=errors_dir,
                       extra=extra or {}, started=started, console=console)
 
@@ -168,7 +154,7 @@ def launch_train(cfg: TrainConfig, *, argv: list[str], results_dir: Path, run_id
 def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launched, errors_dir: Path, extra: dict,
            started: float, console) -> int:
     """Make rank 0's record tell what happened to the whole job."""
-    record_path = results_dir / run_id / RUN_RECORD
+    record_path = results_dir / run_id / recording.RUN_RECORD
     record: dict = {"log": []}
     if record_path.is_file():
         try:
@@ -178,7 +164,7 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
     row = record.get("row")
     failures = rank_failures(errors_dir)
     cause = root_cause(failures)
-    if row is not None and row.get("status") in FINISHED:
+    if row is not None and row.get("status") in recording.FINISHED:
         if launched.returncode != 0:
             console.print(f"[yellow]warning:[/yellow] the run was recorded, but torchrun exited with code "
                           f"{launched.returncode}" + (f" (rank {cause['rank']}: {markup(cause['error'])})" if cause else ""),
@@ -197,9 +183,8 @@ def settle(cfg: TrainConfig, *, run_id: str, results_dir: Path, launched: Launch
         error += f" (rank 0: {own.splitlines()[0][:300]})"
     if row is None:  # rank 0 recorded nothing: the run's settings, as every row has them
         begun = dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(timespec="seconds")
-        row = {"run_id": run_id, "started_at": begun, **cfg_columns(cfg), **extra}
+        row = {"run_id": run_id, "started_at": begun, **recording.cfg_columns(cfg), **extra}
     row = {**row, "status": status, "error": error[:2000]}
-    record_invocation(results_dir, run_ids=[run_id])
-    save_row(results_dir, row)
+    recording.settle_row(results_dir, row)
     console.print(f"[red]{status}[/red]: {markup(error, newlines=True)}", highlight=False)
     return EXIT_INTERRUPTED if status == "interrupted" else 1

@@ -18,17 +18,17 @@ from typing import Callable, Sequence
 import torch
 
 from lora_bench.fileio import atomic_write_bytes, atomic_write_text
-from lora_bench.results.store import write_csv
 from lora_bench.train import evaluate
 from lora_bench.train import loop as train
+from lora_bench.train.recording import write_csv
 
 TORCH_WINDOW = 10  # steps recorded after warm-up
 
 
 class Profiler:
     """``pack_size``: the profile is of a pack of that many runs (a column of the kernel summaries);
-    ``line_functions``: what line_profiler follows besides the loop it runs (the solo loop and its
-    loss by default)."""
+    ``line_functions``: what line_profiler follows besides the loop it runs (by default the loop and
+    its loss: a solo run's, or a pack's points' losses)."""
 
     def __init__(self, mode: str, *, run_dir: Path, warmup_steps: int, device: torch.device,
                  pack_size: int | None = None, line_functions: Sequence[Callable] | None = None):
@@ -37,7 +37,8 @@ class Profiler:
         self.device = device
         self.pack_size = pack_size
         self.line_functions = (tuple(line_functions) if line_functions is not None
-                               else (train.train_classifier, evaluate.calc_loss_batch))
+                               else (train.train_classifier,
+                                     evaluate.calc_loss_batch if pack_size is None else evaluate.point_losses))
         self.start = warmup_steps
         self.stop = warmup_steps + TORCH_WINDOW
         self._prof = None

@@ -1,24 +1,18 @@
-"""What a run leaves behind: its row's summary columns (step-time medians and spreads, tokens/s,
-FLOP rate, memory) and its files (``<run_id>/steps.csv``, ``<run_id>/run.json``, the row in
-``runs.csv``), written whatever state the run ended in."""
+"""What a run's row says of it beyond its settings: the versions of the libraries it used, the
+environment it ran in, the summary columns of its steps (step-time medians and spreads, tokens/s,
+FLOP rate, memory) and the step from which it diverged (lora_bench.train.recording saves them)."""
 
 from __future__ import annotations
 
 import math
-import resource
-from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.escaping import markup
 from lora_bench.lora.quantized import library_versions
 from lora_bench.peers.hf import package_versions, qlora_versions
 from lora_bench.results.environment import environment, host_speed
 from lora_bench.results.metrics import flops_per_step, peak_tflops, summarise_steps
-from lora_bench.results.save import save_record
-from lora_bench.signals import signal_name, signals_deferred
 from lora_bench.timing import PhaseTimer, host_op_us
 from lora_bench.train.context import RunContext
 
@@ -72,33 +66,3 @@ def divergence(steps: list[dict] | None, curves: dict, *, eval_freq: int) -> int
         for name in ("train_losses", "val_losses"):
             bad += [i * eval_freq for i, v in enumerate(curves.get(name) or ()) if not math.isfinite(v)]
     return min(bad, default=None)
-
-
-def record_run(row: dict, *, ctx: RunContext | None, timer: PhaseTimer | None, steps: list[dict] | None,
-               cfg: TrainConfig, run_id: str, run_dir: Path, results_dir: Path, log: list[str], curves: dict,
-               console: Console) -> None:
-    """Save the run's steps.csv, run.json and runs.csv row as one (lora_bench.results.save),
-    whatever state the run ended in. A terminating signal that comes meanwhile waits until the
-    record is saved; it then ends the process, after saying so when the run was done."""
-    with signals_deferred() as pending:
-        if timer is not None and timer.enabled:
-            try:
-                if steps is None:  # the run stopped before its summary
-                    steps = timer.step_rows(run_id)
-                    if row["status"] == "interrupted" and ctx is not None:
-                        row.setdefault("steps", len(steps))
-                        row.update(summary(ctx, timer, cfg, steps))  # what was measured so far
-            except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the row
-                steps = None
-                row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
-        row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        save_record(results_dir, row, steps=steps if timer is not None and timer.enabled else None, log=log,
-                    curves=curves)
-        if row["status"] == "interrupted":
-            console.print(f"{markup(row['error'])} after {row.get('steps') or 0} step(s): recorded as interrupted "
-                          f"(run_id {run_id}); results: {results_dir / 'runs.csv'}, files: {run_dir}",
-                          highlight=False)
-        elif pending and row["status"] == "done":
-            console.print(f"{signal_name(pending[0])} came while the finished run was being saved: it is recorded "
-                          f"as done (run_id {run_id}, results: {results_dir / 'runs.csv'}); stopping now",
-                          highlight=False)

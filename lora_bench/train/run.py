@@ -1,105 +1,90 @@
-"""One training run from a ``TrainConfig`` to its recorded row, as a straight line: check the run's
-identity and claim its folder (``identity``), set up device, precision and the rank's settings
-(``setup``), build what the loop needs (``context.RunContext``), train with every phase timed,
-evaluate, and record (``record``) whatever state the run ended in."""
+"""A run of N >= 1 points trained at once on one model (a solo run: one point; a pack, see
+lora_bench.train.pack and docs/packing.md), from their settings to one recorded row each, as a
+straight line: check the points' settings and ids (``points``), claim their folders
+(``recording``), build what the loop needs (``context.RunContext``), train with every phase timed
+(``loop``), evaluate, and record every point whatever state the run ended in (``recording``).
+
+A packed point is recorded as its own run — its row, its steps.csv with its own losses and its
+share of the pack's step time, its run.json with its own curves — with the pack's size and id
+beside it; whatever ends the pack (an error, a signal) ends each of its points."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.errors import Interrupted, SaveError, UsageError
-from lora_bench.fileio import check_writable_dir
 from lora_bench.kernels.policy import record_plans, use_policy
-from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.progress import TrainProgress
-from lora_bench.results.claims import RunClaim, claim_run
-from lora_bench.results.manifest import read_manifest, record_invocation
-from lora_bench.results.records import RUNNING
-from lora_bench.results.save import NO_ROOM, begin_record
-from lora_bench.results.schema import cfg_columns
-from lora_bench.results.store import check_results_dir
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
+from lora_bench.train import recording
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
-from lora_bench.train.identity import check_run_id, make_run_id, refuse_existing_run
 from lora_bench.train.loop import TrainResult, train_classifier
+from lora_bench.train.pack import pack_columns
+from lora_bench.train.points import Point, checked_cache_dir, checked_points
 from lora_bench.train.profiling import Profiler
-from lora_bench.train.record import divergence, peer_versions, record_run, run_environment, summary
-from lora_bench.train.setup import rank_settings
+from lora_bench.train.record import divergence, peer_versions, run_environment, summary
 
 
-def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, console: Console | None = None,
-                progress: bool = True, cache_dir: Path | None = None, extra: dict | None = None,
-                overwrite: bool = False, claim: RunClaim | None = None, handle_signals: bool = True) -> dict:
-    """Run one configuration and record it. On failure or interruption the row is still written
-    (status failed / interrupted, with the error and, when interrupted, the summary of the steps
-    measured so far) and the exception propagates.
+def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = None, extra: dict | None = None,
+                claim=None, **kw) -> dict:
+    """One solo run (``execute`` of one point); its recorded row. ``claim``: the run's folder's
+    claim, when the caller holds it."""
+    return execute([Point(cfg, run_id, extra or {})], results_dir=results_dir,
+                   claims=[claim] if claim is not None else None, **kw)[0]
 
-    Before any work: the results folder must take files and its runs.csv parse, the run id must be
-    new (``overwrite`` replaces an earlier run of that id) and the run's folder is claimed, so no
-    other process executes the same run at the same time (``claim``: one the caller already
-    holds). ``handle_signals``: SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal);
-    a caller with its own signal handling passes False.
 
-    Under torchrun (a data-parallel run, see lora_bench.train.distributed) every rank executes the
-    run and rank 0 alone checks, claims and writes; the others run quietly. torchrun stops the
+def execute(points: list[Point], *, results_dir: Path, console: Console | None = None, progress: bool = True,
+            cache_dir: Path | None = None, overwrite: bool = False, claims: list | None = None,
+            handle_signals: bool = True) -> list[dict]:
+    """Train ``points`` at once and record each as its own run; returns their rows. On failure or
+    interruption every row is still written (status failed / interrupted, with the error and, when
+    interrupted, the summary of the steps measured so far) and the exception propagates.
+
+    Before any work: several points must be able to pack (``pack.pack_problem``), the results
+    folder must take files and its runs.csv parse, the run ids must be new (``overwrite``
+    replaces an earlier run of that id) and each point's folder is claimed, so no other process
+    executes it at the same time (``claims``: the caller's, one per point). ``handle_signals``:
+    SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal); a caller with its own
+    signal handling passes False.
+
+    Under torchrun (a data-parallel solo run, see lora_bench.train.distributed) every rank executes
+    the run and rank 0 alone checks, claims and writes; the others run quietly. torchrun stops the
     ranks with SIGTERM when one fails, which records rank 0's run as interrupted until the
     launcher names the rank that failed first."""
     env = rank_env()
-    cfg = rank_settings(cfg, env).validate()
+    points = checked_points(points, env)
     main = env is None or env.is_main
     console = console or Console()
     if not main:
         console, progress = Console(quiet=True), False
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache_dir = checked_cache_dir(cache_dir)
     results_dir = Path(results_dir)
-    run_id = run_id or make_run_id(cfg)
-    check_run_id(run_id)
-    why = check_writable_dir(cache_dir)
-    if why:
-        raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
-    run_dir = results_dir / run_id
-    held = None
-    if main:
-        check_results_dir(results_dir)
-        read_manifest(results_dir)  # a manifest it cannot add to is refused before any work
-        if run_dir.exists() and not run_dir.is_dir():
-            raise UsageError(f"run id {run_id!r}: a file is in the way of the run's folder {run_dir}; move it "
-                             "aside or choose another --run-id")
-        held = claim if claim is not None else claim_run(run_dir)
-    try:
-        if main:
-            if not overwrite:
-                refuse_existing_run(results_dir, run_id)
+    ids = [p.run_id for p in points]
+    with (recording.claimed(results_dir, ids, overwrite=overwrite, claims=claims) if main
+          else contextlib.nullcontext()):
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
-            run = _Run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
-                       cache_dir=cache_dir, env=env)
-            return run.execute(extra=extra)
-    finally:
-        if held is not None and claim is None:
-            held.release()
-            with contextlib.suppress(OSError):  # the folder of a run refused before it began: empty
-                run_dir.rmdir()
+            run = _Run(points, results_dir=results_dir, console=console, progress=progress, cache_dir=cache_dir,
+                       env=env)
+            return run.execute()
 
 
 @dataclass
 class _Run:
     """One run's execution: what it has built so far is kept, so that whatever state the run ends
-    in, ``record_run`` writes what there is."""
+    in, every point's record holds what there is."""
 
-    cfg: TrainConfig
+    points: list[Point]
     results_dir: Path
-    run_id: str
     console: Console
     progress: bool
     cache_dir: Path
@@ -107,142 +92,178 @@ class _Run:
     ctx: RunContext | None = None
     timer: PhaseTimer | None = None
     profiler: Profiler | None = None
-    steps: list[dict] | None = None  # the per-step rows, built once
-    begun: bool = False  # its record says running (results.save.begin_record): it is to be finished
-    log: list[str] = field(default_factory=list)
-    curves: dict = field(default_factory=dict)
+    result: TrainResult | None = None
+    steps: list[list[dict]] | None = None  # per point, the per-step rows, built once
+    begun: bool = False  # the records say running (results.save.begin_record): they are to be finished
+
+    def __post_init__(self):
+        self.n = len(self.points)
+        self.logs: list[list[str]] = [[] for _ in self.points]
+        self.curves: list[dict] = [{} for _ in self.points]
 
     @property
     def main(self) -> bool:
         return self.env is None or self.env.is_main
 
-    @property
-    def run_dir(self) -> Path:
-        return self.results_dir / self.run_id
+    def say(self, p: int, msg: str) -> None:
+        self.logs[p].append(msg)
+        prefix = f"[{self.points[p].run_id}] " if self.n > 1 else ""
+        self.console.print(prefix + msg, highlight=False, markup=False)
 
-    def say(self, msg: str) -> None:
-        self.log.append(msg)
-        self.console.print(msg, highlight=False)
+    def say_all(self, msg: str) -> None:
+        for log in self.logs:
+            log.append(msg)
+        self.console.print(msg, highlight=False, markup=False)
 
-    def execute(self, *, extra: dict | None) -> dict:
-        cfg, env = self.cfg, self.env
-        row: dict = {"run_id": self.run_id, "status": RUNNING,
-                     "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     **cfg_columns(cfg), **peer_versions(cfg), **(extra or {}),
-                     "world_size": env.world_size if env is not None else 1}
+    def execute(self) -> list[dict]:
+        env, cfg = self.env, self.points[0].cfg
+        begun_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        pack = pack_columns([p.run_id for p in self.points])
+        rows = [{"run_id": p.run_id, "status": recording.RUNNING, "started_at": begun_at, **recording.cfg_columns(p.cfg),
+                 **peer_versions(p.cfg), **p.extra, "world_size": env.world_size if env is not None else 1, **pack}
+                for p in self.points]
         try:
             if self.main:
-                self._begin(row)
+                with signals_deferred():
+                    recording.begin(self.results_dir, rows)
+                    self.begun = True
+            if pack:
+                self.say_all(f"pack {pack['pack_id']}: {self.n} runs ({', '.join(r['run_id'] for r in rows)}) "
+                             "on one model")
             dp = (DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size, cuda_graphs=cfg.cuda_graphs)
                   if env is not None else None)
-            self.ctx = ctx = RunContext(cfg, cache_dir=self.cache_dir, progress=self.progress, dp=dp)
+            self.ctx = ctx = RunContext([p.cfg for p in self.points], cache_dir=self.cache_dir,
+                                        progress=self.progress, dp=dp)
             for note in ctx.notes:
-                self.say(note)
-            row.update(trainable_params=ctx.trainable_params, total_params=ctx.total_params, device=str(ctx.device),
-                       base_weight_mib=ctx.base_weight_mib,
-                       **run_environment(ctx.device))
+                self.say_all(note)
+            environment = run_environment(ctx.device)
+            for p, row in enumerate(rows):
+                row.update(trainable_params=ctx.trainable_params[p], total_params=ctx.total_params[p],
+                           device=str(ctx.device), base_weight_mib=ctx.base_weight_mib, **environment)
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
-            row.update(self._train())
+            self._train(rows)
             if not cfg.skip_final_eval:
-                row.update(self._final_accuracies())
-            self.profiler.finish(self.console)
-            self.steps = self.timer.step_rows(self.run_id) if self.timer.enabled else []
-            row.update(summary(ctx, self.timer, cfg, self.steps))
-            row["status"] = "done"
-            # Judged after the loop, from losses read where it synchronises anyway: training goes on
-            # past a non-finite loss, as the reference's does, since looking at every step's loss as
-            # it is computed would add a device synchronisation per step to what is measured.
-            bad = divergence(self.steps, self.curves, eval_freq=cfg.eval_freq)
-            if bad is not None:  # measured as it ran; its losses and accuracies mean nothing
-                row.update(status="diverged", diverged_at_step=bad,
-                           error=f"diverged: the loss is not finite from step {bad} on (NaN or inf; a lower "
-                                 "learning_rate?); its accuracies and losses are not results")
-                self.say(f"warning: {row['error']}")
-            return row
+                self._final_accuracies(rows)
+            self.profiler.finish(self.console, copies=[self.results_dir / p.run_id for p in self.points[1:]])
+            self.steps = self._point_steps()
+            for p, row in enumerate(rows):
+                self._summarise(p, row)
+                row["status"] = "done"
+                # Judged after the loop, from losses read where it synchronises anyway: training goes on
+                # past a non-finite loss, as the reference's does, since looking at every step's loss as
+                # it is computed would add a device synchronisation per step to what is measured.
+                bad = divergence(self.steps[p], self.curves[p], eval_freq=cfg.eval_freq)
+                if bad is not None:  # measured as it ran; its losses and accuracies mean nothing
+                    row.update(status="diverged", diverged_at_step=bad,
+                               error=f"diverged: the loss is not finite from step {bad} on (NaN or inf; a lower "
+                                     "learning_rate?); its accuracies and losses are not results")
+                    self.say(p, f"warning: {row['error']}")
+            return rows
         except BaseException as e:  # record, then re-raise: nothing is lost, nothing is swallowed
-            row.update(ended_by(e))
+            for row in rows:  # every point ends as the run did
+                row.update(recording.ended_by(e))
+                if not isinstance(e, KeyboardInterrupt) and self.n > 1:
+                    row["error"] = f"its pack of {self.n} runs failed: {row['error']}"[:2000]
             raise
         finally:
             if self.begun:
-                record_run(row, ctx=self.ctx, timer=self.timer, steps=self.steps, cfg=cfg, run_id=self.run_id,
-                           run_dir=self.run_dir, results_dir=self.results_dir, log=self.log, curves=self.curves,
-                           console=self.console)
+                self._record(rows)
             # a data-parallel run keeps its process group: the rank's process ends without tearing it
             # down (distributed.exit_rank), and a later run in this process joins the same group
 
-    def _begin(self, row: dict) -> None:
-        """Say in the results folder that the run is executing: the invocation, then a record
-        that says running, so that a process killed outright leaves a run marked interrupted."""
-        with signals_deferred():  # a signal now comes once the run is begun, and is recorded
-            try:
-                record_invocation(self.results_dir, run_ids=[self.run_id])
-            except OSError as e:
-                if e.errno not in NO_ROOM:
-                    raise
-                raise SaveError(f"cannot record run {self.run_id} in {self.results_dir}: {e.strerror or e}; "
-                                "nothing was run. Free some space there (or choose another --results-dir)") from None
-            begin_record(self.results_dir, row)
-            self.begun = True
-
-    def _train(self) -> dict:
+    def _train(self, rows: list[dict]) -> None:
         """The instrumented loop (profiled when asked, CUDA graphs when asked); its row columns."""
-        cfg, ctx, timer = self.cfg, self.ctx, self.timer
+        ctx, timer, cfg = self.ctx, self.timer, self.ctx.cfg
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        profiler = Profiler(cfg.profile if self.main else "none", run_dir=self.run_dir,
-                            warmup_steps=cfg.warmup_steps, device=ctx.device)
+        # a pack's profile is of its step (every point at once); each point's folder gets its files
+        self.profiler = profiler = Profiler(cfg.profile if self.main else "none",
+                                            run_dir=self.results_dir / self.points[0].run_id,
+                                            warmup_steps=cfg.warmup_steps, device=ctx.device,
+                                            pack_size=self.n if self.n > 1 else None)
         step_fn = GraphedStep(ctx, timer=timer) if cfg.cuda_graphs else None
         total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train)
+        self.result = res = TrainResult(self.n)
         with (TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar,
               use_policy(ctx.kernel_policy), record_plans(ctx.kernel_plans)):
             timer.label_phases = profiler.labels_phases
-            result: TrainResult = profiler.run(
-                train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-                settings=ctx.loop_settings(), timer=timer, amp=ctx.amp, step_fn=step_fn,
-                on_step=profiler.chain(bar.update), eval_model=ctx.eval_model,
-                shard=ctx.dp.shard if ctx.dp is not None else None, say=self.say)
+            profiler.run(train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer,
+                         ctx.device, settings=ctx.loop_settings(), timer=timer, points=self.n, amp=ctx.amp,
+                         step_fn=step_fn, on_step=profiler.chain(bar.update), eval_model=ctx.eval_model,
+                         shard=ctx.dp.shard if ctx.dp is not None else None, say=self.say, result=res)
         out: dict = {}
         if ctx.dp is not None:  # collective: every rank, right after the loop
             out.update(ctx.dp.gather(timer))
         out["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
         if step_fn is not None:
             out.update(step_fn.record())
-        self.curves.update(train_losses=result.train_losses, val_losses=result.val_losses,
-                           train_accs=result.train_accs, val_accs=result.val_accs)
-        out.update(steps=result.steps, training_time_s=result.training_time_s,
-                   training_time_min=result.training_time_s / 60,
-                   final_train_loss=result.train_losses[-1] if result.train_losses else None,
-                   final_val_loss=result.val_losses[-1] if result.val_losses else None)
-        self.say(f"Training completed in {result.training_time_s / 60:.2f} minutes.")
-        self.profiler = profiler
+        for p, row in enumerate(rows):
+            self.curves[p].update(train_losses=res.train_losses[p], val_losses=res.val_losses[p],
+                                  train_accs=res.train_accs[p], val_accs=res.val_accs[p])
+            row.update(out, steps=res.steps, training_time_s=res.training_time_s,
+                       training_time_min=res.training_time_s / 60,
+                       final_train_loss=res.train_losses[p][-1] if res.train_losses[p] else None,
+                       final_val_loss=res.val_losses[p][-1] if res.val_losses[p] else None)
+        self.say_all(f"Training completed in {res.training_time_s / 60:.2f} minutes.")
+
+    def _final_accuracies(self, rows: list[dict]) -> None:
+        accs = final_accuracies(self.ctx)
+        for p, row in enumerate(rows):
+            for name, title in (("train", "Training"), ("val", "Validation"), ("test", "Test")):
+                row[f"{name}_acc"] = accs[f"{name}_acc"][p]
+                self.say(p, f"{title} accuracy: {row[f'{name}_acc']:.2f}%")
+
+    def _point_steps(self) -> list[list[dict]]:
+        """Each point's steps.csv rows: the run's timings; a pack's point also its own loss and its
+        share of the pack's step."""
+        timer = self.timer
+        if not timer.enabled:
+            return [[] for _ in self.points]
+        if self.n == 1:
+            return [timer.step_rows(self.points[0].run_id)]
+        losses = self.result.point_step_losses() if self.result is not None else [[] for _ in self.points]
+        out = []
+        for p, point in enumerate(self.points):
+            rows = timer.step_rows(point.run_id)
+            for row in rows:
+                row["loss"] = losses[p][row["step"]] if row["step"] < len(losses[p]) else None
+                row["share_step_ms"] = row["step_ms"] / self.n
+                row["share_host_step_ms"] = row["host_step_ms"] / self.n
+            out.append(rows)
         return out
 
-    def _final_accuracies(self) -> dict[str, float]:
-        ctx = self.ctx
-        accs = final_accuracies(ctx)
-        self.say(f"Training accuracy: {accs['train_acc']:.2f}%")
-        self.say(f"Validation accuracy: {accs['val_acc']:.2f}%")
-        self.say(f"Test accuracy: {accs['test_acc']:.2f}%")
-        return accs
+    def _summarise(self, p: int, row: dict) -> None:
+        row.update(summary(self.ctx, self.timer, self.points[p].cfg, self.steps[p]))
+        if self.n > 1 and isinstance(row.get("step_ms_median"), (int, float)):
+            row["share_step_ms_median"] = row["step_ms_median"] / self.n
+
+    def _record(self, rows: list[dict]) -> None:
+        """Every point's record, whatever state the run ended in; a signal meanwhile waits."""
+        with signals_deferred() as pending:
+            timed = self.timer is not None and self.timer.enabled
+            if self.steps is None and timed:  # the run stopped before its summary
+                try:
+                    self.steps = self._point_steps()
+                    for p, row in enumerate(rows):
+                        if row["status"] == "interrupted" and self.ctx is not None:
+                            row.setdefault("steps", len(self.steps[p]))
+                            self._summarise(p, row)  # what was measured so far
+                except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the rows
+                    self.steps = None
+                    for row in rows:
+                        row["error"] = (row.get("error") or "") + f" (steps not saved: {err})"
+            steps = self.steps if timed and self.steps is not None else [None] * self.n
+            recording.save_runs(rows, steps=steps, results_dir=self.results_dir, logs=self.logs,
+                                curves=self.curves, console=self.console, pending=pending)
 
 
-def final_accuracies(ctx: RunContext) -> dict[str, float]:
-    kw = dict(token_pos=ctx.cfg.trainable_token_pos, average_embeddings=ctx.cfg.average_embeddings, amp=ctx.amp)
+def final_accuracies(ctx: RunContext) -> dict[str, list[float]]:
+    """Each point's accuracy (in percent) on the whole train, validation and test sets."""
+    obj = ctx.loop_settings().objective(ctx.n)
     out = {}
     with use_policy(ctx.kernel_policy):
         for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-            out[f"{name}_acc"] = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, **kw) * 100
+            accs = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, objective=obj, amp=ctx.amp)
+            out[f"{name}_acc"] = [a * 100 for a in accs]
     return out
-
-
-def ended_by(exc: BaseException) -> dict:
-    """The status and error columns of a run that ``exc`` ended."""
-    interrupted = isinstance(exc, KeyboardInterrupt)
-    if isinstance(exc, Interrupted):
-        error = str(exc)[:2000]
-    elif interrupted:
-        error = "interrupted by SIGINT"
-    else:
-        error = f"{type(exc).__name__}: {exc}"[:2000]
-    return {"status": "interrupted" if interrupted else "failed", "error": error}

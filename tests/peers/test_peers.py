@@ -257,9 +257,9 @@ def test_harness_loop_trains_both_to_the_same_losses():
         timer = PhaseTimer("events", torch.device("cpu"), warmup_steps=1)
         res = train_classifier(model, batches, batches[:2], opt, torch.device("cpu"),
                                settings=LoopSettings(num_epochs=2, eval_freq=2, eval_iter=2, token_pos="flexible"),
-                               timer=timer, say=lambda msg: None)
+                               timer=timer)
         assert len(timer.step_rows("r")) == 8
-        losses[name] = res.train_losses + res.val_losses
+        losses[name] = res.train_losses[0] + res.val_losses[0]
     assert len(losses["hf"]) == 8
     torch.testing.assert_close(torch.tensor(losses["hf"]), torch.tensor(losses["book"]), rtol=1e-9, atol=0)
 
@@ -379,7 +379,7 @@ def _run_losses(*, impl="hf", layers="lora", device="cuda", precision="fp32", co
     train_classifier(fwd, batches, batches[:2], opt, dev,
                      settings=LoopSettings(num_epochs=1, eval_freq=4, eval_iter=2, token_pos="flexible"),
                      timer=timer, amp=amp_context(cfg, dev),
-                     on_step=lambda step, epoch, loss: losses.append(loss.detach().item()), say=lambda msg: None)
+                     on_step=lambda step, epoch, loss: losses.append(loss.detach().item()))
     assert len(timer.step_rows("r")) == steps
     return losses
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -148,13 +149,13 @@ def test_sigint_stops_running_runs_and_resume_runs_only_the_missing(tmp_path, cl
     import lora_bench.sweep.runner as runner_mod
     import lora_bench.train.run as train_run
 
-    calls, real = [], train_run.execute_run
+    calls, real = [], train_run.execute
 
-    def short(cfg, **kw):  # rerun for real, but a few steps only (the id stays the sweep's)
-        calls.append(kw["run_id"])
-        return real(cfg.replace(max_steps=2), **kw)
+    def short(points, **kw):  # rerun for real, but a few steps only (the id stays the sweep's)
+        calls.extend(p.run_id for p in points)
+        return real([replace(p, cfg=p.cfg.replace(max_steps=2)) for p in points], **kw)
 
-    monkeypatch.setattr(train_run, "execute_run", short)  # the name the inline runner calls
+    monkeypatch.setattr(train_run, "execute", short)  # the name the inline runner calls
     again = runner_mod.run_sweep(sw, results_dir=results, console=Console(), isolation="inline", progress=False,
                       cache_dir=tmp_path / "cache")
     assert calls == [ids["slow1"], ids["slow2"], ids["after"]] and again.skipped == 1

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,13 +114,13 @@ def test_a_killed_sweep_leaves_no_worker_and_the_resume_runs_the_run_once(tmp_pa
 
     import lora_bench.train.run as run_mod
 
-    calls, real = [], run_mod.execute_run
+    calls, real = [], run_mod.execute
 
-    def short(cfg, **kw):  # rerun for real, a few steps only (the id stays the sweep's)
-        calls.append(kw["run_id"])
-        return real(cfg.replace(max_steps=2, eval_freq=0), **kw)
+    def short(points, **kw):  # rerun for real, a few steps only (the id stays the sweep's)
+        calls.extend(p.run_id for p in points)
+        return real([replace(p, cfg=p.cfg.replace(max_steps=2, eval_freq=0)) for p in points], **kw)
 
-    monkeypatch.setattr(run_mod, "execute_run", short)
+    monkeypatch.setattr(run_mod, "execute", short)
     code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache",
                         "--isolation", "inline", "--no-progress")
     assert code == 0, out
@@ -148,8 +149,8 @@ def test_a_resume_waits_for_a_run_held_elsewhere_and_never_runs_it_twice(tmp_pat
 
     import lora_bench.train.run as run_mod
 
-    calls, real = [], run_mod.execute_run
-    monkeypatch.setattr(run_mod, "execute_run", lambda cfg, **kw: calls.append(kw["run_id"]) or real(cfg, **kw))
+    calls, real = [], run_mod.execute
+    monkeypatch.setattr(run_mod, "execute", lambda points, **kw: calls.extend(p.run_id for p in points) or real(points, **kw))
     common = ("--results-dir", results, "--cache-dir", tmp_path / "cache", "--isolation", "inline", "--no-progress")
 
     def other_process(finish: bool) -> threading.Thread:
@@ -212,7 +213,7 @@ def test_two_identical_sweeps_started_at_once_run_every_run_once(tmp_path):
         import json, sys
         if sys.argv and sys.argv[-1].endswith("job.json"):
             with open({str(count)!r}, "a") as f:
-                f.write(json.load(open(sys.argv[-1]))["run_id"] + "\\n")
+                f.write("".join(p["run_id"] + "\\n" for p in json.load(open(sys.argv[-1]))["points"]))
         """))
     path = _sweep(tmp_path, """\
         runs:

@@ -8,6 +8,7 @@ import os
 import signal
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -197,7 +198,7 @@ def test_failures_and_crashes_are_recorded_and_the_sweep_goes_on(tmp_path, monke
     (hook / "sitecustomize.py").write_text(textwrap.dedent("""\
         import json, os, signal, sys
         if sys.argv and sys.argv[-1].endswith("job.json"):
-            if json.load(open(sys.argv[-1]))["config"]["seed"] == 666:
+            if any(p["config"]["seed"] == 666 for p in json.load(open(sys.argv[-1]))["points"]):
                 os.kill(os.getpid(), signal.SIGSEGV)
         """))
     monkeypatch.setenv("PYTHONPATH", str(hook))
@@ -241,13 +242,13 @@ def test_sigint_keeps_results_and_resume_runs_only_the_missing(tmp_path, monkeyp
 
     import lora_bench.train.run as run_mod
 
-    calls, real = [], run_mod.execute_run
+    calls, real = [], run_mod.execute
 
-    def short(cfg, **kw):  # rerun for real, but a few steps only (the id stays the sweep's)
-        calls.append(kw["run_id"])
-        return real(cfg.replace(max_steps=2), **kw)
+    def short(points, **kw):  # rerun for real, but a few steps only (the id stays the sweep's)
+        calls.extend(p.run_id for p in points)
+        return real([replace(p, cfg=p.cfg.replace(max_steps=2)) for p in points], **kw)
 
-    monkeypatch.setattr(run_mod, "execute_run", short)
+    monkeypatch.setattr(run_mod, "execute", short)
     code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir",
                         tmp_path / "cache", "--isolation", "inline", "--no-progress")
     assert code == 0, out
@@ -281,8 +282,8 @@ def test_sigterm_inline_marks_the_run_interrupted_and_stops(tmp_path, monkeypatc
 def test_resume_fresh_dry_run_and_default_results_dir(tmp_path, monkeypatch, capsys, run_cli):
     import lora_bench.train.run as run_mod
 
-    calls, real = [], run_mod.execute_run
-    monkeypatch.setattr(run_mod, "execute_run", lambda cfg, **kw: calls.append(kw["run_id"]) or real(cfg, **kw))
+    calls, real = [], run_mod.execute
+    monkeypatch.setattr(run_mod, "execute", lambda points, **kw: calls.extend(p.run_id for p in points) or real(points, **kw))
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, "name: fr\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
     common = ("--cache-dir", tmp_path / "cache", "--isolation", "inline", "--no-progress")
@@ -391,7 +392,6 @@ def test_a_run_interrupted_in_a_sweep_keeps_the_steps_it_measured(tmp_path, monk
     """SIGTERM after two steps (alone, or in a pack): each run's own record (its row and the
     steps.csv of the steps it trained) stays as the run saved it; the sweep's settling of the run
     does not drop the steps."""
-    import lora_bench.train.pack as pack_mod
     import lora_bench.train.run as run_mod
 
     def stop_after_two(real):
@@ -403,7 +403,6 @@ def test_a_run_interrupted_in_a_sweep_keeps_the_steps_it_measured(tmp_path, monk
         return loop
 
     monkeypatch.setattr(run_mod, "train_classifier", stop_after_two(run_mod.train_classifier))
-    monkeypatch.setattr(pack_mod, "train_pack", stop_after_two(pack_mod.train_pack))
     body = TINY.replace("max_steps: 2", "max_steps: 4").replace("warmup_steps: 1", "warmup_steps: 0")
     path = write(tmp_path, "name: ks\nbase:\n" + body + "  trainable_layers: lora\ngrid:\n  lora_rank: [2, 4]\n")
     results = tmp_path / "res"

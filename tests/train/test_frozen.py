@@ -18,22 +18,22 @@ from lora_bench.classifier.book import make_trainable
 from lora_bench.config import TrainConfig, solo_reason
 from lora_bench.errors import ConfigError
 from lora_bench.model.gpt2 import build_random_model, gpt_config
-from lora_bench.train import context
+from lora_bench.train import build
 from lora_bench.train.memory import estimate
 from lora_bench.train.run import execute_run
 
 
 def _run(cfg: TrainConfig, tmp_path, run_id: str):
     """The run's row, its losses, and its model before and after training (the model the run
-    built, as ``context`` built it, and a copy of its values then)."""
-    built, real = [], context.build_classifier
+    built, as ``train.build`` built it, and a copy of its values then)."""
+    built, real = [], build.build_classifier
 
-    def build(cfg, **kw):
+    def build_and_keep(cfg, **kw):
         built.append(real(cfg, **kw))
         built.append(copy.deepcopy(built[0]))
         return built[0]
 
-    with mock.patch.object(context, "build_classifier", build):
+    with mock.patch.object(build, "build_classifier", build_and_keep):
         row = execute_run(cfg, results_dir=tmp_path, run_id=run_id, console=Console(quiet=True), progress=False,
                           cache_dir=tmp_path / "cache")
     losses = pd.read_csv(tmp_path / run_id / "steps.csv")["loss"].tolist()

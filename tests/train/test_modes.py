@@ -304,18 +304,18 @@ def test_cuda_graphs_match_eager(tiny_cfg, tmp_path, layers, precision):
     trajectory may land much further from float64 than the default's (on an H200 the tiny LoRA
     run's losses: 4.5e-6 against 2.9e-7 relative, past SPREAD times the default's), so the check
     that the capture changes nothing is the exact one, against the eager run it replays."""
-    from lora_bench.train import context
+    from lora_bench.train import build
 
     base = tiny_cfg.replace(device="cuda", trainable_layers=layers, max_steps=30, eval_freq=10,
                             learning_rate=1e-3, lora_rank=4, lora_alpha=8.0, precision=precision)
     _, eager_row = _losses(base, tmp_path, f"{layers}-eager")
-    real, asked = context.optimizer_options, []
+    real, asked = build.optimizer_options, []
 
     def capturable(cfg):
         asked.append(cfg)
         return {**real(cfg), "capturable": True}
 
-    with mock.patch.object(context, "optimizer_options", capturable):
+    with mock.patch.object(build, "optimizer_options", capturable):
         eager_capturable, _ = _losses(base, tmp_path, f"{layers}-eager-capturable")
     assert asked  # the eager run built the capturable AdamW
     graphed, row = _losses(base.replace(cuda_graphs=True), tmp_path, f"{layers}-graphs")

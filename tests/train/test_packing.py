@@ -1,4 +1,5 @@
-"""Packing (lora_bench.lora.packed, lora_bench.classifier.packed, lora_bench.train.pack): a packed
+"""Packing (lora_bench.lora.packed, lora_bench.classifier.packed, lora_bench.train.pack, a run of
+several points through lora_bench.train.run): a packed
 point trains as its solo run does. Its initial head and adapters are its solo run's, bit for bit;
 a packed layer computes each adapter's solo layer; and on the tiny model each point's per-step
 losses, periodic losses and accuracies match its solo run's, as far as another rounding order of
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import textwrap
 
 import pandas as pd
@@ -26,8 +28,9 @@ from lora_bench.errors import UsageError
 from lora_bench.lora import LinearWithLoRA
 from lora_bench.lora.packed import PackedLoRALinear, point_state_dict
 from lora_bench.sweep.spec import load_sweep
-from lora_bench.train.pack import PackPoint, execute_pack, pack_problem
-from lora_bench.train.run import execute_run
+from lora_bench.train.pack import pack_problem
+from lora_bench.train.points import Point
+from lora_bench.train.run import execute, execute_run
 
 BASE = dict(model_size="tiny", weights="random", trainable_layers="lora", device="cpu", data_file=str(SAMPLE),
             num_epochs=2, eval_freq=4, eval_iter=2, warmup_steps=1)  # two epochs of the sample's batches
@@ -66,16 +69,16 @@ def test_mixed_ranks_are_stored_padded_and_the_padding_stays_zero_while_they_tra
     still exactly zero while the rest moved; each point counts its solo model's trainable
     parameters, not the padding."""
     from lora_bench.timing import PhaseTimer
-    from lora_bench.train.pack import PackContext
-    from lora_bench.train.pack_loop import train_pack
+    from lora_bench.train.context import RunContext
+    from lora_bench.train.loop import train_classifier
 
     points = cfgs(max_steps=4, eval_freq=0)
-    ctx = PackContext(points, cache_dir=cache_dir, progress=False)
+    ctx = RunContext(points, cache_dir=cache_dir, progress=False)
     layers = [m for m in ctx.model.modules() if isinstance(m, PackedLoRALinear)]
     before = [layer.A.detach().clone() for layer in layers]
     timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
-    train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
-               settings=ctx.loop_settings(), timer=timer)
+    train_classifier(ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                     settings=ctx.loop_settings(), timer=timer, points=len(points))
     for layer, old in zip(layers, before):
         assert layer.ranks == [4, 8, 4] and layer.A.shape[2] == 8 and layer.B.shape[1] == 8
         for p, r in enumerate(layer.ranks):
@@ -144,8 +147,8 @@ def _trajectory(record, steps) -> torch.Tensor:
 def test_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
     points = cfgs()
     ids = [f"p{i}" for i in range(len(points))]
-    rows = execute_pack([PackPoint(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
-                        console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                   console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     assert [r["status"] for r in rows] == ["done"] * len(points)
     table = pd.read_csv(tmp_path / "pack" / "runs.csv").set_index("run_id")
     assert set(table["pack_size"]) == {len(points)} and table["pack_id"].nunique() == 1
@@ -167,11 +170,52 @@ def test_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
         assert row["host_op_us"] > 0 and row["torch_threads"] == torch.get_num_threads()  # as a solo run records
 
 
+# The columns in which a packed point's row may differ from its solo run's in being filled: the
+# pack's own (its size, its id, the point's share of its step time), which a solo row leaves empty.
+PACK_COLUMNS = ("pack_size", "pack_id", "share_step_ms_median")
+# The columns whose values a packed point's row shares with its solo run's: what the run says of
+# the model it built and where it ran, not what it measured.
+SAME_VALUE = ("trainable_params", "total_params", "base_weight_mib", "backend", "device", "world_size", "steps",
+              "timing_clock", "torch_threads")
+
+
+def _masked(line: str) -> str:
+    """A log line with its numbers masked: a packed point's losses round otherwise than its solo run's."""
+    return re.sub(r"\d+(\.\d+)?", "#", line)
+
+
+def test_a_packed_points_row_carries_every_column_of_its_solo_row(tmp_path, cache_dir):
+    """Every column a solo run's row fills, its packed point's row fills too (PACK_COLUMNS aside,
+    the packed row's own), with the same value where it describes the model built and the place it
+    ran (SAME_VALUE); and every line of the solo run's log (what its context said of how it was
+    built, its evaluations) is in the packed point's log."""
+    points = cfgs(POINTS[:2], max_steps=3, eval_freq=2)
+    ids = [f"p{i}" for i in range(len(points))]
+    execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack", console=Console(quiet=True),
+            progress=False, cache_dir=cache_dir)
+    for i, cfg in enumerate(points):
+        execute_run(cfg, results_dir=tmp_path / "solo", run_id=f"s{i}", console=Console(quiet=True), progress=False,
+                    cache_dir=cache_dir)
+    packed = pd.read_csv(tmp_path / "pack" / "runs.csv", dtype=str, keep_default_na=False).set_index("run_id")
+    solo = pd.read_csv(tmp_path / "solo" / "runs.csv", dtype=str, keep_default_na=False).set_index("run_id")
+    for i, run_id in enumerate(ids):
+        got, want = packed.loc[run_id], solo.loc[f"s{i}"]
+        missing = [c for c in solo.columns if want[c] != "" and got.get(c, "") == "" and c not in PACK_COLUMNS]
+        assert not missing, f"point {i}: its packed row leaves out what its solo row records: {missing}"
+        assert all(got[c] != "" for c in PACK_COLUMNS) and all(want[c] == "" for c in PACK_COLUMNS)
+        assert want["base_weight_mib"] != "" and want["status"] == got["status"] == "done"
+        for col in SAME_VALUE:
+            assert got[col] == want[col], (i, col)
+        logs = [json.loads((tmp_path / folder / "run.json").read_text())["log"]
+                for folder in (f"pack/{run_id}", f"solo/s{i}")]
+        assert set(map(_masked, logs[1])) <= set(map(_masked, logs[0])), (logs[1], logs[0])
+
+
 def test_the_points_losses_differ_from_each_other(tmp_path, cache_dir):
     """The comparison above is not vacuous: the points' settings move their losses apart."""
     points = cfgs(max_steps=6, eval_freq=0, skip_final_eval=True)
-    execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
-                 console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    execute([Point(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
+            console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     losses = [tuple(pd.read_csv(tmp_path / f"p{i}" / "steps.csv")["loss"]) for i in range(len(points))]
     assert len(set(losses)) == len(points)
 
@@ -182,21 +226,21 @@ def test_incompatible_runs_do_not_pack(tmp_path, cache_dir):
     assert "batch_size" in pack_problem([a, b.replace(batch_size=4)])
     assert "lora-kernel" in pack_problem([a, b.replace(trainable_layers="lora-kernel")])
     with pytest.raises(UsageError, match="cannot train as one pack.*seed"):
-        execute_pack([PackPoint(a, "x"), PackPoint(b.replace(seed=7), "y")], results_dir=tmp_path,
-                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+        execute([Point(a, "x"), Point(b.replace(seed=7), "y")], results_dir=tmp_path,
+                console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     assert not (tmp_path / "runs.csv").exists()
 
 
 def test_a_failing_pack_marks_every_point_failed(tmp_path, cache_dir, monkeypatch):
-    import lora_bench.train.pack as pack_mod
+    import lora_bench.train.run as run_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("the step broke")
 
-    monkeypatch.setattr(pack_mod, "train_pack", broken)
+    monkeypatch.setattr(run_mod, "train_classifier", broken)
     with pytest.raises(RuntimeError, match="the step broke"):
-        execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(cfgs())], results_dir=tmp_path,
-                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+        execute([Point(c, f"p{i}") for i, c in enumerate(cfgs())], results_dir=tmp_path,
+                console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     table = pd.read_csv(tmp_path / "runs.csv")
     assert sorted(table["run_id"]) == ["p0", "p1", "p2"] and set(table["status"]) == {"failed"}
     assert all("its pack of 3 runs failed: RuntimeError: the step broke" in e for e in table["error"])
@@ -296,7 +340,7 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
         """))
     results = tmp_path / "res"
     ids = {r.label: r.run_id for r in load_sweep(path).runs}
-    code, out = interrupt_sweep(path, results, tmp_path / "cache", once=results / ids["slow1"] / "pack.json",
+    code, out = interrupt_sweep(path, results, tmp_path / "cache", once=results / ids["slow1"] / "job.json",
                                 timeout=120)  # into the pack
     assert code == 130, out
     df = _rows(results)
@@ -305,22 +349,19 @@ def test_sigint_mid_pack_then_resume_repacks_what_is_left(tmp_path, monkeypatch,
     assert status == {ids["quick"]: "done", ids["slow1"]: "interrupted", ids["slow2"]: "interrupted"}, out
     assert set(df.set_index("run_id").loc[[ids["slow1"], ids["slow2"]], "pack_size"]) == {"2"}
 
-    import lora_bench.train.pack as pack_mod
     import lora_bench.train.run as run_mod
 
     packs, solos = [], []
-    real_pack, real_run = pack_mod.execute_pack, run_mod.execute_run
+    real = run_mod.execute
 
-    def short_pack(points, **kw):  # rerun for real, a few steps only (the ids stay the sweep's)
-        packs.append([p.run_id for p in points])
-        return real_pack([PackPoint(p.cfg.replace(max_steps=2), p.run_id, p.extra) for p in points], **kw)
+    def short(points, **kw):  # rerun for real, a few steps only (the ids stay the sweep's)
+        if len(points) > 1:
+            packs.append([p.run_id for p in points])
+        else:
+            solos.append(points[0].run_id)
+        return real([Point(p.cfg.replace(max_steps=2), p.run_id, p.extra) for p in points], **kw)
 
-    def short_run(cfg, **kw):
-        solos.append(kw["run_id"])
-        return real_run(cfg.replace(max_steps=2), **kw)
-
-    monkeypatch.setattr(pack_mod, "execute_pack", short_pack)
-    monkeypatch.setattr(run_mod, "execute_run", short_run)
+    monkeypatch.setattr(run_mod, "execute", short)
     code, out = run_cli("sweep", path, "--results-dir", results, "--cache-dir", tmp_path / "cache",
                         "--isolation", "inline", "--no-progress")
     assert code == 0, out
@@ -377,8 +418,8 @@ def _assert_points_train_as_solo(points, tmp_path, cache_dir, *, solo_mode: dict
     another rounding order of its solo run in ``solo_mode`` can be (numerics.same_function_tol, in
     ``dtype``'s units); returns the pack's rows."""
     ids = [f"p{i}" for i in range(len(points))]
-    rows = execute_pack([PackPoint(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
-                        console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                   console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     assert [r["status"] for r in rows] == ["done"] * len(points)
     for i, (cfg, run_id) in enumerate(zip(points, ids)):
         want, want_steps = _solo(cfg.replace(**solo_mode), tmp_path, cache_dir, f"s{i}")
@@ -464,12 +505,12 @@ def test_a_packed_sweeps_profile_is_the_packs_step_in_every_points_folder(tmp_pa
 
 def test_a_line_profile_of_a_pack_follows_the_packs_loop(tmp_path, cache_dir):
     points = cfgs(POINTS[:2], profile="line", max_steps=3, eval_freq=0, skip_final_eval=True)
-    execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
-                 console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+    execute([Point(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path,
+            console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     texts = [(tmp_path / f"p{i}" / "line_profile.txt").read_text() for i in range(len(points))]
     assert texts[0] == texts[1]
-    assert "Function: train_pack" in texts[0] and "Function: pack_losses" in texts[0]
-    assert "losses.sum().backward()" in texts[0] and "F.cross_entropy(per_point[p]" in texts[0]
+    assert "Function: train_classifier" in texts[0] and "Function: point_losses" in texts[0]
+    assert "obj.objective(loss).backward()" in texts[0] and "F.cross_entropy(per_point[p]" in texts[0]
 
 
 def test_a_pack_is_not_profiled_under_cuda_graphs(tmp_path, cache_dir, run_cli):
@@ -479,8 +520,8 @@ def test_a_pack_is_not_profiled_under_cuda_graphs(tmp_path, cache_dir, run_cli):
 
     points = cfgs(POINTS[:2], device="cuda", cuda_graphs=True, profile="kernels")
     with pytest.raises(ConfigError, match="profile=kernels cannot see inside a replayed CUDA graph"):
-        execute_pack([PackPoint(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path / "r",
-                     console=Console(quiet=True), progress=False, cache_dir=cache_dir)
+        execute([Point(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path / "r",
+                console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     assert not (tmp_path / "r").exists()
     path = _sweep_file(tmp_path, "name: pg\nbase:\n" + TINY_BASE.replace("device: cpu", "device: cuda")
                        + "  trainable_layers: lora\n  cuda_graphs: true\n  profile: torch\npack: 2\n"
@@ -517,15 +558,16 @@ def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, c
 
 
 def test_the_graphed_pack_steps_forward_and_objective_are_the_eager_steps(cache_dir):
-    """What GraphedPackStep captures — its forward (the points' losses on the stacked batch) and its
-    objective (their sum) — run eagerly on the CPU as the pack loop's step function, trains the
+    """What GraphedStep captures for a pack — its forward (the points' losses on the stacked batch)
+    and its objective (their sum) — run eagerly on the CPU as the loop's step function, trains the
     pack as the loop's own eager step does, bit for bit (the same operations on the same values);
     and the loop's evaluations call ``eval_model``."""
     from lora_bench.timing import PhaseTimer
-    from lora_bench.train.pack import PackContext
-    from lora_bench.train.pack_loop import GraphedPackStep, train_pack
+    from lora_bench.train.context import RunContext
+    from lora_bench.train.graphs import GraphedStep
+    from lora_bench.train.loop import train_classifier
 
-    class EagerGraphStep(GraphedPackStep):  # the captured phases, run as they are captured
+    class EagerGraphStep(GraphedStep):  # the captured phases, run as they are captured
         def __call__(self, inputs, targets, update, timer):
             self.static_in, self.static_tgt = inputs, targets
             self.optimizer.zero_grad(set_to_none=True)
@@ -540,7 +582,7 @@ def test_the_graphed_pack_steps_forward_and_objective_are_the_eager_steps(cache_
     points = cfgs(max_steps=5, eval_freq=2)
     results = []
     for graphed in (False, True):
-        ctx = PackContext(points, cache_dir=cache_dir, progress=False)
+        ctx = RunContext(points, cache_dir=cache_dir, progress=False)
         timer = PhaseTimer(ctx.cfg.timing, ctx.device, warmup_steps=ctx.cfg.warmup_steps)
         calls = []
 
@@ -549,9 +591,10 @@ def test_the_graphed_pack_steps_forward_and_objective_are_the_eager_steps(cache_
             return model(x)
 
         ev.eval, ev.train = ctx.forward_model.eval, ctx.forward_model.train
-        step_fn = EagerGraphStep(ctx, timer=timer, n=len(points)) if graphed else None
-        res = train_pack(ctx.forward_model, len(points), ctx.loaders.train, ctx.loaders.val, ctx.optimizer,
-                         ctx.device, settings=ctx.loop_settings(), timer=timer, step_fn=step_fn, eval_model=ev)
+        step_fn = EagerGraphStep(ctx, timer=timer) if graphed else None
+        res = train_classifier(ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer, ctx.device,
+                               settings=ctx.loop_settings(), timer=timer, points=len(points), step_fn=step_fn,
+                               eval_model=ev)
         assert calls and all(s[0] % len(points) == 0 for s in calls)  # evaluations: the stacked batch, through ev
         results.append(res)
     eager, graphed = results

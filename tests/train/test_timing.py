@@ -120,7 +120,7 @@ def test_bf16_true_reads_the_bf16_peak():
 def test_line_profile_report(tiny_cfg, tmp_path):
     _run(tiny_cfg.replace(profile="line"), tmp_path, "lp")
     text = (tmp_path / "lp" / "line_profile.txt").read_text()
-    assert "loss.backward()" in text and "optimizer.step()" in text and "Timer unit" in text
+    assert ".backward()" in text and "optimizer.step()" in text and "Timer unit" in text
 
 
 def test_torch_profile_trace_and_phase_summary(tiny_cfg, tmp_path):
