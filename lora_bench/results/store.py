@@ -2,9 +2,8 @@
 
 Each run's ``<run_id>/run.json`` is its record (lora_bench.results.records, a save's commit point).
 ``rebuild_index``, the one writer of runs.csv, rewrites it atomically, under a lock, from those
-records whenever one is saved or removed; a row whose run has no record (its folder removed, a table
-put together elsewhere) stays, and a row cut mid-way goes to its run's record or, verbatim, to
-``runs-torn.csv``. Readers (``result_rows``, ``find_run``) take run.json over the row, so a process
+records whenever one is saved or removed; a row without a record (its folder removed) stays, and a
+row cut mid-way goes to its run's record or, verbatim, to ``runs-torn.csv``. Readers (``result_rows``, ``find_run``) take run.json over the row, so a process
 stopped between its record and the index loses nothing. The text format is ``runs_csv``'s."""
 
 from __future__ import annotations
@@ -92,12 +91,13 @@ def write_index(results_dir: Path, *, drop: Iterable[str] = (), rows: Iterable[d
         with open(results_dir / TORN_CSV, "a", newline="") as f:
             csv.writer(f).writerows([table.header] * new_file + torn)
     if index or path.is_file():
-        write_csv(path, [{k: _cell(v) for k, v in r.items()} for r in index.values()], run_column_names())
+        keys = dict.fromkeys(k for r in index.values() for k in r)  # one row lacks: blank, not NaN (3 stays 3)
+        write_csv(path, [{k: _cell(r.get(k)) for k in keys} for r in index.values()], run_column_names())
     return len([r for r in table.rows if r["run_id"] in drop])
 
 
 def _cell(v):
-    """A recorded value as the index stores it: numbers as numbers, lists and dicts as JSON."""
+    """A recorded value as the index stores it: numbers as numbers, lists and dicts as JSON, None blank."""
     return json.dumps(v) if isinstance(v, (dict, list)) else "" if v is None else v
 
 
