@@ -18,7 +18,7 @@ from rich.console import Console
 from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
-from lora_bench.report import figures as figs
+import lora_bench.report.figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.group_table import to_csv
@@ -29,11 +29,8 @@ from lora_bench.report.render_markdown import to_markdown
 from lora_bench.report.render_terminal import print_document
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study, study_baseline
-from lora_bench.results.manifest import MANIFEST
-from lora_bench.results.records import RUN_RECORD, STEPS_CSV
-from lora_bench.results.store import LOCK_SUFFIX, RUNS_CSV, TORN_CSV
+from lora_bench.results.files import LOCK_SUFFIX, RESULTS_FILES
 
-RESULTS_FILES = (RUNS_CSV, MANIFEST, RUN_RECORD, STEPS_CSV, TORN_CSV)  # what a report never writes over
 
 FIGURES = ("crossover", "phases")
 

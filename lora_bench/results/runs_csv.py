@@ -24,10 +24,10 @@ from lora_bench.errors import ResultsError
 from lora_bench.escaping import csv_cell, csv_value
 from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
 from lora_bench.results.cells import runs_frame
+from lora_bench.results.files import RUNS_CSV  # noqa: F401
 from lora_bench.results.records import RUN_RECORD, STEPS_CSV
 from lora_bench.safe_yaml import short_repr
 
-RUNS_CSV = "runs.csv"
 STEPS_MAX_BYTES = 512 * 2**20  # a million steps of every column is about 200 MiB
 REQUIRED = ("run_id", "status")
 # Read only up to this size: a 100,000-run sweep's runs.csv holds about 300 MB (3 KB a row)

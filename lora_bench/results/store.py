@@ -21,15 +21,13 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import check_writable_dir, names_file
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
+from lora_bench.results.files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
 from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, copied_record, run_record, settle_run
 # the table's text format, also imported from here by its readers
 from lora_bench.results.runs_csv import RunTable, csv_text, read_run_table, read_runs, read_steps  # noqa: F401
 from lora_bench.results.runs_csv import stderr_warning, text_value, write_csv
 from lora_bench.results.schema import run_column_names
 
-RUNS_CSV = "runs.csv"
-TORN_CSV = "runs-torn.csv"  # rows cut mid-way, set aside verbatim when runs.csv is rebuilt
-LOCK_SUFFIX = ".lock"  # ``<name>.lock`` beside a file that processes read-modify-write in turn
 # ran to their end: a resume does not run them again (a diverged run would diverge again)
 FINISHED = ("done", "diverged")
 

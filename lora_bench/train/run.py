@@ -23,7 +23,7 @@ from lora_bench.kernels.policy import record_plans, use_policy
 from lora_bench.progress import TrainProgress
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
-from lora_bench.train import recording
+import lora_bench.train.recording as recording
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
 from lora_bench.train.evaluate import calc_accuracy_loader
