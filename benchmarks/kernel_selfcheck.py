@@ -157,7 +157,7 @@ def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[s
 
 def host_cost(dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Launch-bound throughput (tiny shapes, no sync per call) = host cost per call."""
-    from lora_bench.kernels import launch
+    from lora_bench.kernels import triton_launch as launch
     from lora_bench.kernels import lora_triton as lt
     from lora_bench.kernels.autograd import lora_linear
     from lora_bench.lora.layer import LinearWithLoRA

@@ -36,7 +36,7 @@ LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 LAZY_ALLOWED = ("tensorflow", "triton", "matplotlib", "transformers", "peft", "safetensors", "huggingface_hub",
                 "dask", "distributed", "line_profiler", "torchao", "bitsandbytes", "ninja", "torch.utils.cpp_extension",
                 "mlflow", "tensorboard",
-                "lora_bench.kernels.lora_triton", "lora_bench.kernels.adamw_triton", "lora_bench.kernels.launch",
+                "lora_bench.kernels.lora_triton", "lora_bench.kernels.adamw_triton", "lora_bench.kernels.triton_launch",
                 "lora_bench.kernels.lora_cpp",
                 "lora_bench.sweep.dask_runner")
 # A command's body imports what it runs, so that ``lora-bench --help`` and a mistyped flag answer
@@ -190,3 +190,9 @@ def test_the_command_line_imports_no_torch_until_a_command_runs():
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"importing lora_bench.cli loads {out.stdout.strip()}"
+
+
+def test_module_basenames_are_unique():
+    """A file's name says what it is without its folder: no two modules of the package share one."""
+    names = collections.Counter(p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+    assert not [n for n, k in names.items() if k > 1], sorted(n for n, k in names.items() if k > 1)

@@ -1,4 +1,4 @@
-"""``lora-bench compare``: the command-line wrapper of ``lora_bench.report.compare``."""
+"""``lora-bench compare``: the command-line wrapper of ``lora_bench.report.comparison``."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def compare(
                                                          "json.")] = "table",
 ) -> None:
     """Compare a candidate results folder with a baseline one, setting by setting."""
-    from lora_bench.report.compare import compare as run_compare
-    from lora_bench.report.compare import gate_text
+    from lora_bench.report.comparison import compare as run_compare
+    from lora_bench.report.comparison import gate_text
     from lora_bench.report.compare_render import comparison_csv, comparison_document, comparison_json
     from lora_bench.report.render_html import to_html
     from lora_bench.report.render_markdown import to_markdown

@@ -1,4 +1,4 @@
-"""``lora-bench report``: the command-line wrapper of ``lora_bench.report.command``."""
+"""``lora-bench report``: the command-line wrapper of ``lora_bench.report.report_command``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def report(
     threshold: Threshold = THRESHOLD_PCT,
 ) -> None:
     """Explain results: the answer generated from the runs, the crossover against a baseline, where the time goes."""
-    from lora_bench.report.command import report_command
+    from lora_bench.report.report_command import report_command
 
     if plot is not None:
         if plot.suffix.lower() not in PLOT_SUFFIXES:

@@ -100,7 +100,7 @@ def sweep(
     no_progress: NoProgress = False,
     logger: Logger = None,
 ) -> None:
-    from lora_bench.sweep.command import sweep_command
+    from lora_bench.sweep.sweep_command import sweep_command
     from lora_bench.sweep.isolation import ISOLATION
     from lora_bench.sweep.spec import pack_size_problem
     from lora_bench.train.preflight import input_problems

@@ -107,7 +107,7 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     """What ``lora-bench train`` does, with ``given`` the setting options' values, through one error
     path: every outcome becomes an exit code here; a domain error is one line (naming the rank
     under torchrun), and only a bug shows a traceback. With ``--nproc N`` it starts N copies of
-    this command under torchrun (``lora_bench.train.launch``); a copy sees torchrun's environment,
+    this command under torchrun (``lora_bench.train.torchrun``); a copy sees torchrun's environment,
     pins its rank's GPU before anything touches CUDA, runs, and ends its process itself."""
     env = None
     try:
@@ -160,7 +160,7 @@ def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | Non
 
         check_logger(logger, results_dir)
     if cfg.nproc > 1 and env is None:
-        from lora_bench.train.launch import launch_train
+        from lora_bench.train.torchrun import launch_train
 
         return launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
                             run_id=run_id or make_run_id(cfg), console=console)

@@ -56,7 +56,7 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
 )
 from lora_bench.config.files import parse_overrides, read_settings_file, resolve_paths  # noqa: F401  re-exported
 from lora_bench.config.packing import ADAPTER_SETTINGS, pack_key, solo_reason  # noqa: F401  re-exported
-from lora_bench.config.rules import (  # noqa: F401  re-exported
+from lora_bench.config.setting_rules import (  # noqa: F401  re-exported
     NAME,
     SCALARS,
     Problem,

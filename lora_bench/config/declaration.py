@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.kernels.names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, PLAN_NAMES
+from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, PLAN_NAMES
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.

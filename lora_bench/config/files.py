@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_bench.config.declaration import PATH_SETTINGS, SETTINGS
-from lora_bench.config.rules import Problem, problem, raw, render, unknown_key_problems, value_problems
+from lora_bench.config.setting_rules import Problem, problem, raw, render, unknown_key_problems, value_problems
 from lora_bench.errors import ConfigError
 from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load_file

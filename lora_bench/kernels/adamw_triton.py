@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_bench.kernels.launch import launch
+from lora_bench.kernels.triton_launch import launch
 
 BLOCK = 1024
 NUM_WARPS = 4

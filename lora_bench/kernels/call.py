@@ -3,7 +3,7 @@ that decide which plan runs, and the limits the kernels have.
 
 A *plan* is one implementation of the same math (y = x·Wᵀ + b + s·(x·A)·B with the minimal
 backward, :mod:`lora_bench.kernels.autograd`); each lives in its own module under
-:mod:`lora_bench.kernels.plans`, and :mod:`lora_bench.kernels.rules` says when each one is chosen.
+:mod:`lora_bench.kernels.plans`, and :mod:`lora_bench.kernels.plan_rules` says when each one is chosen.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 # At least this many weight elements (GPT-2 1558M's MLP projections, 1600×6400): captured layers
 # run the C++ op's cuBLAS GEMMs and compiled layers the cublas plan instead of the Triton GEMM,
-# which reaches ~60 % of cuBLAS there (lora_bench.kernels.rules).
+# which reaches ~60 % of cuBLAS there (lora_bench.kernels.plan_rules).
 CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
 # The Triton kernels keep the rank-r accumulator in registers beside the output tile; above this
 # rank the plans that use them give way to torch ops.

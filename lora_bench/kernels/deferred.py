@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lora_bench.kernels.names import ADAPTER_GRADS_DEFERRED, ADAPTER_GRADS_INLINE
+from lora_bench.kernels.plan_names import ADAPTER_GRADS_DEFERRED, ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads
 
 DEFERRED = ADAPTER_GRADS_DEFERRED

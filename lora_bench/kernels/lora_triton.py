@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_bench.kernels.launch import launch
+from lora_bench.kernels.triton_launch import launch
 from lora_bench.kernels.call import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel

@@ -2,7 +2,7 @@
 
 ``choose`` is a pure function of a ``PlanPolicy`` and the facts of one call: a forced plan runs
 where it can (else the plan its module names as its fallback, else the rules), otherwise the
-first rule of :data:`lora_bench.kernels.rules.RULES` whose plan can run the call. The plans
+first rule of :data:`lora_bench.kernels.plan_rules.RULES` whose plan can run the call. The plans
 themselves are :mod:`lora_bench.kernels.plans`.
 
 The policy in force is held in a context variable: ``use_policy`` sets it for a block,
@@ -25,9 +25,9 @@ import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.names import ADAPTER_GRADS, ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE, AUTO
+from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE, AUTO
 from lora_bench.kernels.plans import MODULES
-from lora_bench.kernels.rules import RULES
+from lora_bench.kernels.plan_rules import RULES
 
 
 class KernelPlanError(UsageError, ValueError):

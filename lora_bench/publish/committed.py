@@ -39,7 +39,7 @@ from rich.console import Console
 
 from lora_bench.errors import ResultsError
 from lora_bench.report.aggregate import FORMATS
-from lora_bench.report.command import figure_paths, report_command
+from lora_bench.report.report_command import figure_paths, report_command
 from lora_bench.report.figures import CONTENT_KEY
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.results.manifest import MANIFEST, read_manifest

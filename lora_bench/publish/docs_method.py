@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lora_bench.kernels.rules import RULES
+from lora_bench.kernels.plan_rules import RULES
 from lora_bench.publish.source import LAYERS, RESULTS, fmt_ms, kernel_name, md_table, runs
 
 # -- execution modes (results/method/modes/*, results/kernel/plans-eager-bf16) ------------------
@@ -228,7 +228,7 @@ def table_first_use() -> str:
 
 
 def table_plan_rules() -> str:
-    """lora-kernel's rule table (lora_bench.kernels.rules), first match wins."""
+    """lora-kernel's rule table (lora_bench.kernels.plan_rules), first match wins."""
     rows = [[str(i), r.name, f"`{r.plan.value}`", r.evidence, f"`{r.source}`" if r.source else ""]
             for i, r in enumerate(RULES, 1)]
     return md_table(["", "calls", "plan", "measured", "where"], rows, align="---:|---|---|---|---")

@@ -19,7 +19,7 @@ from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import group_runs, metric_sense, same
 from lora_bench.report.load import MODE, shared_ids_note
-from lora_bench.report.names import MODE_FIELDS, is_blank
+from lora_bench.report.labels import MODE_FIELDS, is_blank
 from lora_bench.report.samples import pack_count
 from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
 

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from lora_bench.report import stats
-from lora_bench.report.names import count_text
+from lora_bench.report.labels import count_text
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate, span_text
 from lora_bench.report.study_model import STARVED, Group, Line, Study

@@ -1,4 +1,4 @@
-"""A comparison (lora_bench.report.compare) as a report document (for the terminal, Markdown and HTML
+"""A comparison (lora_bench.report.comparison) as a report document (for the terminal, Markdown and HTML
 renderers), as CSV (one row per setting, those on one side only included) and as JSON. Each takes
 the rows to show (Comparison.shown: all or only the changed ones, in an order)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pandas as pd
 
 from lora_bench.report import stats
-from lora_bench.report.compare import SIDES, Comparison, Row, gate_text
+from lora_bench.report.comparison import SIDES, Comparison, Row, gate_text
 from lora_bench.report.document import Document, Section
 from lora_bench.report.group_table import csv_text
-from lora_bench.report.names import column_label
+from lora_bench.report.labels import column_label
 from lora_bench.report.render_json import dumps, statistic
 from lora_bench.report.stats import span_text
 from lora_bench.report.tables import CI, Table, est, interval_notes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lora_bench.report.names import is_blank, truthy
+from lora_bench.report.labels import is_blank, truthy
 from lora_bench.results.schema import SETTING_PREFIX
 
 ACCURACIES = ("train_acc", "val_acc", "test_acc")

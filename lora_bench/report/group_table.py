@@ -8,7 +8,7 @@ import pandas as pd
 
 from lora_bench.escaping import csv_cell as stored_cell
 from lora_bench.report.aggregate import ESTIMATE_SUFFIXES, Report, estimate_of, rule
-from lora_bench.report.names import column_label, is_blank
+from lora_bench.report.labels import column_label, is_blank
 from lora_bench.report.stats import RESAMPLING, STATISTIC, span_text
 from lora_bench.report.tables import CI, Table, est, interval_notes
 from lora_bench.results.schema import column_index

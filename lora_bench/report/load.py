@@ -20,7 +20,7 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.report.names import is_blank, mode_name
+from lora_bench.report.labels import is_blank, mode_name
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
 

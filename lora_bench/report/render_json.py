@@ -10,7 +10,7 @@ import math
 from lora_bench.report import stats
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.aggregate import Report, estimate_of, rule
-from lora_bench.report.names import column_label, value_text
+from lora_bench.report.labels import column_label, value_text
 
 
 def statistic(threshold: float, metric: str = "step_ms_median") -> dict:

@@ -27,7 +27,7 @@ import pandas as pd
 
 from lora_bench.errors import ResultsError
 from lora_bench.report.load import RESULTS_DIR, RUN_DIR
-from lora_bench.report.names import is_blank
+from lora_bench.report.labels import is_blank
 from lora_bench.report.stats import REPEATS, STEPS, Sample
 from lora_bench.results.records import STEPS_CSV
 from lora_bench.results.schema import STEP_COLUMNS

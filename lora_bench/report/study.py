@@ -30,7 +30,7 @@ from lora_bench.report.aggregate import (
 from lora_bench.report.empty import why_empty
 from lora_bench.report.groups import RunGroup, group_runs, same
 from lora_bench.report.load import MODE, RUN_DIR, kernel_counts, shared_ids_note
-from lora_bench.report.names import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
+from lora_bench.report.labels import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study_header import LAYERS, SIZE, header
 from lora_bench.report.study_model import ACCURACIES, Group, Line, Phase, Profile, Study

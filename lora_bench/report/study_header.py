@@ -7,7 +7,7 @@ import pandas as pd
 
 from lora_bench.report.aggregate import NOT_GROUPED, collapse_modes, order_key, varying_settings
 from lora_bench.report.load import MODE
-from lora_bench.report.names import is_blank, setting_name, value_text
+from lora_bench.report.labels import is_blank, setting_name, value_text
 from lora_bench.report.study_model import Header
 from lora_bench.results.schema import SETTING_PREFIX
 

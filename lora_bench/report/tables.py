@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from lora_bench.report.aggregate import rule
-from lora_bench.report.names import LAYER_HELP, column_label, count_text, is_blank
+from lora_bench.report.labels import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import RESAMPLING, STATISTIC, STEPS_MARK, STEPS_NOTE, TOO_FEW, Estimate, span_text
 from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study

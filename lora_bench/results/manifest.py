@@ -24,7 +24,7 @@ from lora_bench import __version__
 from lora_bench.errors import ResultsError
 from lora_bench.fileio import atomic_write_text
 from lora_bench.results.environment import host_environment, source_commit
-from lora_bench.results.files import MANIFEST  # noqa: F401
+from lora_bench.results.folder_files import MANIFEST  # noqa: F401
 from lora_bench.results.store import locked
 
 INVOCATION_ENV = "LORA_BENCH_INVOCATION"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
 from lora_bench.results.claims import is_claimed, try_claim
-from lora_bench.results.files import RUN_RECORD, STEPS_CSV  # noqa: F401
+from lora_bench.results.folder_files import RUN_RECORD, STEPS_CSV  # noqa: F401
 
 RUNNING = "running"  # a record begun and not yet finished: the run's process is executing it, or died
 # read only up to this size: a run.json holds one row, the run's log lines and its loss curves (kilobytes)

@@ -24,7 +24,7 @@ from lora_bench.errors import ResultsError
 from lora_bench.escaping import csv_cell, csv_value
 from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
 from lora_bench.results.cells import runs_frame
-from lora_bench.results.files import RUNS_CSV  # noqa: F401
+from lora_bench.results.folder_files import RUNS_CSV  # noqa: F401
 from lora_bench.results.records import RUN_RECORD, STEPS_CSV
 from lora_bench.safe_yaml import short_repr
 

@@ -21,7 +21,7 @@ from lora_bench.errors import UsageError
 from lora_bench.fileio import check_writable_dir, names_file
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
-from lora_bench.results.files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
+from lora_bench.results.folder_files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
 from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, copied_record, run_record, settle_run
 # the table's text format, also imported from here by its readers
 from lora_bench.results.runs_csv import RunTable, csv_text, read_run_table, read_runs, read_steps  # noqa: F401

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lora_bench.errors import UsageError
 from lora_bench.trackers import mlflow_store, tensorboard_files
-from lora_bench.trackers.record import run_exports
+from lora_bench.trackers.exported_run import run_exports
 
 TRACKERS = ("mlflow", "tensorboard")
 

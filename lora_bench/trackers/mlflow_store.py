@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lora_bench.errors import UsageError
 from lora_bench.optional import require
-from lora_bench.trackers.record import DIGEST_TAG, RUN_ID_TAG, RunExport
+from lora_bench.trackers.exported_run import DIGEST_TAG, RUN_ID_TAG, RunExport
 
 EXTRA = "trackers"
 STORE = "mlflow"  # FOLDER/mlflow: the default store

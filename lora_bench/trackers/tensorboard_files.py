@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lora_bench.fileio import atomic_write_bytes, atomic_write_text
 from lora_bench.optional import require
-from lora_bench.trackers.record import RunExport
+from lora_bench.trackers.exported_run import RunExport
 
 EXTRA = "trackers"
 OUTPUT = "tensorboard"  # FOLDER/tensorboard: the default output

@@ -1,7 +1,7 @@
 """The model and optimizer of a run's N >= 1 points. One point: the book's classifier (or
 transformers' peer), its frozen base stored as ``base_dtype`` says, and torch's AdamW. Several (a
 pack, lora_bench.train.pack): one packed classifier whose adapters and heads hold every point
-(lora_bench.classifier.packed), each point counted as its solo model is, and ``PackedAdamW`` with
+(lora_bench.classifier.packed_classifier), each point counted as its solo model is, and ``PackedAdamW`` with
 each point's learning rate and weight decay. Each step draws what its solo run draws, in order."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from lora_bench.classifier.book import build_classifier, cast_frozen
-from lora_bench.classifier.packed import build_packed_classifier
+from lora_bench.classifier.packed_classifier import build_packed_classifier
 from lora_bench.config import TrainConfig
 from lora_bench.lora.kernel import group_qkv
-from lora_bench.lora.packed import point_state_dict
+from lora_bench.lora.packed_layer import point_state_dict
 from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_weight_bytes, unpacked_params

@@ -6,7 +6,7 @@ its own head, adapters, loss term and optimizer learning rate and weight decay
 
 A packed point trains as its solo run does: the same batches in the same order (the loop iterates
 the loaders as the solo loop does, from the same seed), the same initial head and adapters (drawn
-as the solo run draws them, lora_bench.classifier.packed), the same losses up to the rounding
+as the solo run draws them, lora_bench.classifier.packed_classifier), the same losses up to the rounding
 order of the batched products."""
 
 from __future__ import annotations

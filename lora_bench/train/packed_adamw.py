@@ -1,5 +1,5 @@
 """AdamW for a pack (``train.pack``): every trainable tensor of a packed model holds its N points
-along its first axis (``lora.packed.PackedLoRALinear``), and point p trains with its own learning
+along its first axis (``lora.packed_layer.PackedLoRALinear``), and point p trains with its own learning
 rate and weight decay — its solo run's AdamW, applied slice by slice.
 
 Why not ``torch.optim.AdamW`` with one parameter group per point: the groups need a parameter per

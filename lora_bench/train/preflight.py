@@ -14,7 +14,7 @@ import torch
 
 from lora_bench.classifier.book import model_config
 from lora_bench.config import Problem, TrainConfig, problem, raw, render
-from lora_bench.config.rules import CPU_BASE_DTYPES
+from lora_bench.config.setting_rules import CPU_BASE_DTYPES
 from lora_bench.data.sms_spam import MAX_DATA_BYTES
 from lora_bench.errors import UsageError
 from lora_bench.fileio import not_a_file

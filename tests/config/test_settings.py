@@ -365,7 +365,7 @@ def _expand_and_list(path: Path) -> tuple[float, int]:
 
     from rich.console import Console
 
-    from lora_bench.sweep.command import print_plan
+    from lora_bench.sweep.sweep_command import print_plan
     from lora_bench.sweep.spec import load_sweep
 
     t0 = time.perf_counter()

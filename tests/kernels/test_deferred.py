@@ -21,7 +21,7 @@ from numerics import ROOT, fresh, kernel_tol, layer_operands, lora_chains, model
 
 from lora_bench.kernels import deferred
 from lora_bench.kernels.autograd import lora_linear
-from lora_bench.kernels.names import ADAPTER_GRADS_ENV
+from lora_bench.kernels.plan_names import ADAPTER_GRADS_ENV
 from lora_bench.kernels.policy import (KernelPlanError, Plan, PlanPolicy, default_policy, policy_for, record_plans,
                                        use_policy)
 from lora_bench.lora.kernel import LinearWithLoRAKernel, group_qkv

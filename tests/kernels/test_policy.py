@@ -10,7 +10,7 @@ import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.config.declaration import KERNEL_PLANS
-from lora_bench.kernels.names import AUTO, PLAN_NAMES
+from lora_bench.kernels.plan_names import AUTO, PLAN_NAMES
 from lora_bench.kernels.policy import (
     CPP_GRAPH_MIN_WEIGHT,
     TRITON_MAX_RANK,

@@ -1,4 +1,4 @@
-"""lora-kernel's rule table (lora_bench.kernels.rules) against the committed measurements it cites:
+"""lora-kernel's rule table (lora_bench.kernels.plan_rules) against the committed measurements it cites:
 each rule's plan is the one those measurements favour where the rule applies. The numbers come
 from one H200 (results/kernel/kernel-bench/plans: every plan of one layer, eager and replayed
 from a CUDA graph, implementations interleaved round by round)."""
@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, Plan
-from lora_bench.kernels.rules import KERNEL_BENCH, RULES
+from lora_bench.kernels.plan_rules import KERNEL_BENCH, RULES
 from paths import ROOT
 
 

@@ -1,4 +1,4 @@
-"""The packed LoRA layer (lora_bench.lora.packed.PackedLoRALinear) against its float64 evaluation on
+"""The packed LoRA layer (lora_bench.lora.packed_layer.PackedLoRALinear) against its float64 evaluation on
 fresh random inputs: the output and the gradients of the input and of every adapter's A and B (and
 of every head's weight and bias, where each adapter has its own base), with mixed ranks from 1 to
 64 in one pack (a rank several adapters share, ranks no other adapter has), odd token counts, in
@@ -31,7 +31,7 @@ import torch.nn as nn
 from numerics import dot_tol, fresh, lora_chains, rel_err, rounded_input_tol
 
 from lora_bench.lora.layer import LoRALayer
-from lora_bench.lora.packed import PackedLoRALinear
+from lora_bench.lora.packed_layer import PackedLoRALinear
 
 K, N_OUT, ROWS = 96, 80, 3  # in and out features, a point's batch rows
 # ranks 1 to 64 in one pack: rank 1 twice (a group of some of the points), the others once;

@@ -1,4 +1,4 @@
-"""lora_bench.report.compare and ``lora-bench compare``: runs matched by their settings (not run
+"""lora_bench.report.comparison and ``lora-bench compare``: runs matched by their settings (not run
 ids, paths left out, seeds that vary per repeat left out), per-setting ratio, interval and verdict,
 the --fail-above gate, a gate that cannot pass vacuously (nothing matched, settings missing on one
 side, nothing with enough repeats), --ignore, --allow-missing, --only-changed, --sort, environment
@@ -22,7 +22,7 @@ from tiny import SAMPLE
 
 from lora_bench.fileio import atomic_write_text
 from lora_bench.report import stats
-from lora_bench.report.compare import compare
+from lora_bench.report.comparison import compare
 from lora_bench.results.records import RUN_RECORD
 from lora_bench.results.schema import STEP_COLUMNS, run_column_names
 from lora_bench.results.store import read_run_table, read_steps, write_csv

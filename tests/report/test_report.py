@@ -217,7 +217,7 @@ def test_a_report_names_its_folders_as_told_in_its_notes_too(tmp_path):
     input folders by the names it is given, in the shared-run-id note as in its title."""
     from rich.console import Console
 
-    from lora_bench.report.command import report_command
+    from lora_bench.report.report_command import report_command
 
     a, b = tmp_path / "shard1", tmp_path / "shard2"
     shutil.copytree(REPORT_ROWS, a)

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from lora_bench.report.command import report_command
+from lora_bench.report.report_command import report_command
 from paths import FIXTURES
 
 STUDY = FIXTURES / "study"

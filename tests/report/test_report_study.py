@@ -1,4 +1,4 @@
-"""lora_bench.report.names / study / answer: human names for execution modes, the study built from
+"""lora_bench.report.labels / study / answer: human names for execution modes, the study built from
 synthetic runs (groups, ratios and their intervals, profiles joined by step shape, seeds), and each
 rule of the generated answer on hand-made groups; then the answer for real rows (the study
 fixture: 124M and 1558M, eager fp32 and CUDA graphs, two repeats, torch.profiler counts at 124M)."""
@@ -13,7 +13,7 @@ import pytest
 from lora_bench.report import answer as rules
 from lora_bench.report import stats
 from lora_bench.report.load import load_results
-from lora_bench.report.names import mode_name
+from lora_bench.report.labels import mode_name
 from lora_bench.report.stats import Estimate
 from lora_bench.report.study import Group, Line, Phase, build_study
 from lora_bench.report.tables import accuracy_table

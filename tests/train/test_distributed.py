@@ -1,4 +1,4 @@
-"""lora_bench.train.distributed / lora_bench.train.launch on the CPU (gloo, two processes, a tiny GPT-2): DDP on
+"""lora_bench.train.distributed / lora_bench.train.torchrun on the CPU (gloo, two processes, a tiny GPT-2): DDP on
 slices of the global batch trains exactly as one process on the whole batch, the all-reduce timer
 sees every bucket, an indivisible batch is refused, and a rank that raises stops the job with its
 error named (no hang)."""
@@ -31,7 +31,7 @@ from lora_bench.train.distributed import (
     rank_env,
     rank_slice,
 )
-from lora_bench.train.launch import (
+from lora_bench.train.torchrun import (
     launch_environ,
     rank_failures,
     root_cause,
@@ -455,7 +455,7 @@ def test_rank_settings_take_the_world_size():
 
 def test_launcher_checks_the_run_id_and_follows_overwrite(tmp_path):
     from lora_bench.results.claims import try_claim
-    from lora_bench.train.launch import check_run_id
+    from lora_bench.train.torchrun import check_run_id
 
     run_dir = tmp_path / "x"
     run_dir.mkdir()

@@ -1,4 +1,4 @@
-"""Packing (lora_bench.lora.packed, lora_bench.classifier.packed, lora_bench.train.pack, a run of
+"""Packing (lora_bench.lora.packed_layer, lora_bench.classifier.packed_classifier, lora_bench.train.pack, a run of
 several points through lora_bench.train.run): a packed
 point trains as its solo run does. Its initial head and adapters are its solo run's, bit for bit;
 a packed layer computes each adapter's solo layer; and on the tiny model each point's per-step
@@ -22,11 +22,11 @@ from rich.console import Console
 from tiny import SAMPLE, TINY_BASE, UNTIL_SIGNAL, interrupt_sweep
 
 from lora_bench.classifier.book import build_classifier
-from lora_bench.classifier.packed import build_packed_classifier
+from lora_bench.classifier.packed_classifier import build_packed_classifier
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.lora import LinearWithLoRA
-from lora_bench.lora.packed import PackedLoRALinear, point_state_dict
+from lora_bench.lora.packed_layer import PackedLoRALinear, point_state_dict
 from lora_bench.sweep.spec import load_sweep
 from lora_bench.train.pack import pack_problem
 from lora_bench.train.points import Point

@@ -4,7 +4,7 @@ forward and backward, and ``runs(call)``, whether it can run a given call
 autograd op; the others give the three pieces the Python Function and the custom ops run:
 ``forward`` (y, h), ``grad_x_u`` (grad_x, u) and ``grad_ab`` (grad_A, grad_B). ``FALLBACK`` is the
 plan a forced plan gives way to where it cannot run (None: the rules of
-:mod:`lora_bench.kernels.rules` decide). What each plan runs: docs/kernel-design.md#the-plans.
+:mod:`lora_bench.kernels.plan_rules` decide). What each plan runs: docs/kernel-design.md#the-plans.
 """
 
 from __future__ import annotations

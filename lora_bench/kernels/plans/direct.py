@@ -101,7 +101,7 @@ def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtyp
           device: torch.device) -> int:
     """Compile (or load) and run the three kernels once for this shape, register them with the C++
     op (which takes the CUDA context they were loaded in: the current one); the plan id."""
-    from lora_bench.kernels import launch as _launch
+    from lora_bench.kernels import triton_launch as _launch
     from lora_bench.kernels import lora_cpp
     from lora_bench.kernels import lora_triton as tk
 

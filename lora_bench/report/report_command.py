@@ -29,7 +29,7 @@ from lora_bench.report.render_markdown import to_markdown
 from lora_bench.report.render_terminal import print_document
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study, study_baseline
-from lora_bench.results.files import LOCK_SUFFIX, RESULTS_FILES
+from lora_bench.results.folder_files import LOCK_SUFFIX, RESULTS_FILES
 
 
 FIGURES = ("crossover", "phases")

@@ -34,7 +34,7 @@ from lora_bench.report.aggregate import (
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import exact, fails_gate, group_runs, metric_sense
 from lora_bench.report.load import MODE, load_results, result_dirs
-from lora_bench.report.names import MODE_FIELDS, mode_name, setting_name, value_text
+from lora_bench.report.labels import MODE_FIELDS, mode_name, setting_name, value_text
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate
 from lora_bench.results.schema import SETTING_PREFIX

@@ -13,7 +13,7 @@ import torch.nn as nn
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
 from lora_bench.config import TrainConfig
 from lora_bench.lora.layer import LoRALayer
-from lora_bench.lora.packed import PackedLoRALinear, lora_sites
+from lora_bench.lora.packed_layer import PackedLoRALinear, lora_sites
 from lora_bench.model.gpt2 import GPTModel
 
 
