@@ -8,4 +8,3 @@ AUTO = "auto"  # the kernel_plan setting's default: the rules choose per call
 ADAPTER_GRADS_INLINE = "inline"
 ADAPTER_GRADS_DEFERRED = "deferred"
 ADAPTER_GRADS = (ADAPTER_GRADS_INLINE, ADAPTER_GRADS_DEFERRED)
-ADAPTER_GRADS_ENV = "LORA_BENCH_ADAPTER_GRADS"  # the default policy's choice (unset: inline)

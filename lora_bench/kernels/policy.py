@@ -18,14 +18,13 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE, AUTO
+from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.plan_rules import RULES
 
@@ -141,8 +140,8 @@ _POLICY: contextvars.ContextVar[PlanPolicy | None] = contextvars.ContextVar("lor
 @functools.cache
 def default_policy() -> PlanPolicy:
     """The policy in force where ``use_policy`` set none: the rules choose, and the adapter
-    gradients run where ``$LORA_BENCH_ADAPTER_GRADS`` says (unset: inline), read once."""
-    return PlanPolicy(adapter_grads=os.environ.get(ADAPTER_GRADS_ENV, ADAPTER_GRADS_INLINE))
+    gradients run inline (a run's ``adapter_grads`` setting says otherwise)."""
+    return PlanPolicy()
 
 
 def current_policy() -> PlanPolicy:

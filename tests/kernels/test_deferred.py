@@ -21,7 +21,6 @@ from numerics import ROOT, fresh, kernel_tol, layer_operands, lora_chains, model
 
 from lora_bench.kernels import deferred
 from lora_bench.kernels.autograd import lora_linear
-from lora_bench.kernels.plan_names import ADAPTER_GRADS_ENV
 from lora_bench.kernels.policy import (KernelPlanError, Plan, PlanPolicy, default_policy, policy_for, record_plans,
                                        use_policy)
 from lora_bench.lora.kernel import LinearWithLoRAKernel, group_qkv
@@ -229,7 +228,7 @@ def test_cpp_op_layers_run_inline_and_say_so():
     assert _since(before)["deferred"] == 0 and m.lora.A.grad is not None and m.lora.B.grad is not None
 
 
-def test_policy_names_and_the_environment_setting(monkeypatch):
+def test_policy_names_and_the_default():
     assert PlanPolicy().adapter_grads == "inline" and PlanPolicy(adapter_grads=" Deferred ").adapter_grads == "deferred"
     with pytest.raises(KernelPlanError, match="expected one of inline, deferred"):
         PlanPolicy(adapter_grads="sideways")
@@ -237,22 +236,7 @@ def test_policy_names_and_the_environment_setting(monkeypatch):
     assert (policy_for("fused", INLINE, adapter_grads="deferred")
             == PlanPolicy(forced=Plan.FUSED, adapter_grads="deferred"))
     assert policy_for("auto", DEFERRED) == DEFERRED
-    try:
-        for value, want in ((None, "inline"), ("deferred", "deferred")):
-            if value is None:
-                monkeypatch.delenv(ADAPTER_GRADS_ENV, raising=False)
-            else:
-                monkeypatch.setenv(ADAPTER_GRADS_ENV, value)
-            default_policy.cache_clear()
-            assert default_policy().adapter_grads == want
-            assert policy_for("auto").adapter_grads == want  # a run's policy starts from it
-        monkeypatch.setenv(ADAPTER_GRADS_ENV, "sideways")
-        default_policy.cache_clear()
-        with pytest.raises(KernelPlanError):
-            default_policy()
-    finally:
-        monkeypatch.undo()
-        default_policy.cache_clear()
+    assert default_policy().adapter_grads == "inline" and policy_for("auto").adapter_grads == "inline"
 
 
 # ---------------------------------------------------------- CPU, under Triton's interpreter
