@@ -1,6 +1,8 @@
 """The ``lora-bench`` command line: thin typer commands (one module each) that declare options and
 call the library. Domain errors become one clear message and an exit code (2 for usage errors),
-no traceback. ``-h`` and ``--help`` work everywhere."""
+no traceback. ``-h`` and ``--help`` work everywhere. Shell completion is typer's
+(``lora-bench --install-completion``); the program is named ``lora-bench`` however it is started,
+so the completion script and the usage lines name the command a user types."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from lora_bench.cli.results import results_app
 from lora_bench.errors import LoraBenchError
 from lora_bench.escaping import markup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", context_settings=CONTEXT,
+PROG = "lora-bench"
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode="rich", context_settings=CONTEXT,
                   pretty_exceptions_show_locals=False,
                   help="Benchmark and ablation harness for LoRA fine-tuning of GPT-2 (SMS spam classification).")
 data_app = typer.Typer(no_args_is_help=True, context_settings=CONTEXT, help="Data set commands.")
@@ -40,7 +43,7 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                                 help="Print the version and exit.")] = False) -> None:
     pass
 
@@ -48,7 +51,7 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 def main() -> None:
     """Entry point: typer handles usage errors (exit 2); domain errors become one message."""
     try:
-        app()
+        app(prog_name=PROG)
     except LoraBenchError as e:
         err_console.print(f"[bold red]error:[/bold red] {markup(e, newlines=True)}", highlight=False)
         sys.exit(e.exit_code)

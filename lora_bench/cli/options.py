@@ -32,12 +32,15 @@ err_console = Console(stderr=True)
 OUTPUT_PANEL = PANELS[-1]
 CacheDir = Annotated[Optional[Path], typer.Option("--cache-dir", envvar="LORA_BENCH_CACHE",
                                                   help="Download cache (default ~/.cache/lora-bench).")]
-NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPUT_PANEL,
+NoProgress = Annotated[bool, typer.Option("--no-progress", rich_help_panel=OUTPUT_PANEL, metavar="",
                                           help="No progress bars (logs, CI).")]
 Logger = Annotated[Optional[str], typer.Option(
     "--logger", metavar="mlflow|tensorboard", rich_help_panel=OUTPUT_PANEL, show_default=False,
     help="Also export each run, once saved, to MLflow or TensorBoard in the results folder "
          "(lora-bench\\[trackers]; docs/trackers.md).")]
+PrintConfig = Annotated[bool, typer.Option(
+    "--print-config", rich_help_panel=OUTPUT_PANEL, metavar="",
+    help="Print the resolved settings as YAML (defaults, file, flags and overrides applied) and exit; nothing runs.")]
 Overrides = Annotated[Optional[list[str]], typer.Argument(
     metavar="KEY=VALUE", show_default=False,
     help="Settings as in a YAML file, e.g. lora_rank=16 precision=bf16 (values read as YAML reads them).")]
@@ -70,6 +73,16 @@ def output_dir(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {why}")
 
 
+def print_config(data: dict) -> None:
+    """What ``--print-config`` prints: ``data`` as YAML on stdout, keys in their order (a train
+    run's settings read back as a ``--config`` file). safe_dump quotes and escapes any control
+    character a value holds."""
+    import yaml
+
+    sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    sys.stdout.flush()
+
+
 def split_list(text: str | None) -> list[str] | None:
     """``a, b,c`` -> ``['a', 'b', 'c']``; None for no text."""
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
@@ -77,9 +90,9 @@ def split_list(text: str | None) -> list[str] | None:
 
 # -- the settings as options ----------------------------------------------------------------
 def setting_help(s: Setting) -> str:
-    """A setting's help: its text, its allowed values, its default."""
+    """A setting's help: its text, its allowed values (where its metavar cannot list them), its default."""
     parts = [s.spec.help]
-    if s.spec.allowed_text():
+    if s.spec.allowed_text() and not choices_metavar(s):
         parts.append(f"Allowed: {s.spec.allowed_text()}.")
     if s.spec.maximum is not None:
         parts.append(f"At most {s.spec.maximum:,}.")
@@ -90,18 +103,38 @@ def setting_help(s: Setting) -> str:
     return escape(" ".join(parts))
 
 
+def choices_metavar(s: Setting) -> str:
+    """A text setting's allowed values as its metavar, ``[a|b|c]`` as click shows a choice (a value
+    of a pattern as the pattern reads: ``[auto|cpu|cuda|cuda:N]``); '' for a setting without choices
+    or whose pattern reads as words (its help lists what is allowed).
+    The values are checked with the other settings' rules, so a mistake gets the same message as in a file."""
+    if s.type is not str or not s.spec.choices or " " in s.spec.pattern_text:  # a pattern in words stays in the help
+        return ""
+    return "[" + "|".join((*s.spec.choices, *([s.spec.pattern_text] if s.spec.pattern_text else []))) + "]"
+
+
 def setting_parameter(s: Setting) -> inspect.Parameter:
     """The command-line option of one setting. Its default is the setting's, and a command learns
     from click which options were given (``ctx.get_parameter_source``)."""
     kind = Optional[s.type] if s.optional else s.type
-    metavar = {int: "INT", float: "NUMBER", str: "TEXT"}.get(s.type)
+    metavar = choices_metavar(s) or {int: "INT", float: "NUMBER", str: "TEXT"}.get(s.type)
     flags = s.flags
     if s.type is bool and s.default is True:  # an on-by-default switch also gets its off form
         flags = (f"{flags[0]}/--no-{flags[0][2:]}", *flags[1:])
     option = typer.Option(*flags, help=setting_help(s), rich_help_panel=s.spec.panel, show_default=False,
-                          metavar=metavar if s.type is not bool else None)
+                          metavar=metavar if s.type is not bool else "",  # a switch takes no value: no type shown
+                          autocompletion=_completer(s.spec.choices) if s.type is str and s.spec.choices else None)
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, option],
                              default=s.default)
+
+
+def _completer(choices: tuple[str, ...]):
+    """Shell completion of a setting's value: the choices that start with what was typed."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [c for c in choices if c.startswith(incomplete)]
+
+    return complete
 
 
 def setting_parameters() -> list[inspect.Parameter]:

@@ -9,7 +9,17 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from lora_bench.cli.options import PRECEDENCE, CacheDir, Logger, NoProgress, Overrides, console, results_dir_option
+from lora_bench.cli.options import (
+    PRECEDENCE,
+    CacheDir,
+    Logger,
+    NoProgress,
+    Overrides,
+    PrintConfig,
+    console,
+    print_config,
+    results_dir_option,
+)
 from lora_bench.config import (
     ADAPTER_SETTINGS,
     PATH_SETTINGS,
@@ -99,6 +109,7 @@ def sweep(
                           "only trainable_layers=lora (docs/packing.md).", show_default=False)] = None,
     no_progress: NoProgress = False,
     logger: Logger = None,
+    print_config_: PrintConfig = False,
 ) -> None:
     from lora_bench.sweep.sweep_command import sweep_command
     from lora_bench.sweep.isolation import ISOLATION
@@ -110,6 +121,13 @@ def sweep(
     if pack is not None and pack_size_problem(pack):
         raise UsageError(f"--pack {pack}: {pack_size_problem(pack)}")
     values, name_of = sweep_overrides(overrides or [], device=device, data_file=data_file)
+    if print_config_:  # every run's settings as the sweep resolves them, then exit 0
+        from lora_bench.sweep.spec import load_sweep
+
+        planned = load_sweep(file, overrides=values)
+        print_config({"name": planned.name, "runs": [{"run_id": r.run_id, "settings": r.cfg.to_dict()}
+                                                     for r in planned.runs]})
+        raise typer.Exit(0)
     paths = {k: v for k, v in values.items() if k in PATH_SETTINGS and v}
     missing = render(input_problems(TrainConfig(**paths)), name_of) if paths else []
     if missing:

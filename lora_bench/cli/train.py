@@ -19,9 +19,11 @@ from lora_bench.cli.options import (
     Logger,
     NoProgress,
     Overrides,
+    PrintConfig,
     console,
     err_console,
     output_dir,
+    print_config,
     results_dir_option,
     setting_parameters,
 )
@@ -194,6 +196,11 @@ def command() -> Any:
     def train_command(ctx: typer.Context, **kw: Any) -> None:
         fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "overwrite", "cache_dir",
                                          "no_progress", "logger")}
+        if kw.pop("print_config"):  # the settings resolved as a run would resolve them, then exit 0
+            cfg, _ = settings_from(ctx, config=fixed["config"], overrides=fixed["overrides"] or [],
+                                   given={k: kw[k] for k in SETTINGS})
+            print_config(cfg.to_dict())
+            return
         train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
 
     train_command.__signature__ = inspect.Signature([
@@ -208,6 +215,7 @@ def command() -> Any:
         _parameter("cache_dir", CacheDir, None),
         _parameter("no_progress", NoProgress, False),
         _parameter("logger", Logger, None),
+        _parameter("print_config", PrintConfig, False),
     ])
     train_command.__doc__ = HELP
     return train_command
