@@ -9,12 +9,22 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from lora_bench.cli.options import THRESHOLD_PCT, Threshold, console, threshold_fraction
+from lora_bench.cli.options import (
+    THRESHOLD_PCT,
+    Filters,
+    Pool,
+    Threshold,
+    console,
+    folders_text,
+    found_folders,
+    threshold_fraction,
+)
 from lora_bench.errors import UsageError
+from lora_bench.escaping import markup
 
 HELP = """Compare two results folders setting by setting: candidate ÷ baseline, with intervals and n.
 
-Runs are matched by their settings, never by run id. Exit code 1 when the comparison is incomplete (no setting on both sides; a setting on one side only, unless --allow-missing; with --fail-above, no setting with enough repeats for a verdict) or where --fail-above is given and a setting is slower by more than PCT % with its whole interval (a CI gate); 2 for a usage error.
+Runs are matched by their settings, never by run id. Each side is a results folder, found at any depth below the path given; a side holding several needs --pool, which reads them as one set of runs. Exit code 1 when the comparison is incomplete (no setting on both sides; a setting on one side only, unless --allow-missing; with --fail-above, no setting with enough repeats for a verdict) or where --fail-above is given and a setting is slower by more than PCT % with its whole interval (a CI gate); 2 for a usage error.
 
 Example: [bold]lora-bench compare results/before results/after --fail-above 5[/bold]
 """
@@ -41,6 +51,8 @@ def compare(
     sort: Annotated[str, typer.Option("--sort", help="name (the settings' order) or ratio (worst first).")] = "name",
     format: Annotated[str, typer.Option("--format", help="table (terminal), markdown, html (one page), csv or "
                                                          "json.")] = "table",
+    pool: Pool = False,
+    filters: Filters = None,
 ) -> None:
     """Compare a candidate results folder with a baseline one, setting by setting."""
     from lora_bench.report.comparison import compare as run_compare
@@ -55,10 +67,12 @@ def compare(
     if sort not in SORTS:
         raise UsageError(f"--sort {sort!r} is not allowed; choose one of: {', '.join(SORTS)}")
     gate = threshold_fraction(fail_above, "--fail-above") if fail_above is not None else None
-    c = run_compare(baseline, candidate, metric=metric, threshold=threshold_fraction(threshold), fail_above=gate,
-                    ignore=ignore or (), allow_missing=allow_missing)
-    rows = c.shown(only_changed=only_changed, sort=sort)
     err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    for side, path in (("baseline", baseline), ("candidate", candidate)):
+        say_folders(side, path, pool=pool, err=err)
+    c = run_compare(baseline, candidate, metric=metric, threshold=threshold_fraction(threshold), fail_above=gate,
+                    ignore=ignore or (), allow_missing=allow_missing, filters=filters or ())
+    rows = c.shown(only_changed=only_changed, sort=sort)
     if format == "table":
         print_document(comparison_document(c, rows), console)
     elif format in ("markdown", "html"):
@@ -72,3 +86,14 @@ def compare(
         for line in [gate_text(c)] if gate is not None else [f"incomplete: {p}" for p in c.problems]:
             err.print(line, highlight=False, markup=False)
         raise typer.Exit(1)
+
+
+def say_folders(side: str, path: Path, *, pool: bool, err: Console) -> None:
+    """Say which results folders a side reads where they are not just the folder given; several without --pool are a usage error (a side is
+    one set of runs: which of them to compare is the user's choice)."""
+    folders = found_folders([path]) if path.exists() else []  # a missing folder: the comparison says so
+    if len(folders) > 1 and not pool:
+        raise UsageError(f"{side} {path}: {len(folders)} results folders found ({folders_text(folders)}); compare "
+                         "one folder with another, or read each side's folders as one with --pool")
+    if folders and folders != [Path(path)]:  # the path given is not itself the one folder read
+        err.print(f"{side}: reading {markup(folders_text(folders))}", highlight=False)

@@ -54,6 +54,30 @@ Threshold = Annotated[float, typer.Option(
          f"(default {THRESHOLD_PCT:g}).")]
 
 
+# finding results, shared by report and compare
+Pool = Annotated[bool, typer.Option(
+    "--pool", metavar="", help="Read every results folder found as one set of runs (default: each folder on its "
+                               "own).")]
+Filters = Annotated[Optional[list[str]], typer.Option(
+    "--filter", metavar="KEY=VALUE", show_default=False,
+    help="Only the runs whose KEY (a setting or results column) is VALUE; repeatable, e.g. --filter "
+         "model_size=124M --filter precision=bf16.")]
+SHOWN_FOLDERS = 6  # the folders a one-line message names, at most
+
+
+def folders_text(folders: list[Path]) -> str:
+    """``a, b, c and 4 more``: folders named in one line."""
+    shown = ", ".join(str(f) for f in folders[:SHOWN_FOLDERS])
+    return shown + (f" and {len(folders) - SHOWN_FOLDERS} more" if len(folders) > SHOWN_FOLDERS else "")
+
+
+def found_folders(paths: list[Path]) -> list[Path]:
+    """The results folders ``paths`` name, found at any depth below each, each once, in order."""
+    from lora_bench.report.load import result_dirs
+
+    return list(dict.fromkeys(d for p in paths for d in result_dirs(Path(p))))
+
+
 def threshold_fraction(pct: float, flag: str = "--threshold") -> float:
     """PCT as a fraction; refuses what no ratio can clear or what is not a number."""
     if not (0 <= pct < 100):  # also refuses NaN

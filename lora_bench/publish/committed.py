@@ -71,7 +71,7 @@ class Recipe:
 
     def command(self) -> str:
         """The same report as a ``lora-bench report`` command line, from the folder above the root."""
-        args = ["lora-bench", "report", *self.input_names()]
+        args = ["lora-bench", "report", *self.input_names(), *(["--pool"] if len(self.inputs) > 1 else [])]
         for key in ("group_by", "baseline", "metrics"):
             if getattr(self, key) is not None:
                 args += [f"--{key.replace('_', '-')}", getattr(self, key)]

@@ -33,6 +33,7 @@ from lora_bench.report.aggregate import (
 )
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import exact, fails_gate, group_runs, metric_sense
+from lora_bench.report.filters import filter_runs
 from lora_bench.report.load import MODE, load_results, result_dirs
 from lora_bench.report.labels import MODE_FIELDS, mode_name, setting_name, value_text
 from lora_bench.report.order_stats import MIN_REPEATS
@@ -113,13 +114,13 @@ class Comparison:
         return rows
 
 
-def _done(path: Path, side: str) -> pd.DataFrame:
+def _done(path: Path, side: str, filters=()) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{side} {path}: no such results folder")
     if not result_dirs(path):
         raise UsageError(f"{side} {path}: not a results folder (no runs.csv and no <run>/run.json under it)")
-    df = load_results([path])
+    df = filter_runs(load_results([path]), list(filters))
     done = df[df["status"] == "done"]
     if done.empty:
         raise UsageError(f"{side} {path}: none of its {len(df)} run(s) finished; nothing to compare")
@@ -168,9 +169,9 @@ def _filled(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
 
 
 def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, threshold: float = stats.THRESHOLD,
-            fail_above: float | None = None, ignore=(), allow_missing: bool = False) -> Comparison:
+            fail_above: float | None = None, ignore=(), allow_missing: bool = False, filters=()) -> Comparison:
     """Compare ``candidate`` with ``baseline`` setting by setting (see the module)."""
-    base, cand = _done(baseline, "baseline"), _done(candidate, "candidate")
+    base, cand = _done(baseline, "baseline", filters), _done(candidate, "candidate", filters)
     col = _metric(metric, base, cand)
     higher, speed = metric_sense(col)
     if fail_above is not None and higher is None:

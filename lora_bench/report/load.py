@@ -1,4 +1,5 @@
-"""Reading results for a report: every run under the given folders, one row per (folder, run id),
+"""Reading results for a report: every run under the given folders (results folders found at any
+depth below each, ``find_results_folders``), one row per (folder, run id),
 with three derived columns — ``results_dir`` (the folder the row came from), ``run_dir`` (the folder
 holding the run's own files) and ``mode`` (the human name of its execution mode) — and the kernel
 counts a profiled run wrote.
@@ -14,6 +15,7 @@ that the old rows and the new group as the same settings."""
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +23,8 @@ import pandas as pd
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.report.labels import is_blank, mode_name
+from lora_bench.results.folder_files import RUN_RECORD, RUNS_CSV
+from lora_bench.results.prune import SUPERSEDED
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
 
@@ -31,19 +35,38 @@ KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launche
 
 
 def result_dirs(path: Path) -> list[Path]:
-    """The results folders at ``path``: itself (a folder with runs.csv or run folders, or a runs.csv
-    file's folder), else its sub-folders that are results folders."""
+    """The results folders at ``path``: a runs.csv file's folder, or every results folder at any
+    depth below a folder, itself included (``find_results_folders``)."""
+    path = Path(path)
     if path.is_file():
         return [path.parent]
     if not path.is_dir():
         raise UsageError(f"no such results folder: {path}")
+    return find_results_folders(path)
 
-    def holds(d: Path) -> bool:
-        return (d / "runs.csv").is_file() or any(d.glob("*/run.json"))
 
-    if holds(path):
-        return [path]
-    return sorted(d for d in path.iterdir() if d.is_dir() and holds(d))
+# -- finding results folders ------------------------------------------------------------------
+SKIPPED = (SUPERSEDED,)  # rows a newer run replaced, kept for the record: read only where named
+
+
+def holds_runs(folder: Path) -> bool:
+    """A results folder: it holds runs.csv or run folders (``<run>/run.json``)."""
+    return (folder / RUNS_CSV).is_file() or any(folder.glob(f"*/{RUN_RECORD}"))
+
+
+def find_results_folders(top: Path) -> list[Path]:
+    """Every results folder at ``top`` or below it, in path order. The walk does not enter a run's
+    own folder, a hidden folder, a link, or a ``superseded/`` folder below ``top`` (whose rows a
+    newer run replaced); ``top`` itself is read whatever its name."""
+    top = Path(top)
+    found = []
+    for here, dirs, files in os.walk(top):
+        folder = Path(here)
+        if RUNS_CSV in files or any((folder / d / RUN_RECORD).is_file() for d in dirs):
+            found.append(folder)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED
+                         and not (folder / d).is_symlink() and not (folder / d / RUN_RECORD).is_file())
+    return sorted(found)
 
 
 def load_results(paths: list[Path]) -> pd.DataFrame:

@@ -21,6 +21,7 @@ from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report
 from lora_bench.report.document import build_document, table_document
+from lora_bench.report.filters import filter_runs
 from lora_bench.report.group_table import to_csv
 from lora_bench.report.load import RESULTS_DIR, load_results
 from lora_bench.report.render_html import to_html
@@ -46,7 +47,7 @@ def _renamed(folder: str, paths: list[Path], names: list[str]) -> str:
 
 def report_command(paths: list[Path], *, group_by: str | None, baseline: str | None, metrics: str | None,
                    fmt: str, output: Path | None, plot: Path | None, console, threshold: float = THRESHOLD,
-                   names: list[str] | None = None) -> list[Path]:
+                   names: list[str] | None = None, filters: list[str] | None = None) -> list[Path]:
     """What ``lora-bench report`` does: read, aggregate, explain, render, draw; returns the files
     written. ``names``: how the report names ``paths`` (default: as given), so that a report
     rendered from elsewhere reads the same."""
@@ -56,7 +57,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     def split(text):
         return [s for s in (t.strip() for t in text.split(",")) if s] if text else None
 
-    df = load_results(paths)
+    df = filter_runs(load_results(paths), filters)  # --filter KEY=VALUE (lora_bench.report.filters)
     if names:  # the folders as the report names them, in its notes too (run_dir stays the path read)
         df[RESULTS_DIR] = df[RESULTS_DIR].map(lambda v: _renamed(v, paths, names))
     table_only = bool(group_by or metrics) or fmt in ("csv", "json")

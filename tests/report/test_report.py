@@ -246,7 +246,7 @@ def test_report_of_the_same_sweep_in_two_folders_keeps_both(tmp_path, run_cli):
     one = build_report(load_results([a]))
     both = build_report(load_results([a, b]))
     assert list(both.groups["n"]) == [2 * n for n in one.groups["n"]]  # every row of both folders counts
-    code, out = run_cli("report", a, b, "--format", "markdown")
+    code, out = run_cli("report", a, b, "--pool", "--format", "markdown")  # read as one set of runs
     assert code == 0 and "27 run id(s) appear in more than one folder" in out  # 26 done, 1 failed
 
 

@@ -214,6 +214,6 @@ def test_render_refuses_a_folder_without_recipes(tmp_path, run_cli):
 def test_a_recipe_reads_as_its_report_command():
     (r,) = [r for r in recipes(RESULTS / "scaling" / "ddp-2gpu", root=RESULTS) if r.format == "markdown"]
     assert r.command() == ("lora-bench report results/scaling/ddp-2gpu/w1 results/scaling/ddp-2gpu/one "
-                           "results/scaling/ddp-2gpu/ddp --group-by "
+                           "results/scaling/ddp-2gpu/ddp --pool --group-by "
                            "model_size,trainable_layers,precision,cuda_graphs,nproc,batch_size --format markdown "
                            "--output results/scaling/ddp-2gpu/report.md")
