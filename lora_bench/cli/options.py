@@ -8,6 +8,7 @@ other thing a command writes (``report``'s file, ``data prepare``'s folder of sp
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -25,8 +26,19 @@ CONTEXT = {"help_option_names": ["-h", "--help"]}
 PRECEDENCE = ("Settings, from lowest to highest precedence: the defaults (the reference's book mode), a "
               "[bold]--config[/bold] file, then flags and [bold]key=value[/bold] overrides.")
 
-# piped output (logs, CI) would be cut at rich's default 80 columns: tables get room there
-console = Console(width=None if sys.stdout.isatty() else 160)
+PIPED_WIDTH = 160  # output to a pipe or file (logs, CI) gets room beyond rich's default 80 columns ...
+
+
+def output_width() -> int | None:
+    """The console's width: the terminal's, or $COLUMNS where set (... which says otherwise), else
+    PIPED_WIDTH for output that goes to no terminal."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return None if sys.stdout.isatty() else PIPED_WIDTH
+
+
+console = Console(width=output_width())
 err_console = Console(stderr=True)
 
 OUTPUT_PANEL = PANELS[-1]

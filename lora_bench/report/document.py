@@ -1,6 +1,8 @@
 """What a study report says, in reading order, independent of the output format: the title and
-question, a one-line setting, the generated answer, the crossover, then the details (where the
-time goes, kernel profiles, accuracy, the setup, every group). Each renderer walks this list."""
+question, a one-line setting, the answer at a glance (three lines, ``glance``) beside the crossover
+figure, then the generated answer, the crossover, and the details (where the time goes, kernel
+profiles, accuracy, the setup, every group). Each renderer walks this list. A report of the table
+of groups alone (``--group-by``, ``--metrics``) carries the same answer above its table."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pandas as pd
 from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
+from lora_bench.report.glance import glance
 from lora_bench.report.group_table import groups_table
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import threshold_text
@@ -49,29 +52,15 @@ class Document:
     question: str
     setting: str  # one line: device, software, dates
     sections: list[Section]
+    glance: list[str] = field(default_factory=list)  # the answer in at most three lines, first of all
+    glance_figure: str = ""  # key of the figure shown beside the glance (then not in its section)
 
 
 def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Document:
     """The report's sections; ``figures`` names the figures that exist (they are referenced)."""
     facts = dict(header_facts(study))
     setting = " · ".join(v for v in (facts.get("device"), facts.get("software"), facts.get("runs started")) if v)
-    sections = []
-    points = answer(study)
-    if points:
-        intro = (f"On {study.device}, the {STEP_STATISTIC}; a ratio below 1.0 is faster than "
-                 f"{study.baseline_text}. In brackets: intervals with the repeats they stand on (n) and the confidence they "
-                 f"reach (order statistics, exact at any n); slower or faster only from {MIN_REPEATS} repeats a side "
-                 f"and where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
-                 f"from the runs by the rules in `{RULES_AT}`.")
-        text = [intro] + ([STEPS_FOOTNOTE + "."] if study.per_step else [])
-        sections.append(Section("Answer", points=points, first_screen=True, text=text))
-        sections.append(Section("The crossover", tables=[crossover_table(study)], first_screen=True,
-                                figure="crossover" if "crossover" in figures else ""))
-    else:
-        why = ("the runs hold a single trainable-layer choice, so there is nothing to compare; "
-               "pick a baseline with --baseline key=value" if not study.baseline else
-               "no group has a baseline group of the same size, mode and condition")
-        sections.append(Section("Answer", text=[f"No comparison: {why}."], first_screen=True))
+    sections = answer_sections(study, figures=figures)
     fastest = fastest_lora_table(study)
     if fastest is not None:
         sections.append(Section("How fast LoRA can be made", tables=[fastest]))
@@ -90,12 +79,44 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
     if rep is not None:
         sections.append(Section("Every group", tables=[groups_table(rep)], terminal=False))
     return Document(title=f"Study report: {study.header.title}", question=study.header.question, setting=setting,
-                    sections=sections)
+                    sections=sections, **_at_a_glance(study, figures))
 
 
-def table_document(rep: Report, *, title: str) -> Document:
-    """Only the table of groups (what ``--metrics`` or ``--group-by`` ask for)."""
-    return Document(title=title, question="", setting="", sections=[Section("", tables=[groups_table(rep)], first_screen=True)])
+def answer_sections(study: Study, *, figures: set[str]) -> list[Section]:
+    """The answer and the crossover (its table; its figure where the glance does not show it), or
+    why there is no comparison."""
+    points = answer(study)
+    if not points:
+        why = ("the runs hold a single trainable-layer choice, so there is nothing to compare; "
+               "pick a baseline with --baseline key=value" if not study.baseline else
+               "no group has a baseline group of the same size, mode and condition")
+        return [Section("Answer", text=[f"No comparison: {why}."], first_screen=True)]
+    intro = (f"On {study.device}, the {STEP_STATISTIC}; a ratio below 1.0 is faster than "
+             f"{study.baseline_text}. In brackets: intervals with the repeats they stand on (n) and the confidence they "
+             f"reach (order statistics, exact at any n); slower or faster only from {MIN_REPEATS} repeats a side "
+             f"and where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
+             f"from the runs by the rules in `{RULES_AT}`.")
+    text = [intro] + ([STEPS_FOOTNOTE + "."] if study.per_step else [])
+    shown_apart = "crossover" in figures and not glance(study)
+    return [Section("Answer", points=points, first_screen=True, text=text),
+            Section("The crossover", tables=[crossover_table(study)], first_screen=True,
+                    figure="crossover" if shown_apart else "")]
+
+
+def _at_a_glance(study: Study, figures: set[str]) -> dict:
+    lines = glance(study)
+    return {"glance": lines, "glance_figure": "crossover" if lines and "crossover" in figures else ""}
+
+
+def table_document(rep: Report, *, title: str, study: Study | None = None, figures: set[str] = frozenset()) -> Document:
+    """The table of groups (what ``--metrics`` or ``--group-by`` ask for), below the study's answer
+    where there is a study to answer from."""
+    table = Section("Every group" if study is not None else "", tables=[groups_table(rep)],
+                    first_screen=study is None)
+    if study is None:
+        return Document(title=title, question="", setting="", sections=[table])
+    return Document(title=title, question=study.header.question, setting="", sections=[
+        *answer_sections(study, figures=figures), table], **_at_a_glance(study, figures))
 
 
 def study_runs(study: Study) -> pd.DataFrame:

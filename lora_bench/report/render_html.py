@@ -1,5 +1,8 @@
 """A report as one self-contained HTML page: inline CSS, figures embedded as base64 PNG, no
-script and no external reference, so it opens from a file in any browser."""
+script and no external reference, so it opens from a file in any browser. The first screen holds
+the answer at a glance and the crossover figure (``.first``), the details follow; nothing makes the
+page scroll sideways: a table scrolls in its own container (``.scroll``), a figure is never wider
+than the page, and long words break."""
 
 from __future__ import annotations
 
@@ -11,13 +14,16 @@ from lora_bench.report.tables import Table
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1d1d1f;
-       max-width: 1400px; margin: 1.5em auto; padding: 0 1.2em; }
+       max-width: 1400px; margin: 1.5em auto; padding: 0 1.2em; overflow-wrap: anywhere; }
 h1 { font-size: 1.6em; margin-bottom: .2em; }
 h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; padding-bottom: .2em; }
 .question { font-size: 1.1em; margin: .3em 0; }
 .setting { color: #555; font-size: .9em; }
 .first { background: #f6f8fa; border: 1px solid #d0d7de; border-radius: 6px; padding: .2em 1.2em 1em; }
 .answer li { margin: .5em 0; }
+.glance { margin: .6em 0; padding-left: 1.2em; }
+.glance li { margin: .25em 0; }
+.first img { max-height: 62vh; width: auto; }  /* the figure stays on the first screen */
 table { border-collapse: collapse; font-size: .85em; margin: .6em 0; }
 th, td { border: 1px solid #d0d7de; padding: .25em .55em; white-space: nowrap; }
 th { background: #eef1f4; position: sticky; top: 0; }
@@ -80,6 +86,14 @@ def _section(s: Section, figures: dict[str, str]) -> str:
     return "\n".join(out)
 
 
+def _glance(doc: Document, figures: dict[str, str]) -> str:
+    lines = '<ul class="glance">' + "".join(f"<li>{_inline(x)}</li>" for x in doc.glance) + "</ul>"
+    if doc.glance_figure not in figures:
+        return lines
+    return lines + (f'\n<p><img alt="{html.escape(doc.glance_figure)} figure" '
+                    f'src="data:image/png;base64,{figures[doc.glance_figure]}"></p>')
+
+
 def to_html(doc: Document, *, figures: dict[str, str] | None = None) -> str:
     """``figures``: figure key -> base64 PNG."""
     figures = figures or {}
@@ -93,9 +107,13 @@ def to_html(doc: Document, *, figures: dict[str, str] | None = None) -> str:
     if doc.setting:
         top.append(f'<p class="setting">{html.escape(doc.setting)}</p>')
     body = "\n".join(top)
-    if first:
-        body += '\n<div class="first">\n' + "\n".join(_section(s, figures) for s in first) + "\n</div>"
-    body += "\n" + "\n".join(_section(s, figures) for s in rest)
+    if doc.glance:  # the glance and its figure on the first screen, then every section in order
+        body += '\n<div class="first">\n' + _glance(doc, figures) + "\n</div>"
+        body += "\n" + "\n".join(_section(s, figures) for s in doc.sections)
+    else:
+        if first:
+            body += '\n<div class="first">\n' + "\n".join(_section(s, figures) for s in first) + "\n</div>"
+        body += "\n" + "\n".join(_section(s, figures) for s in rest)
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
             f"<title>{html.escape(doc.title or 'lora-bench report')}</title>\n<style>{CSS}</style>\n</head>\n"

@@ -37,6 +37,10 @@ def to_markdown(doc: Document, *, figures: dict[str, str] | None = None) -> str:
         parts.append(f"**Question.** {markdown_text(doc.question)}\n")
     if doc.setting:
         parts.append(f"*{markdown_cell(doc.setting)}*\n")
+    if doc.glance:  # the answer at a glance and its figure, before the details
+        parts.append("\n".join(f"- {markdown_text(x)}" for x in doc.glance) + "\n")
+        if doc.glance_figure in figures:
+            parts.append(f"![{doc.glance_figure}]({figures[doc.glance_figure]})\n")
     for s in doc.sections:
         if s.title:
             parts.append(f"## {markdown_cell(s.title)}\n")

@@ -1,9 +1,13 @@
 """A report on the terminal (rich): the question, the generated answer and the crossover table
-first, the details below. Tables print at their full width: a number is never clipped to fit a
-narrow terminal or a log's 80 columns. Every text is shown as it is (``escaping.terminal``): no
-control sequence reaches the terminal, no value is read as rich markup or as a link."""
+first, the details below. Everything fits the console's width: a table too wide for it is split
+into several, each with the name columns and as many value columns as fit, and a cell wraps
+within its column (at spaces, else folded), so no number is ever clipped or cut short. Every text
+is shown as it is (``escaping.terminal``): no control sequence reaches the terminal, no value is
+read as rich markup or as a link. Full widths: ``--format csv`` or ``json``."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from rich import box
 from rich.console import Console, Group
@@ -14,7 +18,7 @@ from rich.rule import Rule
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from lora_bench.escaping import markdown_cell, markup, terminal
+from lora_bench.escaping import markdown_cell, markdown_text, markup, terminal
 from lora_bench.report.document import Document, Section
 from lora_bench.report.render_markdown import points_markdown
 from lora_bench.report.tables import Table
@@ -27,10 +31,10 @@ def table_rich(t: Table, *, title: str = "") -> RichTable:
                    caption=_text("\n".join(t.notes), newlines=True) if t.notes else None,
                    caption_justify="left", box=box.SIMPLE_HEAD, title_style="bold")
     for i, h in enumerate(t.head):
-        if i < t.n_keys:  # names may wrap onto a second line; numbers never do
+        if i < t.n_keys:  # names wrap first; a number wraps only where its column cannot hold it
             rt.add_column(_text(h), justify="left", max_width=KEY_WIDTH, overflow="fold")
         else:
-            rt.add_column(_text(h), justify="right", no_wrap=True)
+            rt.add_column(_text(h), justify="right", overflow="fold")
     for i, r in enumerate(t.rows):
         rt.add_row(*(_text(c, newlines=True) for c in r), end_section=(i + 1) in t.groups)
     return rt
@@ -57,8 +61,8 @@ def _section(s: Section, *, details: bool) -> list:
         out.append(_markdown(points_markdown(s.points)))
     if s.facts:
         out.append(_markdown("\n".join(f"- **{markdown_cell(k)}:** {markdown_cell(v)}" for k, v in s.facts)))
-    for t in s.tables:
-        out.append(table_rich(t, title=t.title if t.title != s.title else ""))
+    for t in s.tables:  # fitted to the console as it prints (``_print_wide``)
+        out.append((t, t.title if t.title != s.title else ""))
     return out
 
 
@@ -76,6 +80,8 @@ def print_document(doc: Document, console: Console, *, notes: list[str] | None =
                             expand=False))
     elif doc.title:
         console.print(_text(doc.title, style="bold"))
+    if doc.glance:
+        console.print(_markdown("\n".join(f"- {markdown_text(x)}" for x in doc.glance)))
     _print_wide(console, items)
     for s in rest:
         if not s.terminal:
@@ -87,12 +93,42 @@ def print_document(doc: Document, console: Console, *, notes: list[str] | None =
 
 
 def _print_wide(console: Console, items: list) -> None:
-    """Tables fitted to the terminal by wrapping their names, wider than it where the numbers need
-    it (a number is never clipped); text wrapped to the terminal."""
+    """Text wrapped to the console; each table fitted to it (``fitted``)."""
     for item in items:
-        if isinstance(item, RichTable):
-            width = max(console.width, Measurement.get(console, console.options.update_width(10_000), item).maximum)
-            Console(file=console.file, width=width, force_terminal=console.is_terminal, no_color=console.no_color,
-                    color_system=console.color_system and "auto").print(item)
+        if isinstance(item, tuple):  # a table and its title
+            for part in fitted(console, item[0], title=item[1]):
+                console.print(part)
         else:
             console.print(item)
+
+
+def fitted(console: Console, t: Table, *, title: str = "") -> list:
+    """``t`` as rich renderables that fit ``console``: the whole table where its natural width
+    fits, else parts split by value columns, each with the name columns repeated and as many value
+    columns as fit (at least one; its cells wrap where even that is too wide), the title heading
+    each part, and the notes after the last, as wide as the console."""
+    whole = table_rich(t, title=title)
+    if _width(console, whole) <= console.width or len(t.head) <= t.n_keys + 1:
+        return [whole]
+    parts: list[list[int]] = []
+    for col in range(t.n_keys, len(t.head)):
+        if parts and _width(console, table_rich(_columns(t, parts[-1] + [col]))) <= console.width:
+            parts[-1].append(col)
+        else:
+            parts.append([col])
+    out: list = [table_rich(_columns(t, cols), title=f"{title} ({i + 1} of {len(parts)})".lstrip())
+                 for i, cols in enumerate(parts)]
+    if t.notes:
+        out.append(_text("\n".join(t.notes), newlines=True, style="table.caption"))
+    return out
+
+
+def _columns(t: Table, cols: list[int]) -> Table:
+    """``t`` with its name columns and the value columns ``cols``, without its notes."""
+    keep = list(range(t.n_keys)) + cols
+    return replace(t, head=[t.head[i] for i in keep], rows=[[r[i] for i in keep] for r in t.rows], notes=[])
+
+
+def _width(console: Console, table: RichTable) -> int:
+    """The width ``table`` takes unwrapped."""
+    return Measurement.get(console, console.options.update_width(10_000), table).maximum

@@ -1,8 +1,8 @@
 """``lora-bench report``: read result folders, build the study and its answer, render it to the
 terminal, Markdown, one self-contained HTML page, CSV or JSON, and draw its figures.
 
-With ``--metrics`` or ``--group-by`` (and for CSV and JSON) the output is the table of groups
-alone, as asked. Figures: ``--plot FILE`` writes the crossover to FILE and the phases beside it
+With ``--metrics`` or ``--group-by`` the output is the table of groups, as asked, below the
+study's answer where the runs give one (CSV and JSON: the table alone). Figures: ``--plot FILE`` writes the crossover to FILE and the phases beside it
 (FILE-phases); where the runs hold no crossover (one model size, no baseline) FILE gets the phase
 figure, and where no figure applies the command stops with the reason (exit 2). Markdown written
 to a file gets its figures beside it unless --plot names them; HTML embeds them. No two figures,
@@ -64,8 +64,8 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     # the table of groups is set against the study's baseline unless it is asked for on its own terms
     against = baseline or (None if group_by or metrics else study_baseline(df))
     rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
-    study = (build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
-             if not table_only or plot is not None else None)  # the study's view: the document and its figures
+    study = (_study(df, baseline=baseline, title=_title(paths), threshold=threshold, optional=table_only and plot is None)
+             if fmt not in ("csv", "json") or plot is not None else None)  # the answer, its document and figures
     for option, path in (("--output", output), *(("--plot", p) for p in
                                                   figure_paths(plot, fmt=fmt, output=output,
                                                                table_only=table_only).values())):
@@ -75,7 +75,8 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     drawn = _draw(study, fmt=fmt, output=output, plot=plot, table_only=table_only)
     wrote = list(dict.fromkeys(drawn["files"].values()))
     if table_only:
-        doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(names or map(str, paths))}")
+        doc = table_document(rep, title=f"{len(rep.done)} finished runs from {', '.join(names or map(str, paths))}",
+                             study=study, figures=set(drawn["files"]) | set(drawn["embedded"]))
     else:
         doc = build_document(study, rep, figures=set(drawn["files"]) | set(drawn["embedded"]))
     if fmt == "csv":
@@ -103,6 +104,17 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     return [Path(p) for p in wrote]
 
 
+def _study(df, *, baseline: str | None, title: str, threshold: float, optional: bool):
+    """The study's view of the runs; where only the table of groups was asked for, None when the
+    runs give no study (the table still stands)."""
+    try:
+        return build_study(df, baseline=baseline, title=title, threshold=threshold)
+    except UsageError:
+        if optional:
+            return None
+        raise
+
+
 def _title(paths: list[Path]) -> str:
     return ", ".join(Path(p).resolve().name if Path(p).is_dir() else Path(p).resolve().parent.name for p in paths)
 
@@ -127,7 +139,7 @@ def _draw(study, *, fmt: str, output: Path | None, plot: Path | None, table_only
     """Draw the figures the output needs: files (key -> path), embedded (key -> base64 PNG) and
     notes (what was drawn instead of what, and why)."""
     files = figure_paths(plot, fmt=fmt, output=output, table_only=table_only)
-    embed = fmt == "html" and not table_only
+    embed = fmt == "html" and study is not None
     out = {"files": {}, "embedded": {}, "notes": []}
     if not files and not embed:
         return out
