@@ -3,7 +3,7 @@ wide, lays out as meant: no table, figure or text block cut off or sticking out 
 scrollWidth beyond its clientWidth, or its right edge beyond the viewport; a table inside a
 scrolling container the page provides, ``overflow-x: auto``, may be wider than the page, the
 container may not), every image loads (naturalWidth > 0), and the answer (the first-screen block,
-``.first``) starts within the first viewport height.
+``.first``) and its figure start within the first viewport height.
 
 The browser: $LORA_BENCH_BROWSER, else ``chromium``, ``chromium-browser`` or ``google-chrome`` on
 PATH; without one that starts, these tests skip and say why. A copy of each page gets a small
@@ -69,6 +69,10 @@ window.addEventListener('load', () => {
   if (!first) found.push('no answer block (.first) on the page');
   else if (first.getBoundingClientRect().top + window.scrollY >= vh)
     found.push(`the answer starts at ${Math.round(first.getBoundingClientRect().top + window.scrollY)} px, below the first screen (${vh} px)`);
+  const figure = first && first.querySelector('img');
+  if (first && !figure) found.push('no figure in the answer block (.first)');
+  else if (figure && figure.getBoundingClientRect().top + window.scrollY >= vh)
+    found.push(`the figure starts at ${Math.round(figure.getBoundingClientRect().top + window.scrollY)} px, below the first screen (${vh} px)`);
   const out = document.createElement('pre');
   out.id = 'lora-bench-probe';
   out.textContent = JSON.stringify({viewport: [vw, vh], images: document.images.length, problems: found});
