@@ -1,4 +1,6 @@
-"""``lora-bench compare``: the command-line wrapper of ``lora_bench.report.comparison``."""
+"""``lora-bench compare``: the command-line wrapper of ``lora_bench.report.comparison``. It finds
+the results folders at any depth below each side; several on a side are compared folder by folder
+(the same place below each side), unless ``--pool`` reads each side as one set of runs."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.rule import Rule
+from rich.text import Text
 
 from lora_bench.cli.options import (
     THRESHOLD_PCT,
@@ -20,11 +24,11 @@ from lora_bench.cli.options import (
     threshold_fraction,
 )
 from lora_bench.errors import UsageError
-from lora_bench.escaping import markup
+from lora_bench.escaping import markdown_cell, markup, terminal
 
 HELP = """Compare two results folders setting by setting: candidate ÷ baseline, with intervals and n.
 
-Runs are matched by their settings, never by run id. Each side is a results folder, found at any depth below the path given; a side holding several needs --pool, which reads them as one set of runs. Exit code 1 when the comparison is incomplete (no setting on both sides; a setting on one side only, unless --allow-missing; with --fail-above, no setting with enough repeats for a verdict) or where --fail-above is given and a setting is slower by more than PCT % with its whole interval (a CI gate); 2 for a usage error.
+Runs are matched by their settings, never by run id. Results folders are found at any depth below each path; where a side holds several, the folders at the same place below each side are compared pair by pair (a folder on one side only leaves the comparison incomplete), unless --pool reads each side as one set of runs. Exit code 1 when the comparison is incomplete (no setting on both sides; a setting on one side only, unless --allow-missing; with --fail-above, no setting with enough repeats for a verdict) or where --fail-above is given and a setting is slower by more than PCT % with its whole interval (a CI gate); 2 for a usage error.
 
 Example: [bold]lora-bench compare results/before results/after --fail-above 5[/bold]
 """
@@ -55,6 +59,62 @@ def compare(
     filters: Filters = None,
 ) -> None:
     """Compare a candidate results folder with a baseline one, setting by setting."""
+    if format not in FORMATS:
+        raise UsageError(f"--format {format!r} is not allowed; choose one of: {', '.join(FORMATS)}")
+    if sort not in SORTS:
+        raise UsageError(f"--sort {sort!r} is not allowed; choose one of: {', '.join(SORTS)}")
+    gate = threshold_fraction(fail_above, "--fail-above") if fail_above is not None else None
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    one = dict(metric=metric, threshold=threshold_fraction(threshold), gate=gate, ignore=ignore or (),
+               allow_missing=allow_missing, filters=filters or (), only_changed=only_changed, sort=sort,
+               format=format, err=err)
+    sides = {side: found_folders([path]) if path.exists() else [] for side, path in  # a missing one: compare says so
+             (("baseline", baseline), ("candidate", candidate))}
+    if pool or all(len(f) <= 1 for f in sides.values()):
+        for side, path in (("baseline", baseline), ("candidate", candidate)):
+            if sides[side] and sides[side] != [path]:  # say what was read where it is not the folder named
+                err.print(f"{side}: reading {markup(folders_text(sides[side]))}", highlight=False)
+        if _compare_one(baseline, candidate, **one):
+            raise typer.Exit(1)
+        return
+    if format in ("csv", "json", "html"):
+        raise UsageError(f"{baseline} and {candidate} hold several results folders ({len(sides['baseline'])} and "
+                         f"{len(sides['candidate'])}): --format {format} holds one comparison; compare them as "
+                         "table or markdown, folder by folder, or read each side as one with --pool")
+    pairs, alone = folder_pairs(baseline, candidate, sides["baseline"], sides["candidate"])
+    if not pairs:
+        raise UsageError(f"no results folder lies at the same place below {baseline} and {candidate} (baseline: "
+                         f"{folders_text(sides['baseline'])}; candidate: {folders_text(sides['candidate'])}); name "
+                         "the two folders to compare, or read each side as one with --pool")
+    err.print(f"comparing {len(pairs)} pair(s) of folders at the same place below each side (--pool reads each side "
+              "as one)", highlight=False)
+    failed = False
+    for b, c in pairs:
+        if format == "markdown":
+            console.out(f"\n---\n\n*{markdown_cell(str(c))} against {markdown_cell(str(b))}*\n", highlight=False)
+        else:
+            console.print(Rule(Text(terminal(f"{c} against {b}")), align="left"))
+        failed |= _compare_one(b, c, **one)
+    for line in alone:
+        err.print(f"incomplete: {line}", highlight=False, markup=False)
+    if failed or (alone and not allow_missing):
+        raise typer.Exit(1)
+
+
+def folder_pairs(baseline: Path, candidate: Path, base_folders: list[Path],
+                 cand_folders: list[Path]) -> tuple[list[tuple[Path, Path]], list[str]]:
+    """The folders at the same path below each side, paired; what lies on one side only."""
+    b = {f.relative_to(baseline): f for f in base_folders}
+    c = {f.relative_to(candidate): f for f in cand_folders}
+    pairs = [(b[k], c[k]) for k in sorted(b) if k in c]
+    alone = [f"only in the baseline: {b[k]}" for k in sorted(b) if k not in c]
+    alone += [f"only in the candidate: {c[k]}" for k in sorted(c) if k not in b]
+    return pairs, alone
+
+
+def _compare_one(baseline: Path, candidate: Path, *, metric: str, threshold: float, gate: float | None, ignore,
+                 allow_missing: bool, filters, only_changed: bool, sort: str, format: str, err: Console) -> bool:
+    """One comparison, shown; True where it failed the gate or is incomplete (said on ``err``)."""
     from lora_bench.report.comparison import compare as run_compare
     from lora_bench.report.comparison import gate_text
     from lora_bench.report.compare_render import comparison_csv, comparison_document, comparison_json
@@ -62,16 +122,8 @@ def compare(
     from lora_bench.report.render_markdown import to_markdown
     from lora_bench.report.render_terminal import print_document
 
-    if format not in FORMATS:
-        raise UsageError(f"--format {format!r} is not allowed; choose one of: {', '.join(FORMATS)}")
-    if sort not in SORTS:
-        raise UsageError(f"--sort {sort!r} is not allowed; choose one of: {', '.join(SORTS)}")
-    gate = threshold_fraction(fail_above, "--fail-above") if fail_above is not None else None
-    err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-    for side, path in (("baseline", baseline), ("candidate", candidate)):
-        say_folders(side, path, pool=pool, err=err)
-    c = run_compare(baseline, candidate, metric=metric, threshold=threshold_fraction(threshold), fail_above=gate,
-                    ignore=ignore or (), allow_missing=allow_missing, filters=filters or ())
+    c = run_compare(baseline, candidate, metric=metric, threshold=threshold, fail_above=gate, ignore=ignore,
+                    allow_missing=allow_missing, filters=filters)
     rows = c.shown(only_changed=only_changed, sort=sort)
     if format == "table":
         print_document(comparison_document(c, rows), console)
@@ -85,15 +137,5 @@ def compare(
     if c.failed or c.problems:
         for line in [gate_text(c)] if gate is not None else [f"incomplete: {p}" for p in c.problems]:
             err.print(line, highlight=False, markup=False)
-        raise typer.Exit(1)
-
-
-def say_folders(side: str, path: Path, *, pool: bool, err: Console) -> None:
-    """Say which results folders a side reads where they are not just the folder given; several without --pool are a usage error (a side is
-    one set of runs: which of them to compare is the user's choice)."""
-    folders = found_folders([path]) if path.exists() else []  # a missing folder: the comparison says so
-    if len(folders) > 1 and not pool:
-        raise UsageError(f"{side} {path}: {len(folders)} results folders found ({folders_text(folders)}); compare "
-                         "one folder with another, or read each side's folders as one with --pool")
-    if folders and folders != [Path(path)]:  # the path given is not itself the one folder read
-        err.print(f"{side}: reading {markup(folders_text(folders))}", highlight=False)
+        return True
+    return False

@@ -103,8 +103,8 @@ def test_a_filter_that_keeps_nothing_or_names_nothing_is_a_usage_error(run_cli, 
 def test_compare_finds_folders_below_each_side_and_pools_only_when_told(run_cli, tree, tmp_path_factory):
     other = tmp_path_factory.mktemp("other")
     shutil.copytree(REPORT_ROWS, other / "deep" / "down")
-    code, out = run_cli("compare", tree, other)
-    assert code == 2 and "baseline" in out and "2 results folders found" in out and "--pool" in out
+    code, out = run_cli("compare", tree, other)  # no folder at the same place below both sides
+    assert code == 2 and "no results folder lies at the same place below" in out and "--pool" in out
     code, out = run_cli("compare", tree / "a", other, "--format", "csv")
     assert code == 0, out
     assert f"candidate: reading {other / 'deep' / 'down'}" in " ".join(out.split())
@@ -113,3 +113,19 @@ def test_compare_finds_folders_below_each_side_and_pools_only_when_told(run_cli,
     assert code in (0, 1) and len(rows) and "model_size" not in rows  # one size left: no column to tell them apart
     code, out = run_cli("compare", tree, other, "--pool", "--format", "csv")
     assert len(pd.read_csv(io.StringIO(out[:out.index("baseline: reading")]))) > len(rows)
+
+
+def test_compare_sets_folders_at_the_same_place_side_by_side(run_cli, tree, tmp_path_factory):
+    other = tmp_path_factory.mktemp("other")
+    for rel in ("a", "b/c", "only-here"):
+        shutil.copytree(REPORT_ROWS, other / rel)
+    code, out = run_cli("compare", tree, other, "--format", "markdown")
+    said = " ".join(out.split())
+    assert f"*{other / 'a'} against {tree / 'a'}*" in out and f"*{other / 'b' / 'c'} against {tree / 'b' / 'c'}*" in out
+    assert all(f"{other / rel} against {tree / rel}: step" in said for rel in ("a", "b/c"))  # each pair's comparison
+    assert "comparing 2 pair(s) of folders" in said and f"incomplete: only in the candidate: {other / 'only-here'}" in said
+    assert code == 1  # a folder on one side only leaves the comparison incomplete
+    code, out = run_cli("compare", tree, other, "--allow-missing")
+    assert code == 0, out
+    code, out = run_cli("compare", tree, other, "--format", "json")
+    assert code == 2 and "holds one comparison" in out
