@@ -55,7 +55,9 @@ def default_baseline(done: pd.DataFrame) -> str | None:
 
 
 def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "",
-                threshold: float = THRESHOLD) -> Study:
+                threshold: float = THRESHOLD, metrics: tuple[str, ...] | list[str] = ()) -> Study:
+    """The study of ``df``'s finished runs, grouped once: each group gets an estimate of METRICS and
+    of ``metrics`` (what the report's table of every group shows beside them)."""
     done = df[df["status"] == "done"]
     profiled, timed = _split(done)
     notes = [n for n in (shared_ids_note(df),) if n]
@@ -71,16 +73,17 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     rest = [k for k in keys if k not in size_keys and k not in spec and k != MODE]
     rest = _informative(timed, [*size_keys, *spec, *([MODE] if MODE in keys else [])], rest)
     by = [*size_keys, *spec, *([MODE] if MODE in keys else []), *rest] or ["run_id"]
+    run_groups = group_runs(timed, by, metrics=list(dict.fromkeys([*METRICS, *metrics])), baseline=spec,
+                            ratio_metric=STEP, threshold=threshold, lone_baseline=False)
     groups = [_group(rg, size_keys=size_keys, spec=spec, mode=MODE in rg.runs and MODE not in spec, rest=rest)
-              for rg in group_runs(timed, by, metrics=METRICS, baseline=spec, ratio_metric=STEP,
-                                   threshold=threshold, lone_baseline=False)]
+              for rg in run_groups]
     sizes = sorted({g.size for g in groups}, key=lambda s: (order_key(s.split()[0]), s))
     groups.sort(key=lambda g: (_cond_order(g, rest), order_key(g.mode, col=MODE), sizes.index(g.size),
                                tuple(order_key(g.settings.get(k), col=k) for k in spec)))
     study = Study(header=header(df, done, timed, title=title, spec=spec), baseline=spec,
                   baseline_text=", ".join(f"{setting_name(k)}={v}" for k, v in spec.items()),
                   variant_keys=list(spec), sizes=sizes, groups=groups, lines=[], profiles=[],
-                  seeds_vary=_seeds_vary(groups), notes=notes, threshold=threshold)
+                  seeds_vary=_seeds_vary(groups), notes=notes, threshold=threshold, keys=by, run_groups=run_groups)
     untimed = [g for g in groups if not g.step.known]
     if untimed:
         runs = pd.concat([g.runs for g in untimed])
