@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import pytest
 from rich.console import Console
 
 from lora_bench.report import stats
@@ -110,3 +111,22 @@ def test_a_study_report_groups_its_runs_once(tmp_path, monkeypatch):
     # the 1558M lora row of the table of every group carries the crossover's ratio
     ratio = _by(build_study(frame, baseline="trainable_layers=all").run_groups)[("1558M", "lora")].ratio
     assert f"{ratio.value:.2f}" in every
+
+
+def test_a_setting_of_the_fused_layer_alone_names_a_variant_and_finds_the_baseline():
+    """adapter_grads applies to lora-kernel only (the config refuses it elsewhere): a frozen or
+    full baseline ran it at its default, so a deferred lora-kernel group is set against that
+    baseline, and reads as its own variant rather than a condition without a baseline."""
+    rows = []
+    for i in range(5):
+        for layers, grads, step in (("frozen", "inline", 2.0 + 0.01 * i), ("lora-kernel", "inline", 3.0 + 0.01 * i),
+                                    ("lora-kernel", "deferred", 2.6 + 0.01 * i)):
+            rows.append({"run_id": f"{layers}-{grads}-r{i}", "status": "done", SIZE: "124M", LAYERS: layers,
+                         "cfg_adapter_grads": grads, "cfg_seed": 123, STEP: step, RESULTS_DIR: "r",
+                         "sweep_name": "s", "repeat": i, "started_at": f"2026-01-01T00:0{i}:00"})
+    study = build_study(pd.DataFrame(rows), baseline="trainable_layers=frozen")
+    ratios = {g.variant: g.ratio for g in study.groups if not g.is_baseline}
+    assert set(ratios) == {"lora-kernel (adapter_grads=inline)", "lora-kernel (adapter_grads=deferred)"}
+    assert ratios["lora-kernel (adapter_grads=deferred)"] == pytest.approx(2.62 / 2.02)
+    assert ratios["lora-kernel (adapter_grads=inline)"] == pytest.approx(3.02 / 2.02)
+    assert {g.condition for g in study.groups} == {""}
