@@ -289,10 +289,10 @@ def _model_shape_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list
         what = "{emb_dim}={w}" if v["emb_dim"] else "the width {w} of {size}"
         out.append(problem("n_heads", what + " is not divisible by {n_heads}={h}", w=raw(width), size=raw(size),
                            h=raw(heads)))
-    ctx = v.get("context_length") if ok("context_length") else None
-    if ctx and ctx.isdigit() and int(ctx) > GPTConfig.context_length:
+    length = v.get("context_length") if ok("context_length") else None
+    if length and length.isdigit() and int(length) > GPTConfig.context_length:
         out.append(problem("context_length", "{context_length}={c} exceeds the model's context length {n}",
-                           c=raw(ctx), n=raw(GPTConfig.context_length)))
+                           c=raw(length), n=raw(GPTConfig.context_length)))
     return out
 
 
