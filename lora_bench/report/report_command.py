@@ -2,11 +2,12 @@
 terminal, Markdown, one self-contained HTML page, CSV or JSON, and draw its figures.
 
 With ``--metrics`` or ``--group-by`` the output is the table of groups, as asked, below the
-study's answer where the runs give one (CSV and JSON: the table alone). Figures: ``--plot FILE`` writes the crossover to FILE and the phases beside it
-(FILE-phases); where the runs hold no crossover (one model size, no baseline) FILE gets the phase
-figure, and where no figure applies the command stops with the reason (exit 2). Markdown written
-to a file gets its figures beside it unless --plot names them; HTML embeds them. No two figures,
-and no figure and the report, share a file."""
+study's answer where the runs give one (CSV and JSON: the table alone). Figures: ``--plot FILE``
+writes the crossover to FILE and the phases beside it (FILE-phases); where the runs hold no
+crossover (one model size, no baseline) FILE gets the phase figure, and where no figure applies the
+command stops with the reason (exit 2). Markdown written to a file gets its figures beside it
+unless --plot names them; HTML embeds them. No two figures, and no figure and the report, share a
+file."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
-from lora_bench.report.aggregate import FORMATS, build_report
+from lora_bench.report.aggregate import FORMATS, build_report, plan_report, report_of
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.filters import filter_runs
 from lora_bench.report.group_table import to_csv
@@ -63,9 +64,16 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     table_only = bool(group_by or metrics) or fmt in ("csv", "json")
     # the table of groups is set against the study's baseline unless it is asked for on its own terms
     against = baseline or (None if group_by or metrics else study_baseline(df))
-    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
-    study = (_study(df, baseline=baseline, title=_title(paths), threshold=threshold, optional=table_only and plot is None)
-             if fmt not in ("csv", "json") or plot is not None else None)  # the answer, its document and figures
+    plan = plan_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
+    study = None
+    if table_only:  # the table of groups as asked, the study's answer above it (not in CSV or JSON)
+        rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against,
+                           threshold=threshold)
+        if fmt not in ("csv", "json") or plot is not None:
+            study = _study(df, baseline=baseline, title=_title(paths), threshold=threshold, optional=plot is None)
+    else:  # the runs grouped once: the study's groups are the table of every group's rows too
+        study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold, metrics=plan.numeric)
+        rep = report_of(plan, study.run_groups, keys=study.keys)
     for option, path in (("--output", output), *(("--plot", p) for p in
                                                   figure_paths(plot, fmt=fmt, output=output,
                                                                table_only=table_only).values())):
