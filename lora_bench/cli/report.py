@@ -70,8 +70,9 @@ def report(
     folders = found_folders(paths)
     if len(folders) <= 1 or pool:
         if folders and folders != [Path(p) for p in paths]:  # say what was read where it is not what was named
-            err_console.print(f"reading {len(folders)} results folder{'s' if len(folders) > 1 else ''}"
-                              f"{' as one' if len(folders) > 1 else ''}: {markup(folders_text(folders))}", highlight=False)
+            many = len(folders) > 1
+            err_console.print(f"reading {len(folders)} results folder{'s as one' if many else ''}: "
+                              f"{markup(folders_text(folders))}", highlight=False)
         report_command(paths, **options)
         return
     one_file = [what for what, on in (("--output", output), ("--plot", plot), (f"--format {format}",

@@ -145,12 +145,11 @@ def test_a_table_too_wide_for_the_terminal_is_split_keeping_every_column_and_num
 
 def test_the_command_fits_the_width_columns_names_and_csv_keeps_full_width():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": str(WIDTH)}
-    done = subprocess.run([sys.executable, "-m", "lora_bench", "report", str(RESULTS / "answer" / "whole-runs" / "1558m")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "lora_bench", "report", str(RESULTS / "answer" / "whole-runs" / "1558m")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert max(map(cell_len, done.stdout.splitlines())) <= WIDTH
-    done = subprocess.run([sys.executable, "-m", "lora_bench", "report", str(RESULTS / "answer" / "whole-runs" / "1558m"),
-                           "--format", "csv"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*command, "--format", "csv"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert max(map(len, done.stdout.splitlines())) > WIDTH  # a CSV row is never wrapped
     assert "step_ms_median_lo" in pd.read_csv(io.StringIO(done.stdout)).columns

@@ -123,7 +123,8 @@ def test_compare_sets_folders_at_the_same_place_side_by_side(run_cli, tree, tmp_
     said = " ".join(out.split())
     assert f"*{other / 'a'} against {tree / 'a'}*" in out and f"*{other / 'b' / 'c'} against {tree / 'b' / 'c'}*" in out
     assert all(f"{other / rel} against {tree / rel}: step" in said for rel in ("a", "b/c"))  # each pair's comparison
-    assert "comparing 2 pair(s) of folders" in said and f"incomplete: only in the candidate: {other / 'only-here'}" in said
+    assert "comparing 2 pair(s) of folders" in said
+    assert f"incomplete: only in the candidate: {other / 'only-here'}" in said
     assert code == 1  # a folder on one side only leaves the comparison incomplete
     code, out = run_cli("compare", tree, other, "--allow-missing")
     assert code == 0, out
