@@ -139,7 +139,8 @@ class _Run:
             environment = run_environment(ctx.device)
             for p, row in enumerate(rows):
                 row.update(trainable_params=ctx.trainable_params[p], total_params=ctx.total_params[p],
-                           device=str(ctx.device), base_weight_mib=ctx.base_weight_mib, **environment)
+                           device=str(ctx.device), base_weight_mib=ctx.base_weight_mib,
+                           adapter_init_s=ctx.adapter_init_s, **environment)
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
             self._train(rows)
