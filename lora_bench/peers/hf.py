@@ -158,19 +158,18 @@ def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lor
     return model  # last_layer: only the new head, trainable on creation
 
 
-def lora_config(*, rank: int, alpha: float, conv1d: bool = True, scaling: str = "alpha", variant: str = "lora",
-                init: str = "peft"):
+def lora_config(*, rank: int, alpha: float, conv1d: bool = True, scaling: str = "alpha", variant: str = "lora"):
     """PEFT's LoraConfig computing the book's ``linear(x) + alpha * (x @ A @ B)`` on every Conv1D
     (``conv1d``: weights stored in × out, PEFT's fan_in_fan_out) or on the Linear4bit layers that
     replace them in the 4-bit body (out × in). PEFT scales by ``lora_alpha / r``, so it is given
     alpha·r; with ``scaling=rslora`` its ``use_rslora`` scales by ``lora_alpha / √r``, so it is given
     alpha itself: alpha/√r either way, as the book model's rsLoRA. ``variant=dora``: PEFT's
-    ``use_dora`` (its norm always detached); ``init=pissa``: PEFT's PiSSA (full SVD)."""
+    ``use_dora`` (its norm always detached). PiSSA is applied after (``_with_lora``)."""
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
     rslora = scaling == "rslora"
     return peft.LoraConfig(r=rank, lora_alpha=alpha if rslora else alpha * rank, target_modules=list(LORA_TARGETS),
                            lora_dropout=0.0, bias="none", use_rslora=rslora, use_dora=variant == "dora",
-                           init_lora_weights="pissa" if init == "pissa" else True, fan_in_fan_out=conv1d,
+                           init_lora_weights=True, fan_in_fan_out=conv1d,
                            modules_to_save=[SCORE])
 
 
@@ -183,12 +182,18 @@ def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str, scaling:
     # model's runs nor the other peer runs pay, so the rows would no longer compare like with like.
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
     conv1d = not getattr(model, "is_loaded_in_4bit", False)
-    config = lora_config(rank=rank, alpha=alpha, conv1d=conv1d, scaling=scaling, variant=variant, init=init)
-    start = time.perf_counter()
+    # PiSSA: the adapters made as LoRA's, then PEFT's own pissa_init on each layer, timed alone (its
+    # one-time cost: the SVDs, on the host where the peer is built); with DoRA the magnitude taken
+    # before is the same, W's norms (the residual plus the update is W)
+    config = lora_config(rank=rank, alpha=alpha, conv1d=conv1d, scaling=scaling, variant=variant)
     with warnings.catch_warnings():  # PEFT asks transformers a question transformers renamed; no action here
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = peft.get_peft_model(model, config)
-    if init == "pissa":  # PiSSA's one-time cost: the adapters' creation with PEFT's SVDs, on the host
+    if init == "pissa":
+        start = time.perf_counter()
+        for module in peft_model.modules():
+            if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and ADAPTER in module.lora_A:
+                module.pissa_init(ADAPTER, "pissa")
         peft_model.adapter_init_s = time.perf_counter() - start
     if init == "book":
         with torch.no_grad():
