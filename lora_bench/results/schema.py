@@ -94,6 +94,9 @@ RUN_COLUMNS: list[Column] = [
            "(base_dtype: quantized values with their scales; precision=bf16: the frozen weights cast to bfloat16; "
            "implementation=hf: its Conv1D weights, or under base_dtype=nf4 bitsandbytes' 4-bit codes with their "
            "quant state; biases, embeddings, norms and adapters left out)", "lower"),
+    Column("adapter_init_s", "float64", "s", "lora_init=pissa: wall time of the adapters' one-time initialisation "
+           "(the SVDs of the frozen weights, on the run's device), paid before training and outside training_time_s "
+           "(blank otherwise)", "lower"),
     # the host's speed, which a host-bound step's time follows (environment.host_speed, timing.host_op_us)
     Column("host_op_us", "float64", "µs", "host time of one small tensor op on the run's device (on a GPU its "
            "launch), median of 5 blocks of 200 before training", "lower"),
