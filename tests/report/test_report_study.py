@@ -168,12 +168,11 @@ def _g(size: str, ratio: float = math.nan, *, verdict: str = "", variant: str = 
     time (None: not profiled)."""
     phases = phases or {"data": 1.0, "forward": 30.0, "backward": 55.0, "optimizer": 14.0}
     ph = {}
-    bound = "device"
     for name, ms in phases.items():
         launches, kms = (kernels or {}).get(name, (None, None))
         if busy is not None and kms is None:
             kms = busy * ms
-        ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), bound=bound, launches=launches, kernel_ms=kms)
+        ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), launches=launches, kernel_ms=kms)
     return Group(size=size, variant=variant, mode="eager fp32", condition="batch 8", settings={}, runs=pd.DataFrame(),
                  step=_e(step, 1.0), phases=ph, seeds=["123"], ratio=ratio, ratio_lo=ratio - 0.01,
                  ratio_hi=ratio + 0.01, ratio_over=stats.REPEATS if not math.isnan(ratio) else "", verdict=verdict,
