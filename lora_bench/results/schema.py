@@ -31,7 +31,7 @@ def _phase_cols() -> list[Column]:
 # readers leave them out and say why. How each reads in an older row:
 RETIRED_COLUMNS: dict[str, str] = {
     f"bound_{ph}": (f"'host' where the {ph} phase's median host time reached 0.9 × its device time, else 'device': "
-                    "an inference, not a cause (a GPU-bound phase has host ≈ device time too); the measured cause "
+                    "an inference, not a cause (host ≈ device time holds for a busy GPU too): the measured cause "
                     "is the GPU's busy fraction from a profiled repeat (`lora-bench show`, `report`)")
     for ph in PHASES}
 
