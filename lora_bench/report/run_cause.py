@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lora_bench.errors import UsageError
 from lora_bench.report.load import RUN_DIR, kernel_counts, load_results
 from lora_bench.report.study import profiled_runs, same_step
 from lora_bench.report.study_model import busy_fraction
@@ -47,5 +48,10 @@ def measured_cause(df: pd.DataFrame, row: dict) -> RunCause:
 
 
 def folder_cause(results_dir: Path, row: dict) -> RunCause:
-    """``measured_cause`` of ``row`` among the runs of its folder."""
-    return measured_cause(load_results([Path(results_dir)]), row)
+    """``measured_cause`` of ``row`` among the runs of its folder; not measured where the folder's
+    runs cannot be read together (the row itself was read: show it, without a cause)."""
+    try:
+        df = load_results([Path(results_dir)])
+    except UsageError:
+        return RunCause()
+    return measured_cause(df, row)
