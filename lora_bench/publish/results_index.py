@@ -234,6 +234,10 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
         f"before the folder had a manifest; what the rows do not record reads *{UNKNOWN}* (the index then",
         "gives the command the folder's description names to reproduce it). Rows replaced by a newer run of",
         f"the same sweep settings and repeat are kept, numbers untouched, in `<folder>/{SUPERSEDED}/`.",
+        "Commands read as they run from a fresh clone: results go to the folder named here, `--data-file` reads",
+        "the data set the tree carries, and a benchmark script no longer in the tree runs after checking out",
+        "the commit that recorded it; each `manifest.json` keeps the command line as it was recorded. A commit",
+        "marked *rows added* is the one that added rows older than their manifest: they ran at or before it.",
     ]
     sections: list[tuple[str, str, list[FolderSummary]]] = []
     for f in results_folders(root):
