@@ -105,6 +105,52 @@ CLAIMS: list[tuple[str, object]] = [
 ]
 
 
+
+@cache
+def _ddp() -> pd.DataFrame:
+    from benchmarks.ddp_table import table
+
+    return table(RESULTS / "scaling" / "ddp-2gpu")
+
+
+def ddp(size: str, layers: str, graphed: bool, col: str) -> float:
+    t = _ddp()
+    m = t[(t["size"] == size) & (t["layers"] == layers) & (t["graphs"].astype(str) == str(graphed))]
+    assert len(m) == 1, (size, layers, graphed)
+    return float(m[col].iloc[0])
+
+
+def x(size: str, layers: str, graphed: bool, col: str = "b16_x") -> str:
+    return f"{ddp(size, layers, graphed, col):.2f}×"
+
+
+def lora_over_all(size: str, graphed: bool, col: str) -> str:
+    return f"{ddp(size, 'lora', graphed, col) / ddp(size, 'all', graphed, col):.2f}×"
+
+
+CLAIMS += [("docs/all-vs-lora.md", claim) for claim in (
+    lambda: x("1558M", "lora", False) == x("1558M", "lora", True) and (
+             f"{x('1558M', 'lora', True)} at 1558M in eager fp32 and graphed, {x('124M', 'lora', True)} at 124M "
+             f"graphed. `all` scales {x('1558M', 'all', False)} at 1558M in eager fp32"),
+    lambda: (f"({ddp('1558M', 'all', False, 'b16_allreduce_ms'):.1f} ms of all-reduce, "
+             f"{ddp('1558M', 'all', False, 'b16_exposed_ms'):.1f} ms after backward's last gradient), and only "
+             f"{x('1558M', 'all', True)[:-1]}–{x('124M', 'all', True)} graphed"),
+    lambda: (f"{lora_over_all('1558M', False, 'one_gpu_tok_s')} `all`'s on one GPU and "
+             f"{lora_over_all('1558M', False, 'b16_tok_s')} on two in eager fp32, "
+             f"{lora_over_all('1558M', True, 'one_gpu_tok_s')} and {lora_over_all('1558M', True, 'b16_tok_s')} "
+             "graphed"),
+    lambda: (f"level with `all` ({lora_over_all('124M', True, 'one_gpu_tok_s')}) to "
+             f"{lora_over_all('124M', True, 'b16_tok_s')} ahead"),
+    lambda: (f"({lora_over_all('124M', False, 'one_gpu_tok_s')} → {lora_over_all('124M', False, 'b16_tok_s')})"),
+    lambda: f"{x('1558M', 'lora-kernel', True)} at 1558M and {x('124M', 'lora-kernel', True)} at 124M graphed",
+    lambda: "1558M `lora-kernel` trains {:.2f}× `all`'s tokens/s".format(
+        ddp("1558M", "lora-kernel", True, "b16_tok_s") / ddp("1558M", "all", True, "b16_tok_s")),
+    lambda: f"eager fp32 figures ({x('1558M', 'lora-kernel', False)} and {x('124M', 'lora-kernel', False)})",
+    lambda: f"poorly there ({x('124M', 'all', False)} and {x('124M', 'lora', False)})",
+    lambda: f"only the graphed 1558M LoRA step still gains ({x('1558M', 'lora', True, 'b8_x')})",
+)]
+
+
 def _flat(path: str) -> str:
     return " ".join((ROOT / path).read_text(encoding="utf-8").split())
 
