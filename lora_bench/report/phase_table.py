@@ -95,6 +95,6 @@ def phase_table(row: dict, *, busy: dict[str, float] | None = None, profile: str
             extras.append(f"{label} {_fmt(row.get(key), d)}")
     if two_clocks:  # what the cause column rests on, where a reader sees it
         extras.append(f"GPU busy: kernel ms of profiled repeat {terminal(profile)} ÷ this run's device ms" if profile
-                      else f"GPU busy {NOT_MEASURED}: no profiled repeat of these settings (--profile torch); "
+                      else f"GPU busy {NOT_MEASURED}: no profiled repeat of these settings (--profile kernels); "
                            "host ≈ device time does not say which side waits")
     return Group(t, Summary(extras)) if extras else Group(t)
