@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from lora_bench.config import FROZEN, TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.lora import inject_lora, lora_class
+from lora_bench.lora import inject_lora, lora_class, lora_scale
 from lora_bench.model import checkpoints as weights
 from lora_bench.model.gpt2 import GPTConfig, GPTModel, build_random_model, gpt_config, resolve_model_size
 from lora_bench.model.hf_checkpoint import load_gpt_from_hf
@@ -93,7 +93,9 @@ def make_trainable(model: GPTModel, cfg: TrainConfig) -> None:
         for p in model.parameters():
             p.requires_grad = True
     elif cfg.is_lora:
-        inject_lora(model, cls=lora_class(layers), rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+        options = {"detach_norm": cfg.dora_norm == "detached"} if cfg.lora_variant == "dora" else {}
+        inject_lora(model, cls=lora_class(layers, cfg.lora_variant), rank=cfg.lora_rank,
+                    alpha=lora_scale(cfg.lora_alpha, cfg.lora_rank, cfg.lora_scaling), **options)
     elif layers == FROZEN:  # below every block: its gradient is the one sent back through all of them
         model.pos_emb.weight.requires_grad = True
     # last_layer: only the new head, which is trainable on creation

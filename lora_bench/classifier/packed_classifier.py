@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
 from lora_bench.config import TrainConfig
-from lora_bench.lora.layer import LoRALayer
+from lora_bench.lora.layer import LoRALayer, lora_scale
 from lora_bench.lora.packed_layer import PackedLoRALinear, lora_sites
 from lora_bench.model.gpt2 import GPTModel
 
@@ -31,7 +31,8 @@ def build_packed_classifier(cfgs: list[TrainConfig], *, cache_dir: Path, progres
         head = nn.Linear(emb, NUM_CLASSES)
         model.out_head = head  # in its place among the model's layers: the sites' order is the solo model's
         heads.append(head)
-        adapters.append([LoRALayer(m.in_features, m.out_features, point.lora_rank, point.lora_alpha)
+        scale = lora_scale(point.lora_alpha, point.lora_rank, point.lora_scaling)
+        adapters.append([LoRALayer(m.in_features, m.out_features, point.lora_rank, scale)
                          for _, _, _, m in lora_sites(model)])
     for i, (_, parent, name, linear) in enumerate(lora_sites(model)):
         own = [a[i] for a in adapters]

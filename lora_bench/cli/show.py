@@ -1,6 +1,7 @@
-"""``lora-bench show``: a run's phase breakdown again, from the files. A run is named by its id
-or by the start of it: a prefix that begins one run id names that run; one that begins several
-is refused with the candidates (exit 2)."""
+"""``lora-bench show``: a run's phase breakdown again, from the files, with each phase's measured
+cause where the folder holds a profiled repeat of the run's settings ("not measured" otherwise). A
+run is named by its id or by the start of it: a prefix that begins one run id names that run; one
+that begins several is refused with the candidates (exit 2)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def show(results_dir: Annotated[Path, typer.Argument(help="A results folder hold
          ) -> None:
     """Print a run's phase breakdown again, from the files (without RUN_ID: the latest finished run)."""
     from lora_bench.report.phase_table import phase_table
+    from lora_bench.report.run_cause import folder_cause
     from lora_bench.results.store import find_run, unfinished_since
 
     row = find_run(results_dir, run_id if run_id is None else matching_run_id(results_dir, run_id))
-    console.print(phase_table(row))
+    cause = folder_cause(results_dir, row)
+    console.print(phase_table(row, busy=cause.busy, profile=cause.profile))
     if run_id is None and row.get("status") == "done":
         later = unfinished_since(results_dir, row)
         if later:

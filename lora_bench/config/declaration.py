@@ -24,6 +24,14 @@ FROZEN = "frozen"
 TRAINABLE_LAYERS = (FROZEN, "last_layer", "last_block", "last_two_blocks", "all", "lora", "lora-merged",
                     "lora-kernel")
 LORA_LAYERS = ("lora", "lora-merged", "lora-kernel")
+# LoRA's variants (docs/variants.md): how the update is scaled (the reference's alpha, or rsLoRA's
+# alpha/√r), which layer computes it (LoRA, or DoRA's magnitude and direction, with the norm's
+# gradient exact or detached as DoRA's paper trains it), and how the adapters start (the reference's
+# random A and zero B, or PiSSA's top singular vectors of the frozen weight).
+LORA_SCALINGS = ("alpha", "rslora")
+LORA_VARIANTS = ("lora", "dora")
+DORA_NORMS = ("exact", "detached")
+LORA_INITS = ("kaiming", "pissa")
 TOKEN_POSITIONS = ("last", "first", "flexible")
 CONTEXT_LENGTHS = ("longest_training_example", "model_context_length")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -119,6 +127,25 @@ class SettingFields:
     lora_rank: int = _s(8, "LoRA rank r.", LORA, minimum=1, maximum=MAX_WIDTH, aliases=("--rank",))
     lora_alpha: float = _s(8.0, "LoRA alpha; the update is alpha * A @ B, NOT divided by the rank (as in the "
                            "reference).", LORA, aliases=("--alpha",))
+    lora_scaling: str = _s("alpha", "How the update A @ B is scaled: alpha, by lora_alpha (the reference's); rslora: "
+                           "by lora_alpha / sqrt(lora_rank) (rank-stabilised LoRA) (docs/variants.md).", LORA,
+                           choices=LORA_SCALINGS)
+    lora_variant: str = _s("lora", "The adapter: lora, the update added to the frozen layer; dora, DoRA: a trained "
+                           "magnitude per output times the direction of W + s * (A @ B)^T, its norm computed from "
+                           "W's row norms, W @ A and A's Gram matrix without forming the merged weight (with "
+                           "trainable_layers lora: unmerged; lora-merged: the book's merged form; not lora-kernel) "
+                           "(docs/variants.md).", LORA, choices=LORA_VARIANTS)
+    dora_norm: str = _s("exact", "lora_variant=dora: the norm's gradient. exact: the full gradient; detached: the "
+                        "norm treated as a constant in backward, as DoRA's paper trains it (and PEFT's DoRA "
+                        "always does).", LORA, choices=DORA_NORMS)
+    lora_init: str = _s("kaiming", "How the adapters start. kaiming: A kaiming-uniform, B zeros (the reference's); "
+                        "pissa: PiSSA, A and B from the frozen weight's top lora_rank singular vectors and values, "
+                        "the weight replaced by its residual, so the model starts as the base model (a one-time "
+                        "cost before training, recorded as adapter_init_s) (docs/variants.md).", LORA,
+                        choices=LORA_INITS)
+    loraplus_lr_ratio: float = _s(1.0, "LoRA+: B's learning rate as a multiple of learning_rate (A and every other "
+                                  "trainable parameter keep learning_rate); 1: plain LoRA (docs/variants.md).",
+                                  LORA, minimum=0, exclusive=True)
     group_qkv: bool = _s(True, "lora-kernel on a GPU: store each block's query, key and value layers side by "
                          "side, so that where the Triton kernels run (CUDA graphs) the three run as one launch "
                          "forward and two backward. Same parameters and values; eager and compiled steps run "

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BASE_DTYPES, BF16_TRUE, BY_FLAG,
-                                           DEFAULTS, FROZEN, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce,
-                                           key_name)
+                                           DEFAULTS, FROZEN, HF_TRAINABLE_LAYERS, LORA_LAYERS, MAX_INT, SETTINGS,
+                                           coerce, key_name)
 from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
@@ -136,6 +136,7 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
     for name in KERNEL_LAYER_SETTINGS:
         if ok(name, "trainable_layers") and v[name] != DEFAULTS[name] and v["trainable_layers"] != "lora-kernel":
             out.append(problem(name, "{%s}={p} is only used with {trainable_layers}=lora-kernel" % name, p=v[name]))
+    out += variant_problems(v, ok)
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
     if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":
@@ -153,6 +154,37 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
         out += _data_parallel_problems(v, ok)
     if ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
         out += base_dtype_problems(v, ok)
+    return out
+
+
+# LoRA's variants and the value of each that leaves the reference's LoRA as it is
+VARIANT_DEFAULTS = {"lora_scaling": "alpha", "lora_variant": "lora", "lora_init": "kaiming", "loraplus_lr_ratio": 1.0}
+
+
+def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
+    """What LoRA's variants (docs/variants.md) rule out, each with its reason."""
+    out = []
+    layers = v["trainable_layers"]
+    for name, plain in VARIANT_DEFAULTS.items():
+        if ok(name, "trainable_layers") and v[name] != plain and layers not in LORA_LAYERS:
+            out.append(problem(name, "{setting}={p} is only used with {trainable_layers} one of: {allowed}",
+                               p=raw(v[name]), allowed=raw(", ".join(LORA_LAYERS))))
+    dora = ok("lora_variant") and v["lora_variant"] == "dora"
+    if ok("dora_norm", "lora_variant") and v["dora_norm"] != "exact" and v["lora_variant"] != "dora":
+        out.append(problem("dora_norm", "{dora_norm}={p} is only used with {lora_variant}=dora", p=raw(v["dora_norm"])))
+    if dora and ok("trainable_layers") and layers == "lora-kernel":
+        out.append(problem("lora_variant", "{lora_variant}=dora with {trainable_layers}=lora-kernel is refused: the "
+                                           "fused kernels compute LoRA's update, and DoRA's (the magnitude and the "
+                                           "norm of W + s * (A @ B)^T in the same pass) are not built; with DoRA "
+                                           "choose {trainable_layers} lora or lora-merged"))
+    if dora and ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
+        out.append(problem("lora_variant", "{lora_variant}=dora with {base_dtype}={b} is refused: DoRA's norm reads "
+                                           "the frozen weight itself (its row norms and W @ A), which a stored base "
+                                           "holds only in its own format; with DoRA use {base_dtype}=precision",
+                           b=raw(v["base_dtype"])))
+    if ok("lora_init", "lora_alpha") and v["lora_init"] == "pissa" and v["lora_alpha"] == 0:
+        out.append(problem("lora_init", "{lora_init}=pissa with {lora_alpha}=0 is refused: PiSSA moves the weight's "
+                                        "top singular part into the update alpha * A @ B, which alpha 0 cannot hold"))
     return out
 
 
@@ -224,6 +256,15 @@ def hf_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: T
     if ok("disable_causal_mask") and v["disable_causal_mask"]:
         out.append(problem("disable_causal_mask", "{disable_causal_mask} has no Hugging Face peer: transformers' "
                                                   "GPT-2 always applies the causal mask; use {implementation}=book"))
+    if ok("lora_variant", "dora_norm") and v["lora_variant"] == "dora" and v["dora_norm"] != "detached":
+        out.append(problem("dora_norm", "{lora_variant}=dora with {implementation}=hf needs {dora_norm}=detached: "
+                                        "PEFT's DoRA always treats the norm as a constant in backward, as DoRA's "
+                                        "paper trains it"))
+    if ok("lora_init", "base_dtype") and v["lora_init"] == "pissa" and v["base_dtype"] != BASE_DTYPE_DEFAULT:
+        out.append(problem("lora_init", "{lora_init}=pissa with {implementation}=hf and {base_dtype}={b} is refused: "
+                                        "PEFT factors the full-precision weight, which bitsandbytes has already "
+                                        "stored 4-bit; with {implementation}=hf and PiSSA use {base_dtype}=precision",
+                           b=raw(v["base_dtype"])))
     if ok("cuda_graphs") and v["cuda_graphs"]:
         out.append(problem("cuda_graphs", "{cuda_graphs} with {implementation}=hf is refused: transformers' GPT-2 "
                                           "captured and replayed as CUDA graphs does not compute what it computes "

@@ -1,23 +1,35 @@
-"""LoRA variants and their registry (``--trainable-layers`` name -> layer class), the packed layer,
-and the formats a frozen base is stored in (``bases``, used through ``quantized``)."""
+"""LoRA variants and their registry (``--trainable-layers`` and ``--lora-variant`` -> layer class),
+the update's scale, PiSSA's initialisation, the packed layer, and the formats a frozen base is stored
+in (``bases``, used through ``quantized``)."""
 
 from __future__ import annotations
 
 from lora_bench.lora.inject import inject_lora
 from lora_bench.lora.kernel import LinearWithLoRAKernel
-from lora_bench.lora.layer import LinearWithLoRA, LoRALayer, LoRALinearBase
-from lora_bench.lora.merged import LinearWithLoRAMerged
+from lora_bench.lora.layer import (DoRALinearBase, LinearWithDoRA, LinearWithLoRA, LoRALayer, LoRALinearBase,
+                                   lora_scale)
+from lora_bench.lora.merged import LinearWithDoRAMerged, LinearWithLoRAMerged
+from lora_bench.lora.pissa import pissa_init
+
+LAYER_CLASSES: dict[tuple[str, str], type[LoRALinearBase]] = {
+    ("lora", "lora"): LinearWithLoRA,
+    ("lora-merged", "lora"): LinearWithLoRAMerged,
+    ("lora-kernel", "lora"): LinearWithLoRAKernel,
+    ("lora", "dora"): LinearWithDoRA,
+    ("lora-merged", "dora"): LinearWithDoRAMerged,
+}
 
 
-def lora_class(name: str) -> type[LoRALinearBase]:
-    """The layer class for a trainable-layers name."""
-    if name == "lora":
-        return LinearWithLoRA
-    if name == "lora-merged":
-        return LinearWithLoRAMerged
-    if name == "lora-kernel":
-        return LinearWithLoRAKernel
-    raise ValueError(f"{name!r} is not a LoRA variant; choose lora, lora-merged or lora-kernel")
+def lora_class(name: str, variant: str = "lora") -> type[LoRALinearBase]:
+    """The layer class for a trainable-layers name and a LoRA variant (lora or dora)."""
+    if (name, variant) in LAYER_CLASSES:
+        return LAYER_CLASSES[(name, variant)]
+    if variant == "dora" and name == "lora-kernel":
+        raise ValueError("lora-kernel's fused kernels compute LoRA's update; with dora choose lora or lora-merged")
+    raise ValueError(f"{name!r} with variant {variant!r} is not a LoRA layer; choose lora, lora-merged or "
+                     "lora-kernel, and variant lora or dora")
 
 
-__all__ = ["LoRALayer", "LoRALinearBase", "LinearWithLoRA", "LinearWithLoRAMerged", "LinearWithLoRAKernel", "inject_lora", "lora_class"]
+__all__ = ["LoRALayer", "LoRALinearBase", "DoRALinearBase", "LinearWithLoRA", "LinearWithLoRAMerged",
+           "LinearWithLoRAKernel", "LinearWithDoRA", "LinearWithDoRAMerged", "inject_lora", "lora_class",
+           "lora_scale", "pissa_init"]

@@ -1,4 +1,7 @@
-"""The LoRA adapter and the reference's unmerged variant: ``linear(x) + alpha * (x @ A @ B)``."""
+"""The LoRA adapter and the reference's unmerged variant, ``linear(x) + alpha * (x @ A @ B)``; the
+update's scale (the reference's alpha, or rsLoRA's alpha/√r: ``lora_scale``); and DoRA's unmerged
+layer, whose column norm of ``W + s·(A·B)ᵀ`` comes from W's fixed row norms, ``W·A`` and A's
+r × r Gram matrix without forming the merged weight (``dora_norm``; docs/variants.md)."""
 
 from __future__ import annotations
 
@@ -6,10 +9,24 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+SCALINGS = ("alpha", "rslora")
+
+
+def lora_scale(alpha: float, rank: int, scaling: str = "alpha") -> float:
+    """The factor of the update ``x @ A @ B``: alpha itself (the reference's: not divided by the
+    rank), or rsLoRA's alpha/√r, which keeps the update's size from shrinking as the rank grows."""
+    if scaling == "alpha":
+        return alpha
+    if scaling == "rslora":
+        return alpha / math.sqrt(rank)
+    raise ValueError(f"lora scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
 
 
 class LoRALayer(nn.Module):
-    """A (in×r) kaiming-uniform from the global RNG, B (r×out) zeros. Alpha is *not* divided by r."""
+    """A (in×r) kaiming-uniform from the global RNG, B (r×out) zeros. ``alpha`` is the factor the
+    update is multiplied by, *not* divided by r (``lora_scale`` gives rsLoRA's)."""
 
     def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float):
         super().__init__()
@@ -42,6 +59,10 @@ class LoRALinearBase(nn.Module):
     def out_features(self) -> int:
         return self.linear.out_features
 
+    def weight_changed(self) -> None:
+        """Called once the frozen ``linear.weight`` is replaced (PiSSA's residual): a layer that keeps
+        what it derives from the weight refreshes it. LoRA keeps nothing."""
+
     def extra_repr(self) -> str:
         return f"rank={self.lora.A.shape[1]}, alpha={self.lora.alpha}, variant={self.variant}"
 
@@ -53,3 +74,77 @@ class LinearWithLoRA(LoRALinearBase):
 
     def forward(self, x):
         return self.linear(x) + self.lora(x)
+
+
+# -- DoRA ----------------------------------------------------------------------------------------
+def merged_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The norm of each output's row of the merged weight ``W + scale·(A·B)ᵀ`` (out × in), formed whole."""
+    return (weight + scale * (a @ b).t()).norm(p=2, dim=1)
+
+
+def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+              weight_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """``merged_norm`` without the merged weight: for output j, with W_j its row of W (out × in) and
+    (A·B)_j its column of A·B (in × out),
+    ‖W_j + s·(A·B)_j‖² = ‖W_j‖² + 2s·⟨W_j, (A·B)_j⟩ + s²·‖(A·B)_j‖², where ⟨W_j, (A·B)_j⟩ is row j of
+    W·A (out × r) dotted with column j of B, and ‖(A·B)_j‖² = B_jᵀ·(AᵀA)·B_j with A's r × r Gram
+    matrix. ``weight_sq`` holds the ‖W_j‖² of a frozen W, computed once (None: computed here)."""
+    bt = b.t()  # (out, r)
+    if weight_sq is None:
+        weight_sq = weight.pow(2).sum(1)
+    cross = ((weight @ a) * bt).sum(1)  # ⟨W_j, (A·B)_j⟩: one pass over W, r columns
+    update_sq = ((bt @ (a.t() @ a)) * bt).sum(1)  # ‖(A·B)_j‖² from the r × r Gram matrix
+    return (weight_sq + (2 * scale) * cross + (scale * scale) * update_sq).clamp_min(0).sqrt()
+
+
+class DoRALinearBase(LoRALinearBase):
+    """DoRA: the weight ``m ⊙ (W + s·(A·B)ᵀ) / ‖W + s·(A·B)ᵀ‖``, each output's row scaled to the
+    trained magnitude ``m`` (out), which starts as W's row norms, so the layer starts as ``linear``
+    (B being zero). ``detach_norm``: the norm is a constant in backward (DoRA's paper trains so)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float, *, detach_norm: bool = False):
+        super().__init__(linear, rank, alpha)
+        self.detach_norm = detach_norm
+        self.m = nn.Parameter(torch.empty(linear.out_features, dtype=linear.weight.dtype))
+        self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of a frozen W
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_weight_sq())
+        self.weight_changed()
+
+    @torch.no_grad()
+    def refresh_weight_sq(self) -> None:
+        """‖W_j‖² from the weight as it is held now: after ``Module.to`` and its kin (a float64 copy's
+        from its float64 weight, not the float32 norms cast) and after ``load_state_dict``."""
+        self.weight_sq = self.linear.weight.detach().pow(2).sum(1)
+
+    def weight_changed(self) -> None:
+        """W's row norms again, and the magnitude reset to the current weight's: the layer computes
+        what ``linear`` with the current adapter computes."""
+        self.refresh_weight_sq()
+        with torch.no_grad():
+            self.m.copy_(merged_norm(self.linear.weight, self.lora.A, self.lora.B, self.lora.alpha))
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.refresh_weight_sq()
+        return out
+
+    def norm(self) -> torch.Tensor:
+        """‖W_j + s·(A·B)_j‖ per output (``dora_norm``), detached with ``detach_norm``."""
+        w = self.linear.weight
+        sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
+        n = dora_norm(w, self.lora.A, self.lora.B, self.lora.alpha, sq)
+        return n.detach() if self.detach_norm else n
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", norm=detached" if self.detach_norm else "")
+
+
+class LinearWithDoRA(DoRALinearBase):
+    """DoRA unmerged: ``(m / ‖W + s·(A·B)ᵀ‖) ⊙ (x·Wᵀ + s·(x·A)·B) + b``, the norm from ``dora_norm``."""
+
+    variant = "dora"
+
+    def forward(self, x):
+        y = F.linear(x, self.linear.weight) + self.lora(x)
+        y = y * (self.m / self.norm())
+        return y if self.linear.bias is None else y + self.linear.bias

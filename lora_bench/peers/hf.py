@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
 
 import torch
@@ -26,7 +27,7 @@ from lora_bench.optional import installed_version, require
 ATTN_IMPLEMENTATIONS = {"book": "eager", "sdpa": "sdpa"}  # the harness's attention -> transformers'
 ACTIVATIONS = {"book": "gelu_new", "fused": "gelu_pytorch_tanh"}  # the harness's ops -> GPT2Config's
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")  # every Conv1D of a block (c_proj: attention and MLP)
-LORA_INITS = ("peft", "book")
+LORA_INITS = ("peft", "book", "pissa")  # PEFT's own A, the book's A (B zeros either way), or PiSSA's SVD
 PEER_PACKAGES = ("transformers", "peft", "safetensors", "huggingface_hub")
 QLORA_FORMATS = ("nf4",)  # base_dtype values the peer stores with bitsandbytes
 SCORE = "score"  # the classification head's module name, never quantized
@@ -131,9 +132,11 @@ def keep_training_layout(model: nn.Module) -> None:
 
 
 def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lora_rank: int = 8,
-                      lora_alpha: float = 8.0, lora_init: str = "peft") -> nn.Module:
+                      lora_alpha: float = 8.0, lora_init: str = "peft", lora_scaling: str = "alpha",
+                      lora_variant: str = "lora") -> nn.Module:
     """Freeze, reseed, put the book's head in place of ``score``, and unfreeze the chosen layers (the
-    book's ``make_trainable``, in its RNG order); for ``lora`` returns the PEFT model around ``model``."""
+    book's ``make_trainable``, in its RNG order); for ``lora`` returns the PEFT model around ``model``,
+    with rsLoRA's scale, DoRA or PiSSA's initialisation where asked (``lora_config``)."""
     if trainable_layers not in HF_TRAINABLE_LAYERS:
         raise ConfigError([f"trainable_layers={trainable_layers!r} has no Hugging Face peer; choose one of: "
                            + ", ".join(HF_TRAINABLE_LAYERS)])
@@ -150,21 +153,28 @@ def make_hf_trainable(model: nn.Module, *, trainable_layers: str, seed: int, lor
     elif trainable_layers == "all":
         model.requires_grad_(True)
     elif trainable_layers == "lora":
-        return _with_lora(model, rank=lora_rank, alpha=lora_alpha, init=lora_init)
+        return _with_lora(model, rank=lora_rank, alpha=lora_alpha, init=lora_init, scaling=lora_scaling,
+                          variant=lora_variant)
     return model  # last_layer: only the new head, trainable on creation
 
 
-def lora_config(*, rank: int, alpha: float, conv1d: bool = True):
+def lora_config(*, rank: int, alpha: float, conv1d: bool = True, scaling: str = "alpha", variant: str = "lora"):
     """PEFT's LoraConfig computing the book's ``linear(x) + alpha * (x @ A @ B)`` on every Conv1D
     (``conv1d``: weights stored in × out, PEFT's fan_in_fan_out) or on the Linear4bit layers that
-    replace them in the 4-bit body (out × in)."""
+    replace them in the 4-bit body (out × in). PEFT scales by ``lora_alpha / r``, so it is given
+    alpha·r; with ``scaling=rslora`` its ``use_rslora`` scales by ``lora_alpha / √r``, so it is given
+    alpha itself: alpha/√r either way, as the book model's rsLoRA. ``variant=dora``: PEFT's
+    ``use_dora`` (its norm always detached). PiSSA is applied after (``_with_lora``)."""
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
-    return peft.LoraConfig(r=rank, lora_alpha=alpha * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
-                           bias="none", use_rslora=False, use_dora=False, init_lora_weights=True,
-                           fan_in_fan_out=conv1d, modules_to_save=[SCORE])
+    rslora = scaling == "rslora"
+    return peft.LoraConfig(r=rank, lora_alpha=alpha if rslora else alpha * rank, target_modules=list(LORA_TARGETS),
+                           lora_dropout=0.0, bias="none", use_rslora=rslora, use_dora=variant == "dora",
+                           init_lora_weights=True, fan_in_fan_out=conv1d,
+                           modules_to_save=[SCORE])
 
 
-def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str) -> nn.Module:
+def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str, scaling: str = "alpha",
+               variant: str = "lora") -> nn.Module:
     # A 4-bit body gets no peft.prepare_model_for_kbit_training: of what it does, casting float16 and
     # bfloat16 parameters to float32 finds none here (the body loads in float32, and the harness's
     # casts come after), freezing the base is make_hf_trainable's, and its gradient checkpointing
@@ -172,9 +182,19 @@ def _with_lora(model: nn.Module, *, rank: int, alpha: float, init: str) -> nn.Mo
     # model's runs nor the other peer runs pay, so the rows would no longer compare like with like.
     peft = require("peft", purpose="trainable_layers=lora with implementation=hf")
     conv1d = not getattr(model, "is_loaded_in_4bit", False)
+    # PiSSA: the adapters made as LoRA's, then PEFT's own pissa_init on each layer, timed alone (its
+    # one-time cost: the SVDs, on the host where the peer is built); with DoRA the magnitude taken
+    # before is the same, W's norms (the residual plus the update is W)
+    config = lora_config(rank=rank, alpha=alpha, conv1d=conv1d, scaling=scaling, variant=variant)
     with warnings.catch_warnings():  # PEFT asks transformers a question transformers renamed; no action here
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = peft.get_peft_model(model, lora_config(rank=rank, alpha=alpha, conv1d=conv1d))
+        peft_model = peft.get_peft_model(model, config)
+    if init == "pissa":
+        start = time.perf_counter()
+        for module in peft_model.modules():
+            if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and ADAPTER in module.lora_A:
+                module.pissa_init(ADAPTER, "pissa")
+        peft_model.adapter_init_s = time.perf_counter() - start
     if init == "book":
         with torch.no_grad():
             for a in lora_A_weights(peft_model):  # (r, in), registration order
@@ -249,8 +269,12 @@ def build_hf_classifier(cfg, *, cache_dir, progress: bool = True, lora_init: str
                            activation=ACTIVATIONS[cfg.ops], base_dtype=cfg.base_dtype, device=device,
                            compute_dtype=compute)
     trained = make_hf_trainable(model, trainable_layers=cfg.trainable_layers, seed=cfg.seed,
-                                lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_init=lora_init)
-    return HFClassifier(trained, mcfg=mcfg, peft=trained is not model)
+                                lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                lora_init="pissa" if cfg.lora_init == "pissa" else lora_init,
+                                lora_scaling=cfg.lora_scaling, lora_variant=cfg.lora_variant)
+    out = HFClassifier(trained, mcfg=mcfg, peft=trained is not model)
+    out.adapter_init_s = getattr(trained, "adapter_init_s", None)
+    return out
 
 
 def cast_frozen_hf(model: nn.Module, dtype: torch.dtype) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lora_bench.config import TrainConfig
 from lora_bench.publish.source import md_table
-from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS
+from lora_bench.results.schema import ENV_COLUMNS, RETIRED_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS
 from lora_bench.timing import PHASES
 
 
@@ -39,6 +39,11 @@ def results_schema() -> str:
         md_table(["column", "unit", "meaning", "better"], cols(RUN_COLUMNS), align="---|---|---|---").rstrip(),
         "",
         f"The phase columns exist for each phase in {', '.join(PHASES)} (and `step`, their sum).",
+        "",
+        "Columns no longer written, kept as recorded in older rows and shown by no reader:",
+        "",
+        md_table(["column", "how an older row reads"], [[f"`{k}`", v] for k, v in RETIRED_COLUMNS.items()],
+                 align="---|---").rstrip(),
         "",
         "## Statuses",
         "",

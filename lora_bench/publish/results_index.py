@@ -35,6 +35,7 @@ class FolderSummary:
     superseded: int = 0
     superseded_commits: list[str] = field(default_factory=list)
     reconstructed: bool = False
+    path: str = ""  # the folder as commands from the checkout name it (results/answer/study)
     row_files: list[str] = field(default_factory=list)  # the runs.csv files the runs come from
     files: list[tuple[str, str]] = field(default_factory=list)  # (path, what: row count or size)
 
@@ -76,6 +77,8 @@ def _commits(entries: list[dict]) -> list[str]:
         label = sha if sha == UNKNOWN else sha[:12] + (" (uncommitted changes)" if e.get("git_dirty") else "")
         if e.get("commit_source") == "LORA_BENCH_GIT_COMMIT":
             label += " (passed in)"
+        elif e.get("commit_source") == ROWS_ADDED:
+            label += " (rows added; ran at or before it)"
         out.append(label)
     return _unique(out)
 
@@ -92,12 +95,21 @@ def sub_studies(folder: Path) -> list[Path]:
                   and not (p / "run.json").is_file() and ((p / MANIFEST).is_file() or (p / "runs.csv").is_file()))
 
 
-def summarise(folder: Path) -> FolderSummary:
-    """One folder's summary; the provenance and rows of its sub-studies count as its own."""
+def _shown(path: Path, root: Path | None) -> str:
+    """The folder as a command from the checkout names it: results/answer/study."""
+    if root is None:
+        return Path(path).as_posix()
+    return (Path(Path(root).resolve().name) / Path(path).resolve().relative_to(Path(root).resolve())).as_posix()
+
+
+def summarise(folder: Path, *, root: Path | None = None) -> FolderSummary:
+    """One folder's summary; the provenance and rows of its sub-studies count as its own. Its
+    commands are as they run from a fresh clone (``reproducible``), into the folder under ``root``."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     parts = [folder, *sub_studies(folder)]
-    entries = [e for part in parts for e in read_manifest(part)["invocations"]]
+    located = [(part, e) for part in parts for e in read_manifest(part)["invocations"]]
+    entries = [e for _, e in located]
     rows = [r for part in parts if _has_rows(part) for r in result_rows(part)]
     env = [e.get("environment", {}) for e in entries]
     devices = _unique([r.get("gpu_name") or r.get("device") for r in rows]
@@ -107,12 +119,15 @@ def summarise(folder: Path) -> FolderSummary:
                            + [str(e.get("started_at", ""))[:10] for e in entries if e.get("started_at") != UNKNOWN]))
     summary = FolderSummary(
         name=folder.name, description=manifest.get("description", ""),
-        commands=_unique(e.get("command") for e in entries), commits=_unique(commits), devices=devices,
+        commands=_unique(e.get("command") if e.get("command") in (None, UNKNOWN) else
+                         reproducible(e["command"], folder=_shown(part, root), commit=str(e.get("git_commit") or ""))
+                         for part, e in located),
+        commits=_unique(commits), devices=devices,
         dates=[dates[0], dates[-1]] if len(dates) > 1 else dates,
         runs=len(rows), done=sum(r.get("status") == "done" for r in rows),
         superseded=_csv_rows(folder / SUPERSEDED / "runs.csv") if (folder / SUPERSEDED / "runs.csv").is_file() else 0,
         superseded_commits=_commits(read_manifest(folder / SUPERSEDED)["invocations"]),
-        reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries),
+        reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries), path=_shown(folder, root),
         row_files=[(p.relative_to(folder) / "runs.csv").as_posix() for p in parts if _has_rows(p)])
     run_dirs = {r["run_id"] for r in rows}
     for path in sorted(folder.rglob("*")):
@@ -135,6 +150,52 @@ def _cell(items: list[str], *, code: bool = False) -> str:
 
 
 REPRODUCE = re.compile(r"Reproduce: `([^`]+)`")
+DATA_FILE = "lora_bench/data/SMSSpamCollection.tsv"  # the data set the tree carries
+ROWS_ADDED = "git history: the commit that added the rows"  # a manifest's commit_source, for rows older than it
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout: whether a benchmark script is still in it
+WRITERS = ("lora-bench train", "lora-bench sweep", "lora-bench kernel-bench")  # take --results-dir
+
+
+def reproducible(command: str, *, folder: str, commit: str = "") -> str:
+    """A recorded command as it runs from a fresh clone: its results go to ``folder`` (the
+    results folder the index names; a scratch folder of the machine it ran on, or a folder since
+    renamed, is replaced), ``--data-file`` reads the data the tree carries, a benchmark script no
+    longer in the tree runs after checking out ``commit``. Anything else is left as recorded."""
+    tokens = command.split()
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        key, eq, val = t.partition("=")
+        if key in ("--results-dir", "--data-file", "--out") and (eq or i + 1 < len(tokens)):
+            value = val if eq else tokens[i + 1]
+            i += 1 if eq else 2
+            if key == "--results-dir":
+                out = _drop_option(out, key)  # given twice: the last one counted
+                out += [key, folder]
+            elif key == "--data-file":
+                out += [key, DATA_FILE if value.endswith("/SMSSpamCollection.tsv") or value == "SMSSpamCollection.tsv"
+                        else value]
+            else:
+                out += [key, f"{folder}/{value.rsplit('/', 1)[-1]}"]
+            continue
+        out.append("" if t == "DIR" else t)
+        i += 1
+    text = " ".join(t for t in out if t)
+    if (text.startswith(WRITERS) or "DIR" in tokens) and "--results-dir" not in out:
+        text += f" --results-dir {folder}"
+    script = re.match(r"python -m (benchmarks\.\w+)", text)
+    if script and commit and not (_ROOT / (script.group(1).replace(".", "/") + ".py")).is_file():
+        text = f"git checkout {commit} && {text}"
+    return text
+
+
+
+def _drop_option(tokens: list[str], key: str) -> list[str]:
+    if key not in tokens:
+        return tokens
+    at = tokens.index(key)
+    return tokens[:at] + tokens[at + 2:]
 
 
 def command_cell(s: FolderSummary) -> str:
@@ -144,8 +205,14 @@ def command_cell(s: FolderSummary) -> str:
     if known:
         more = f" (+{len(known) - 1} more)" if len(known) > 1 else ""
         return f"`{known[0]}`{more}".replace("|", "\\|")
+    return reproduce_text(s).replace("|", "\\|")
+
+
+def reproduce_text(s: FolderSummary) -> str:
+    """'reproduce: `COMMAND`' from the folder's description, where the rows could not tell the
+    command; unknown where the description names none."""
     m = REPRODUCE.search(s.description)
-    return (f"reproduce: `{m.group(1)}`" if m else UNKNOWN).replace("|", "\\|")
+    return f"reproduce: `{reproducible(m.group(1), folder=s.path)}`" if m else UNKNOWN
 
 
 def is_group(folder: Path) -> bool:
@@ -167,6 +234,10 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
         f"before the folder had a manifest; what the rows do not record reads *{UNKNOWN}* (the index then",
         "gives the command the folder's description names to reproduce it). Rows replaced by a newer run of",
         f"the same sweep settings and repeat are kept, numbers untouched, in `<folder>/{SUPERSEDED}/`.",
+        "Commands read as they run from a fresh clone: results go to the folder named here, `--data-file` reads",
+        "the data set the tree carries, and a benchmark script no longer in the tree runs after checking out",
+        "the commit that recorded it; each `manifest.json` keeps the command line as it was recorded. A commit",
+        "marked *rows added* is the one that added rows older than their manifest: they ran at or before it.",
     ]
     sections: list[tuple[str, str, list[FolderSummary]]] = []
     for f in results_folders(root):
@@ -178,12 +249,12 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
                 nested = [p] if (p / MANIFEST).is_file() or _has_rows(p) else results_folders(p)  # a folder of them
                 for q in nested:
                     if (q / MANIFEST).is_file() or _has_rows(q):
-                        sub = summarise(q)
+                        sub = summarise(q, root=root)
                         sub.name = q.relative_to(root).as_posix()
                         subs.append(sub)
             sections.append((f.name, read_manifest(f)["description"], subs))
         else:
-            sections.append(("", "", [summarise(f)]))
+            sections.append(("", "", [summarise(f, root=root)]))
     for group, question, folders in sections:
         lines += ["", f"## {group}: {question}" if group else "## other", ""]
         lines += ["| folder | what | command | commit | device | dates | runs |", "|---|---|---|---|---|---|---|"]
@@ -198,7 +269,8 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
             lines += ["", f"### {s.name}", ""]
             if s.description:
                 lines += [s.description, ""]
-            commands = ", ".join(f"`{c}`" if c != UNKNOWN else c for c in s.commands) or UNKNOWN
+            commands = ", ".join(dict.fromkeys(f"`{c}`" if c != UNKNOWN else reproduce_text(s) for c in s.commands)) \
+                or UNKNOWN
             if len(s.commands) > 3:  # a study of many commands: folded
                 commands = f"<details><summary>{len(s.commands)} commands</summary>{commands}</details>"
             lines.append(f"- command{'s' if len(s.commands) > 1 else ''}: {commands}"

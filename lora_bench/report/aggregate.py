@@ -21,7 +21,7 @@ from lora_bench.report.groups import group_runs, metric_sense, same
 from lora_bench.report.load import MODE, shared_ids_note
 from lora_bench.report.labels import MODE_FIELDS, is_blank
 from lora_bench.report.samples import pack_count
-from lora_bench.results.schema import SETTING_PREFIX, column_index, run_column_names
+from lora_bench.results.schema import RETIRED_COLUMNS, SETTING_PREFIX, column_index, run_column_names
 
 FORMATS = ("table", "markdown", "csv", "html", "json")
 PHASE_METRICS = ("data_ms_median", "forward_ms_median", "backward_ms_median", "optimizer_ms_median")
@@ -235,7 +235,7 @@ def default_keys(done: pd.DataFrame) -> list[str]:
 
 
 def is_text(df: pd.DataFrame, col: str) -> bool:
-    """A column of words (bound_*, backend, …), aggregated by counting values rather than a median."""
+    """A column of words (backend, …), aggregated by counting values rather than a median."""
     schema = column_index().get(col)
     if schema is not None:
         return schema.dtype == "string"
@@ -247,6 +247,8 @@ def resolve_column(df: pd.DataFrame, name: str, *, metric: bool = False) -> str:
     """A setting name (``trainable_layers``), ``label``, ``mode``, or any results column; as a
     metric, also a schema column these results lack (reported as empty, with the reason)."""
     name = name.strip()
+    if name in RETIRED_COLUMNS:  # older rows hold it; it is not shown as a result
+        raise UsageError(f"{name} is no longer written and not reported: {RETIRED_COLUMNS[name]}")
     for cand in (SETTING_PREFIX + name, name, "sweep_" + name):
         if cand in df.columns and not (metric and cand.startswith(SETTING_PREFIX)):
             return cand

@@ -175,6 +175,12 @@ def _measured(g: Group) -> bool:
     return any(p.busy is not None for p in g.phases.values())
 
 
+def _busy_range(phases: list) -> str:
+    """'33–48 %' (or '48 %'): the measured busy fractions of ``phases``."""
+    lo, hi = (f"{100 * f(p.busy for p in phases):.0f}" for f in (min, max))
+    return f"{lo} %" if lo == hi else f"{lo}–{hi} %"
+
+
 def host_bound_summary(groups: list[Group]) -> str:
     """The measured cause at the smallest and the largest size with a profiled repeat: 'at 124M
     forward and backward are host-bound for every variant; at 1558M no phase is host-bound for
@@ -194,13 +200,15 @@ def host_bound_summary(groups: list[Group]) -> str:
         at = [g for g in groups if g.size == size]
         common = [ph for ph in PHASES if all(ph in host_bound_phases(g) for g in at)]
         if common:
-            parts.append(f"at {size} {_and(common)} {'is' if len(common) == 1 else 'are'} host-bound for every variant")
+            parts.append(f"at {size} {_and(common)} {'is' if len(common) == 1 else 'are'} host-bound for every variant "
+                         f"(GPU busy {_busy_range([g.phases[ph] for g in at for ph in common])})")
             continue
-        some = {}
+        some: dict[str, list[Group]] = {}
         for g in at:
             for ph in host_bound_phases(g):
-                some.setdefault(ph, []).append(g.variant)
-        detail = "; ".join(f"{ph} for {_and(v)}" for ph, v in some.items())
+                some.setdefault(ph, []).append(g)
+        detail = ", ".join(f"{ph} for {_and([g.variant for g in gs])} at {_busy_range([g.phases[ph] for g in gs])} busy"
+                           for ph, gs in some.items())
         parts.append(f"at {size} no phase is host-bound for every variant" + (f" ({detail})" if detail else ""))
     return "; ".join(parts) + f", measured as the GPU running kernels for under {100 * STARVED:.0f} % of the phase" + tail
 

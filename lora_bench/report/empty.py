@@ -10,7 +10,7 @@ from lora_bench.report.labels import is_blank, truthy
 from lora_bench.results.schema import SETTING_PREFIX
 
 ACCURACIES = ("train_acc", "val_acc", "test_acc")
-TIMED_PREFIXES = ("data_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms", "host_", "bound_",
+TIMED_PREFIXES = ("data_ms", "forward_ms", "backward_ms", "optimizer_ms", "step_ms", "host_",
                   "phase_sum", "tokens_per", "achieved_tflops", "mfu", "measured_steps")
 
 
@@ -38,8 +38,6 @@ def _reason(df: pd.DataFrame, col: str) -> str:
         return "periodic evaluation was off (eval_freq=0)"
     if col.startswith(TIMED_PREFIXES) and _all(df, "timing", lambda v: str(v) == "off"):
         return "phase timing was off (timing=off)"
-    if col.startswith("bound_") and on_cpu:
-        return "the host/device verdict needs two clocks, and on a CPU the host clock is the only one"
     if col.startswith(("mfu", "peak_tflops", "achieved_tflops")):
         if on_cpu:
             return "MFU needs a GPU with a known datasheet peak; these runs ran on the CPU"

@@ -4,7 +4,8 @@
   the sizes), one line per variant and execution mode, error bars the ratio's interval, the
   1.0 line labelled, one panel per condition (e.g. batch size) when each panel has two sizes or more;
 - the phases: per execution mode, at the smallest and largest size, device and host time of each
-  phase for every variant, side by side (host-bound phases have host bars as long as device bars);
+  phase for every variant, side by side (host ≈ device time holds for a GPU-bound phase too, so the
+  figure names no cause: the tables give each phase's GPU busy fraction from a profiled repeat);
   each bar ends at the group's median step (the number beside it, with its interval, the
   same statistic as the tables' step ms), its segments the phases' medians.
 
@@ -180,7 +181,8 @@ def phase_figure(study: Study):
     title = (f"{_on(study)}where a step's time goes{', device vs host' if two else ''}"
              f"{' (' + cond + ')' if cond else ''}: medians over repeats of each run's median ms")
     if two:
-        title += "\na host segment as long as its device segment: that phase is host-bound (the GPU waits for Python)"
+        title += ("\nhost time includes waiting for the GPU: host ≈ device does not say which side waits "
+                  "(the tables give the GPU's busy fraction, measured in a profiled repeat)")
     fig.suptitle(title, fontsize=11)
     drawn = [g for g in study.groups if g.mode in modes and g.condition == cond and g.size in sizes]
     if any(g.step.per_step for g in drawn):

@@ -1,5 +1,6 @@
-"""Terminal rendering of one run's phase breakdown (device vs host, median and spread), and the
-run's summary under it (tokens/s, TFLOP/s, …), wrapped between its items, never inside one."""
+"""Terminal rendering of one run's phase breakdown (device vs host, median and spread, and each
+phase's measured cause: the GPU's busy fraction from a profiled repeat, or "not measured"), and
+the run's summary under it (tokens/s, TFLOP/s, …), wrapped between its items, never inside one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lora_bench.escaping import terminal
+from lora_bench.report.study_model import NOT_MEASURED, cause_of
 from lora_bench.timing import PHASES
 
 
@@ -50,8 +52,14 @@ class Summary:
             yield Text(line, no_wrap=True, overflow="fold")
 
 
-def phase_table(row: dict) -> Group:
-    """Median [p10–p90] per phase, device and host, with the bound verdict; the run's summary under it."""
+def cause_cell(busy: float | None) -> str:
+    """'93 % GPU-bound' from a measured busy fraction; 'not measured' without one."""
+    return NOT_MEASURED if busy is None else f"{100 * busy:.0f} % {cause_of(busy)}"
+
+
+def phase_table(row: dict, *, busy: dict[str, float] | None = None, profile: str = "") -> Group:
+    """Median [p10–p90] per phase, device and host, with each phase's measured cause (``busy``: the
+    GPU's busy fraction per phase from the profiled repeat ``profile``); the run's summary under it."""
     clock = row.get("timing_clock") or "off"
     title = (f"{row.get('run_id', '')}  ·  {row.get('model_size')} {row.get('trainable_layers')}"
              f"  ·  {row.get('device', '')} {row.get('gpu_name') or ''}  ·  clock: {clock}")
@@ -68,7 +76,7 @@ def phase_table(row: dict) -> Group:
     t.add_column("p10–p90", justify="right")
     t.add_column("share", justify="right")
     if two_clocks:
-        t.add_column("bound")
+        t.add_column("GPU busy (cause)")
     step = _num(row.get("step_ms_median"))
     for ph in (*PHASES, "step"):
         med = _num(row.get(f"{ph}_ms_median"))
@@ -76,8 +84,8 @@ def phase_table(row: dict) -> Group:
         device = [_fmt(med), f"{_fmt(row.get(f'{ph}_ms_p10'))}–{_fmt(row.get(f'{ph}_ms_p90'))}"]
         host = [_fmt(row.get(f"host_{ph}_ms_median")),
                 f"{_fmt(row.get(f'host_{ph}_ms_p10'))}–{_fmt(row.get(f'host_{ph}_ms_p90'))}"]
-        bound = [str(row.get(f"bound_{ph}") or "") if ph != "step" else ""]
-        t.add_row(ph, *(device if two_clocks else []), *host, share, *(bound if two_clocks else []))
+        cause = [cause_cell((busy or {}).get(ph)) if ph != "step" else ""]
+        t.add_row(ph, *(device if two_clocks else []), *host, share, *(cause if two_clocks else []))
     extras = []
     for key, label, d in (("tokens_per_s", "tokens/s", 0), ("achieved_tflops", "TFLOP/s", 2), ("mfu", "MFU", 3),
                           ("eval_s", "eval s", 2), ("training_time_s", "train s", 2),
@@ -85,4 +93,8 @@ def phase_table(row: dict) -> Group:
                           ("phase_sum_pct", "Σ phase medians vs step %", 1)):
         if _num(row.get(key)) is not None:
             extras.append(f"{label} {_fmt(row.get(key), d)}")
+    if two_clocks:  # what the cause column rests on, where a reader sees it
+        extras.append(f"GPU busy: kernel ms of profiled repeat {terminal(profile)} ÷ this run's device ms" if profile
+                      else f"GPU busy {NOT_MEASURED}: no profiled repeat of these settings (--profile kernels); "
+                           "host ≈ device time does not say which side waits")
     return Group(t, Summary(extras)) if extras else Group(t)

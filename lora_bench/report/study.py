@@ -1,7 +1,7 @@
 """The study a results folder holds, arranged to answer its question: for each variant (by default
 each trainable-layer choice against ``all``), execution mode and condition (batch size, …), the
 step time by model size as a ratio to the baseline, with the spread over repeats; per group the
-device and host time of each phase, the host/device verdicts, kernel launches where a profile
+device and host time of each phase, kernel launches and the GPU's busy fraction where a profile
 exists, tokens/s, MFU and accuracy over seeds.
 
 Rules (each stated where a reader sees its result):
@@ -25,7 +25,6 @@ from lora_bench.report.aggregate import (
     numbers,
     order_key,
     parse_baseline,
-    text_summary,
     varying_settings,
 )
 from lora_bench.report.empty import why_empty
@@ -109,12 +108,19 @@ def study_baseline(df: pd.DataFrame) -> str | None:
 
 def _split(done: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(profiled runs, timed runs): every run is timed where all of them are profiled."""
-    profiled = _profiled(done)
+    profiled = profiled_runs(done)
     timed = done.drop(index=profiled.index)
     return profiled, done if timed.empty else timed
 
 
-def _profiled(done: pd.DataFrame) -> pd.DataFrame:
+def same_step(a, b) -> bool:
+    """Two runs (rows) launch the same kernels per step: the same step shape and execution mode."""
+    return same(a.get(MODE, ""), b.get(MODE, "")) and all(
+        same(a[c], b[c]) or (is_blank(a[c]) and is_blank(b[c]))
+        for c in STEP_SHAPE if c in a and c in b and c not in MODE_FIELDS)
+
+
+def profiled_runs(done: pd.DataFrame) -> pd.DataFrame:
     """Runs with a profiler attached (their step times are perturbed)."""
     if "cfg_profile" not in done:
         return done.iloc[:0]
@@ -164,10 +170,8 @@ def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: 
     if same(_first(g, LAYERS), KERNEL) and own:
         variant += " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in own) + ")"
     phases = {}
-    for ph in PHASES:
-        bound = text_summary(g[f"bound_{ph}"]) if f"bound_{ph}" in g else ""
-        phases[ph] = Phase(device=est[f"{ph}_ms_median"], host=est[f"host_{ph}_ms_median"],
-                           bound=bound)
+    for ph in PHASES:  # a phase's cause is measured by a profiled repeat (_attach_profiles), never inferred
+        phases[ph] = Phase(device=est[f"{ph}_ms_median"], host=est[f"host_{ph}_ms_median"])
     seeds = sorted({value_text(v) for v in g.get(SETTING_PREFIX + "seed", pd.Series(dtype=str)) if not is_blank(v)})
 
     def med(col: str) -> float:
@@ -221,18 +225,11 @@ def _attach_profiles(study: Study, profiled: pd.DataFrame) -> list[Profile]:
         counts = kernel_counts(row[RUN_DIR]) if RUN_DIR in row else {}
         if not counts:
             continue
-        match = None
-        for g in study.groups:
-            rep = g.runs.iloc[0]
-            if same(rep.get(MODE, ""), row.get(MODE, "")) and all(
-                    same(rep[c], row[c]) or (is_blank(rep[c]) and is_blank(row[c]))
-                    for c in STEP_SHAPE if c in rep and c in row and c not in MODE_FIELDS):
-                match = g
-                break
+        match = next((g for g in study.groups if same_step(g.runs.iloc[0], row)), None)
         if match is not None:
             for ph, p in match.phases.items():
                 launches, ms = counts.get(ph, (None, None))
-                match.phases[ph] = Phase(device=p.device, host=p.host, bound=p.bound, launches=launches, kernel_ms=ms)
+                match.phases[ph] = Phase(device=p.device, host=p.host, launches=launches, kernel_ms=ms)
             match.profile, match.counts = str(row["run_id"]), counts
         out.append(Profile(run_id=str(row["run_id"]), size=value_text(row.get(SIZE)),
                            variant=value_text(row.get(LAYERS)), mode=str(row.get(MODE, "")),

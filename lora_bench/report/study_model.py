@@ -20,33 +20,44 @@ ACCURACIES = ("val_acc", "test_acc")
 # The cause of a phase's time, measured: the GPU's busy fraction, the kernel time a profiled repeat
 # saw in the phase over the phase's device time in the timed repeats. A GPU that runs kernels for
 # most of the phase is the bottleneck (the host then waits on a full launch queue, so host time ≈
-# device time there too); one that runs kernels for less than half of it waits for Python.
+# device time there too); one that runs kernels for less than half of it waits for Python. Host
+# time about as long as device time says neither: it holds for a GPU-bound phase as well.
 GPU_BOUND = 0.9
 STARVED = 0.5
+NOT_MEASURED = "not measured"  # what a phase's cause reads without a profiled repeat of its settings
+
+
+def cause_of(busy: float | None) -> str:
+    """'GPU-bound', 'GPU waits for the host', 'mixed', or '' (no busy fraction: not measured)."""
+    if busy is None:
+        return ""
+    return "GPU-bound" if busy >= GPU_BOUND else "GPU waits for the host" if busy < STARVED else "mixed"
+
+
+def busy_fraction(kernel_ms: float | None, device_ms: float | None) -> float | None:
+    """Kernel ms over device ms (at most 1), None where either is missing or the device time is 0."""
+    if kernel_ms is None or device_ms is None or math.isnan(float(kernel_ms)) or not device_ms \
+            or math.isnan(float(device_ms)):
+        return None
+    return min(float(kernel_ms) / float(device_ms), 1.0)
 
 
 @dataclass(frozen=True)
 class Phase:
     device: Estimate  # median over repeats of each run's median, with its interval
     host: Estimate
-    bound: str  # the runs' bound_* verdicts (host ≥ 0.9 × device): not a cause, kept for the tables
     launches: float | None = None  # kernels per step, from a profile
     kernel_ms: float | None = None  # summed kernel device time per step, from a profile
 
     @property
     def busy(self) -> float | None:
         """The GPU's busy fraction in this phase (see GPU_BOUND), None without a profiled repeat."""
-        if self.kernel_ms is None or not self.device.known or not self.device.median:
-            return None
-        return min(float(self.kernel_ms) / self.device.median, 1.0)
+        return busy_fraction(self.kernel_ms, self.device.median) if self.device.known else None
 
     @property
     def cause(self) -> str:
         """'GPU-bound', 'GPU waits for the host', 'mixed', or '' (not measured)."""
-        busy = self.busy
-        if busy is None:
-            return ""
-        return "GPU-bound" if busy >= GPU_BOUND else "GPU waits for the host" if busy < STARVED else "mixed"
+        return cause_of(self.busy)
 
     @property
     def host_bound(self) -> bool:

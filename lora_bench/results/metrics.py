@@ -70,12 +70,11 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if 1 <= q <= 99 else values[0]
 
 
-HOST_BOUND_RATIO = 0.9  # host time "reaches" device time: within 10 %, or above
-
-
-def summarise_steps(step_rows: list[dict], *, clock: str) -> dict:
-    """Median / p10 / p90 per phase (device and host) over steps not marked warm-up. The
-    host-/device-bound verdict is only given where there are two clocks (CUDA)."""
+def summarise_steps(step_rows: list[dict]) -> dict:
+    """Median / p10 / p90 per phase (device and host) over steps not marked warm-up. No cause is
+    written here: host time as long as device time holds for a GPU-bound phase too (the host waits
+    on a full launch queue), so a phase's cause is measured by a profiled repeat, at read time
+    (lora_bench.report.study_model.cause_of)."""
     rows = [r for r in step_rows if not r["warmup"]]
     out: dict = {"measured_steps": len(rows)}
     if not rows:
@@ -85,10 +84,6 @@ def summarise_steps(step_rows: list[dict], *, clock: str) -> dict:
             vals = [r[f"{prefix}{ph}_ms"] for r in rows]
             stats = median_p10_p90(vals)
             out[f"{prefix}{ph}_ms_median"], out[f"{prefix}{ph}_ms_p10"], out[f"{prefix}{ph}_ms_p90"] = stats
-    for ph in PHASES:
-        if clock.startswith("cuda"):
-            host, dev = out[f"host_{ph}_ms_median"], out[f"{ph}_ms_median"]
-            out[f"bound_{ph}"] = "host" if host >= HOST_BOUND_RATIO * dev else "device"
     if out["step_ms_median"] > 0:  # each step's phases add up exactly; their medians need not
         out["phase_sum_pct"] = 100 * (sum(out[f"{ph}_ms_median"] for ph in PHASES) / out["step_ms_median"] - 1)
     out["tokens_per_step"] = statistics.median(r["tokens"] for r in rows)

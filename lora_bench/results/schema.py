@@ -24,9 +24,16 @@ def _phase_cols() -> list[Column]:
         for stat in ("median", "p10", "p90"):
             cols.append(Column(f"{ph}_ms_{stat}", "float64", "ms", f"device time of the {ph} phase, {stat} over measured steps", "lower"))
             cols.append(Column(f"host_{ph}_ms_{stat}", "float64", "ms", f"host time of the {ph} phase, {stat}", "lower"))
-    for ph in PHASES:
-        cols.append(Column(f"bound_{ph}", "string", "", f"'host' when the {ph} phase's median host time reaches its device time (launch-bound), else 'device'"))
     return cols
+
+
+# Columns no longer written. Rows that hold them keep them (runs.csv and run.json are records);
+# readers leave them out and say why. How each reads in an older row:
+RETIRED_COLUMNS: dict[str, str] = {
+    f"bound_{ph}": (f"'host' where the {ph} phase's median host time reached 0.9 × its device time, else 'device': "
+                    "an inference, not a cause (host ≈ device time holds for a busy GPU too): the measured cause "
+                    "is the GPU's busy fraction from a profiled repeat (`lora-bench show`, `report`)")
+    for ph in PHASES}
 
 
 # What a run's ``status`` says, for the schema page; the values are the writers' (train.run, sweep).
@@ -94,6 +101,9 @@ RUN_COLUMNS: list[Column] = [
            "(base_dtype: quantized values with their scales; precision=bf16: the frozen weights cast to bfloat16; "
            "implementation=hf: its Conv1D weights, or under base_dtype=nf4 bitsandbytes' 4-bit codes with their "
            "quant state; biases, embeddings, norms and adapters left out)", "lower"),
+    Column("adapter_init_s", "float64", "s", "lora_init=pissa: wall time of the adapters' one-time initialisation "
+           "(the SVDs of the frozen weights, on the run's device), paid before training and outside training_time_s "
+           "(blank otherwise)", "lower"),
     # the host's speed, which a host-bound step's time follows (environment.host_speed, timing.host_op_us)
     Column("host_op_us", "float64", "µs", "host time of one small tensor op on the run's device (on a GPU its "
            "launch), median of 5 blocks of 200 before training", "lower"),

@@ -6,6 +6,7 @@ each point's learning rate and weight decay. Each step draws what its solo run d
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +15,13 @@ import torch
 from lora_bench.classifier.book import build_classifier, cast_frozen
 from lora_bench.classifier.packed_classifier import build_packed_classifier
 from lora_bench.config import TrainConfig
+from lora_bench.lora import pissa_init
 from lora_bench.lora.kernel import group_qkv
 from lora_bench.lora.packed_layer import point_state_dict
 from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_weight_bytes, unpacked_params
+from lora_bench.train.master_weights import MasterWeights
 from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.setup import build_optimizer as solo_optimizer
 from lora_bench.train.setup import prepare_precision
@@ -33,6 +36,7 @@ class Built:
     total_params: list[int]
     base_weight_mib: float | None  # the frozen blocks' linear weights as held (after precision's cast)
     notes: list[str]  # what the run says about how it was built
+    adapter_init_s: float | None = None  # PiSSA's one-time initialisation (its SVDs), apart from the steps
 
 
 def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Path, progress: bool) -> Built:
@@ -55,6 +59,9 @@ def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Pat
         trainable = [count_params(model, trainable_only=True)]
         total = [count_params(model) + unpacked_params(model)]  # a 4-bit body's packed codes
     notes: list[str] = []
+    init_s = None
+    if cfg.lora_init == "pissa" and cfg.implementation == "book":  # PEFT's peer factors its weights itself
+        init_s = _timed_pissa(model, device)  # on the full-precision weights, before any is stored or cast
     if cfg.base_dtype != "precision" and cfg.implementation == "book":
         # stored on the device from the fp32 weights, before any cast
         _, notes = store_base(model, cfg.base_dtype, device)
@@ -63,7 +70,19 @@ def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Pat
     model.to(device)
     if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and device.type == "cuda":
         group_qkv(model)  # after .to(), which gives every parameter its own storage
-    return Built(model, trainable, total, weight_bytes / 2**20 if weight_bytes is not None else None, notes)
+    return Built(model, trainable, total, weight_bytes / 2**20 if weight_bytes is not None else None, notes,
+                 init_s if init_s is not None else getattr(model, "adapter_init_s", None))
+
+
+def _timed_pissa(model: torch.nn.Module, device: torch.device) -> float:
+    """PiSSA's initialisation of ``model``'s adapters, its SVDs on ``device``; its wall time in seconds."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    pissa_init(model, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def build_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> torch.optim.Optimizer:
@@ -74,7 +93,32 @@ def build_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> torch.op
     if len(cfgs) > 1:
         return PackedAdamW([t for t in model.parameters() if t.requires_grad], lrs=[c.learning_rate for c in cfgs],
                            weight_decays=[c.weight_decay for c in cfgs], **optimizer_options(cfg))
+    if cfg.loraplus_lr_ratio != 1:
+        return loraplus_optimizer(model, cfg, **optimizer_options(cfg))
     return solo_optimizer(model, cfg, **optimizer_options(cfg))  # under bf16-true over fp32 master copies
+
+
+def is_lora_b(name: str) -> bool:
+    """Whether a parameter name is a LoRA B: the book's ``<layer>.lora.B``, PEFT's ``lora_B.<adapter>.weight``."""
+    return name.endswith("lora.B") or ".lora_B." in name
+
+
+def loraplus_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options):
+    """LoRA+: AdamW with two parameter groups, every B at ``learning_rate × loraplus_lr_ratio``, every
+    other trainable parameter at ``learning_rate`` (under bf16-true over float32 master copies)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    is_b = [is_lora_b(n) for n, _ in named]
+    lr, ratio = cfg.learning_rate, cfg.loraplus_lr_ratio
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        groups = [{"params": [p for p, b in zip(params, is_b) if not b], "lr": lr},
+                  {"params": [p for p, b in zip(params, is_b) if b], "lr": lr * ratio}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=cfg.weight_decay,
+                                 **options)
+
+    if cfg.precision == "bf16-true":
+        return MasterWeights([p for _, p in named], make)
+    return make([p for _, p in named])
 
 
 def optimizer_options(cfg: TrainConfig) -> dict:

@@ -68,6 +68,7 @@ class RunContext:
         self.mcfg = model_config(cfg)
         built = build_model(self.cfgs, self.device, cache_dir=cache_dir, progress=progress)
         self.model, self.notes, self.base_weight_mib = built.model, built.notes, built.base_weight_mib
+        self.adapter_init_s = built.adapter_init_s
         self.trainable_params, self.total_params = built.trainable_params, built.total_params  # per point
 
     def _setup_loaders(self, splits: dict[str, Path]) -> None:

@@ -41,7 +41,7 @@ def summary(context: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: lis
         out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(context.device) / 2**20
     if not timer.enabled:
         return out
-    s = summarise_steps(steps, clock=timer.clock)
+    s = summarise_steps(steps)
     out.update(s)
     if "step_ms_median" in s:
         tokens = s["tokens_per_step"]

@@ -139,7 +139,8 @@ class _Run:
             environment = run_environment(context.device)
             for p, row in enumerate(rows):
                 row.update(trainable_params=context.trainable_params[p], total_params=context.total_params[p],
-                           device=str(context.device), base_weight_mib=context.base_weight_mib, **environment)
+                           device=str(context.device), base_weight_mib=context.base_weight_mib,
+                           adapter_init_s=context.adapter_init_s, **environment)
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
                           else PhaseTimer(cfg.timing, context.device, warmup_steps=cfg.warmup_steps))
             self._train(rows)

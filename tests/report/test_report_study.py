@@ -168,12 +168,11 @@ def _g(size: str, ratio: float = math.nan, *, verdict: str = "", variant: str = 
     time (None: not profiled)."""
     phases = phases or {"data": 1.0, "forward": 30.0, "backward": 55.0, "optimizer": 14.0}
     ph = {}
-    bound = "device"
     for name, ms in phases.items():
         launches, kms = (kernels or {}).get(name, (None, None))
         if busy is not None and kms is None:
             kms = busy * ms
-        ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), bound=bound, launches=launches, kernel_ms=kms)
+        ph[name] = Phase(device=_e(ms, 0.1), host=_e(ms, 0.1), launches=launches, kernel_ms=kms)
     return Group(size=size, variant=variant, mode="eager fp32", condition="batch 8", settings={}, runs=pd.DataFrame(),
                  step=_e(step, 1.0), phases=ph, seeds=["123"], ratio=ratio, ratio_lo=ratio - 0.01,
                  ratio_hi=ratio + 0.01, ratio_over=stats.REPEATS if not math.isnan(ratio) else "", verdict=verdict,
@@ -260,9 +259,10 @@ def test_host_bound_summary():
     groups = [_g("124M", variant="all", busy=0.3), _g("124M", busy=0.3), _g("355M"), _g("1558M", variant="all", busy=0.95),
               _g("1558M", busy=0.3)]
     assert rules.host_bound_summary(groups) == (
-        "at 124M forward, backward and optimizer are host-bound for every variant; at 1558M no phase is host-bound "
-        "for every variant (forward for lora; backward for lora; optimizer for lora), measured as the GPU running "
-        "kernels for under 50 % of the phase (the cause is not measured at 355M: no profiled repeat)")
+        "at 124M forward, backward and optimizer are host-bound for every variant (GPU busy 30 %); at 1558M no phase "
+        "is host-bound for every variant (forward for lora at 30 % busy, backward for lora at 30 % busy, optimizer for "
+        "lora at 30 % busy), measured as the GPU running kernels for under 50 % of the phase (the cause is not "
+        "measured at 355M: no profiled repeat)")
 
 
 # -- the answer for real rows --------------------------------------------------------------------
@@ -278,9 +278,9 @@ def test_answer_for_the_study_fixture():
     assert small.verdict == big.verdict == stats.TOO_FEW and small.n == 2 and "(n = 2, " in eager
     assert "crossover" not in eager and "its step is" not in eager
     # measured: the profiled repeats at 124M (kernel ms over the timed repeats' device ms); none at 1558M
-    assert ("At 124M no phase is host-bound for every variant (backward for all and lora; forward for lora; optimizer "
-            "for lora), measured as the GPU running kernels for under 50 % of the phase (the cause is not measured "
-            "at 1558M: no profiled repeat)") in eager
+    assert ("At 124M no phase is host-bound for every variant (backward for all and lora at 24–46 % busy, forward for "
+            "lora at 32 % busy, optimizer for lora at 6 % busy), measured as the GPU running kernels for under 50 % of "
+            "the phase (the cause is not measured at 1558M: no profiled repeat)") in eager
     # the rules that explain a verdict, applied to the real groups as they would be with one
     base_small, base_big = s.base_of(small), s.base_of(big)
     slower = rules.why_slower(small, base_small)

@@ -180,7 +180,9 @@ def test_index_lists_commands_commits_and_counts(tmp_path, monkeypatch, run_cli,
     text = render_index(tmp_path)
     assert "| [`study/`](#study) | A study | unknown | abc<br>unknown | GPU X | 2026-01-01 to 2026-01-03 | 2 |" in text
     assert "- command: unknown (reconstructed from rows)" in text and "abc, unknown" in text
-    assert "`notes.csv` (2 rows)" in text and "`lora-bench kernel-bench --out bench/k.csv`" in text
+    # the recorded command as it runs from a checkout: its output in the folder the index names
+    shown = f"{tmp_path.name}/bench"
+    assert "`notes.csv` (2 rows)" in text and f"`lora-bench kernel-bench --out {shown}/k.csv --results-dir {shown}`" in text
     assert run_cli("results", "index", tmp_path, "--check")[0] == 1
     assert run_cli("results", "index", tmp_path)[0] == 0
     assert run_cli("results", "index", tmp_path, "--check")[0] == 0
@@ -220,8 +222,9 @@ def test_index_takes_provenance_and_runs_from_a_studys_sub_folders(tmp_path, mon
     text = render_index(tmp_path)
     row, = (line for line in text.splitlines() if line.startswith("| [`study/`](#study) | Two machines |"))
     assert "GPU X" in row and "| 2026-01-01 to " in row and row.endswith("| 2 |") and "(+1 more)" in row, row
-    assert f"`lora-bench train --results-dir {study / 'one'}`" in text, text
-    assert f"`lora-bench train --results-dir {study / 'two'}`" in text, text
+    # each as it runs from a checkout: into its folder, named from the index's root
+    assert f"`lora-bench train --results-dir {tmp_path.name}/study/one`" in text, text
+    assert f"`lora-bench train --results-dir {tmp_path.name}/study/two`" in text, text
     assert "- runs: 2 in `one/runs.csv`, `two/runs.csv` (2 done)" in text, text
     assert "- command: unknown" not in text.split("## study")[1]
 
@@ -237,7 +240,8 @@ def test_a_question_folder_gets_its_own_table_and_a_reproduce_command_stands_in_
                                                   invocations=man.reconstruct_entries(result_rows(study))))
     text = render_index(tmp_path)
     assert "## answer: Why it is slower." in text
-    assert "| [`answer/study/`](#answerstudy) | The study | reproduce: `lora-bench sweep s.yaml` | abc |" in text, text
+    assert (f"| [`answer/study/`](#answerstudy) | The study | reproduce: `lora-bench sweep s.yaml --results-dir "
+            f"{tmp_path.name}/answer/study` | abc |") in text, text
 
 
 def test_committed_results_have_manifests_and_an_up_to_date_index():

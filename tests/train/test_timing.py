@@ -33,8 +33,8 @@ def test_phase_attribution_with_known_sleeps():
             assert sleeps[ph] * 1e3 <= r[f"{ph}_ms"] < sleeps[ph] * 1e3 + 15
         assert r["step_ms"] == pytest.approx(sum(r[f"{ph}_ms"] for ph in PHASES), rel=1e-12)
         assert r["loss"] == 1.5 and r["tokens"] == 16
-    s = summarise_steps(rows, clock=timer.clock)
-    assert s["measured_steps"] == 3 and "bound_forward" not in s  # no verdict with a single clock
+    s = summarise_steps(rows)
+    assert s["measured_steps"] == 3 and not any(k.startswith("bound_") for k in s)  # no cause inferred from the clocks
 
 
 def _run(cfg, tmp_path, run_id):
