@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import pandas as pd
 
 from lora_bench.errors import UsageError
-from lora_bench.fileio import check_writable_dir, names_file
+from lora_bench.fileio import check_writable_dir, names_file, refusing
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
 from lora_bench.results.folder_files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
@@ -36,12 +36,14 @@ FINISHED = ("done", "diverged")
 def locked(path: Path):
     """An exclusive advisory lock beside ``path`` (``<name>.lock``), so processes sharing a results
     folder (sweep shards on several GPUs) rewrite ``runs.csv`` one at a time. The lock file is
-    removed when the lock is let go, so a folder at rest holds none."""
+    removed when the lock is let go, so a folder at rest holds none. A folder that takes no lock
+    file (read-only, full) is refused with ``fileio.NotWritable`` naming it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_name(path.name + LOCK_SUFFIX)
     while True:
-        fh = open(lock, "a")
+        with refusing(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(lock, "a")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX)
         except BaseException:
@@ -86,7 +88,7 @@ def write_index(results_dir: Path, *, drop: Iterable[str] = (), rows: Iterable[d
     torn = [t for t, run_id in zip(table.torn, table.torn_ids()) if run_id not in index and run_id not in drop]
     if torn:  # nothing is lost: a cut row without its run's record is kept as it was, apart
         new_file = not (results_dir / TORN_CSV).exists()
-        with open(results_dir / TORN_CSV, "a", newline="") as f:
+        with refusing(results_dir), open(results_dir / TORN_CSV, "a", newline="") as f:
             csv.writer(f).writerows([table.header] * new_file + torn)
     if index or path.is_file():
         keys = dict.fromkeys(k for r in index.values() for k in r)  # one row lacks: blank, not NaN (3 stays 3)
