@@ -1,7 +1,8 @@
 """Text from files and users, made safe where it is shown: a terminal (``terminal``, ``markup``),
-a CSV cell (``csv_cell``, read back by ``csv_value``), Markdown (``markdown_cell``,
-``markdown_text``). One function per place, applied where the text leaves lora-bench (the
-renderers, the CSV writers, the error printer), so the values themselves stay as they were given."""
+a CSV cell (``csv_cell``, read back by ``csv_value``; ``report_csv_cell`` in a CSV report), HTML
+(``html_text``), Markdown (``markdown_cell``, ``markdown_text``, ``markdown_code``). One function
+per place, applied where the text leaves lora-bench (the renderers, the CSV writers, the error
+printer), so the values themselves stay as they were given."""
 
 from __future__ import annotations
 
@@ -62,10 +63,23 @@ def csv_cell(value: object) -> object:
     return value
 
 
+def report_csv_cell(value: object) -> object:
+    """A text cell of a CSV report (not a results table, which keeps values exactly): its control
+    and invisible format characters shown as escapes (``terminal``), then ``csv_cell``."""
+    return csv_cell(terminal(value)) if isinstance(value, str) else value
+
+
 def csv_value(text: str) -> str:
     """A cell as ``csv_cell`` stored it, read back: one leading quote dropped (lora-bench's readers
     apply it to every cell)."""
     return text[1:] if isinstance(text, str) and text.startswith(QUOTE) else text
+
+
+# -- HTML -----------------------------------------------------------------------------------------
+def html_text(text: object) -> str:
+    """``text`` as HTML text or an attribute value: its control and invisible format characters
+    shown as escapes (``terminal``; line breaks kept), then ``&``, ``<``, ``>`` and quotes escaped."""
+    return html.escape(terminal(text, newlines=True))
 
 
 # -- Markdown -------------------------------------------------------------------------------------
@@ -78,6 +92,16 @@ def markdown_cell(text: object) -> str:
     becomes a space."""
     out = _MD_SPECIAL.sub(r"\\\1", markdown_text(text))
     return out.replace("\n", " ").replace("\t", " ")
+
+
+def markdown_code(text: object) -> str:
+    """``text`` as an inline code span inside a Markdown table cell: a fence longer than any run of
+    backticks in it, ``|`` escaped (GitHub's tables split a row at it even inside code), control
+    characters and line breaks shown as escapes (``\\n``), so that the row stays one row."""
+    out = terminal(text).replace("|", "\\|")
+    fence = "`" * (max(map(len, re.findall("`+", out)), default=0) + 1)
+    pad = " " if out.startswith("`") or out.endswith("`") else ""
+    return f"{fence}{pad}{out}{pad}{fence}"
 
 
 def markdown_text(text: object) -> str:

@@ -21,6 +21,7 @@ import pandas as pd
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
 from lora_bench.report.labels import is_blank, mode_name
+from lora_bench.results.guarded_read import read_results_file
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
 
@@ -28,6 +29,7 @@ RUN_DIR = "run_dir"
 RESULTS_DIR = "results_dir"
 MODE = "mode"
 KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launches and kernel ms per phase
+KERNELS_MAX_BYTES = 1 << 20  # one row per phase
 
 
 def result_dirs(path: Path) -> list[Path]:
@@ -114,9 +116,10 @@ def kernel_counts(run_dir: str | Path) -> dict[str, tuple[float, float]]:
     """{phase: (kernel launches per step, kernel device ms per step)} from a profiled run's folder;
     empty when the run wrote no profile."""
     path = Path(run_dir) / KERNELS_FILE
-    if not path.is_file():
+    data = read_results_file(path, limit=KERNELS_MAX_BYTES, root=Path(run_dir).parent)
+    if data is None:
         return {}
-    df = pd.read_csv(path)
+    df = pd.read_csv(io.BytesIO(data))
     if not {"phase", "launches_per_step", "kernel_ms_per_step"} <= set(df.columns):
         return {}
     return {str(r.phase): (float(r.launches_per_step), float(r.kernel_ms_per_step)) for r in df.itertuples()}
