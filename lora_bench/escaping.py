@@ -6,6 +6,7 @@ printer), so the values themselves stay as they were given."""
 
 from __future__ import annotations
 
+import hashlib
 import html
 import re
 import unicodedata
@@ -36,6 +37,20 @@ def terminal(text: object, *, newlines: bool = False) -> str:
         return text
     keep = "\n\t" if newlines else ""
     return "".join(_shown(ch) if ch not in keep and unicodedata.category(ch) in _HIDDEN else ch for ch in text)
+
+
+SHOWN_CHARS = 200  # characters of one value echoed in a table, a heading or a message
+
+
+def clip(text: object, limit: int = SHOWN_CHARS) -> str:
+    """``text`` as echoed: at most about ``limit`` characters, a longer one cut, with its length
+    and a digest of the whole said (``99999… (5,000 characters, #1a2b3c4d)``), so that one value
+    from a file cannot flood a report and two long values that differ still read differently."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:8]
+    return f"{text[: max(limit - 40, 8)]}… ({len(text):,} characters, #{digest})"
 
 
 def markup(text: object, *, newlines: bool = False) -> str:

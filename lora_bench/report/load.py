@@ -20,6 +20,7 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
+from lora_bench.escaping import SHOWN_CHARS, clip
 from lora_bench.report.labels import is_blank, mode_name
 from lora_bench.results.guarded_read import read_results_file
 from lora_bench.results.schema import SETTING_PREFIX
@@ -77,6 +78,19 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     buf.seek(0)
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]
+    return clipped(df)
+
+
+def clipped(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every text cell longer than ``escaping.SHOWN_CHARS`` cut (``escaping.clip``): a
+    report echoes its cells, and one value of thousands of characters would flood every table. The
+    folders' paths stay whole: they are read from."""
+    for col in df.columns:
+        if col in (RUN_DIR, RESULTS_DIR) or not (df[col].dtype == object or pd.api.types.is_string_dtype(df[col])):
+            continue
+        long = df[col].map(lambda v: isinstance(v, str) and len(v) > SHOWN_CHARS)
+        if long.any():
+            df[col] = df[col].astype(object).where(~long, df[col].map(clip))
     return df
 
 
