@@ -1,8 +1,8 @@
 """Text from files and users, made safe where it is shown: a terminal (``terminal``, ``markup``),
 a CSV cell (``csv_cell``, read back by ``csv_value``; ``report_csv_cell`` in a CSV report), HTML
-(``html_text``), Markdown (``markdown_cell``, ``markdown_text``, ``markdown_code``). One function
-per place, applied where the text leaves lora-bench (the renderers, the CSV writers, the error
-printer), so the values themselves stay as they were given."""
+(``html_text``), JSON (``json_text``), Markdown (``markdown_cell``, ``markdown_text``,
+``markdown_code``). One function per place, applied where the text leaves lora-bench (the
+renderers, the CSV writers, the error printer), so the values themselves stay as they were given."""
 
 from __future__ import annotations
 
@@ -95,6 +95,26 @@ def html_text(text: object) -> str:
     """``text`` as HTML text or an attribute value: its control and invisible format characters
     shown as escapes (``terminal``; line breaks kept), then ``&``, ``<``, ``>`` and quotes escaped."""
     return html.escape(terminal(text, newlines=True))
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+def json_text(text: str) -> str:
+    """A JSON document (``json.dumps(..., ensure_ascii=False)``) with every control and invisible
+    format character its strings hold written as a ``\\uXXXX`` escape: the document reads back the
+    same, and printing it sends no control sequence or bidirectional override."""
+    if text.isprintable():
+        return text
+
+    def escaped(ch: str) -> str:
+        if ch in "\n\t" or unicodedata.category(ch) not in _HIDDEN:
+            return ch
+        n = ord(ch)
+        if n < 0x10000:
+            return f"\\u{n:04x}"
+        n -= 0x10000
+        return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
+
+    return "".join(map(escaped, text))
 
 
 # -- Markdown -------------------------------------------------------------------------------------

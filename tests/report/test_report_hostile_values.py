@@ -37,15 +37,25 @@ def _labelled(tmp_path: Path) -> Path:
     return _with(tmp_path, "labelled", label)
 
 
-@pytest.mark.parametrize("fmt", ["html", "csv"])
-def test_html_and_csv_reports_send_no_control_or_bidi_character(fmt, tmp_path, run_cli):
+@pytest.mark.parametrize("fmt", ["html", "csv", "json"])
+def test_html_csv_and_json_reports_send_no_control_or_bidi_character(fmt, tmp_path, run_cli):
     folder = _labelled(tmp_path)
     out_file = tmp_path / f"report.{fmt}"
     code, out = run_cli("report", folder, "--group-by", "model_size,label", "--format", fmt, "--output", out_file)
     assert code == 0, out
     text = out_file.read_text()
     assert not [c for c in RAW if c in text], [c for c in RAW if c in text]
-    assert "\\x1b" in text and "\\u202e" in text  # shown, not sent
+    assert ("\\x1b" in text or "\\u001b" in text) and "\\u202e" in text  # shown, not sent
+    if fmt == "json":  # escapes of JSON itself: the labels read back as they were given
+        assert set(LABELS) <= set(_strings(json.loads(text)))
+
+
+def _strings(v):
+    if isinstance(v, dict):
+        return [s for k, x in v.items() for s in (k, *_strings(x))]
+    if isinstance(v, list):
+        return [s for x in v for s in _strings(x)]
+    return [v] if isinstance(v, str) else []
 
 
 @pytest.mark.parametrize("keys", ["label,label", "sweep_label,label", "model_size,model_size"])
