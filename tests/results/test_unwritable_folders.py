@@ -108,3 +108,22 @@ def test_render_takes_a_bounded_number_of_recipes(tmp_path, run_cli):
     code, out = run_cli("results", "render", "--root", root)
     assert code == 2 and "lists 300 recipes; a folder declares at most 64" in out, out
     assert not list(folder.glob("report*"))
+
+
+def test_train_with_a_full_cache_disk_is_one_message(tmp_path, run_cli, monkeypatch):
+    import pandas as pd
+
+    real = pd.DataFrame.to_csv
+
+    def full(self, path=None, *a, **k):  # a file fills the disk; text for runs.csv is still made
+        if path is not None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", full)
+    cache = tmp_path / "cache"
+    code, out = run_cli("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu", "--no-progress",
+                        "--max-steps", "1", "--warmup-steps", "0", "--eval-freq", "0", "--skip-final-eval", "--data-file", SAMPLE,
+                        "--cache-dir", cache, "--results-dir", tmp_path / "res")
+    assert code == 2 and "Traceback" not in out and "Errno" not in out, out
+    assert "No space left on device" in out and str(cache) in out.replace("\n", ""), out
