@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_bench.config import TrainConfig
+from lora_bench.errors import ResultsError
+from lora_bench.results.guarded_read import results_file_problem
 from lora_bench.results.schema import SETTING_PREFIX, run_column_names
 from lora_bench.results.store import locked, read_run_table, text_value, write_csv, write_index
 
@@ -64,6 +66,8 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
     ``results_dir/superseded/``; returns what was (or, with ``dry_run``, would be) moved."""
     results_dir = Path(results_dir)
     csv = results_dir / "runs.csv"
+    if why := results_file_problem(csv, root=results_dir):
+        raise ResultsError(f"{csv} {why}; nothing was moved")
     if not csv.is_file():
         return []
     if dry_run:  # writes nothing, not even the lock file: a read-only folder can be looked at

@@ -127,3 +127,32 @@ def test_train_with_a_full_cache_disk_is_one_message(tmp_path, run_cli, monkeypa
                         "--cache-dir", cache, "--results-dir", tmp_path / "res")
     assert code == 2 and "Traceback" not in out and "Errno" not in out, out
     assert "No space left on device" in out and str(cache) in out.replace("\n", ""), out
+
+
+def test_a_tensorboard_export_into_a_read_only_folder_is_one_message(tmp_path, run_cli, read_only, monkeypatch):
+    import os
+    import pathlib
+
+    _, folder = _folder(tmp_path)
+    real = pathlib.Path.mkdir
+
+    def mkdir(self, *a, **k):  # the export's own folders are refused too
+        if "tensorboard" in self.parts:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    code, out = run_cli("results", "export", folder, "--to", "tensorboard")
+    assert code == 2 and "Traceback" not in out and "Errno" not in out, out
+    assert "Read-only file system" in out and str(folder / "tensorboard") in out.replace("\n", ""), out
+    assert not os.path.exists(folder / "tensorboard")
+
+
+def test_prune_names_a_runs_csv_that_is_no_file(tmp_path, run_cli):
+    import os
+
+    _, folder = _folder(tmp_path)
+    (folder / "runs.csv").unlink()
+    os.mkfifo(folder / "runs.csv")
+    code, out = run_cli("results", "prune", folder, "--superseded")
+    assert code == 2 and "runs.csv is not a regular file" in out and "nothing was moved" in out, out
