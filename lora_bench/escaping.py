@@ -53,6 +53,15 @@ def clip(text: object, limit: int = SHOWN_CHARS) -> str:
     return f"{text[: max(limit - 40, 8)]}… ({len(text):,} characters, #{digest})"
 
 
+_LONG_WORD = re.compile(r"\S{%d,}" % (SHOWN_CHARS + 1))
+
+
+def clip_words(text: object) -> str:
+    """``text`` (a message) with every run of more than SHOWN_CHARS characters without a space cut
+    as ``clip`` cuts it: a message quoting a value given by a user or a file stays readable."""
+    return _LONG_WORD.sub(lambda m: clip(m.group()), str(text))
+
+
 def markup(text: object, *, newlines: bool = False) -> str:
     """``terminal(text)`` with rich's markup (``[bold]``, ``[link=…]``) escaped: for text inside a
     string that rich parses."""

@@ -46,6 +46,21 @@ def shown_path(path: Path | str) -> str:
     return str(path.parent / f"{name[:SHOWN_NAME]}…") + f" (a name of {len(name.encode(errors='replace')):,} bytes)"
 
 
+def name_problem(path: Path | str, *, room: int = 0) -> str | None:
+    """Why the file system would refuse ``path``'s name (longer than its folder's limit, 255 bytes on
+    most, less ``room`` for a suffix the command adds), or None."""
+    path = Path(path)
+    try:
+        limit = os.pathconf(path.parent if path.parent.is_dir() else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(path.name.encode(errors="surrogateescape"))
+    if size + room <= limit:
+        return None
+    extra = f", less {room} for the suffixes added to it" if room else ""
+    return f"its name has {size:,} bytes; a file name has at most {limit} here{extra}"
+
+
 @contextlib.contextmanager
 def refusing(where: Path | str):
     """Turn an OSError that says the place takes no file (REFUSED) into ``NotWritable`` naming

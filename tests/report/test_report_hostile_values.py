@@ -122,3 +122,18 @@ def test_the_index_escapes_descriptions_and_command_lines(tmp_path, run_cli):
     assert len(rows) == 1
     cells = re.split(r"(?<!\\)\|", rows[0].replace("\\`", ""))
     assert len(cells) == 9, rows[0]  # seven cells, no '|' of a value splitting the row
+
+
+def test_a_report_name_past_the_file_systems_limit_is_one_message(tmp_path, run_cli):
+    code, out = run_cli("report", FIXTURES / "report", "--format", "markdown", "--output",
+                        tmp_path / ("report" + "x" * 300 + ".md"))
+    assert code == 2 and "Traceback" not in out and "a file name has at most" in out, out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [("report", FIXTURES / "report", "--group-by", "k" * 5000),
+                                  ("compare", FIXTURES / "report", FIXTURES / "report", "--metric", "m" * 5000)])
+def test_an_option_value_of_thousands_of_characters_is_cut_in_the_message(args, run_cli):
+    code, out = run_cli(*args)
+    assert code == 2 and "Traceback" not in out, out
+    assert "(5,0" in out and not re.search(r"[km]{300}", re.sub(r"\s", "", out)), out[:500]
