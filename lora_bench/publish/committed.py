@@ -31,6 +31,8 @@ KEYS = ("format", "output", "inputs", "threshold", *OPTIONS)
 REPORT_FILE = re.compile(r"report[^/]*\.(md|html|png|pdf|svg|csv|json|txt)")
 FIGURE_FILE = re.compile(r"report[^/]*\.(png|pdf|svg)")
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_RECIPES = 64  # reports one folder declares: a study's folder declares a handful
+NAME_MAX = 200  # bytes of a report file's name: the file system's 255, with room for a figure's suffix
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ def _report_name(value, key: str, where: str) -> str:
     ``report*.<ext>`` (what ``stale_reports`` looks for), not a link, nothing else in its way."""
     pattern = FIGURE_FILE if key == "plot" else REPORT_FILE
     allowed = "png, pdf, svg" if key == "plot" else "md, html, png, pdf, svg, csv, json, txt"
+    if isinstance(value, str) and len(value.encode(errors="surrogateescape")) > NAME_MAX:
+        raise ResultsError(f"{where}: {key} is a name of {len(value.encode(errors='surrogateescape')):,} bytes; a "
+                           f"report file's name has at most {NAME_MAX} (the file system's limit is 255)")
     if (not isinstance(value, str) or CONTROL.search(value) or not pattern.fullmatch(value)
             or "/" in value or "\\" in value):
         example = "report.png" if key == "plot" else "report.md"
@@ -113,6 +118,8 @@ def recipes(folder: Path, *, root: Path) -> list[Recipe]:
     path = folder / MANIFEST
     if not isinstance(entries, list):
         raise ResultsError(f"{path}: {REPORTS} must be a list of report recipes, not a JSON {type(entries).__name__}")
+    if len(entries) > MAX_RECIPES:
+        raise ResultsError(f"{path}: {REPORTS} lists {len(entries):,} recipes; a folder declares at most {MAX_RECIPES}")
     try:
         rel = folder.resolve().relative_to(root.resolve())
     except ValueError:

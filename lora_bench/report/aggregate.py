@@ -89,10 +89,11 @@ def plan_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline
         what = ", ".join(f"{v} {k}" for k, v in excluded.items()) or "none"
         raise UsageError(f"nothing to report: {len(df)} run(s) found, none finished ({what}); "
                          "their errors are in the error column of runs.csv")
-    keys = [resolve_column(done, k) for k in group_by] if group_by else default_keys(done)
+    # a key or metric named twice (or by two of its names: label, sweep_label) counts once
+    keys = list(dict.fromkeys(resolve_column(done, k) for k in group_by)) if group_by else default_keys(done)
     notes = [n for n in (shared_ids_note(df),) if n] + diverged_notes(df)
     if metrics:
-        metrics = [resolve_column(done, m, metric=True) for m in metrics]
+        metrics = list(dict.fromkeys(resolve_column(done, m, metric=True) for m in metrics))
         for m in metrics:
             if is_empty(done, m):
                 notes.append(why_empty(done, m))

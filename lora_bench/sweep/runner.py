@@ -25,7 +25,7 @@ from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import run_record
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_jobs
-from lora_bench.sweep.packs import describe_plan, plan_packs
+from lora_bench.sweep.packs import describe_plan, pack_memory_problem, plan_packs
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 from lora_bench.train.preflight import device_problems, memory_problem, require_packages
@@ -101,6 +101,8 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     units, alone = plan_packs(todo, size)
     for line in describe_plan(units, alone, size):
         console.print(markup(line), highlight=False)
+    if too_big := pack_memory_problem(units):  # before the first pack allocates
+        raise UsageError(too_big)
     seen = planned_records(results_dir)
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
