@@ -148,7 +148,15 @@ def markdown_code(text: object) -> str:
     return f"{fence}{pad}{out}{pad}{fence}"
 
 
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+
+
 def markdown_text(text: object) -> str:
     """Generated Markdown (a paragraph with **bold** and `code` marks) that may quote values: its
-    HTML (``<script>``) and control characters escaped, its Markdown marks kept."""
-    return html.escape(terminal(text, newlines=True), quote=False)
+    HTML (``<script>``) and control characters escaped, its Markdown marks kept. A code span's
+    text is left as it is (Markdown shows it literally: ``&&`` stays ``&&``, ``<b>`` is no tag)."""
+    text, out, at = terminal(text, newlines=True), [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out += [html.escape(text[at:m.start()], quote=False), m.group(0)]
+        at = m.end()
+    return "".join(out) + html.escape(text[at:], quote=False)
