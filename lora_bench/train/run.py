@@ -26,6 +26,7 @@ from lora_bench.timing import PhaseTimer
 import lora_bench.train.recording as recording
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
+from lora_bench.train.estimate import announce
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import TrainResult, train_classifier
@@ -45,7 +46,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
 
 def execute(points: list[Point], *, results_dir: Path, console: Console | None = None, progress: bool = True,
             cache_dir: Path | None = None, overwrite: bool = False, claims: list | None = None,
-            handle_signals: bool = True) -> list[dict]:
+            handle_signals: bool = True, estimate: bool = False) -> list[dict]:
     """Train ``points`` at once and record each as its own run; returns their rows. On failure or
     interruption every row is still written (status failed / interrupted, with the error and, when
     interrupted, the summary of the steps measured so far) and the exception propagates.
@@ -55,7 +56,8 @@ def execute(points: list[Point], *, results_dir: Path, console: Console | None =
     replaces an earlier run of that id) and each point's folder is claimed, so no other process
     executes it at the same time (``claims``: the caller's, one per point). ``handle_signals``:
     SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal); a caller with its own
-    signal handling passes False.
+    signal handling passes False. ``estimate``: say how long the run will take before its first step
+    (``lora_bench.train.estimate``; not on a data-parallel run).
 
     Under torchrun (a data-parallel solo run, see lora_bench.train.distributed) every rank executes
     the run and rank 0 alone checks, claims and writes; the others run quietly. torchrun stops the
@@ -74,7 +76,7 @@ def execute(points: list[Point], *, results_dir: Path, console: Console | None =
           else contextlib.nullcontext()):
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
             run = _Run(points, results_dir=results_dir, console=console, progress=progress, cache_dir=cache_dir,
-                       env=env)
+                       env=env, estimate=estimate)
             return run.execute()
 
 
@@ -89,6 +91,7 @@ class _Run:
     progress: bool
     cache_dir: Path
     env: RankEnv | None
+    estimate: bool = False  # say how long the run will take, before its first step
     ctx: RunContext | None = None
     timer: PhaseTimer | None = None
     profiler: Profiler | None = None
@@ -175,6 +178,8 @@ class _Run:
     def _train(self, rows: list[dict]) -> None:
         """The instrumented loop (profiled when asked, CUDA graphs when asked); its row columns."""
         ctx, timer, cfg = self.ctx, self.timer, self.ctx.cfg
+        if self.estimate and ctx.dp is None:
+            announce(ctx, lambda line: self.console.print(line, highlight=False, markup=False))
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         # a pack's profile is of its step (every point at once); each point's folder gets its files
