@@ -20,7 +20,7 @@ from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.kernels.policy import record_plans, use_policy
-from lora_bench.progress import TrainProgress
+from lora_bench.progress import CountProgress, TrainProgress
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
 import lora_bench.train.recording as recording
@@ -213,7 +213,10 @@ class _Run:
         self.say_all(f"Training completed in {res.training_time_s / 60:.2f} minutes.")
 
     def _final_accuracies(self, rows: list[dict]) -> None:
-        accs = final_accuracies(self.ctx)
+        loaders = self.ctx.loaders
+        total = len(loaders.train) + len(loaders.val) + len(loaders.test)
+        with CountProgress(self.console, total=total, label="final evaluation", enabled=self.progress) as bar:
+            accs = final_accuracies(self.ctx, counted=bar.counted)
         for p, row in enumerate(rows):
             for name, title in (("train", "Training"), ("val", "Validation"), ("test", "Test")):
                 row[f"{name}_acc"] = accs[f"{name}_acc"][p]
@@ -263,12 +266,13 @@ class _Run:
                                 curves=self.curves, console=self.console, pending=pending)
 
 
-def final_accuracies(ctx: RunContext) -> dict[str, list[float]]:
-    """Each point's accuracy (in percent) on the whole train, validation and test sets."""
+def final_accuracies(ctx: RunContext, *, counted=lambda loader: loader) -> dict[str, list[float]]:
+    """Each point's accuracy (in percent) on the whole train, validation and test sets; each
+    loader read through ``counted`` (a progress display's)."""
     obj = ctx.loop_settings().objective(ctx.n)
     out = {}
     with use_policy(ctx.kernel_policy):
         for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-            accs = calc_accuracy_loader(loader, ctx.eval_model, ctx.device, objective=obj, amp=ctx.amp)
+            accs = calc_accuracy_loader(counted(loader), ctx.eval_model, ctx.device, objective=obj, amp=ctx.amp)
             out[f"{name}_acc"] = [a * 100 for a in accs]
     return out
