@@ -4,8 +4,8 @@ settings and its data file's splits) times the time of one of its model's transf
 built at the run's width and timed forward and backward at the run's batch shape, once per shape
 (the blocks are nearly all of a step's time; the embedding, the head and the adapters are left
 out). A run on a CUDA device is not estimated here: timing it would make a CUDA context in this
-process. Where each run starts its own process, the time this process took to start is added per
-run, as the nearest measure of a child's start."""
+process. Where each run starts its own process, the time this process took to start (up to this module's
+import) is added per run, as the nearest measure of a child's start."""
 
 from __future__ import annotations
 
@@ -85,13 +85,18 @@ def process_start_s() -> float | None:
     return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+# Measured as this module is first imported, when a command has just started and imported torch and
+# the sweep's modules, as a sweep's child process does before its run.
+START_S = process_start_s()
+
+
 def plan_estimate(runs: list, *, process_each: bool) -> list[str]:
     """The lines that say how long ``runs`` (``PlannedRun``s) will take here, run one at a time;
     ``process_each``: each run starts its own process."""
     cpu = [r for r in runs if r.cfg.device == "cpu" or (r.cfg.device == "auto" and not torch.cuda.is_available())]
     if not cpu:
         return ["estimate: none here (the runs are for a CUDA device)"] if runs else []
-    start = process_start_s() if process_each else None  # before the blocks are timed here
+    start = START_S if process_each else None
     data: dict = {}
     blocks: dict = {}
     total = 0.0

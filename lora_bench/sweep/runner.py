@@ -23,9 +23,10 @@ from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_cl
 from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import run_record
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows
-from lora_bench.sweep.machine import preflight_runs
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_jobs
+from lora_bench.sweep.machine import preflight_runs
 from lora_bench.sweep.packs import describe_plan, plan_packs
+from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
 
@@ -98,7 +99,7 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     todo, result = start_sweep(sweep, results_dir=results_dir, console=console, fresh=fresh, shard=shard)
     size = sweep.pack if pack is None else pack
     units, alone = plan_packs(todo, size)
-    for line in describe_plan(units, alone, size):
+    for line in describe_plan(units, alone, size) + plan_estimate(todo, process_each=isolation == "process"):
         console.print(markup(line), highlight=False)
     seen = planned_records(results_dir)
     with Interrupts(inline=isolation == "inline") as stop, \

@@ -175,9 +175,10 @@ def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]], layo
     return out
 
 
-def validate_files(paths: list[Path], *, console) -> list[Sweep]:
-    """Check every file, and its runs on this machine as the sweep does (``machine``), and print
-    what each expands to; UsageError at the end if any had problems."""
+def validate_files(paths: list[Path], *, console, machine: bool = False) -> list[Sweep]:
+    """Check every file and print what each expands to; with ``machine``, also its runs on this
+    machine as the sweep does (``sweep.machine``) and how long they would take here
+    (``sweep.plan_time``). UsageError at the end if any had problems."""
     sweeps, bad = [], 0
     for path in paths:
         try:
@@ -186,7 +187,7 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
             bad += 1
             console.print(f"[red]✗[/red] {markup(e, newlines=True)}", highlight=False)
             continue
-        problems = machine_problems(list(sw.runs))
+        problems = machine_problems(list(sw.runs)) if machine else []
         if problems:
             bad += 1
             console.print(f"[red]✗[/red] {markup(path)}: on this machine, "
@@ -197,7 +198,7 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
         seeds = ", seed + repeat" if sw.vary_seed and sw.repeats > 1 else ""
         console.print(f"[green]✓[/green] {markup(path)}: sweep {sw.name!r}, {len(sw.runs)} runs "
                       f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats{seeds})", highlight=False)
-        for line in plan_estimate(list(sw.runs), process_each=True):
+        for line in plan_estimate(list(sw.runs), process_each=True) if machine else []:
             console.print(f"  {markup(line)}", highlight=False)
     if bad:
         raise UsageError(f"{bad} of {len(paths)} sweep file(s) have problems (listed above)")

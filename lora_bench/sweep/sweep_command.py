@@ -14,8 +14,8 @@ from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.results.store import FINISHED
 from lora_bench.sweep.machine import preflight_runs
-from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.packs import describe_plan, plan_packs
+from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
