@@ -40,6 +40,15 @@ def test_cuda_graphs_without_a_cuda_device_is_refused_by_every_check(tmp_path, r
 
 
 @NO_CUDA
+def test_validate_without_the_machine_checks_the_file_alone(tmp_path, run_cli):
+    """A sweep for another machine: --no-machine checks the file as any machine would see it."""
+    path = sweep_file(tmp_path, "  cuda_graphs: true\n")
+    path.write_text(path.read_text().replace("device: cpu", "device: auto"))
+    code, out = run_cli("validate", path, "--no-machine")
+    assert code == 0 and "✓" in out and "estimate" not in out, out
+
+
+@NO_CUDA
 def test_a_cuda_device_the_machine_lacks_is_refused_by_every_check(tmp_path, run_cli):
     path = sweep_file(tmp_path, "")
     path.write_text(path.read_text().replace("device: cpu", "device: cuda"))
