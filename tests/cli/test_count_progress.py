@@ -5,6 +5,8 @@ nothing the loader yields."""
 from __future__ import annotations
 
 import io
+import shutil
+from pathlib import Path
 
 from rich.console import Console
 from tiny import SAMPLE
@@ -12,6 +14,8 @@ from tiny import SAMPLE
 from lora_bench.config import TrainConfig
 from lora_bench.progress import CLEAR, CountProgress
 from lora_bench.train.run import execute_run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _console(terminal: bool) -> Console:
@@ -48,3 +52,13 @@ def test_the_final_evaluation_shows_its_progress(tmp_path, cache_dir):
     done, all_ = last.split("  ")[1].split("/")
     assert done == all_  # the last line: every batch evaluated
     assert out.index("final evaluation  ") < out.index("Test accuracy:")
+
+
+def test_rendering_reports_shows_its_progress(tmp_path, run_cli):
+    """`results render` and its --check say how far they are, folder by folder."""
+    root = tmp_path / "results"
+    shutil.copytree(REPO / "results" / "answer" / "peers", root / "answer" / "peers")
+    code, out = run_cli("results", "render", "--root", root, "--check")
+    assert code == 0 and "checking reports  1/1  " in out, out
+    code, out = run_cli("results", "render", "--root", root)
+    assert code == 0 and "rendering reports  1/1  " in out, out
