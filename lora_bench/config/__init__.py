@@ -48,7 +48,7 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
     WEIGHTS,
     WEIGHTS_SOURCES,
     Setting,
-    Settings,
+    SettingFields,
     Spec,
     coerce,
     flag_name,
@@ -73,8 +73,8 @@ from lora_bench.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class TrainConfig(Settings):
-    """Every setting of one training run (declared in ``Settings``), built from a mapping or checked
+class TrainConfig(SettingFields):
+    """Every setting of one training run (declared in ``SettingFields``), built from a mapping or checked
     whole: every problem at once."""
 
     @classmethod

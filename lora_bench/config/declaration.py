@@ -1,4 +1,4 @@
-"""The declaration of every run setting: its type and default (a field of ``Settings``), and its
+"""The declaration of every run setting: its type and default (a field of ``SettingFields``), and its
 ``Spec``: allowed values, bounds, help text, extra command-line spellings and help panel. From it
 come the ``train`` flags (``--lora-rank``), the keys of settings and sweep files (``lora_rank``)
 and the ``cfg_*`` columns of the results tables; ``SETTINGS`` reads it back, one ``Setting`` each."""
@@ -85,7 +85,7 @@ def _s(default: Any, help: str, panel: str, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Settings:
+class SettingFields:
     """Every setting of one training run, declared: type and default (the field), allowed values,
     help and panel (its ``Spec``). Defaults are the reference's (book mode)."""
 
@@ -210,7 +210,7 @@ class Settings:
     def quantized_base(self) -> bool:
         return self.base_dtype in QUANTIZED_BASES
 
-    def replace(self, **changes: Any) -> Settings:
+    def replace(self, **changes: Any) -> SettingFields:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,7 +259,7 @@ def _setting(f: dataclasses.Field) -> Setting:
                    spec=f.metadata["spec"])
 
 
-SETTINGS: dict[str, Setting] = {f.name: _setting(f) for f in fields(Settings)}
+SETTINGS: dict[str, Setting] = {f.name: _setting(f) for f in fields(SettingFields)}
 DEFAULTS: dict[str, Any] = {name: s.default for name, s in SETTINGS.items()}
 BY_FLAG = {flag.removeprefix("--"): name for name, s in SETTINGS.items() for flag in s.flags}
 PATH_SETTINGS = tuple(name for name, s in SETTINGS.items() if s.spec.path)

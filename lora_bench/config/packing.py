@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, BF16_TRUE, Settings
+from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, BF16_TRUE, SettingFields
 
 # What may differ between the runs of one pack: each adapter has its own rank and alpha, and its
 # own optimizer parameter group (learning rate, weight decay).
 ADAPTER_SETTINGS = ("lora_rank", "lora_alpha", "learning_rate", "weight_decay")
 
 
-def solo_reason(cfg: Settings) -> str | None:
+def solo_reason(cfg: SettingFields) -> str | None:
     """Why a run with these settings cannot train in a pack (None: it can)."""
     if cfg.trainable_layers != "lora":
         if cfg.trainable_layers == "lora-kernel":
@@ -34,6 +34,6 @@ def solo_reason(cfg: Settings) -> str | None:
     return None
 
 
-def pack_key(cfg: Settings) -> tuple[tuple[str, Any], ...]:
+def pack_key(cfg: SettingFields) -> tuple[tuple[str, Any], ...]:
     """Runs with equal keys can share a pack: every setting but the adapter's own."""
     return tuple((k, v) for k, v in sorted(cfg.to_dict().items()) if k not in ADAPTER_SETTINGS)

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_bench.config.declaration import (BASE_DTYPE_DEFAULT, BASE_DTYPE_LAYERS, BASE_DTYPES, BF16_TRUE, BY_FLAG,
-                                           FROZEN, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce, key_name)
+                                           DEFAULTS, FROZEN, HF_TRAINABLE_LAYERS, MAX_INT, SETTINGS, coerce,
+                                           key_name)
 from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
+
+# settings of the fused LoRA layer alone: any other trainable-layer choice runs them at their default
+KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads")
 
 
 # -- problems ---------------------------------------------------------------------------------
@@ -129,13 +133,9 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
             and v["average_embeddings"]:
         out.append(problem("average_embeddings", "{trainable_token_pos}=flexible and {average_embeddings} "
                                                  "exclude each other"))
-    if ok("kernel_plan", "trainable_layers") and v["kernel_plan"] != "auto" and v["trainable_layers"] != "lora-kernel":
-        out.append(problem("kernel_plan", "{kernel_plan}={p} is only used with {trainable_layers}=lora-kernel",
-                           p=v["kernel_plan"]))
-    if ok("adapter_grads", "trainable_layers") and v["adapter_grads"] != "inline" \
-            and v["trainable_layers"] != "lora-kernel":
-        out.append(problem("adapter_grads", "{adapter_grads}={p} is only used with {trainable_layers}=lora-kernel",
-                           p=v["adapter_grads"]))
+    for name in KERNEL_LAYER_SETTINGS:
+        if ok(name, "trainable_layers") and v[name] != DEFAULTS[name] and v["trainable_layers"] != "lora-kernel":
+            out.append(problem(name, "{%s}={p} is only used with {trainable_layers}=lora-kernel" % name, p=v[name]))
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))
     if ok("weights_source", "weights") and v["weights_source"] != "openai" and v["weights"] != "pretrained":
@@ -289,10 +289,10 @@ def _model_shape_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list
         what = "{emb_dim}={w}" if v["emb_dim"] else "the width {w} of {size}"
         out.append(problem("n_heads", what + " is not divisible by {n_heads}={h}", w=raw(width), size=raw(size),
                            h=raw(heads)))
-    ctx = v.get("context_length") if ok("context_length") else None
-    if ctx and ctx.isdigit() and int(ctx) > GPTConfig.context_length:
+    length = v.get("context_length") if ok("context_length") else None
+    if length and length.isdigit() and int(length) > GPTConfig.context_length:
         out.append(problem("context_length", "{context_length}={c} exceeds the model's context length {n}",
-                           c=raw(ctx), n=raw(GPTConfig.context_length)))
+                           c=raw(length), n=raw(GPTConfig.context_length)))
     return out
 
 

@@ -92,7 +92,7 @@ class MultiHeadAttention(nn.Module):
         values = values.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         if self.sdpa:
             p = self.dropout.p if self.training else 0.0
-            ctx = F.scaled_dot_product_attention(queries, keys, values, dropout_p=p,
+            attended = F.scaled_dot_product_attention(queries, keys, values, dropout_p=p,
                                                  is_causal=not self.disable_causal_mask)
         else:
             scores = queries @ keys.transpose(2, 3)  # (B, H, T, T)
@@ -100,9 +100,9 @@ class MultiHeadAttention(nn.Module):
                 scores.masked_fill_(self.mask.bool()[:t, :t], -torch.inf)
             weights = torch.softmax(scores / keys.shape[-1] ** 0.5, dim=-1)
             weights = self.dropout(weights)
-            ctx = weights @ values  # (B, H, T, hd)
-        ctx = ctx.transpose(1, 2).contiguous().view(b, t, self.d_out)
-        return self.out_proj(ctx)
+            attended = weights @ values  # (B, H, T, hd)
+        attended = attended.transpose(1, 2).contiguous().view(b, t, self.d_out)
+        return self.out_proj(attended)
 
 
 class TransformerBlock(nn.Module):

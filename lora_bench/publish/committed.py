@@ -1,27 +1,7 @@
-"""Reports rendered from a results folder's own runs, as the folder's manifest declares them, and
-the check that the files beside the runs are what the renderer makes of those runs today.
-
-A folder's ``manifest.json`` may hold ``reports``, a list of recipes, each one ``lora-bench report``
-run whose inputs are folders relative to this one (default: the folder itself) and whose files are
-written into this folder::
-
-    "reports": [
-      {"format": "markdown", "output": "report.md", "plot": "report.png"},
-      {"format": "html", "output": "report.html"},
-      {"format": "markdown", "output": "report.md", "inputs": ["w1", "ddp"], "group_by": "model_size,nproc"}
-    ]
-
-Keys: ``format`` and ``output`` (required), ``inputs``, ``plot``, ``group_by``, ``baseline``,
-``metrics``, ``threshold`` (percent), each as the report option of the same name. ``output`` and
-``plot`` are file names in the folder itself, ``report*.<ext>``: a recipe never writes over the
-folder's runs or its manifest, never through a link, and no two recipes of a folder write one file. A report names
-its inputs as seen from the folder above the results root (``results/scaling/ddp-2gpu/w1``), never
-by an absolute path, so the files do not depend on where they were rendered.
-
-Comparing a committed file with a fresh rendering (``compare_file``): text exactly; a PNG by its
-pixel size and the digest of what it draws (``figures.content_digest``, stored in the file), not by
-its pixels, which differ between matplotlib and FreeType versions; an HTML page by its text with
-each embedded PNG cut out, and each of those as a PNG."""
+"""Reports rendered from a results folder's own runs, as the recipes of its ``manifest.json``
+declare them (each one ``lora-bench report`` run writing into the folder), and the check that the
+files beside the runs are what the renderer makes of those runs today. Recipes and how files are
+compared: docs/committed-reports.md."""
 
 from __future__ import annotations
 

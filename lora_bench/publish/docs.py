@@ -29,6 +29,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "quantized-profile": quantized.table_quantized_profile,
     "answer": study.table_answer,
     "fastest": study.table_fastest,
+    "floor": study.table_floor,
     "study-repeats": study.table_study_repeats,
     "cause": study.table_cause,
     "spread-124m": study.table_spread_124m,

@@ -94,22 +94,79 @@ def table_cause() -> str:
     return md_table(["eager fp32, GPU busy (kernel time ÷ device time)", "forward", "backward", "optimizer"], rows)
 
 
-def table_fastest() -> str:
-    """The fastest measured LoRA configuration per size in the study with repeats (mode and layer)."""
+FLOOR = "answer/floor"  # the floor study: each LoRA variant against the frozen model's step
+FLOOR_MODES = {"bf16": "CUDA graphs + bf16 autocast + SDPA + fused ops + fused AdamW",
+               "bf16-true": "CUDA graphs + bf16-true + SDPA + fused ops + fused AdamW"}
+
+
+def _floor_groups() -> list[RunGroup]:
+    """The floor study's groups by size, precision, trainable layers and where lora-kernel's adapter
+    gradients run, each LoRA group set against the floor (frozen) of its size and precision, the
+    repeats paired (the floor ran adapter_grads at its default, so that key is not matched)."""
+    df = runs(FLOOR)
+    df = as_read(df[df["status"] == "done"], FLOOR)
+    return group_runs(df, ["model_size", "cfg_precision", "trainable_layers", "cfg_adapter_grads"],
+                      metrics=[STEP, "backward_ms_median"],
+                      baseline={"trainable_layers": "frozen"}, ratio_metric=STEP, lone_baseline=False,
+                      unknown=UNCLEAR, sort=True, unmatched=("cfg_adapter_grads",))
+
+
+def table_floor() -> str:
+    """The floor study per variant: median step and backward ms at 124M and 1558M, and each LoRA
+    variant's step ÷ the floor of its precision, with intervals (docs/kernel-design.md)."""
+    cells = {}
+    for g in _floor_groups():
+        v = g.values
+        cells[(v["cfg_precision"], v["trainable_layers"], v["cfg_adapter_grads"], v["model_size"])] = g
+    order = [("bf16", "lora-kernel", "inline"), ("bf16", "lora-kernel", "deferred"),
+             ("bf16-true", "lora-kernel", "deferred"), ("bf16", "lora", "inline"), ("bf16-true", "lora", "inline"),
+             ("bf16", "all", "inline"), ("bf16", "frozen", "inline"), ("bf16-true", "frozen", "inline")]
+    precision = {"bf16": "bf16 autocast", "bf16-true": "bf16-true"}
     rows = []
-    for size in ("124M", "355M", "774M", "1558M"):
-        best = None
-        for label, mode in ANSWER_MODES:
-            for layers, g in _repeats(label).items():
-                if layers[0] == size and layers[1] != "all":
-                    est = g.estimates[STEP]
-                    if best is None or est.value < best[0].value:
-                        best = (est, mode, layers[1])
-        rows.append([f"GPT-2 {size}", f"`{best[2]}`, {best[1]}", best[0]])
-    shared = shared_n_text(e for *_, e in rows)
-    rows = [[*head, interval_text(e, digits=2, told=not shared)] for *head, e in rows]
+    for key in order:
+        prec, layers, grads = key
+        name = (f"the floor (`frozen`), {precision[prec]}" if layers == "frozen" else
+                f"`{layers}`, {precision[prec]}" + (f", {grads}" if layers == "lora-kernel" else ""))
+        row = [name]
+        for size in ("124M", "1558M"):
+            g = cells.get((*key, size))
+            if g is None:
+                row += ["-", "-", "-"]
+                continue
+            row += [interval_text(g.estimates[STEP], digits=2, told=False),
+                    "1" if layers == "frozen" else interval_text(g.ratio, told=False),
+                    f"{g.estimates['backward_ms_median'].value:.2f}"]
+        rows.append(row)
+    return md_table(["best mode, batch 8 × 120, r16", "124M step ms [interval]", "124M ÷ floor [interval]",
+                     "124M backward ms", "1558M step ms [interval]", "1558M ÷ floor [interval]", "1558M backward ms"],
+                    rows, align="---|---:|---:|---:|---:|---:|---:")
+
+
+def table_fastest() -> str:
+    """The fastest measured LoRA configuration per size, in the study with repeats and the floor
+    study, with its step ÷ the floor's (the frozen model's step in the same precision) where the
+    floor was measured at that size."""
+    found = {}
+    for label, mode in ANSWER_MODES:
+        for (size, layers), g in _repeats(label).items():
+            if layers != "all":
+                found.setdefault(size, []).append((g.estimates[STEP], f"`{layers}`, {mode}", None))
+    for g in _floor_groups():
+        v = g.values
+        if v["trainable_layers"] in ("frozen", "all"):
+            continue
+        deferred = ", adapter gradients deferred" if v["cfg_adapter_grads"] == "deferred" else ""
+        found.setdefault(v["model_size"], []).append(
+            (g.estimates[STEP], f"`{v['trainable_layers']}`{deferred}, {FLOOR_MODES[v['cfg_precision']]}", g.ratio))
+    rows = [[f"GPT-2 {size}", *min(found[size], key=lambda f: f[0].value)[1:]] for size in SIZES]
+    best = [min(found[size], key=lambda f: f[0].value)[0] for size in SIZES]
+    shared = shared_n_text([*best, *(r[2] for r in rows if r[2] is not None)])
+    rows = [[name, config, interval_text(e, digits=2, told=not shared),
+             interval_text(r, told=not shared) if r is not None else "not measured"]
+            for (name, config, r), e in zip(rows, best)]
     return md_table(["fastest measured LoRA step, batch 8 × 120 tokens, one H200", "configuration",
-                     f"median step ms [interval{f' ({shared})' if shared else ''}]"], rows, align="---|---|---:")
+                     f"median step ms [interval{f' ({shared})' if shared else ''}]", "÷ the floor"], rows,
+                    align="---|---|---:|---:")
 
 
 def _study_sizes(label: str, *, title: str) -> list[list]:

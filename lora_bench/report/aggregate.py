@@ -60,8 +60,29 @@ class Report:
         return self.metrics[0]
 
 
-def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline: str | None = None,
-                 metrics: list[str] | None = None, threshold: float = stats.THRESHOLD) -> Report:
+@dataclass
+class ReportPlan:
+    """What a table of groups is made of, before any grouping: the finished runs, the key columns,
+    the metrics shown and the extra ones, the baseline and the notes."""
+    done: pd.DataFrame
+    keys: list[str]
+    metrics: list[str]
+    extras: list[str]
+    baseline: dict[str, str]
+    ratio: str | None  # the metric set against the baseline
+    notes: list[str]
+    excluded: dict[str, int]
+    threshold: float
+
+    @property
+    def numeric(self) -> list[str]:
+        """The metrics (shown and extra) a group gets an estimate of."""
+        return [m for m in [*self.metrics, *self.extras] if not is_text(self.done, m)]
+
+
+def plan_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline: str | None = None,
+                metrics: list[str] | None = None, threshold: float = stats.THRESHOLD) -> ReportPlan:
+    """The table's runs, keys, metrics and baseline, checked (a usage error names what is wrong)."""
     done = df[df["status"] == "done"].copy()
     excluded = {str(k): int(v) for k, v in df.loc[df["status"] != "done", "status"].value_counts().items()}
     if done.empty:
@@ -88,13 +109,29 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
     spec = parse_baseline(baseline, done) if baseline else {}
     if spec and is_text(done, metrics[0]):
         notes.append(f"{metrics[0]} is text: no ratio to the baseline (put a numeric metric first)")
-    extras = extra_metrics(done, metrics)
-    numeric = [m for m in [*metrics, *extras] if not is_text(done, m)]
     ratio = metrics[0] if spec and not is_text(done, metrics[0]) else None
+    return ReportPlan(done=done, keys=keys, metrics=metrics, extras=extra_metrics(done, metrics), baseline=spec,
+                      ratio=ratio, notes=notes, excluded=excluded, threshold=threshold)
+
+
+def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline: str | None = None,
+                 metrics: list[str] | None = None, threshold: float = stats.THRESHOLD) -> Report:
+    """The table of groups of ``df``: planned, then grouped once by the engine."""
+    plan = plan_report(df, group_by=group_by, baseline=baseline, metrics=metrics, threshold=threshold)
+    groups = group_runs(plan.done, plan.keys, metrics=plan.numeric, baseline=plan.baseline, ratio_metric=plan.ratio,
+                        threshold=threshold)
+    return report_of(plan, groups)
+
+
+def report_of(plan: ReportPlan, groups: list, *, keys: list[str] | None = None) -> Report:
+    """The table of ``groups`` (RunGroups holding an estimate of each of ``plan.numeric``), keyed
+    by ``keys`` (default: the plan's): a row per group, in the keys' natural order."""
+    keys = keys or plan.keys
+    done, metrics, extras = plan.done, plan.metrics, plan.extras
     records = []
-    for group in group_runs(done, keys, metrics=numeric, baseline=spec, ratio_metric=ratio, threshold=threshold):
+    for group in groups:
         g = group.runs
-        rec = dict(group.values)
+        rec = {k: group.values.get(k, g[k].iloc[0] if k in g else pd.NA) for k in keys}
         rec["n"] = len(g)
         rec["packs"] = pack_count(g)
         for m in [*metrics, *extras]:
@@ -104,14 +141,15 @@ def build_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baselin
                             f"{m}_over": "", f"{m}_at_least": False})
             else:
                 rec.update(estimate_columns(m, group.estimates[m]))
-        if ratio:
+        if plan.ratio:
             r = group.ratio
-            rec.update({**estimate_columns("ratio", r), "ratio_paired": r.paired, "verdict": group.verdict, "is_baseline": group.is_baseline})
+            rec.update({**estimate_columns("ratio", r), "ratio_paired": r.paired, "verdict": group.verdict,
+                        "is_baseline": group.is_baseline})
         records.append(rec)
     records.sort(key=lambda r: tuple(order_key(r[k], col=k) for k in keys))
-    return Report(keys=keys, metrics=metrics, groups=pd.DataFrame(records), done=done, baseline=spec,
-                  threshold=threshold, extras=extras, text_metrics=[m for m in metrics if is_text(done, m)],
-                  excluded=excluded, notes=notes)
+    return Report(keys=keys, metrics=metrics, groups=pd.DataFrame(records), done=done, baseline=plan.baseline,
+                  threshold=plan.threshold, extras=extras, text_metrics=[m for m in metrics if is_text(done, m)],
+                  excluded=plan.excluded, notes=plan.notes)
 
 
 def extra_metrics(done: pd.DataFrame, metrics: list[str]) -> list[str]:

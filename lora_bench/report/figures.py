@@ -49,12 +49,19 @@ def why_no_crossover(study: Study) -> str:
         return f"the crossover needs two model sizes or more, and these runs have one ({', '.join(study.sizes)})"
     if not any(not math.isnan(g.ratio) for ln in study.lines for g in ln.groups):
         return "no group has a baseline group of the same size, mode and condition"
+    if not _placed(study.lines):
+        return "the runs record no parameter count (total_params) to place the model sizes on the axis"
     return ""
+
+
+def _placed(lines) -> list:
+    """The lines with a ratio at a size whose parameter count is known (the figure's x axis)."""
+    return [ln for ln in lines if any(not math.isnan(g.ratio) and not math.isnan(g.params) for g in ln.groups)]
 
 
 def crossover_figure(study: Study):
     """The Figure, or None when there is nothing to draw (no baseline, or a single model size)."""
-    lines = [ln for ln in study.lines if sum(not math.isnan(g.ratio) for g in ln.groups) >= 1]
+    lines = _placed(study.lines)
     if not lines or len(study.sizes) < 2:
         return None
     conditions = list(dict.fromkeys(ln.condition for ln in lines))

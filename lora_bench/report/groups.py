@@ -109,10 +109,11 @@ def fails_gate(r: Estimate, *, metric: str, fail_above: float | None) -> bool:
 def group_runs(frame: pd.DataFrame, keys: list[str], *, metrics: tuple[str, ...] | list[str] = (),
                baseline: dict | None = None, ratio_metric: str | None = None, threshold: float = stats.THRESHOLD,
                lone_baseline: bool = True, unknown: str = "", equal: Callable = same,
-               sort: bool = False) -> list[RunGroup]:
+               sort: bool = False, unmatched: tuple[str, ...] | list[str] = ()) -> list[RunGroup]:
     """The runs of ``frame`` grouped by ``keys`` (in first-seen order, or sorted), each with the
     estimate of every metric of ``metrics``; with a ``baseline`` (column -> value) and a
-    ``ratio_metric``, each group's ratio to the baseline runs sharing its other keys (see the module)."""
+    ``ratio_metric``, each group's ratio to the baseline runs sharing its other keys (see the module)
+    but those of ``unmatched`` (keys that split the groups but that the baseline does not depend on)."""
     spec = dict(baseline or {})
     out = []
     parts = frame.groupby(keys, sort=sort, dropna=False) if keys else [((), frame)]
@@ -122,7 +123,7 @@ def group_runs(frame: pd.DataFrame, keys: list[str], *, metrics: tuple[str, ...]
         group = RunGroup(values=values, runs=g, estimates={m: estimate(g, m) for m in metrics},
                          is_baseline=bool(spec) and bool(matches(g, spec, equal=equal).all()))
         if base is not None:
-            _against(group, base, keys=keys, spec=spec, metric=ratio_metric, threshold=threshold,
+            _against(group, base, keys=[k for k in keys if k not in unmatched], spec=spec, metric=ratio_metric, threshold=threshold,
                      lone_baseline=lone_baseline, unknown=unknown, equal=equal)
         out.append(group)
     return out

@@ -19,7 +19,7 @@ from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
-from lora_bench.report.aggregate import FORMATS, build_report
+from lora_bench.report.aggregate import FORMATS, build_report, plan_report, report_of
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.group_table import to_csv
 from lora_bench.report.load import RESULTS_DIR, load_results
@@ -62,9 +62,16 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     table_only = bool(group_by or metrics) or fmt in ("csv", "json")
     # the table of groups is set against the study's baseline unless it is asked for on its own terms
     against = baseline or (None if group_by or metrics else study_baseline(df))
-    rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
-    study = (build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
-             if not table_only or plot is not None else None)  # the study's view: the document and its figures
+    plan = plan_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against, threshold=threshold)
+    study = None
+    if table_only:  # the table of groups as asked; a study only where its figures are asked for too
+        rep = build_report(df, group_by=split(group_by), metrics=split(metrics), baseline=against,
+                           threshold=threshold)
+        if plot is not None:
+            study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold)
+    else:  # the runs grouped once: the study's groups are the table of every group's rows too
+        study = build_study(df, baseline=baseline, title=_title(paths), threshold=threshold, metrics=plan.numeric)
+        rep = report_of(plan, study.run_groups, keys=study.keys)
     for option, path in (("--output", output), *(("--plot", p) for p in
                                                   figure_paths(plot, fmt=fmt, output=output,
                                                                table_only=table_only).values())):

@@ -1,26 +1,8 @@
-"""The statistics every report and comparison states: a median with its interval, a ratio or a
-difference of two sides with its interval, and the verdict read off that interval. Every interval
-states the confidence it truly reaches at its n (docs/measuring.md, "Intervals and verdicts").
-
-- Interval of a median: the order-statistic interval (lora_bench.report.order_stats), exact and
-  distribution-free: the narrowest [x_(j), x_(n+1−j)] reaching CONFIDENCE, or [min, max] and the
-  lower confidence it reaches where n is too small for CONFIDENCE (93.8 % at n = 5).
-- Ratio (candidate ÷ baseline), paired: where both sides hold the same repeats of one sweep (each
-  value keyed by folder, sweep and repeat: the repeat's runs ran side by side, interleaved, on one
-  host), the per-repeat ratios c_i / b_i; the point is their median, the interval their
-  order-statistic interval (the sign-test interval of the median ratio), so what a repeat's runs
-  share (the host's speed in that call) cancels in each ratio instead of widening the interval.
-- Ratio, unpaired: the ratio of the two medians; each side's median gets its order-statistic
-  interval at 1 − (1 − CONFIDENCE) / 2, and [lo_c / hi_b, hi_c / lo_b] holds the true ratio
-  whenever both hold their medians: with probability at least γ_c + γ_b − 1 (Bonferroni), stated
-  as "≥". Differences (accuracy points) likewise, with − in place of ÷.
-- Over what: ``repeats`` (process-to-process spread) when a group has two runs or more; ``steps``
-  when it has one run, over that run's measured steps (the spread between processes is then
-  unknown, and every renderer marks it); none for one value without steps.
-- Verdict with threshold t (THRESHOLD, 2 %): ``too few repeats`` below MIN_REPEATS repeats on
-  either side, or where an interval is over one run's steps; else ``slower`` when the ratio's
-  interval lies above 1 + t, ``faster`` when it lies below 1 / (1 + t), ``no difference`` when it
-  lies inside [1 / (1 + t), 1 + t], ``unclear`` otherwise (or without an interval)."""
+"""The statistics every report and comparison states: a median with its order-statistic interval, a
+ratio or difference of two sides with its interval (paired per repeat where both sides hold the
+same repeats of one sweep, else between the two medians' intervals, Bonferroni), and the verdict
+read off that interval with the threshold and the minimum of repeats. Every interval states the
+confidence it truly reaches at its n: docs/measuring.md, "Intervals and verdicts"."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import math
 
 import pandas as pd
 
+from lora_bench.config.setting_rules import KERNEL_LAYER_SETTINGS
 from lora_bench.report.aggregate import (
     collapse_modes,
     numbers,
@@ -37,6 +38,8 @@ from lora_bench.report.study_model import ACCURACIES, Group, Line, Phase, Profil
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.timing import PHASES
 
+KERNEL = "lora-kernel"
+KERNEL_ONLY = tuple(SETTING_PREFIX + k for k in KERNEL_LAYER_SETTINGS)
 SHAPE_OVERRIDES = tuple(SETTING_PREFIX + k for k in ("emb_dim", "n_layers", "n_heads"))
 # settings that decide the kernels a step launches: a profile describes a timed group that shares them
 STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
@@ -55,7 +58,9 @@ def default_baseline(done: pd.DataFrame) -> str | None:
 
 
 def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "",
-                threshold: float = THRESHOLD) -> Study:
+                threshold: float = THRESHOLD, metrics: tuple[str, ...] | list[str] = ()) -> Study:
+    """The study of ``df``'s finished runs, grouped once: each group gets an estimate of METRICS and
+    of ``metrics`` (what the report's table of every group shows beside them)."""
     done = df[df["status"] == "done"]
     profiled, timed = _split(done)
     notes = [n for n in (shared_ids_note(df),) if n]
@@ -70,17 +75,22 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     size_keys = [k for k in (SIZE, *SHAPE_OVERRIDES) if k in keys]
     rest = [k for k in keys if k not in size_keys and k not in spec and k != MODE]
     rest = _informative(timed, [*size_keys, *spec, *([MODE] if MODE in keys else [])], rest)
-    by = [*size_keys, *spec, *([MODE] if MODE in keys else []), *rest] or ["run_id"]
-    groups = [_group(rg, size_keys=size_keys, spec=spec, mode=MODE in rg.runs and MODE not in spec, rest=rest)
-              for rg in group_runs(timed, by, metrics=METRICS, baseline=spec, ratio_metric=STEP,
-                                   threshold=threshold, lone_baseline=False)]
+    # a setting of the fused layer alone names a variant of it, not a condition: a baseline of another
+    # choice ran it at its default and is matched without it
+    own = [k for k in rest if k in KERNEL_ONLY] if LAYERS in spec and not same(spec[LAYERS], KERNEL) else []
+    rest = [k for k in rest if k not in own]
+    by = [*size_keys, *spec, *([MODE] if MODE in keys else []), *rest, *own] or ["run_id"]
+    run_groups = group_runs(timed, by, metrics=list(dict.fromkeys([*METRICS, *metrics])), baseline=spec,
+                            ratio_metric=STEP, threshold=threshold, lone_baseline=False, unmatched=own)
+    groups = [_group(rg, size_keys=size_keys, spec=spec, mode=MODE in rg.runs and MODE not in spec, rest=rest,
+                     own=own) for rg in run_groups]
     sizes = sorted({g.size for g in groups}, key=lambda s: (order_key(s.split()[0]), s))
     groups.sort(key=lambda g: (_cond_order(g, rest), order_key(g.mode, col=MODE), sizes.index(g.size),
                                tuple(order_key(g.settings.get(k), col=k) for k in spec)))
     study = Study(header=header(df, done, timed, title=title, spec=spec), baseline=spec,
                   baseline_text=", ".join(f"{setting_name(k)}={v}" for k, v in spec.items()),
                   variant_keys=list(spec), sizes=sizes, groups=groups, lines=[], profiles=[],
-                  seeds_vary=_seeds_vary(groups), notes=notes, threshold=threshold)
+                  seeds_vary=_seeds_vary(groups), notes=notes, threshold=threshold, keys=by, run_groups=run_groups)
     untimed = [g for g in groups if not g.step.known]
     if untimed:
         runs = pd.concat([g.runs for g in untimed])
@@ -144,12 +154,15 @@ def _first(g: pd.DataFrame, col: str):
     return g[col].iloc[0] if col in g else None
 
 
-def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: list[str]) -> Group:
+def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: list[str],
+           own: list[str] = ()) -> Group:
     g, est = rg.runs, rg.estimates
-    settings = {k: _first(g, k) for k in (*size_keys, *spec, *([MODE] if MODE in g else []), *rest)}
+    settings = {k: _first(g, k) for k in (*size_keys, *spec, *([MODE] if MODE in g else []), *rest, *own)}
     size = " ".join([value_text(settings.get(SIZE))] + [f"{setting_name(k)}={value_text(settings[k])}"
                                                         for k in size_keys[1:] if not is_blank(settings[k])])
     variant = ", ".join(value_text(settings[k]) for k in spec) if spec else value_text(_first(g, LAYERS))
+    if same(_first(g, LAYERS), KERNEL) and own:
+        variant += " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in own) + ")"
     phases = {}
     for ph in PHASES:
         bound = text_summary(g[f"bound_{ph}"]) if f"bound_{ph}" in g else ""

@@ -171,6 +171,8 @@ class Study:
     seeds_vary: bool
     notes: list[str] = field(default_factory=list)
     threshold: float = stats.THRESHOLD
+    keys: list[str] = field(default_factory=list)  # the columns the runs are grouped by
+    run_groups: list = field(default_factory=list)  # the engine's groups (lora_bench.report.groups.RunGroup)
 
     @property
     def device(self) -> str:

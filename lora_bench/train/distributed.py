@@ -1,36 +1,7 @@
 """Data-parallel training, one process per GPU (torch DistributedDataParallel), set up from the
-environment that ``torchrun`` gives each process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT).
-
-The global batch. The book's train loader yields batches of ``batch_size`` examples (the GLOBAL
-batch); every rank iterates the same loader with the same seed, so all ranks see the same global
-batch at every step, and each rank trains on its contiguous slice of it: rank r takes examples
-[r·k, (r+1)·k) with k = batch_size / world_size. The mathematics is the one-process step's, up to
-the order of floating-point reductions: each rank's loss is the mean over its k examples, DDP
-averages the gradients over ranks, and with equal slices the mean of slice means is the mean over
-the global batch, so the averaged gradient (and so every optimizer update) equals the one-process
-gradient. ``batch_size`` must therefore divide by the world size (refused otherwise). (With an
-``ignore_index`` target in a batch the slices hold unequal counts of counted targets and the
-average of slice means is no longer the global mean; the book's labels never use it.) The loss a
-step reports is the mean of the ranks' slice losses: the global batch's loss.
-
-Evaluation (periodic losses, accuracies) runs on every rank over the whole loaders: iterating a
-loader draws from the global RNG, and every rank must draw what the one-process run draws to keep
-the shuffles identical; rank 0 reports. Only rank 0 writes results.
-
-Timing. An :class:`AllReduceTimer` is DDP's communication hook (the default's mathematics: divide
-by the world size, all-reduce the sum) that records, for each gradient bucket, when its gradients
-were ready and when its all-reduce finished: CUDA events on NCCL (the finishing event is recorded
-on a stream that waits for the collective), the host clock on gloo. Per step it gives
-``allreduce_ms`` (the time during which some bucket's all-reduce was pending or running: the
-union of the bucket intervals) and ``allreduce_exposed_ms`` (from the last bucket's gradients being
-ready, i.e. the end of backward's compute, to the last all-reduce's end: the communication that
-backward did not hide); ``allreduce_ms - allreduce_exposed_ms`` overlapped backward. Both lie
-inside the backward phase, which DDP ends by waiting for its all-reduces. After the loop each
-rank's median step time is gathered to rank 0 (``rank_step_ms_min`` / ``_max``, spread in %).
-
-Multicast (NVLS) stays off in every process: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-and NVSHMEM_DISABLE_NVLS=1 are set by the launcher and again by each rank before NCCL starts."""
+environment torchrun gives each process: each rank trains its slice of the same global batch, so
+every update equals the one-process update up to reduction order; the all-reduce is timed per
+bucket. The contract in full: docs/data-parallel.md."""
 
 from __future__ import annotations
 

@@ -60,26 +60,26 @@ class StepTimes:
         return work.steps * self.step_s + work.eval_batches * self.forward_s
 
 
-def probe(ctx) -> StepTimes:
-    """Time a forward and backward of the run's model (``ctx``: a ``RunContext``) at its batch
+def probe(context) -> StepTimes:
+    """Time a forward and backward of the run's model (``context``: a ``RunContext``) at its batch
     shape, without changing anything the run computes (see the module's docstring). The eager
     model is probed, never a compiled or data-parallel one: its compilation or its collectives
     would be the run's."""
-    model, device = ctx.model, ctx.device
-    cfg = ctx.cfg
-    objective = ctx.loop_settings().objective(ctx.n)
-    inputs = torch.zeros((cfg.batch_size, ctx.loaders.max_length), dtype=torch.long, device=device)
+    model, device = context.model, context.device
+    cfg = context.cfg
+    objective = context.loop_settings().objective(context.n)
+    inputs = torch.zeros((cfg.batch_size, context.loaders.max_length), dtype=torch.long, device=device)
     targets = torch.zeros((cfg.batch_size,), dtype=torch.long, device=device)
     training = model.training
     best = StepTimes(math.inf, math.inf)
     cuda = [device] if device.type == "cuda" else []
     start = time.perf_counter()
     try:
-        with torch.random.fork_rng(devices=cuda), use_policy(ctx.kernel_policy):
+        with torch.random.fork_rng(devices=cuda), use_policy(context.kernel_policy):
             model.train()
             for _ in range(PROBE_TRIES):
                 t0 = time.perf_counter()
-                with ctx.amp():
+                with context.amp():
                     losses = objective.losses(inputs, targets, model)
                 _sync(device)
                 t1 = time.perf_counter()
@@ -124,13 +124,13 @@ def estimate_lines(cfg, *, times: StepTimes, work: Work, short: Work | None, dev
     return lines
 
 
-def announce(ctx, say) -> None:
+def announce(context, say) -> None:
     """Probe the run's model and ``say`` each line of its estimate (``estimate_lines``)."""
-    cfg, loaders = ctx.cfg, ctx.loaders
+    cfg, loaders = context.cfg, context.loaders
     sizes = dict(train_batches=len(loaders.train), val_batches=len(loaders.val), test_batches=len(loaders.test))
     work = run_work(cfg, **sizes)
     short = None
     if work.steps > SHORT_STEPS:
         short = run_work(cfg.replace(max_steps=SHORT_STEPS), **sizes)
-    for line in estimate_lines(cfg, times=probe(ctx), work=work, short=short, device=ctx.device):
+    for line in estimate_lines(cfg, times=probe(context), work=work, short=short, device=context.device):
         say(line)

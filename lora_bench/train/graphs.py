@@ -34,17 +34,17 @@ def warm_up(fn, iters: int) -> None:
 
 
 class GraphedStep:
-    """The step of a run's N points (``ctx.n``): its forward computes their losses (one point: the
+    """The step of a run's N points (``context.n``): its forward computes their losses (one point: the
     reference's loss; a pack: each point's on the batch stacked inside the captured forward, whose
     N·B rows live in the graphs' pool) and its backward differentiates their objective
     (``evaluate.Objective``). A replay returns the losses."""
 
-    def __init__(self, ctx, *, timer):
-        cfg = ctx.cfg  # validated: a CUDA device (train.preflight), accumulation_steps=1 (config)
-        self.ctx = ctx
-        self.model = ctx.forward_model
-        self.optimizer = ctx.optimizer
-        self.points = ctx.loop_settings().objective(ctx.n)
+    def __init__(self, context, *, timer):
+        cfg = context.cfg  # validated: a CUDA device (train.preflight), accumulation_steps=1 (config)
+        self.context = context
+        self.model = context.forward_model
+        self.optimizer = context.optimizer
+        self.points = context.loop_settings().objective(context.n)
         # autocast's weight-cast cache must be off inside a capture
         self.amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
                     if cfg.precision == "bf16" else contextlib.nullcontext)
@@ -52,7 +52,7 @@ class GraphedStep:
         # data-parallel: DDP's all-reduces are captured in the backward graph, after the eager
         # iterations DDP needs first (its buckets are rebuilt after the first, and it logs at the
         # tenth); every rank warms up, restores and captures the same way
-        self.data_parallel = ctx.dp is not None
+        self.data_parallel = context.dp is not None
         self.capture_s: float | None = None  # warm-up, restore and capture, host wall time
 
     # -- capture ----------------------------------------------------------------------------------

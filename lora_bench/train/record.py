@@ -32,13 +32,13 @@ def run_environment(device: torch.device) -> dict:
     return {**environment(device), **host_speed(), "host_op_us": host_op_us(device)}
 
 
-def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:
+def summary(context: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[dict]) -> dict:
     """The row's measured columns from the per-step rows: medians and spreads per phase, tokens/s,
     FLOP per step and the rate achieved, peak memory."""
     out: dict = {"timing_clock": timer.clock, "eval_s": timer.eval_ms / 1e3 if timer.enabled else None}
-    if ctx.device.type == "cuda":
-        out["peak_mem_allocated_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-        out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(ctx.device) / 2**20
+    if context.device.type == "cuda":
+        out["peak_mem_allocated_mib"] = torch.cuda.max_memory_allocated(context.device) / 2**20
+        out["peak_mem_reserved_mib"] = torch.cuda.max_memory_reserved(context.device) / 2**20
     if not timer.enabled:
         return out
     s = summarise_steps(steps, clock=timer.clock)
@@ -46,12 +46,12 @@ def summary(ctx: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: list[di
     if "step_ms_median" in s:
         tokens = s["tokens_per_step"]
         step_s = s["step_ms_median"] / 1e3
-        flops = flops_per_step(ctx.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank,
+        flops = flops_per_step(context.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank,
                                implementation=cfg.implementation)
         out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
-        if ctx.device.type == "cuda":
-            peak = peak_tflops(torch.cuda.get_device_name(ctx.device), cfg.precision)
-            gpus = ctx.dp.env.world_size if ctx.dp is not None else 1  # the global step ran on every rank's GPU
+        if context.device.type == "cuda":
+            peak = peak_tflops(torch.cuda.get_device_name(context.device), cfg.precision)
+            gpus = context.dp.env.world_size if context.dp is not None else 1  # the global step ran on every rank's GPU
             if peak:
                 out.update(peak_tflops=peak, mfu=out["achieved_tflops"] / (peak * gpus))
     return out

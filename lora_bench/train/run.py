@@ -92,7 +92,7 @@ class _Run:
     cache_dir: Path
     env: RankEnv | None
     estimate: bool = False  # say how long the run will take, before its first step
-    ctx: RunContext | None = None
+    context: RunContext | None = None
     timer: PhaseTimer | None = None
     profiler: Profiler | None = None
     result: TrainResult | None = None
@@ -135,16 +135,16 @@ class _Run:
                              "on one model")
             dp = (DataParallel.start(env, device=cfg.device, batch_size=cfg.batch_size, cuda_graphs=cfg.cuda_graphs)
                   if env is not None else None)
-            self.ctx = ctx = RunContext([p.cfg for p in self.points], cache_dir=self.cache_dir,
+            self.context = context = RunContext([p.cfg for p in self.points], cache_dir=self.cache_dir,
                                         progress=self.progress, dp=dp)
-            for note in ctx.notes:
+            for note in context.notes:
                 self.say_all(note)
-            environment = run_environment(ctx.device)
+            environment = run_environment(context.device)
             for p, row in enumerate(rows):
-                row.update(trainable_params=ctx.trainable_params[p], total_params=ctx.total_params[p],
-                           device=str(ctx.device), base_weight_mib=ctx.base_weight_mib, **environment)
+                row.update(trainable_params=context.trainable_params[p], total_params=context.total_params[p],
+                           device=str(context.device), base_weight_mib=context.base_weight_mib, **environment)
             self.timer = (dp.phase_timer(cfg.timing, warmup_steps=cfg.warmup_steps) if dp is not None
-                          else PhaseTimer(cfg.timing, ctx.device, warmup_steps=cfg.warmup_steps))
+                          else PhaseTimer(cfg.timing, context.device, warmup_steps=cfg.warmup_steps))
             self._train(rows)
             if not cfg.skip_final_eval:
                 self._final_accuracies(rows)
@@ -177,30 +177,30 @@ class _Run:
 
     def _train(self, rows: list[dict]) -> None:
         """The instrumented loop (profiled when asked, CUDA graphs when asked); its row columns."""
-        ctx, timer, cfg = self.ctx, self.timer, self.ctx.cfg
-        if self.estimate and ctx.dp is None:
-            announce(ctx, lambda line: self.console.print(line, highlight=False, markup=False))
-        if ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(ctx.device)
+        context, timer, cfg = self.context, self.timer, self.context.cfg
+        if self.estimate and context.dp is None:
+            announce(context, lambda line: self.console.print(line, highlight=False, markup=False))
+        if context.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(context.device)
         # a pack's profile is of its step (every point at once); each point's folder gets its files
         self.profiler = profiler = Profiler(cfg.profile if self.main else "none",
                                             run_dir=self.results_dir / self.points[0].run_id,
-                                            warmup_steps=cfg.warmup_steps, device=ctx.device,
+                                            warmup_steps=cfg.warmup_steps, device=context.device,
                                             pack_size=self.n if self.n > 1 else None)
-        step_fn = GraphedStep(ctx, timer=timer) if cfg.cuda_graphs else None
-        total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(ctx.loaders.train)
+        step_fn = GraphedStep(context, timer=timer) if cfg.cuda_graphs else None
+        total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(context.loaders.train)
         self.result = res = TrainResult(self.n)
         with (TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar,
-              use_policy(ctx.kernel_policy), record_plans(ctx.kernel_plans)):
+              use_policy(context.kernel_policy), record_plans(context.kernel_plans)):
             timer.label_phases = profiler.labels_phases
-            profiler.run(train_classifier, ctx.forward_model, ctx.loaders.train, ctx.loaders.val, ctx.optimizer,
-                         ctx.device, settings=ctx.loop_settings(), timer=timer, points=self.n, amp=ctx.amp,
-                         step_fn=step_fn, on_step=profiler.chain(bar.update), eval_model=ctx.eval_model,
-                         shard=ctx.dp.shard if ctx.dp is not None else None, say=self.say, result=res)
+            profiler.run(train_classifier, context.forward_model, context.loaders.train, context.loaders.val, context.optimizer,
+                         context.device, settings=context.loop_settings(), timer=timer, points=self.n, amp=context.amp,
+                         step_fn=step_fn, on_step=profiler.chain(bar.update), eval_model=context.eval_model,
+                         shard=context.dp.shard if context.dp is not None else None, say=self.say, result=res)
         out: dict = {}
-        if ctx.dp is not None:  # collective: every rank, right after the loop
-            out.update(ctx.dp.gather(timer))
-        out["backend"] = ctx.backend()  # what the layers ran (recorded while the loop ran)
+        if context.dp is not None:  # collective: every rank, right after the loop
+            out.update(context.dp.gather(timer))
+        out["backend"] = context.backend()  # what the layers ran (recorded while the loop ran)
         if step_fn is not None:
             out.update(step_fn.record())
         for p, row in enumerate(rows):
@@ -213,10 +213,10 @@ class _Run:
         self.say_all(f"Training completed in {res.training_time_s / 60:.2f} minutes.")
 
     def _final_accuracies(self, rows: list[dict]) -> None:
-        loaders = self.ctx.loaders
+        loaders = self.context.loaders
         total = len(loaders.train) + len(loaders.val) + len(loaders.test)
         with CountProgress(self.console, total=total, label="final evaluation", enabled=self.progress) as bar:
-            accs = final_accuracies(self.ctx, counted=bar.counted)
+            accs = final_accuracies(self.context, counted=bar.counted)
         for p, row in enumerate(rows):
             for name, title in (("train", "Training"), ("val", "Validation"), ("test", "Test")):
                 row[f"{name}_acc"] = accs[f"{name}_acc"][p]
@@ -242,7 +242,7 @@ class _Run:
         return out
 
     def _summarise(self, p: int, row: dict) -> None:
-        row.update(summary(self.ctx, self.timer, self.points[p].cfg, self.steps[p]))
+        row.update(summary(self.context, self.timer, self.points[p].cfg, self.steps[p]))
         if self.n > 1 and isinstance(row.get("step_ms_median"), (int, float)):
             row["share_step_ms_median"] = row["step_ms_median"] / self.n
 
@@ -254,7 +254,7 @@ class _Run:
                 try:
                     self.steps = self._point_steps()
                     for p, row in enumerate(rows):
-                        if row["status"] == "interrupted" and self.ctx is not None:
+                        if row["status"] == "interrupted" and self.context is not None:
                             row.setdefault("steps", len(self.steps[p]))
                             self._summarise(p, row)  # what was measured so far
                 except RuntimeError as err:  # a dead CUDA context cannot resolve events; keep the rows
@@ -266,13 +266,14 @@ class _Run:
                                 curves=self.curves, console=self.console, pending=pending)
 
 
-def final_accuracies(ctx: RunContext, *, counted=lambda loader: loader) -> dict[str, list[float]]:
+def final_accuracies(context: RunContext, *, counted=lambda loader: loader) -> dict[str, list[float]]:
     """Each point's accuracy (in percent) on the whole train, validation and test sets; each
     loader read through ``counted`` (a progress display's)."""
-    obj = ctx.loop_settings().objective(ctx.n)
+    obj = context.loop_settings().objective(context.n)
     out = {}
-    with use_policy(ctx.kernel_policy):
-        for name, loader in (("train", ctx.loaders.train), ("val", ctx.loaders.val), ("test", ctx.loaders.test)):
-            accs = calc_accuracy_loader(counted(loader), ctx.eval_model, ctx.device, objective=obj, amp=ctx.amp)
+    with use_policy(context.kernel_policy):
+        for name, loader in (("train", context.loaders.train), ("val", context.loaders.val), ("test", context.loaders.test)):
+            accs = calc_accuracy_loader(counted(loader), context.eval_model, context.device, objective=obj,
+                                        amp=context.amp)
             out[f"{name}_acc"] = [a * 100 for a in accs]
     return out

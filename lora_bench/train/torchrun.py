@@ -1,21 +1,6 @@
-"""``lora-bench train --nproc N``: re-execute the same ``lora-bench train`` command under torchrun
-(``python -m torch.distributed.run --standalone``) with N processes on this host, one per GPU, and
-settle the run's record afterwards. The command line goes to the ranks unchanged but for a fixed
-``--run-id`` and without ``--nproc`` (each rank takes nproc from torchrun's world size); each rank
-sees torchrun's environment and runs instead of launching again. This process touches no GPU.
-
-Before anything starts, the run id is checked as ``execute_run`` checks it: taken by a running
-process, or recorded earlier without ``--overwrite``, is refused; with ``--overwrite`` the earlier
-record goes. Rank 0 then claims the run's folder for the run; the launcher claims it again to
-settle the record.
-
-Every process started here gets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1. torchrun runs in its own session: a terminal's Ctrl-C reaches this process
-only, which forwards it to torchrun, which forwards it to the ranks (each records itself
-'interrupted'). When a rank fails, torchrun stops the others (SIGTERM); each rank leaves its error
-with its time in ``<run_dir>/ranks/rank<R>.json``, and the first one to fail is the cause: rank 0's
-row is rewritten as failed naming that rank and its error, or written here when rank 0 died
-before recording anything (a segfault, the OOM killer)."""
+"""``lora-bench train --nproc N``: re-execute the same ``train`` command under torchrun with N
+processes on this host, one per GPU, and settle the run's record afterwards (a failed rank's error
+becomes the run's). The contract in full: docs/data-parallel.md."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 import pandas as pd
+import pytest
+from rich.console import Console
 
 from lora_bench.report import stats
 from lora_bench.report.aggregate import build_report
@@ -80,3 +82,51 @@ def test_the_report_and_the_study_state_one_ratio_and_verdict():
              for r in rep.groups.to_dict("records")}
     view = {(g.size, g.variant): (g.ratio, g.ratio_lo, g.ratio_hi, g.verdict) for g in study.groups}
     assert table == view and table[("1558M", "lora")][3] == stats.FASTER
+
+
+def test_a_study_report_groups_its_runs_once(tmp_path, monkeypatch):
+    """``lora-bench report`` on a study: one call of the engine gives the crossover, the answer and
+    the table of every group, so a group's ratio reads the same in all of them."""
+    import lora_bench.report.aggregate as aggregate
+    import lora_bench.report.study as study_mod
+    from lora_bench.report.report_command import report_command
+
+    frame = _frame(STEPS)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return group_runs(*args, **kwargs)
+
+    for module in (aggregate, study_mod):
+        monkeypatch.setattr(module, "group_runs", counted)
+    monkeypatch.setattr("lora_bench.report.report_command.load_results", lambda paths: frame)
+    out = tmp_path / "report.md"
+    with open(tmp_path / "log", "w") as log:
+        report_command([tmp_path], group_by=None, baseline=None, metrics=None, fmt="markdown", output=out,
+                       plot=None, console=Console(file=log))
+    assert len(calls) == 1
+    text = out.read_text()
+    every = text[text.index("## Every group"):]
+    # the 1558M lora row of the table of every group carries the crossover's ratio
+    ratio = _by(build_study(frame, baseline="trainable_layers=all").run_groups)[("1558M", "lora")].ratio
+    assert f"{ratio.value:.2f}" in every
+
+
+def test_a_setting_of_the_fused_layer_alone_names_a_variant_and_finds_the_baseline():
+    """adapter_grads applies to lora-kernel only (the config refuses it elsewhere): a frozen or
+    full baseline ran it at its default, so a deferred lora-kernel group is set against that
+    baseline, and reads as its own variant rather than a condition without a baseline."""
+    rows = []
+    for i in range(5):
+        for layers, grads, step in (("frozen", "inline", 2.0 + 0.01 * i), ("lora-kernel", "inline", 3.0 + 0.01 * i),
+                                    ("lora-kernel", "deferred", 2.6 + 0.01 * i)):
+            rows.append({"run_id": f"{layers}-{grads}-r{i}", "status": "done", SIZE: "124M", LAYERS: layers,
+                         "cfg_adapter_grads": grads, "cfg_seed": 123, STEP: step, RESULTS_DIR: "r",
+                         "sweep_name": "s", "repeat": i, "started_at": f"2026-01-01T00:0{i}:00"})
+    study = build_study(pd.DataFrame(rows), baseline="trainable_layers=frozen")
+    ratios = {g.variant: g.ratio for g in study.groups if not g.is_baseline}
+    assert set(ratios) == {"lora-kernel (adapter_grads=inline)", "lora-kernel (adapter_grads=deferred)"}
+    assert ratios["lora-kernel (adapter_grads=deferred)"] == pytest.approx(2.62 / 2.02)
+    assert ratios["lora-kernel (adapter_grads=inline)"] == pytest.approx(3.02 / 2.02)
+    assert {g.condition for g in study.groups} == {""}

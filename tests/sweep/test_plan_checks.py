@@ -80,7 +80,7 @@ def test_validate_and_the_dry_run_say_how_long_the_sweep_takes(tmp_path, run_cli
 @pytest.mark.parametrize("changes", [dict(), dict(batch_size=3), dict(context_length="64")])
 def test_the_estimate_reads_the_splits_the_run_trains_on(cache_dir, changes):
     cfg = TrainConfig(model_size="tiny", weights="random", device="cpu", data_file=str(SAMPLE), **changes)
-    ctx = RunContext(cfg, cache_dir=cache_dir, progress=False)
+    context = RunContext(cfg, cache_dir=cache_dir, progress=False)
     got = splits_of(cfg, {})
     assert (got.train_batches, got.val_batches, got.test_batches, got.length) == (
-        len(ctx.loaders.train), len(ctx.loaders.val), len(ctx.loaders.test), ctx.loaders.max_length)
+        len(context.loaders.train), len(context.loaders.val), len(context.loaders.test), context.loaders.max_length)

@@ -45,24 +45,24 @@ def test_the_work_counted_is_the_work_the_run_does(tmp_path, cache_dir, monkeypa
     cfg = tiny(**changes)
     execute_run(cfg, results_dir=tmp_path, run_id="r", console=Console(quiet=True), progress=False,
                 cache_dir=cache_dir)
-    ctx = RunContext(cfg, cache_dir=cache_dir, progress=False)
-    sizes = dict(train_batches=len(ctx.loaders.train), val_batches=len(ctx.loaders.val),
-                 test_batches=len(ctx.loaders.test))
+    context = RunContext(cfg, cache_dir=cache_dir, progress=False)
+    sizes = dict(train_batches=len(context.loaders.train), val_batches=len(context.loaders.val),
+                 test_batches=len(context.loaders.test))
     assert run_work(cfg, **sizes) == Work(seen["steps"], seen["eval"])
 
 
 def test_the_probe_leaves_no_trace(cache_dir):
     """After the probe, the random number generator, the gradients, the optimizer's state and the
     model's mode are as they were; and it measured something."""
-    ctx = RunContext(tiny(trainable_layers="all"), cache_dir=cache_dir, progress=False)
-    ctx.model.eval()
+    context = RunContext(tiny(trainable_layers="all"), cache_dir=cache_dir, progress=False)
+    context.model.eval()
     rng = torch.get_rng_state()
-    weights = {k: v.clone() for k, v in ctx.model.state_dict().items()}
-    times = probe(ctx)
+    weights = {k: v.clone() for k, v in context.model.state_dict().items()}
+    times = probe(context)
     assert torch.equal(rng, torch.get_rng_state())
-    assert all(p.grad is None for p in ctx.model.parameters())
-    assert not ctx.model.training and not ctx.optimizer.state
-    assert all(torch.equal(v, ctx.model.state_dict()[k]) for k, v in weights.items())
+    assert all(p.grad is None for p in context.model.parameters())
+    assert not context.model.training and not context.optimizer.state
+    assert all(torch.equal(v, context.model.state_dict()[k]) for k, v in weights.items())
     assert 0 < times.forward_s <= times.step_s
 
 
