@@ -81,11 +81,15 @@ def test_a_run_with_its_estimate_computes_what_it_computes_without(tmp_path, cac
 
 def test_a_long_cpu_run_is_told_of_a_short_one():
     times = StepTimes(step_s=30.0, forward_s=10.0)
-    lines = estimate_lines(tiny(), times=times, work=Work(650, 300), short=Work(SHORT_STEPS, 20),
-                           device=torch.device("cpu"))
+    short = [(f"--max-steps {SHORT_STEPS}", Work(SHORT_STEPS, 20)), ("--max-steps 10 --skip-final-eval", Work(10, 10))]
+    lines = estimate_lines(tiny(), times=times, work=Work(650, 300), short=short, device=torch.device("cpu"))
     assert lines[0].startswith("estimate: about 6 h 15 min on this CPU (650 steps at 30 s, evaluation 50 min")
     assert lines[1] == f"that is long for a CPU: --max-steps {SHORT_STEPS} takes about 8 min"
-    quick = estimate_lines(tiny(), times=StepTimes(0.1, 0.03), work=Work(650, 300), short=Work(10, 20),
+    # where the final evaluation would take most of the short run, the suggestion leaves it out
+    short = [("--max-steps 10", Work(10, 300)), ("--max-steps 10 --skip-final-eval", Work(10, 10))]
+    lines = estimate_lines(tiny(), times=times, work=Work(650, 300), short=short, device=torch.device("cpu"))
+    assert lines[1] == "that is long for a CPU: --max-steps 10 --skip-final-eval takes about 7 min"
+    quick = estimate_lines(tiny(), times=StepTimes(0.1, 0.03), work=Work(650, 300), short=short,
                            device=torch.device("cpu"))
     assert quick == ["estimate: about 74 s on this CPU (650 steps at 0.1 s, evaluation 9 s; timed on a probe step "
                      "of this model)"]
