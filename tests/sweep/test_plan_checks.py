@@ -67,7 +67,7 @@ def test_a_missing_package_is_refused_by_every_check(tmp_path, run_cli, hide_pac
     refused_alike(run_cli, path, tmp_path, "transformers")
 
 
-def test_validate_and_the_dry_run_say_how_long_the_sweep_takes(tmp_path, run_cli):
+def test_validate_the_dry_run_and_the_sweep_say_how_long_the_sweep_takes(tmp_path, run_cli):
     path = sweep_file(tmp_path, "")
     code, out = run_cli("validate", path)
     assert code == 0 and "estimate: about " in out and "for 2 runs on this CPU" in out, out
@@ -75,6 +75,8 @@ def test_validate_and_the_dry_run_say_how_long_the_sweep_takes(tmp_path, run_cli
     code, out = run_cli("sweep", path, "--dry-run", "--isolation", "inline", "--results-dir", tmp_path / "r")
     assert code == 0 and "estimate: about " in out and "for 2 runs on this CPU" in out, out
     assert "starting their processes" not in out  # inline: no process is started per run
+    code, out = run_cli("sweep", path, "--isolation", "inline", "--results-dir", tmp_path / "r", "--no-progress")
+    assert code == 0 and out.index("estimate: about ") < out.index("✓ done"), out  # the sweep says it first
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(batch_size=3), dict(context_length="64")])
