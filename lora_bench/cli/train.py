@@ -183,7 +183,7 @@ def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | Non
         return launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
                             run_id=run_id or make_run_id(cfg), console=console)
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
-                      cache_dir=cache_dir, overwrite=overwrite, estimate=True)
+                      cache_dir=cache_dir, overwrite=overwrite, estimate=progress)
     if env is None or env.is_main:
         _report(row, results_dir, logger=logger)
     return 0

@@ -3,8 +3,10 @@ from its settings and its data (``Work``: training steps and the forward batches
 evaluations) times the time of one step and one forward measured on the run's own model at the
 run's batch shape (``probe``). The probe leaves no trace in the run: the random number generators
 are restored after it, no optimizer steps, the gradients it made are dropped and the model's mode
-is put back, so the run's numbers are those it has without it. On a CPU, a long run gets a
-suggestion of a short one."""
+is put back, so the run's numbers are those it has without it. Its time is not: what a first step
+pays once (lazy set-up, allocator growth) the probe pays instead of the loop's first (warm-up)
+steps, so ``train`` probes only with its progress display on (``--no-progress`` measures as a
+sweep's runs do). On a CPU, a long run gets a suggestion of a short one."""
 
 from __future__ import annotations
 
@@ -130,8 +132,12 @@ def estimate_lines(cfg, *, times: StepTimes, work: Work, short: list[tuple[str, 
 
 
 def announce(context, say) -> None:
-    """Probe the run's model and ``say`` each line of its estimate (``estimate_lines``)."""
+    """Probe the run's model and ``say`` each line of its estimate (``estimate_lines``). A compiled
+    run is not probed: the probe would compile the model, and its time would be the compiler's."""
     cfg, loaders = context.cfg, context.loaders
+    if cfg.compile:
+        say("estimate: after the first steps, on the progress line (a probe step would compile the model)")
+        return
     sizes = dict(train_batches=len(loaders.train), val_batches=len(loaders.val), test_batches=len(loaders.test))
     work = run_work(cfg, **sizes)
     short = []

@@ -96,11 +96,15 @@ def test_a_long_cpu_run_is_told_of_a_short_one():
 
 
 def test_train_prints_its_estimate_before_its_first_step(tmp_path, run_cli):
-    code, out = run_cli("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu",
-                        "--data-file", SAMPLE, "--trainable-layers", "lora", "--max-steps", "4",
-                        "--eval-freq", "1", "--results-dir", tmp_path, "--no-progress")
+    """With the progress display (on by default; off a terminal its plain lines); --no-progress
+    leaves the probe out, as a sweep's runs do."""
+    args = ("train", "--model-size", "tiny", "--weights", "random", "--device", "cpu", "--data-file", SAMPLE,
+            "--trainable-layers", "lora", "--max-steps", "4", "--eval-freq", "1", "--results-dir", tmp_path)
+    code, out = run_cli(*args)
     assert code == 0, out
-    assert out.index("estimate: about ") < out.index("Ep 1 (Step 000000)")
+    assert out.index("estimate: about ") < out.index("epoch 1  1/4") < out.index("Ep 1 (Step 000000)")
+    code, out = run_cli(*args, "--no-progress")
+    assert code == 0 and "estimate: " not in out, out
 
 
 def test_a_short_run_gets_a_shorter_warm_up_and_is_told(tmp_path, run_cli):
