@@ -4,6 +4,7 @@ run, its words before the first step, and the warm-up a short run is given."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -13,7 +14,7 @@ from tiny import SAMPLE
 
 from lora_bench.config import TrainConfig
 from lora_bench.train.context import RunContext
-from lora_bench.train.estimate import SHORT_STEPS, StepTimes, Work, estimate_lines, probe, run_work
+from lora_bench.train.estimate import SHORT_STEPS, announce, StepTimes, Work, estimate_lines, probe, run_work
 from lora_bench.train.evaluate import Objective
 from lora_bench.train.run import execute_run
 
@@ -128,3 +129,10 @@ def test_a_short_run_gets_a_shorter_warm_up_and_is_told(tmp_path, run_cli):
     assert scaled_warmup(values, chosen=set()) and values["warmup_steps"] == 4
     values = {"max_steps": 3, "warmup_steps": 5, "timing": "off"}
     assert scaled_warmup(values, chosen=set()) is None and values["warmup_steps"] == 5
+
+
+def test_a_compiled_run_is_not_probed():
+    """The probe would compile the model: the line says where the estimate will be instead."""
+    said = []
+    announce(SimpleNamespace(cfg=tiny(compile=True)), said.append)  # no model, no loaders: nothing probed
+    assert said == ["estimate: after the first steps, on the progress line (a probe step would compile the model)"]
