@@ -134,10 +134,11 @@ def estimate_lines(cfg, *, times: StepTimes, work: Work, short: list[tuple[str, 
 def announce(context, say) -> None:
     """Probe the run's model and ``say`` each line of its estimate (``estimate_lines``). A compiled
     run is not probed: the probe would compile the model, and its time would be the compiler's."""
-    cfg, loaders = context.cfg, context.loaders
+    cfg = context.cfg
     if cfg.compile:
         say("estimate: after the first steps, on the progress line (a probe step would compile the model)")
         return
+    loaders = context.loaders
     sizes = dict(train_batches=len(loaders.train), val_batches=len(loaders.val), test_batches=len(loaders.test))
     work = run_work(cfg, **sizes)
     short = []
