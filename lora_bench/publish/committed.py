@@ -12,6 +12,7 @@ import shlex
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -189,14 +190,16 @@ def render(recipe: Recipe, *, into: Path | None = None) -> list[Path]:
                           names=recipe.input_names())
 
 
-def render_all(folders: list[Path], *, root: Path, into: Path | None = None) -> dict[Path, list[Path]]:
+def render_all(folders: list[Path], *, root: Path, into: Path | None = None,
+               advance: Callable[[], None] = lambda: None) -> dict[Path, list[Path]]:
     """Render every recipe of ``folders``: folder -> files written (into ``into``/<folder relative
-    to root> when given)."""
+    to root> when given); ``advance()`` after each folder (a progress display's)."""
     out: dict[Path, list[Path]] = {}
     for folder in folders:
         dest = None if into is None else Path(into) / Path(folder).resolve().relative_to(Path(root).resolve())
         for r in recipes(folder, root=root):
             out.setdefault(Path(folder), []).extend(render(r, into=dest))
+        advance()
     return out
 
 
@@ -279,11 +282,13 @@ def compare_file(committed: Path, rendered: Path) -> str | None:
     return None if a == b else "its bytes differ"
 
 
-def stale_reports(root: Path, folders: list[Path] | None = None) -> list[tuple[Path, str]]:
+def stale_reports(root: Path, folders: list[Path] | None = None, *,
+                  advance: Callable[[], None] = lambda: None) -> list[tuple[Path, str]]:
     """Render every declared report of ``folders`` (default: all under ``root``) into a temporary
     folder and compare: (committed file, why it is stale) for each file that differs, is missing,
     or looks like a report (``report*.md``, ``.html``, ``.png``, ...) in a folder with recipes but
-    is written by none of them. A folder holding report files and declaring none is stale too."""
+    is written by none of them. A folder holding report files and declaring none is stale too.
+    ``advance()`` after each declared folder rendered."""
     root = Path(root)
     declared = declared_folders(root)
     asked = declared if folders is None else [Path(f) for f in folders]
@@ -296,7 +301,7 @@ def stale_reports(root: Path, folders: list[Path] | None = None) -> list[tuple[P
             stale.append((f, f"it holds reports but its {MANIFEST} declares no {REPORTS}"))
     folders = [f for f in asked if f.resolve() in {d.resolve() for d in declared}]
     with tempfile.TemporaryDirectory(prefix="lora-bench-reports-") as tmp:
-        written = render_all(folders, root=root, into=Path(tmp))
+        written = render_all(folders, root=root, into=Path(tmp), advance=advance)
         for folder in folders:
             rel = Path(folder).resolve().relative_to(root.resolve())
             made = {p.name for p in written.get(Path(folder), [])}
