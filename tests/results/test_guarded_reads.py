@@ -68,14 +68,23 @@ def test_a_link_inside_the_folder_is_read(tmp_path):
 
 def test_a_report_with_a_pipe_for_a_steps_csv_ends_in_bounded_time(tmp_path, run_cli):
     folder = _one_run(tmp_path)
-    first = next(line for line in (folder / "runs.csv").read_text().splitlines()[1:])
-    run_id = first.split(",")[0].strip('"')
-    (folder / run_id).mkdir()
+    import csv
+
+    rows = list(csv.DictReader(open(folder / "runs.csv")))
+    # the one run of its group: a report reads its steps for the group's interval
+    alone = [r for r in rows if sum(o["model_size"] == r["model_size"] and
+                                    o["trainable_layers"] == r["trainable_layers"] for o in rows) == 1]
+    run_id = alone[0]["run_id"]
+    (folder / run_id).mkdir(exist_ok=True)
+    (folder / run_id / "steps.csv").unlink(missing_ok=True)
     os.mkfifo(folder / run_id / "steps.csv")
     t0 = time.monotonic()
     code, out = run_cli("report", folder)
     assert time.monotonic() - t0 < 60
     assert code == 0 and "Traceback" not in out, out
+    # the report says which file it refused and why, in one line
+    said = [line for line in out.splitlines() if "steps.csv" in line and "not a regular file" in line]
+    assert said and run_id in " ".join(out.split()), out
 
 
 def test_a_manifest_past_its_size_is_refused_before_it_is_read(tmp_path, run_cli):
