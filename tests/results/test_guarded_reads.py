@@ -87,6 +87,22 @@ def test_a_report_with_a_pipe_for_a_steps_csv_ends_in_bounded_time(tmp_path, run
     assert said and run_id in " ".join(out.split()), out
 
 
+def test_compare_names_a_refused_steps_table(tmp_path, run_cli):
+    import csv
+
+    folder = _one_run(tmp_path)
+    rows = list(csv.DictReader(open(folder / "runs.csv")))
+    alone = [r for r in rows if sum(o["model_size"] == r["model_size"] and
+                                    o["trainable_layers"] == r["trainable_layers"] for o in rows) == 1]
+    run = folder / alone[0]["run_id"]
+    run.mkdir(exist_ok=True)
+    (run / "steps.csv").unlink(missing_ok=True)
+    (run / "steps.csv").mkdir()
+    code, out = run_cli("compare", folder, folder)
+    assert "Traceback" not in out, out
+    assert any("steps.csv" in line and "a folder" in line for line in out.splitlines()), out
+
+
 def test_a_manifest_past_its_size_is_refused_before_it_is_read(tmp_path, run_cli):
     folder = _one_run(tmp_path)
     with open(folder / "manifest.json", "wb") as f:
