@@ -19,11 +19,10 @@ from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
-from lora_bench.report.aggregate import FORMATS, build_report, plan_report, report_of
+from lora_bench.report.aggregate import FORMATS, build_report, plan_report, refused_notes, report_of
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.group_table import to_csv
-from lora_bench.report.load import RESULTS_DIR, RUN_DIR, load_results
-from lora_bench.report.samples import refused_steps
+from lora_bench.report.load import RESULTS_DIR, load_results
 from lora_bench.report.render_html import to_html
 from lora_bench.report.render_json import report_json
 from lora_bench.report.render_markdown import to_markdown
@@ -103,8 +102,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     if output:
         wrote.insert(0, output)
     status = console if fmt not in ("csv", "json") or output else Console(stderr=True)  # stdout stays parseable
-    refused = refused_steps(df[RUN_DIR]) if RUN_DIR in df else []
-    for note in [*drawn["notes"], *refused]:
+    for note in [*drawn["notes"], *refused_notes(df)]:
         status.print(note, highlight=False, markup=False)
     for path in wrote:
         status.print(f"wrote {markup(path)}", highlight=False)

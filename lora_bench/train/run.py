@@ -30,8 +30,7 @@ from lora_bench.train.estimate import announce
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import TrainResult, train_classifier
-from lora_bench.train.pack import pack_columns
-from lora_bench.train.points import Point, checked_cache_dir, checked_points
+from lora_bench.train.points import Point, checked_cache_dir, checked_points, points_pack_columns
 from lora_bench.train.profiling import Profiler
 from lora_bench.train.record import divergence, peer_versions, run_environment, summary
 
@@ -121,7 +120,7 @@ class _Run:
     def execute(self) -> list[dict]:
         env, cfg = self.env, self.points[0].cfg
         begun_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        pack = pack_columns([p.run_id for p in self.points])
+        pack = points_pack_columns(self.points)
         rows = [{"run_id": p.run_id, "status": recording.RUNNING, "started_at": begun_at, **recording.cfg_columns(p.cfg),
                  **peer_versions(p.cfg), **p.extra, "world_size": env.world_size if env is not None else 1, **pack}
                 for p in self.points]
