@@ -1,10 +1,12 @@
 """Text from files and users, made safe where it is shown: a terminal (``terminal``, ``markup``),
-a CSV cell (``csv_cell``, read back by ``csv_value``), Markdown (``markdown_cell``,
-``markdown_text``). One function per place, applied where the text leaves lora-bench (the
+a CSV cell (``csv_cell``, read back by ``csv_value``; ``report_csv_cell`` in a CSV report), HTML
+(``html_text``), JSON (``json_text``), Markdown (``markdown_cell``, ``markdown_text``,
+``markdown_code``). One function per place, applied where the text leaves lora-bench (the
 renderers, the CSV writers, the error printer), so the values themselves stay as they were given."""
 
 from __future__ import annotations
 
+import hashlib
 import html
 import re
 import unicodedata
@@ -37,6 +39,29 @@ def terminal(text: object, *, newlines: bool = False) -> str:
     return "".join(_shown(ch) if ch not in keep and unicodedata.category(ch) in _HIDDEN else ch for ch in text)
 
 
+SHOWN_CHARS = 200  # characters of one value echoed in a table, a heading or a message
+
+
+def clip(text: object, limit: int = SHOWN_CHARS) -> str:
+    """``text`` as echoed: at most about ``limit`` characters, a longer one cut, with its length
+    and a digest of the whole said (``99999… (5,000 characters, #1a2b3c4d)``), so that one value
+    from a file cannot flood a report and two long values that differ still read differently."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:8]
+    return f"{text[: max(limit - 40, 8)]}… ({len(text):,} characters, #{digest})"
+
+
+_LONG_WORD = re.compile(r"\S{%d,}" % (SHOWN_CHARS + 1))
+
+
+def clip_words(text: object) -> str:
+    """``text`` (a message) with every run of more than SHOWN_CHARS characters without a space cut
+    as ``clip`` cuts it: a message quoting a value given by a user or a file stays readable."""
+    return _LONG_WORD.sub(lambda m: clip(m.group()), str(text))
+
+
 def markup(text: object, *, newlines: bool = False) -> str:
     """``terminal(text)`` with rich's markup (``[bold]``, ``[link=…]``) escaped: for text inside a
     string that rich parses."""
@@ -62,10 +87,43 @@ def csv_cell(value: object) -> object:
     return value
 
 
+def report_csv_cell(value: object) -> object:
+    """A text cell of a CSV report (not a results table, which keeps values exactly): its control
+    and invisible format characters shown as escapes (``terminal``), then ``csv_cell``."""
+    return csv_cell(terminal(value)) if isinstance(value, str) else value
+
+
 def csv_value(text: str) -> str:
     """A cell as ``csv_cell`` stored it, read back: one leading quote dropped (lora-bench's readers
     apply it to every cell)."""
     return text[1:] if isinstance(text, str) and text.startswith(QUOTE) else text
+
+
+# -- HTML -----------------------------------------------------------------------------------------
+def html_text(text: object) -> str:
+    """``text`` as HTML text or an attribute value: its control and invisible format characters
+    shown as escapes (``terminal``; line breaks kept), then ``&``, ``<``, ``>`` and quotes escaped."""
+    return html.escape(terminal(text, newlines=True))
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+def json_text(text: str) -> str:
+    """A JSON document (``json.dumps(..., ensure_ascii=False)``) with every control and invisible
+    format character its strings hold written as a ``\\uXXXX`` escape: the document reads back the
+    same, and printing it sends no control sequence or bidirectional override."""
+    if text.isprintable():
+        return text
+
+    def escaped(ch: str) -> str:
+        if ch in "\n\t" or unicodedata.category(ch) not in _HIDDEN:
+            return ch
+        n = ord(ch)
+        if n < 0x10000:
+            return f"\\u{n:04x}"
+        n -= 0x10000
+        return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
+
+    return "".join(map(escaped, text))
 
 
 # -- Markdown -------------------------------------------------------------------------------------
@@ -80,7 +138,25 @@ def markdown_cell(text: object) -> str:
     return out.replace("\n", " ").replace("\t", " ")
 
 
+def markdown_code(text: object) -> str:
+    """``text`` as an inline code span inside a Markdown table cell: a fence longer than any run of
+    backticks in it, ``|`` escaped (GitHub's tables split a row at it even inside code), control
+    characters and line breaks shown as escapes (``\\n``), so that the row stays one row."""
+    out = terminal(text).replace("|", "\\|")
+    fence = "`" * (max(map(len, re.findall("`+", out)), default=0) + 1)
+    pad = " " if out.startswith("`") or out.endswith("`") else ""
+    return f"{fence}{pad}{out}{pad}{fence}"
+
+
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+
+
 def markdown_text(text: object) -> str:
     """Generated Markdown (a paragraph with **bold** and `code` marks) that may quote values: its
-    HTML (``<script>``) and control characters escaped, its Markdown marks kept."""
-    return html.escape(terminal(text, newlines=True), quote=False)
+    HTML (``<script>``) and control characters escaped, its Markdown marks kept. A code span's
+    text is left as it is (Markdown shows it literally: ``&&`` stays ``&&``, ``<b>`` is no tag)."""
+    text, out, at = terminal(text, newlines=True), [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out += [html.escape(text[at:m.start()], quote=False), m.group(0)]
+        at = m.end()
+    return "".join(out) + html.escape(text[at:], quote=False)

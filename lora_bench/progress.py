@@ -2,7 +2,8 @@
 remaining time — at a cost per step below the phase timer's own: ``update`` only stores the step
 and checks the clock; at most ``refresh_per_s`` times a second one line is rewritten in place, with
 no thread and no GPU sync. Off a terminal a plain line is printed now and then; ``enabled=False``
-(``--no-progress``) prints nothing. Why this way: docs/measuring.md#the-progress-line."""
+(``--no-progress``) prints nothing. Work counted in items, such as the final evaluation's batches,
+shows the same line (``CountProgress``). Why this way: docs/measuring.md#the-progress-line."""
 
 from __future__ import annotations
 
@@ -108,17 +109,26 @@ class TrainProgress:
     def line(self, now: float) -> str:
         """'epoch 1  ━━━━━━━━━━━━──────────  120/450  loss 0.512  0:00:12 < 0:00:33'; off a terminal
         without the bar."""
-        done = self._step + 1
-        frac = min(done / self.total, 1.0) if self.total else 0.0
-        elapsed = now - self._t0
-        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
         loss = "-" if math.isnan(self._last_loss) else f"{self._last_loss:.3f}"
+        return f"epoch {self._epoch}  {self._count()}  loss {loss}  {self._times(now)}"
+
+    def _fraction(self) -> float:
+        return min((self._step + 1) / self.total, 1.0) if self.total else 0.0
+
+    def _count(self) -> str:
+        """The bar (on a terminal) and 'done/total'."""
         bar = ""
         if self._line is not None:
             width = max(10, min(40, self._line.width - 60))
-            filled = int(frac * width)
+            filled = int(self._fraction() * width)
             bar = f"{'━' * filled}{'─' * (width - filled)}  "
-        return f"epoch {self._epoch}  {bar}{done}/{self.total}  loss {loss}  {_clock(elapsed)} < {_clock(eta)}"
+        return f"{bar}{self._step + 1}/{self.total}"
+
+    def _times(self, now: float) -> str:
+        """'elapsed < remaining'."""
+        frac, elapsed = self._fraction(), now - self._t0
+        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
+        return f"{_clock(elapsed)} < {_clock(eta)}"
 
 
 def _clock(seconds: float) -> str:
@@ -126,3 +136,41 @@ def _clock(seconds: float) -> str:
         return "-:--:--"
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class CountProgress(TrainProgress):
+    """The same line for work counted in items rather than training steps (the final evaluation's
+    batches, a report's runs): 'final evaluation  ━━━━────  12/40  0:00:05 < 0:00:12'. ``advance``
+    after each item; ``counted`` wraps an iterable (a data loader, keeping its ``len``) to advance
+    as each of its items is done."""
+
+    def __init__(self, console: Console, *, total: int, label: str, enabled: bool, **kw):
+        super().__init__(console, total=total, enabled=enabled, **kw)
+        self.label = label
+        self._done = 0
+
+    def advance(self, n: int = 1) -> None:
+        self._done += n
+        self.update(self._done - 1, 1, None)
+
+    def counted(self, items) -> "Counted":
+        return Counted(items, self.advance)
+
+    def line(self, now: float) -> str:
+        return f"{self.label}  {self._count()}  {self._times(now)}"
+
+
+class Counted:
+    """``items`` (any iterable with a ``len``) calling ``advance()`` as each item is done: when the
+    next one is asked for, or the iteration ends."""
+
+    def __init__(self, items, advance):
+        self.items, self.advance = items, advance
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        for item in self.items:
+            yield item
+            self.advance()

@@ -58,3 +58,11 @@ def test_a_markdown_cell_shows_its_text_literally():
     assert "<" not in cell and ">" not in cell and "\x1b" not in cell and "\n" not in cell
     assert "&lt;script&gt;" in cell and "\\|" in cell and "\\`code\\`" in cell and "\\[a\\]" in cell
     assert markdown_cell("trainable_layers=all, 1.41×") == "trainable_layers=all, 1.41×"
+
+
+def test_markdown_text_escapes_html_outside_code_spans_only():
+    from lora_bench.escaping import markdown_text
+
+    out = markdown_text("run `a && b <c>` then <script>x</script> & more")
+    assert "`a && b <c>`" in out  # a code span is shown literally by Markdown: no entity inside
+    assert "<script>" not in out and "&lt;script&gt;" in out and "&amp; more" in out

@@ -36,6 +36,7 @@ from lora_bench.lora import lora_class
 from lora_bench.results import store
 from lora_bench.results.metrics import median_p10_p90
 from lora_bench.train.graphs import warm_up
+from lora_bench.train.memory import GIB, available_bytes
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -134,6 +135,30 @@ def _n_sets(shape: Shape, dtype: torch.dtype, device: torch.device) -> int:
     elt = torch.tensor([], dtype=dtype).element_size()
     per_set = elt * (shape.d_in * shape.d_out + shape.tokens * (shape.d_in + shape.d_out))
     return max(2, min(8, math.ceil(L2_FLUSH_BYTES / per_set)))
+
+
+def group_bytes(impls: list[str], shape: Shape, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes one (shape, dtype) group holds at least while it is timed: every implementation's sets,
+    each a layer (frozen weight and bias, A and B), its input and output gradient, and what forward
+    and backward make (the output, the input's and the adapters' gradients, the rank-wide product)."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    d_in, d_out, r, t = shape.d_in, shape.d_out, shape.rank, shape.tokens
+    per_set = d_in * d_out + d_out + 2 * t * (d_in + d_out) + t * r
+    adapters = 2 * r * (d_in + d_out)  # A and B, and their gradients
+    sets = _n_sets(shape, dtype, device)
+    return elt * sum(sets * (per_set + (0 if impl == "frozen" else adapters)) for impl in impls)
+
+
+def memory_problem(impls: list[str], shape: Shape, dtype_name: str, device: torch.device) -> str | None:
+    """Why the group cannot fit in ``device``'s free memory (``group_bytes`` against
+    ``train.memory.available_bytes``, the estimate a run is checked with), or None."""
+    need = group_bytes(impls, shape, DTYPES[dtype_name], device)
+    have = available_bytes(device)
+    if have is None or need <= have:
+        return None
+    return (f"shape {shape.name} ({dtype_name}) needs about {need / GIB:,.1f} GiB for its {len(impls)} "
+            f"implementation(s), estimated from its sizes, but {device} has {have / GIB:,.1f} GiB available; "
+            "choose a smaller shape (rows, widths or rank) or fewer --impls")
 
 
 def _time_phase(sets: list[tuple], phase: str, *, repeats: int, warmup: int, device: torch.device) -> list[float]:
@@ -316,6 +341,8 @@ def run_kernel_bench(
     rows = []
     for shape in resolve_shapes(shapes):
         for dtype_name in dtypes:
+            if too_big := memory_problem(impls, shape, dtype_name, dev):  # before anything is allocated
+                raise ValueError(too_big)
             try:
                 group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu,
                                      policies=policies)

@@ -16,7 +16,7 @@ from lora_bench.cli import bench, compare, data, report, show, sweep, train
 from lora_bench.cli.options import CONTEXT, console, err_console
 from lora_bench.cli.results import results_app
 from lora_bench.errors import LoraBenchError
-from lora_bench.escaping import markup
+from lora_bench.escaping import clip_words, markup
 
 PROG = "lora-bench"
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode="rich", context_settings=CONTEXT,
@@ -53,5 +53,5 @@ def main() -> None:
     try:
         app(prog_name=PROG)
     except LoraBenchError as e:
-        err_console.print(f"[bold red]error:[/bold red] {markup(e, newlines=True)}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {markup(clip_words(e), newlines=True)}", highlight=False)
         sys.exit(e.exit_code)

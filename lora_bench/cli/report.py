@@ -28,6 +28,7 @@ from lora_bench.cli.options import (
 )
 from lora_bench.errors import UsageError
 from lora_bench.escaping import markdown_cell, markup, terminal
+from lora_bench.fileio import name_problem
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -57,6 +58,9 @@ def report(
     """Explain results: the answer generated from the runs, the crossover against a baseline, where the time goes."""
     from lora_bench.report.report_command import report_command
 
+    for flag, path in (("--output", output), ("--plot", plot)):  # room for a figure's "-crossover.png"
+        if path is not None and (why := name_problem(path, room=16)):
+            raise UsageError(f"{flag} {path}: {why}")
     if plot is not None:
         if plot.suffix.lower() not in PLOT_SUFFIXES:
             raise UsageError(f"--plot {plot}: the file name must end in one of {', '.join(PLOT_SUFFIXES)}")

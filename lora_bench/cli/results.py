@@ -129,6 +129,7 @@ def render(
     """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs."""
     from lora_bench.errors import UsageError
     from lora_bench.escaping import markup
+    from lora_bench.progress import CountProgress
     from lora_bench.publish.committed import declared_folders, recipes, render_all, stale_reports
 
     _folder(root)
@@ -143,7 +144,8 @@ def render(
                                  "format, output and the report's options)")
     chosen = list(folders) if folders else declared
     if check:
-        stale = stale_reports(root, chosen if folders else None)
+        with CountProgress(console, total=len(chosen), label="checking reports", enabled=True) as bar:
+            stale = stale_reports(root, chosen if folders else None, advance=bar.advance)
         for path, why in stale:
             console.print(f"stale: {markup(path)}: {markup(why)}", highlight=False)
         if stale:
@@ -151,7 +153,9 @@ def render(
             raise typer.Exit(1)
         console.print(f"{len(chosen)} folder(s): every report is what its runs give", highlight=False)
         return
-    for folder, files in render_all(chosen, root=root).items():
+    with CountProgress(console, total=len(chosen), label="rendering reports", enabled=True) as bar:
+        written = render_all(chosen, root=root, advance=bar.advance)
+    for folder, files in written.items():
         for r in recipes(folder, root=root):
             console.print(f"rendered: {markup(r.command())}", highlight=False, soft_wrap=True)
         for p in dict.fromkeys(files):

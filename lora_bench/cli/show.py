@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
-
 from lora_bench.cli.options import console
 from lora_bench.errors import UsageError
 
@@ -22,6 +20,7 @@ def show(results_dir: Annotated[Path, typer.Argument(help="A results folder hold
                                                              "(default: the latest finished run).")] = None
          ) -> None:
     """Print a run's phase breakdown again, from the files (without RUN_ID: the latest finished run)."""
+    from lora_bench.escaping import clip, markup
     from lora_bench.report.phase_table import phase_table
     from lora_bench.report.run_cause import folder_cause
     from lora_bench.results.store import find_run, unfinished_since
@@ -32,7 +31,7 @@ def show(results_dir: Annotated[Path, typer.Argument(help="A results folder hold
     if run_id is None and row.get("status") == "done":
         later = unfinished_since(results_dir, row)
         if later:
-            shown = escape(", ".join(f"{r['run_id']} ({r.get('status')})" for r in later[-3:]))
+            shown = markup(", ".join(f"{clip(r['run_id'], 80)} ({r.get('status')})" for r in later[-3:]))
             console.print(f"{len(later)} later run(s) did not finish: {shown}; `lora-bench show {results_dir} RUN_ID` "
                           "shows one", highlight=False)
 

@@ -53,11 +53,14 @@ Examples:
 """
 
 
-def validate(files: SweepFiles) -> None:
+def validate(files: SweepFiles, machine: Annotated[bool, typer.Option(
+        "--machine/--no-machine", help="Also check the runs on this machine as the sweep does (device, packages, "
+                                       "memory) and estimate their time here; --no-machine: the files alone, for "
+                                       "another machine.")] = True) -> None:
     """Check every run of each sweep file and report all problems at once (nothing runs)."""
     from lora_bench.sweep.spec import validate_files
 
-    validate_files(files, console=console)
+    validate_files(files, console=console, machine=machine)
 
 
 def sweep_overrides(items: list[str], *, device: str | None,

@@ -74,11 +74,26 @@ def _from_command_line(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name == "COMMANDLINE"
 
 
+def scaled_warmup(values: dict[str, Any], *, chosen: set[str]) -> str | None:
+    """A run shorter than twice the default warm-up leaves at most half its steps out of the timing
+    summaries, so that a short run (``--max-steps 3``) runs and still measures steps. Only where
+    the warm-up was left at its default (not in ``chosen``, the settings given); changes
+    ``values`` and returns the line that says so, else None."""
+    steps, warmup = values.get("max_steps"), values.get("warmup_steps")
+    if "warmup_steps" in chosen or values.get("timing") == "off" or not isinstance(steps, int) \
+            or isinstance(steps, bool) or not isinstance(warmup, int) or steps < 1 or warmup <= steps // 2:
+        return None
+    values["warmup_steps"] = steps // 2
+    return (f"warm-up: {steps // 2} of the {steps} steps left out of the timing summaries (the default is "
+            f"{warmup}; --warmup-steps sets it)")
+
+
 def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[str],
-                  given: dict[str, Any]) -> tuple[TrainConfig, Any]:
+                  given: dict[str, Any]) -> tuple[TrainConfig, Any, str | None]:
     """The run's settings by precedence (defaults < file < flags and overrides), every problem at
-    once; and how to name each setting in later messages: as the flag, or as the key where the
-    file or an override gave it."""
+    once; how to name each setting in later messages: as the flag, or as the key where the file
+    or an override gave it; and the line that says the warm-up was scaled down (``scaled_warmup``),
+    if it was."""
     values = dict(DEFAULTS)
     as_key: set[str] = set()
     if config is not None:
@@ -97,10 +112,11 @@ def settings_from(ctx: typer.Context, *, config: Path | None, overrides: list[st
     def name_of(name: str) -> str:
         return key_name(name) if name in as_key else flag_name(name)
 
+    scaled = None if problems else scaled_warmup(values, chosen=as_key | set(flags))
     problems += settings_problems(values)
     if problems:
         raise ConfigError(render(problems, name_of))
-    return TrainConfig(**{k: coerce(k, v) for k, v in values.items()}), name_of
+    return TrainConfig(**{k: coerce(k, v) for k, v in values.items()}), name_of, scaled
 
 
 def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | None, config: Path | None,
@@ -114,10 +130,12 @@ def train(ctx: typer.Context, *, given: dict[str, Any], overrides: list[str] | N
     env = None
     try:
         # the settings alone first: a bad value or file answers before torch and the training stack load
-        cfg, name_of = settings_from(ctx, config=config, overrides=overrides or [], given=given)
+        cfg, name_of, scaled = settings_from(ctx, config=config, overrides=overrides or [], given=given)
         from lora_bench.train.distributed import rank_env, rank_errors
 
         env = rank_env()
+        if scaled and (env is None or env.is_main):
+            console.print(scaled, highlight=False, markup=False)
         with rank_errors(env):
             code = _run(cfg, env=env, name_of=name_of, results_dir=results_dir, run_id=run_id, overwrite=overwrite,
                         cache_dir=cache_dir, progress=not no_progress, logger=logger)
@@ -167,7 +185,7 @@ def _run(cfg: TrainConfig, *, env, name_of, results_dir: Path, run_id: str | Non
         return launch_train(cfg, argv=sys.argv[1:], results_dir=results_dir, overwrite=overwrite,
                             run_id=run_id or make_run_id(cfg), console=console)
     row = execute_run(cfg, results_dir=results_dir, run_id=run_id, console=console, progress=progress,
-                      cache_dir=cache_dir, overwrite=overwrite)
+                      cache_dir=cache_dir, overwrite=overwrite, estimate=progress)
     if env is None or env.is_main:
         _report(row, results_dir, logger=logger)
     return 0

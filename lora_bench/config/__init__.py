@@ -55,7 +55,8 @@ from lora_bench.config.declaration import (  # noqa: F401  re-exported
     key_name,
 )
 from lora_bench.config.files import parse_overrides, read_settings_file, resolve_paths  # noqa: F401  re-exported
-from lora_bench.config.packing import ADAPTER_SETTINGS, pack_key, solo_reason  # noqa: F401  re-exported
+from lora_bench.config.packing import (  # noqa: F401  re-exported
+    ADAPTER_SETTINGS, REPEATS_APART, pack_key, repeat_problem, setting_key, solo_reason)
 from lora_bench.config.setting_rules import (  # noqa: F401  re-exported
     NAME,
     SCALARS,

@@ -1,5 +1,6 @@
 """Which runs can train together in one pack (one process, one frozen base model, one adapter per
-run; lora_bench.train.pack): runs whose settings agree on everything but their adapter's own.
+run; lora_bench.train.pack): runs whose settings agree on everything but their adapter's own, and
+differ from each other (``repeat_problem``: repeats of one setting go to separate packs).
 Nothing here imports torch (``lora-bench sweep --help`` names ADAPTER_SETTINGS)."""
 
 from __future__ import annotations
@@ -44,3 +45,24 @@ def solo_reason(cfg: SettingFields) -> str | None:
 def pack_key(cfg: SettingFields) -> tuple[tuple[str, Any], ...]:
     """Runs with equal keys can share a pack: every setting but the adapter's own."""
     return tuple((k, v) for k, v in sorted(cfg.to_dict().items()) if k not in ADAPTER_SETTINGS)
+
+
+# Why two runs of one setting never share a pack: repeats are there to measure the spread from
+# process to process, and the runs of a pack share one process, one base and every step's timing.
+REPEATS_APART = ("repeats of one setting never share a pack: its runs share one process and every step's timing, "
+                 "so the repeats would measure no spread between processes")
+
+
+def setting_key(cfg: Settings) -> tuple[tuple[str, Any], ...]:
+    """Every setting: runs with equal keys are repeats of one setting with one seed."""
+    return tuple(sorted(cfg.to_dict().items()))
+
+
+def repeat_problem(cfgs: list[Settings]) -> str | None:
+    """Why these runs cannot share a pack because two of them are one setting (None: every run differs)."""
+    first: dict[tuple, int] = {}
+    for i, cfg in enumerate(cfgs):
+        j = first.setdefault(setting_key(cfg), i)
+        if j != i:
+            return f"runs {j + 1} and {i + 1} of the pack have the same settings: {REPEATS_APART}"
+    return None

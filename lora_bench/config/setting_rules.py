@@ -164,7 +164,7 @@ VARIANT_DEFAULTS = {"lora_scaling": "alpha", "lora_variant": "lora", "lora_init"
 def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *names: True) -> list[Problem]:
     """What LoRA's variants (docs/variants.md) rule out, each with its reason."""
     out = []
-    layers = v["trainable_layers"]
+    layers = v.get("trainable_layers")  # absent where its own value was refused
     for name, plain in VARIANT_DEFAULTS.items():
         if ok(name, "trainable_layers") and v[name] != plain and layers not in LORA_LAYERS:
             out.append(problem(name, "{setting}={p} is only used with {trainable_layers} one of: {allowed}",
@@ -208,7 +208,7 @@ def base_dtype_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *
     """What a frozen base stored other than the precision setting says rules out, each with its reason
     (docs/quantized-base.md)."""
     out = []
-    t, b = v["trainable_layers"], v["base_dtype"]
+    t, b = v.get("trainable_layers"), v["base_dtype"]
     allowed = raw(", ".join(BASE_DTYPE_LAYERS))
     if ok("trainable_layers") and t == "lora-merged":
         out.append(problem("base_dtype", "{base_dtype}={b} with {trainable_layers}=lora-merged is refused: merging "

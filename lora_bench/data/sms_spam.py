@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 from lora_bench.data.tokenizer import PAD_TOKEN_ID, sha256_file
 from lora_bench.download import download_file, safe_extract_zip
 from lora_bench.errors import DataError, DownloadError, UsageError
-from lora_bench.fileio import TooLarge, atomic_write_text, check_writable_dir, not_a_file, publish, read_capped
+from lora_bench.fileio import (TooLarge, atomic_write_text, check_writable_dir, not_a_file, parse_json, publish,
+                               read_capped, refusing)
 
 SMS_URLS = [
     "https://archive.ics.uci.edu/static/public/228/sms+spam+collection.zip",
@@ -37,6 +38,7 @@ SMS_EXTRACT_CAP = 4 * SMS_SIZE  # a larger archive member is refused before it i
 PACKAGED_CORPUS = Path(__file__).with_name("SMSSpamCollection.tsv")
 SPLIT_FILES = ("train.csv", "validation.csv", "test.csv")
 SPLITS_MANIFEST = "sha256.json"  # the splits' hashes and their source's, written with them, checked on reuse
+MAX_SPLITS_MANIFEST_BYTES = 1 << 16  # four hashes
 SOURCE_KEY = "source_sha256"
 # A data file is refused past this size before it is read: 35 times the corpus (0.48 MB), room for a
 # corpus of the same kind many times larger, while the file, its pandas frame and its tokens (Python
@@ -227,14 +229,15 @@ def write_splits(parts: tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame], out_dir
     try:
         for name, part in zip(SPLIT_FILES, parts):
             dest = out_dir / name
-            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            try:
-                part.to_csv(tmp, index=None)
-                publish(tmp, dest)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with refusing(out_dir):  # a full disk or quota: one message naming the folder
+                fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+                os.close(fd)
+                try:
+                    part.to_csv(tmp, index=None)
+                    publish(tmp, dest)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
             paths[name.removesuffix(".csv")] = dest
     except BaseException:
         if made:
@@ -258,10 +261,10 @@ def cached_splits(raw_file: Path, cache_dir: Path) -> dict[str, Path]:
     folder = Path(cache_dir) / "sms_spam" / f"splits-{source[:16]}"
     manifest = folder / SPLITS_MANIFEST
     try:
-        want = json.loads(manifest.read_text())
+        want = parse_json(read_capped(manifest, MAX_SPLITS_MANIFEST_BYTES))
         if want[SOURCE_KEY] == source and all(sha256_file(folder / f) == want[f] for f in SPLIT_FILES):
             return {f.removesuffix(".csv"): folder / f for f in SPLIT_FILES}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, TooLarge):
         pass  # absent, partial, altered or of another source: prepared again below
     why = check_writable_dir(Path(cache_dir))
     if why:

@@ -12,6 +12,7 @@ import shlex
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -31,6 +32,8 @@ KEYS = ("format", "output", "inputs", "threshold", *OPTIONS)
 REPORT_FILE = re.compile(r"report[^/]*\.(md|html|png|pdf|svg|csv|json|txt)")
 FIGURE_FILE = re.compile(r"report[^/]*\.(png|pdf|svg)")
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_RECIPES = 64  # reports one folder declares: a study's folder declares a handful
+NAME_MAX = 200  # bytes of a report file's name: the file system's 255, with room for a figure's suffix
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ def _report_name(value, key: str, where: str) -> str:
     ``report*.<ext>`` (what ``stale_reports`` looks for), not a link, nothing else in its way."""
     pattern = FIGURE_FILE if key == "plot" else REPORT_FILE
     allowed = "png, pdf, svg" if key == "plot" else "md, html, png, pdf, svg, csv, json, txt"
+    if isinstance(value, str) and len(value.encode(errors="surrogateescape")) > NAME_MAX:
+        raise ResultsError(f"{where}: {key} is a name of {len(value.encode(errors='surrogateescape')):,} bytes; a "
+                           f"report file's name has at most {NAME_MAX} (the file system's limit is 255)")
     if (not isinstance(value, str) or CONTROL.search(value) or not pattern.fullmatch(value)
             or "/" in value or "\\" in value):
         example = "report.png" if key == "plot" else "report.md"
@@ -113,6 +119,8 @@ def recipes(folder: Path, *, root: Path) -> list[Recipe]:
     path = folder / MANIFEST
     if not isinstance(entries, list):
         raise ResultsError(f"{path}: {REPORTS} must be a list of report recipes, not a JSON {type(entries).__name__}")
+    if len(entries) > MAX_RECIPES:
+        raise ResultsError(f"{path}: {REPORTS} lists {len(entries):,} recipes; a folder declares at most {MAX_RECIPES}")
     try:
         rel = folder.resolve().relative_to(root.resolve())
     except ValueError:
@@ -182,14 +190,16 @@ def render(recipe: Recipe, *, into: Path | None = None) -> list[Path]:
                           names=recipe.input_names())
 
 
-def render_all(folders: list[Path], *, root: Path, into: Path | None = None) -> dict[Path, list[Path]]:
+def render_all(folders: list[Path], *, root: Path, into: Path | None = None,
+               advance: Callable[[], None] = lambda: None) -> dict[Path, list[Path]]:
     """Render every recipe of ``folders``: folder -> files written (into ``into``/<folder relative
-    to root> when given)."""
+    to root> when given); ``advance()`` after each folder (a progress display's)."""
     out: dict[Path, list[Path]] = {}
     for folder in folders:
         dest = None if into is None else Path(into) / Path(folder).resolve().relative_to(Path(root).resolve())
         for r in recipes(folder, root=root):
             out.setdefault(Path(folder), []).extend(render(r, into=dest))
+        advance()
     return out
 
 
@@ -272,11 +282,13 @@ def compare_file(committed: Path, rendered: Path) -> str | None:
     return None if a == b else "its bytes differ"
 
 
-def stale_reports(root: Path, folders: list[Path] | None = None) -> list[tuple[Path, str]]:
+def stale_reports(root: Path, folders: list[Path] | None = None, *,
+                  advance: Callable[[], None] = lambda: None) -> list[tuple[Path, str]]:
     """Render every declared report of ``folders`` (default: all under ``root``) into a temporary
     folder and compare: (committed file, why it is stale) for each file that differs, is missing,
     or looks like a report (``report*.md``, ``.html``, ``.png``, ...) in a folder with recipes but
-    is written by none of them. A folder holding report files and declaring none is stale too."""
+    is written by none of them. A folder holding report files and declaring none is stale too.
+    ``advance()`` after each declared folder rendered."""
     root = Path(root)
     declared = declared_folders(root)
     asked = declared if folders is None else [Path(f) for f in folders]
@@ -289,7 +301,7 @@ def stale_reports(root: Path, folders: list[Path] | None = None) -> list[tuple[P
             stale.append((f, f"it holds reports but its {MANIFEST} declares no {REPORTS}"))
     folders = [f for f in asked if f.resolve() in {d.resolve() for d in declared}]
     with tempfile.TemporaryDirectory(prefix="lora-bench-reports-") as tmp:
-        written = render_all(folders, root=root, into=Path(tmp))
+        written = render_all(folders, root=root, into=Path(tmp), advance=advance)
         for folder in folders:
             rel = Path(folder).resolve().relative_to(root.resolve())
             made = {p.name for p in written.get(Path(folder), [])}

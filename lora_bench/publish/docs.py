@@ -30,6 +30,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "answer": study.table_answer,
     "fastest": study.table_fastest,
     "floor": study.table_floor,
+    "book-whole-runs": study.table_book_whole_runs,
     "study-repeats": study.table_study_repeats,
     "cause": study.table_cause,
     "spread-124m": study.table_spread_124m,

@@ -142,6 +142,37 @@ def table_floor() -> str:
                     rows, align="---|---:|---:|---:|---:|---:|---:")
 
 
+BOOK_WHOLE = "answer/book-whole-runs"
+# the published table's training times, minutes, one A100, pretrained weights, 5 epochs with evaluation
+BOOK_MINUTES = {("124M", "all"): 0.69, ("124M", "lora"): 0.75, ("1558M", "all"): 8.12, ("1558M", "lora"): 5.79}
+
+
+def table_book_whole_runs() -> str:
+    """The book's whole-run comparison: each size and mode's median training minutes (evaluation
+    included) over the repeats, for all and LoRA, LoRA ÷ all paired per repeat, beside the book's."""
+    df = runs(BOOK_WHOLE)
+    df = as_read(df[df["status"] == "done"], BOOK_WHOLE)
+    found = {(g.values["model_size"], g.values["sweep_label"], g.values["trainable_layers"]): g
+             for g in group_runs(df, ["model_size", "sweep_label", "trainable_layers"], metrics=["training_time_min"],
+                                 baseline={"trainable_layers": "all"}, ratio_metric="training_time_min",
+                                 lone_baseline=False, unknown=UNCLEAR, sort=True)}
+    rows = []
+    for size in ("124M", "1558M"):
+        book = [f"{BOOK_MINUTES[(size, k)]:.2f}" for k in ("all", "lora")]
+        book.append(f"{BOOK_MINUTES[(size, 'lora')] / BOOK_MINUTES[(size, 'all')]:.2f}")
+        for label, mode in ANSWER_MODES:
+            a, lo = found.get((size, label, "all")), found.get((size, label, "lora"))
+            if a is None or lo is None:
+                rows.append([f"GPT-2 {size}", mode, "not run yet", "not run yet", "-", *book])
+                continue
+            rows.append([f"GPT-2 {size}", mode, interval_text(a.estimates["training_time_min"], digits=2),
+                         interval_text(lo.estimates["training_time_min"], digits=2),
+                         f"{interval_text(lo.ratio)} {lo.verdict}".strip(), *book])
+    return md_table(["5 epochs with evaluation, r16 α16, one H200", "mode", "all: min [interval]", "LoRA: min [interval]",
+                     "LoRA ÷ all", "book, A100: all min", "LoRA min", "LoRA ÷ all"], rows,
+                    align="---|---|---:|---:|---:|---:|---:|---:")
+
+
 def table_fastest() -> str:
     """The fastest measured LoRA configuration per size, in the study with repeats and the floor
     study, with its step ÷ the floor's (the frozen model's step in the same precision) where the

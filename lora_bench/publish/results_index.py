@@ -4,14 +4,17 @@ commits that wrote it, the device, the dates, and how many rows it has."""
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from lora_bench.escaping import markdown_cell
+from lora_bench.errors import ResultsError
+from lora_bench.escaping import markdown_cell, markdown_code, markdown_text
 from lora_bench.fileio import atomic_write_text
+from lora_bench.results.guarded_read import outside, read_results_file
 from lora_bench.results.claims import CLAIM_NAME
 from lora_bench.results.index import INDEX
 from lora_bench.results.manifest import MANIFEST, RECONSTRUCTED, UNKNOWN, read_manifest
@@ -20,6 +23,7 @@ from lora_bench.results.store import result_rows
 
 # files every run folder has; the index counts runs, not these
 PER_RUN_FILES = ("steps.csv", "run.json", "worker.log", "job.json")
+MAX_LISTED_CSV_BYTES = 1 << 30  # a CSV file the index counts the rows of (runs.csv's own limit)
 
 
 @dataclass
@@ -41,14 +45,19 @@ class FolderSummary:
 
 
 def results_folders(root: Path) -> list[Path]:
-    """Folders directly under ``root`` that hold a manifest, runs.csv or other result files."""
-    return sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    """Folders directly under ``root`` that hold a manifest, runs.csv or other result files; a link
+    to a folder outside ``root`` is not followed (the index lists what the root holds)."""
+    return sorted(p for p in Path(root).iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and not outside(p, root))
 
 
-def _csv_rows(path: Path) -> int:
+def _csv_rows(path: Path, root: Path) -> int:
+    """The rows of a CSV file of the folder ``root`` (read through ``guarded_read``: a file that is
+    not one, a link out, or past MAX_LISTED_CSV_BYTES counts 0 rows)."""
     try:
-        return len(pd.read_csv(path, dtype=str, keep_default_na=False))
-    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError):
+        data = read_results_file(path, limit=MAX_LISTED_CSV_BYTES, root=root)
+        return len(pd.read_csv(io.BytesIO(data or b""), dtype=str, keep_default_na=False))
+    except (ResultsError, pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError):
         return 0
 
 
@@ -125,7 +134,7 @@ def summarise(folder: Path, *, root: Path | None = None) -> FolderSummary:
         commits=_unique(commits), devices=devices,
         dates=[dates[0], dates[-1]] if len(dates) > 1 else dates,
         runs=len(rows), done=sum(r.get("status") == "done" for r in rows),
-        superseded=_csv_rows(folder / SUPERSEDED / "runs.csv") if (folder / SUPERSEDED / "runs.csv").is_file() else 0,
+        superseded=_csv_rows(folder / SUPERSEDED / "runs.csv", folder) if (folder / SUPERSEDED / "runs.csv").is_file() else 0,
         superseded_commits=_commits(read_manifest(folder / SUPERSEDED)["invocations"]),
         reconstructed=any(e.get("source") == RECONSTRUCTED for e in entries), path=_shown(folder, root),
         row_files=[(p.relative_to(folder) / "runs.csv").as_posix() for p in parts if _has_rows(p)])
@@ -137,7 +146,9 @@ def summarise(folder: Path, *, root: Path | None = None) -> FolderSummary:
         in_run_dir = rel.parts[0] in run_dirs or (path.parent / "run.json").is_file()  # also in nested folders
         if rel.parts[0] == SUPERSEDED or (len(rel.parts) > 1 and in_run_dir and path.name in PER_RUN_FILES):
             continue
-        what = _rows(_csv_rows(path)) if path.suffix == ".csv" else _size(path)
+        if path.is_symlink() and outside(path, folder):
+            continue  # not the folder's own file
+        what = _rows(_csv_rows(path, folder)) if path.suffix == ".csv" else _size(path)
         summary.files.append((rel.as_posix(), what))
     return summary
 
@@ -145,8 +156,7 @@ def summarise(folder: Path, *, root: Path | None = None) -> FolderSummary:
 def _cell(items: list[str], *, code: bool = False) -> str:
     if not items:
         return UNKNOWN
-    # a pipe is escaped once: markdown_cell escapes its own, and a second backslash would end the cell
-    return "<br>".join(f"`{i}`".replace("|", "\\|") if code and i != UNKNOWN else markdown_cell(i) for i in items)
+    return "<br>".join(markdown_code(i) if code and i != UNKNOWN else markdown_cell(i) for i in items)
 
 
 REPRODUCE = re.compile(r"Reproduce: `([^`]+)`")
@@ -204,15 +214,21 @@ def command_cell(s: FolderSummary) -> str:
     known = [c for c in s.commands if c != UNKNOWN]
     if known:
         more = f" (+{len(known) - 1} more)" if len(known) > 1 else ""
-        return f"`{known[0]}`{more}".replace("|", "\\|")
-    return reproduce_text(s).replace("|", "\\|")
+        return f"{markdown_code(known[0])}{more}"
+    return reproduce_text(s)
 
 
 def reproduce_text(s: FolderSummary) -> str:
     """'reproduce: `COMMAND`' from the folder's description, where the rows could not tell the
     command; unknown where the description names none."""
     m = REPRODUCE.search(s.description)
-    return f"reproduce: `{reproducible(m.group(1), folder=s.path)}`" if m else UNKNOWN
+    return f"reproduce: {markdown_code(reproducible(m.group(1), folder=s.path))}" if m else UNKNOWN
+
+
+def _what(text: str) -> str:
+    """A description's first sentence in a table cell: its Markdown marks (`code`) kept, its HTML
+    and control characters escaped, a ``|`` or a line break never splitting the row."""
+    return markdown_text(text).replace("|", "/").replace("\n", " ")
 
 
 def is_group(folder: Path) -> bool:
@@ -262,15 +278,16 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
             runs = f"{s.runs}" + (f" (+{s.superseded} superseded)" if s.superseded else "") if s.runs else "-"
             what = (s.description.split(". ")[0].rstrip(".") if s.description else "") or "-"
             anchor = s.name.replace("/", "")
-            lines.append(f"| [`{s.name}/`](#{anchor}) | {what.replace('|', '/')} | {command_cell(s)} | "
+            lines.append(f"| [{markdown_code(s.name + '/')}](#{anchor}) | {_what(what)} | "
+                         f"{command_cell(s)} | "
                          f"{_cell(s.commits)} | {_cell(s.devices)} | {' to '.join(s.dates) or UNKNOWN} | {runs} |")
     for _, _, folders in sections:
         for s in folders:
-            lines += ["", f"### {s.name}", ""]
-            if s.description:
-                lines += [s.description, ""]
-            commands = ", ".join(dict.fromkeys(f"`{c}`" if c != UNKNOWN else reproduce_text(s) for c in s.commands)) \
-                or UNKNOWN
+            lines += ["", f"### {markdown_cell(s.name)}", ""]
+            if s.description:  # its Markdown marks kept; HTML, control characters and line breaks not
+                lines += [markdown_text(s.description).replace("\n", " "), ""]
+            commands = ", ".join(dict.fromkeys(markdown_code(c) if c != UNKNOWN else reproduce_text(s)
+                                               for c in s.commands)) or UNKNOWN
             if len(s.commands) > 3:  # a study of many commands: folded
                 commands = f"<details><summary>{len(s.commands)} commands</summary>{commands}</details>"
             lines.append(f"- command{'s' if len(s.commands) > 1 else ''}: {commands}"
@@ -284,7 +301,7 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
                              + (f"; {s.superseded} superseded in `{SUPERSEDED}/runs.csv`" if s.superseded else "")
                              + (f" (source commits {', '.join(s.superseded_commits)})" if s.superseded_commits else ""))
             if s.files:
-                lines.append("- files: " + ", ".join(f"`{p}` ({w})" for p, w in s.files))
+                lines.append("- files: " + ", ".join(f"{markdown_code(p)} ({w})" for p, w in s.files))
     return "\n".join(lines) + "\n"
 
 

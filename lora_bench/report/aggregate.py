@@ -18,9 +18,9 @@ from lora_bench.errors import UsageError
 from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import group_runs, metric_sense, same
-from lora_bench.report.load import MODE, shared_ids_note
+from lora_bench.report.load import MODE, RUN_DIR, shared_ids_note
 from lora_bench.report.labels import MODE_FIELDS, is_blank
-from lora_bench.report.samples import pack_count
+from lora_bench.report.samples import pack_count, refused_steps
 from lora_bench.results.schema import RETIRED_COLUMNS, SETTING_PREFIX, column_index, run_column_names
 
 FORMATS = ("table", "markdown", "csv", "html", "json")
@@ -89,10 +89,11 @@ def plan_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline
         what = ", ".join(f"{v} {k}" for k, v in excluded.items()) or "none"
         raise UsageError(f"nothing to report: {len(df)} run(s) found, none finished ({what}); "
                          "their errors are in the error column of runs.csv")
-    keys = [resolve_column(done, k) for k in group_by] if group_by else default_keys(done)
+    # a key or metric named twice (or by two of its names: label, sweep_label) counts once
+    keys = list(dict.fromkeys(resolve_column(done, k) for k in group_by)) if group_by else default_keys(done)
     notes = [n for n in (shared_ids_note(df),) if n] + diverged_notes(df)
     if metrics:
-        metrics = [resolve_column(done, m, metric=True) for m in metrics]
+        metrics = list(dict.fromkeys(resolve_column(done, m, metric=True) for m in metrics))
         for m in metrics:
             if is_empty(done, m):
                 notes.append(why_empty(done, m))
@@ -312,3 +313,8 @@ def order_key(value, *, col: str = "") -> tuple:
 
 def _natural(v: str) -> tuple:
     return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.findall(r"\d+|\D+", v))
+
+
+def refused_notes(df: pd.DataFrame) -> list[str]:
+    """A line for each run of ``df`` whose steps table a report refused to read (samples.refused_steps)."""
+    return refused_steps(df[RUN_DIR]) if RUN_DIR in df else []

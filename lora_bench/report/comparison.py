@@ -34,7 +34,8 @@ from lora_bench.report.aggregate import (
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import exact, fails_gate, group_runs, metric_sense
 from lora_bench.report.filters import filter_runs
-from lora_bench.report.load import MODE, load_results, result_dirs
+from lora_bench.report.load import MODE, RUN_DIR, load_results, result_dirs
+from lora_bench.report.samples import refused_steps
 from lora_bench.report.labels import MODE_FIELDS, mode_name, setting_name, value_text
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.stats import Estimate
@@ -196,7 +197,7 @@ def compare(baseline: Path, candidate: Path, *, metric: str = DEFAULT_METRIC, th
     rows.sort(key=lambda r: tuple(order_key(r.settings[k], col=_column(k)) for k in shown))
     only = {side: [_display(cols, k, shown) for k in all_keys if k in groups[side] and k not in groups[other]]
             for side, other in (SIDES, SIDES[::-1])}
-    notes = []
+    notes = refused_steps(both[RUN_DIR]) if RUN_DIR in both else []
     if ignored:
         notes.append("settings left out of the matching (--ignore): " + ", ".join(sorted(map(setting_name, ignored))))
     return Comparison(baseline_dir=str(baseline), candidate_dir=str(candidate), metric=col, threshold=threshold,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lora_bench.escaping import csv_cell as stored_cell
+from lora_bench.escaping import report_csv_cell as stored_cell
 from lora_bench.report.aggregate import ESTIMATE_SUFFIXES, Report, estimate_of, rule
 from lora_bench.report.labels import column_label, is_blank
 from lora_bench.report.stats import RESAMPLING, STATISTIC, span_text
@@ -93,8 +93,8 @@ def to_csv(rep: Report) -> str:
 
 
 def csv_cell(v):
-    """A text cell as the results' writer stores it (``escaping.csv_cell``: no formula runs), a lone
-    '-' (a blank cell of the tables) left as it is."""
+    """A text cell of a CSV report (``escaping.report_csv_cell``: no formula runs, no control
+    character is sent), a lone '-' (a blank cell of the tables) left as it is."""
     return v if v in ("-", "+") else stored_cell(v)
 
 
@@ -104,4 +104,5 @@ def csv_text(df: pd.DataFrame) -> str:
     for col in out.columns:
         if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
             out[col] = out[col].map(csv_cell)
+    out.columns = [csv_cell(c) for c in out.columns]
     return out.to_csv(index=False, float_format="%.6g")

@@ -22,8 +22,10 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
+from lora_bench.escaping import SHOWN_CHARS, clip
 from lora_bench.report.labels import is_blank, mode_name
 from lora_bench.results.folder_files import RUN_RECORD, RUNS_CSV
+from lora_bench.results.guarded_read import read_results_file
 from lora_bench.results.prune import SUPERSEDED
 from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
@@ -32,6 +34,7 @@ RUN_DIR = "run_dir"
 RESULTS_DIR = "results_dir"
 MODE = "mode"
 KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launches and kernel ms per phase
+KERNELS_MAX_BYTES = 1 << 20  # one row per phase
 
 
 def result_dirs(path: Path) -> list[Path]:
@@ -47,11 +50,6 @@ def result_dirs(path: Path) -> list[Path]:
 
 # -- finding results folders ------------------------------------------------------------------
 SKIPPED = (SUPERSEDED,)  # rows a newer run replaced, kept for the record: read only where named
-
-
-def holds_runs(folder: Path) -> bool:
-    """A results folder: it holds runs.csv or run folders (``<run>/run.json``)."""
-    return (folder / RUNS_CSV).is_file() or any(folder.glob(f"*/{RUN_RECORD}"))
 
 
 def find_results_folders(top: Path) -> list[Path]:
@@ -98,6 +96,19 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     buf.seek(0)
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]
+    return clipped(df)
+
+
+def clipped(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with every text cell longer than ``escaping.SHOWN_CHARS`` cut (``escaping.clip``): a
+    report echoes its cells, and one value of thousands of characters would flood every table. The
+    folders' paths stay whole: they are read from."""
+    for col in df.columns:
+        if col in (RUN_DIR, RESULTS_DIR) or not (df[col].dtype == object or pd.api.types.is_string_dtype(df[col])):
+            continue
+        long = df[col].map(lambda v: isinstance(v, str) and len(v) > SHOWN_CHARS)
+        if long.any():
+            df[col] = df[col].astype(object).where(~long, df[col].map(clip))
     return df
 
 
@@ -137,9 +148,10 @@ def kernel_counts(run_dir: str | Path) -> dict[str, tuple[float, float]]:
     """{phase: (kernel launches per step, kernel device ms per step)} from a profiled run's folder;
     empty when the run wrote no profile."""
     path = Path(run_dir) / KERNELS_FILE
-    if not path.is_file():
+    data = read_results_file(path, limit=KERNELS_MAX_BYTES, root=Path(run_dir).parent)
+    if data is None:
         return {}
-    df = pd.read_csv(path)
+    df = pd.read_csv(io.BytesIO(data))
     if not {"phase", "launches_per_step", "kernel_ms_per_step"} <= set(df.columns):
         return {}
     return {str(r.phase): (float(r.launches_per_step), float(r.kernel_ms_per_step)) for r in df.itertuples()}

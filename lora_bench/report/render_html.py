@@ -6,9 +6,9 @@ than the page, and long words break."""
 
 from __future__ import annotations
 
-import html
 import re
 
+from lora_bench.escaping import html_text
 from lora_bench.report.document import Document, Section
 from lora_bench.report.tables import Table
 
@@ -44,16 +44,16 @@ NUM_TD = '<td class="num">'
 
 def _inline(text: str) -> str:
     """Escape, then the two Markdown marks the generated text uses: **bold** and `code`."""
-    out = html.escape(text)
+    out = html_text(text)
     out = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
 
 
 def table_html(t: Table) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in t.head)
+    head = "".join(f"<th>{html_text(h)}</th>" for h in t.head)
     rows = []
     for i, r in enumerate(t.rows):
-        cells = "".join((NUM_TD if j >= t.n_keys else "<td>") + html.escape(c).replace("\n", "<br>") + "</td>"
+        cells = "".join((NUM_TD if j >= t.n_keys else "<td>") + html_text(c).replace("\n", "<br>") + "</td>"
                         for j, c in enumerate(r))
         cls = ' class="block"' if i in t.groups and i else ""
         rows.append(f"<tr{cls}>{cells}</tr>")
@@ -64,22 +64,22 @@ def table_html(t: Table) -> str:
 
 
 def _section(s: Section, figures: dict[str, str]) -> str:
-    out = [f"<h2>{html.escape(s.title)}</h2>"] if s.title else []
+    out = [f"<h2>{html_text(s.title)}</h2>"] if s.title else []
     out += [f"<p>{_inline(p)}</p>" for p in s.text]
     if s.points:
         out.append('<ul class="answer">' + "".join(
-            f"<li><strong>{html.escape(p.heading)}</strong><ul>" + "".join(f"<li>{_inline(x)}</li>" for x in p.sentences)
+            f"<li><strong>{html_text(p.heading)}</strong><ul>" + "".join(f"<li>{_inline(x)}</li>" for x in p.sentences)
             + "</ul></li>" for p in s.points) + "</ul>")
     if s.facts:
-        out.append('<dl class="facts">' + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>"
+        out.append('<dl class="facts">' + "".join(f"<dt>{html_text(k)}</dt><dd>{html_text(v)}</dd>"
                                                   for k, v in s.facts) + "</dl>")
-    figure = ([f'<p><img alt="{html.escape(s.figure)} figure" src="data:image/png;base64,{figures[s.figure]}"></p>']
+    figure = ([f'<p><img alt="{html_text(s.figure)} figure" src="data:image/png;base64,{figures[s.figure]}"></p>']
               if s.figure in figures else [])
     if s.figure_first:
         out += figure
     for t in s.tables:
         if t.title and t.title != s.title:
-            out.append(f"<h3>{html.escape(t.title)}</h3>")
+            out.append(f"<h3>{html_text(t.title)}</h3>")
         out.append(table_html(t))
     if not s.figure_first:
         out += figure
@@ -101,11 +101,11 @@ def to_html(doc: Document, *, figures: dict[str, str] | None = None) -> str:
     rest = [s for s in doc.sections if not s.first_screen]
     top = []
     if doc.title:
-        top.append(f"<h1>{html.escape(doc.title)}</h1>")
+        top.append(f"<h1>{html_text(doc.title)}</h1>")
     if doc.question:
         top.append(f'<p class="question"><strong>Question.</strong> {_inline(doc.question)}</p>')
     if doc.setting:
-        top.append(f'<p class="setting">{html.escape(doc.setting)}</p>')
+        top.append(f'<p class="setting">{html_text(doc.setting)}</p>')
     body = "\n".join(top)
     if doc.glance:  # the glance and its figure on the first screen, then every section in order
         body += '\n<div class="first">\n' + _glance(doc, figures) + "\n</div>"
@@ -116,5 +116,5 @@ def to_html(doc: Document, *, figures: dict[str, str] | None = None) -> str:
         body += "\n" + "\n".join(_section(s, figures) for s in rest)
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-            f"<title>{html.escape(doc.title or 'lora-bench report')}</title>\n<style>{CSS}</style>\n</head>\n"
+            f"<title>{html_text(doc.title or 'lora-bench report')}</title>\n<style>{CSS}</style>\n</head>\n"
             f"<body>\n{body}\n</body>\n</html>\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+from lora_bench.escaping import json_text
 from lora_bench.report import stats
 from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.aggregate import Report, estimate_of, rule
@@ -51,8 +52,9 @@ def report_json(rep: Report, *, notes: list[str]) -> str:
 
 
 def dumps(doc: dict) -> str:
-    """Strict JSON (no NaN), indented, with a final newline."""
-    return json.dumps(_clean(doc), indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    """Strict JSON (no NaN), indented, with a final newline; control and bidirectional characters
+    written as escapes (``escaping.json_text``)."""
+    return json_text(json.dumps(_clean(doc), indent=1, ensure_ascii=False, allow_nan=False)) + "\n"
 
 
 def _clean(v):

@@ -20,7 +20,7 @@ from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
 from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
-from lora_bench.report.aggregate import FORMATS, build_report, plan_report, report_of
+from lora_bench.report.aggregate import FORMATS, build_report, plan_report, refused_notes, report_of
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.filters import filter_runs
 from lora_bench.report.group_table import to_csv
@@ -105,7 +105,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
     if output:
         wrote.insert(0, output)
     status = console if fmt not in ("csv", "json") or output else Console(stderr=True)  # stdout stays parseable
-    for note in drawn["notes"]:
+    for note in [*drawn["notes"], *refused_notes(df)]:
         status.print(note, highlight=False, markup=False)
     for path in wrote:
         status.print(f"wrote {markup(path)}", highlight=False)

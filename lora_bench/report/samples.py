@@ -130,13 +130,25 @@ def _measured_steps(run: pd.Series) -> pd.DataFrame | None:
     return _read(str(path.parent), stat.st_mtime_ns, stat.st_size)
 
 
+REFUSED: dict[str, str] = {}  # run folder -> why its steps table was refused (what the report says)
+
+
+def refused_steps(folders) -> list[str]:
+    """One line for each of ``folders`` whose steps table was refused when read, naming the file
+    and what is wrong."""
+    return [f"{REFUSED[f]} (left out: that run's steps give no interval)" for f in dict.fromkeys(map(str, folders))
+            if f in REFUSED]
+
+
 @functools.lru_cache(maxsize=64)
 def _read(folder: str, mtime_ns: int, size: int) -> pd.DataFrame | None:
     """The measured steps of one run (cached by the file's time and size, so a rewritten file is
-    read again); None when the table is unreadable: the group then has no interval."""
+    read again); None when the table is unreadable: the group then has no interval, and the
+    reason is kept for the report to say (refused_steps)."""
     try:
         df = read_steps(Path(folder))
-    except ResultsError:
+    except ResultsError as err:
+        REFUSED[folder] = str(err)
         return None
     if df is None or df.empty:
         return None

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Iterable
 
 from lora_bench import __version__
-from lora_bench.errors import ResultsError
-from lora_bench.fileio import atomic_write_text
+from lora_bench.errors import ResultsError, UsageError
+from lora_bench.fileio import atomic_write_text, parse_json
+from lora_bench.results.guarded_read import read_results_file
 from lora_bench.results.environment import host_environment, source_commit
 from lora_bench.results.folder_files import MANIFEST  # noqa: F401
 from lora_bench.results.store import locked
@@ -31,6 +32,20 @@ INVOCATION_ENV = "LORA_BENCH_INVOCATION"
 RECORDED = "recorded at launch"
 RECONSTRUCTED = "reconstructed from rows"
 UNKNOWN = "unknown"
+# read only up to this size: a manifest holds an entry per command and the run ids each wrote (a
+# 100,000-run sweep's ids are about 3 MB)
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_DESCRIPTION = 4000  # characters: what a folder holds, in a sentence or two (or a short paragraph)
+
+
+def description_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a folder's description (it is shown in a table row of the index), or None."""
+    if len(text) > MAX_DESCRIPTION:
+        return f"has {len(text):,} characters; a description has at most {MAX_DESCRIPTION:,} (a sentence or two)"
+    if not text.isprintable():
+        return ("holds a control character or a line break (e.g. \\n, ESC); a description is one line of "
+                "printable text")
+    return None
 
 
 def command_argv(argv: list[str] | None = None) -> list[str]:
@@ -101,27 +116,28 @@ def read_manifest(results_dir: Path) -> dict:
     A file that is not one (binary, not JSON, not an object, entries that are not objects) raises
     one ResultsError naming it: it is never overwritten by a command that could not read it."""
     path = Path(results_dir) / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {"description": "", "invocations": []}
 
     def refuse(why: str) -> ResultsError:
         return ResultsError(f"{path} is not a lora-bench manifest: {why}. Move it aside and run again (a new one is "
                             "started; `lora-bench results reconstruct` rebuilds one from the folder's rows)")
 
+    data = read_results_file(path, limit=MAX_MANIFEST_BYTES)
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = parse_json(data.decode("utf-8")) if data is not None else {}
     except UnicodeDecodeError:
         raise refuse("it holds binary data, not text") from None
     except ValueError as e:
-        raise refuse(f"it does not parse as JSON ({e})") from None
-    except OSError as e:
-        raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
+        raise refuse(f"it does not parse as JSON ({str(e)[:160]})") from None
     if not isinstance(data, dict):
         raise refuse(f"it holds a JSON {type(data).__name__}, not an object")
     data.setdefault("description", "")
     data.setdefault("invocations", [])
     if not isinstance(data["description"], str):
         raise refuse("its description is not text")
+    if len(data["description"]) > MAX_DESCRIPTION:  # shown in the index: its control characters are escaped there
+        raise refuse(f"its description {description_problem(data['description'])}")
     if not isinstance(data["invocations"], list) or not all(isinstance(e, dict) for e in data["invocations"]):
         raise refuse("its invocations are not a list of objects")
     for i, entry in enumerate(data["invocations"]):
@@ -193,7 +209,10 @@ def record_invocation(results_dir: Path, *, run_ids: Iterable[str] = (), outputs
 
 def set_description(results_dir: Path, text: str, *, question: bool = False) -> None:
     """What the folder holds, in one or two sentences (shown by ``lora-bench results index``);
-    ``question``: the folder groups results folders by the question they answer, and ``text`` is it."""
+    ``question``: the folder groups results folders by the question they answer, and ``text`` is it.
+    Text with a control character or a line break, or past MAX_DESCRIPTION, is refused (UsageError)."""
+    if why := description_problem(text.strip()):
+        raise UsageError(f"the description {why}; nothing was written")
     def change(data: dict) -> None:
         data.update(description=text.strip())
         if question:

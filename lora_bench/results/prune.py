@@ -10,12 +10,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
-
 from lora_bench.config import TrainConfig
-from lora_bench.escaping import csv_value
+from lora_bench.errors import ResultsError
+from lora_bench.results.guarded_read import results_file_problem
 from lora_bench.results.schema import SETTING_PREFIX, run_column_names
-from lora_bench.results.store import locked, text_value, write_csv, write_index
+from lora_bench.results.store import locked, read_run_table, text_value, write_csv, write_index
 
 SUPERSEDED = "superseded"
 # Settings that name paths or the device: they may differ between machines for the same run.
@@ -67,8 +66,12 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
     ``results_dir/superseded/``; returns what was (or, with ``dry_run``, would be) moved."""
     results_dir = Path(results_dir)
     csv = results_dir / "runs.csv"
+    if why := results_file_problem(csv, root=results_dir):
+        raise ResultsError(f"{csv} {why}; nothing was moved")
     if not csv.is_file():
         return []
+    if dry_run:  # writes nothing, not even the lock file: a read-only folder can be looked at
+        return find_superseded(_rows(csv))
     with locked(csv):
         rows = _rows(csv)
         found = find_superseded(rows)
@@ -90,6 +93,6 @@ def prune_superseded(results_dir: Path, *, dry_run: bool = False) -> list[Supers
 
 
 def _rows(csv: Path) -> list[dict]:
-    """The rows of a table ``write_csv`` wrote, as text, each cell read back as it was given."""
-    df = pd.read_csv(csv, dtype=str, keep_default_na=False)
-    return [{csv_value(k): csv_value(v) for k, v in r.items()} for r in df.to_dict("records")]
+    """The rows of a table ``write_csv`` wrote, as text, each cell read back as it was given (read
+    strictly, as runs.csv is: a row cut mid-way is no row)."""
+    return read_run_table(csv).rows

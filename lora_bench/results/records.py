@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
+from lora_bench.errors import ResultsError
+from lora_bench.fileio import atomic_write_text
+from lora_bench.results.guarded_read import read_results_json
 from lora_bench.results.claims import is_claimed, try_claim
 from lora_bench.results.folder_files import RUN_RECORD, STEPS_CSV  # noqa: F401
 
@@ -23,8 +25,8 @@ def _record_row(run_dir: Path) -> dict | None:
     """The row stored in ``<run_dir>/run.json`` whatever run it names, or None when absent,
     half-written, past MAX_RECORD_BYTES (not read), or not a record."""
     try:
-        row = json.loads(read_capped(Path(run_dir) / RUN_RECORD, MAX_RECORD_BYTES))["row"]
-    except (OSError, ValueError, KeyError, TypeError, TooLarge, RecursionError):  # RecursionError: nested deep
+        row = read_results_json(Path(run_dir) / RUN_RECORD, limit=MAX_RECORD_BYTES, root=Path(run_dir).parent)["row"]
+    except (ResultsError, KeyError, TypeError):  # not a record: a pipe, a link out, too large or deep, not JSON
         return None
     return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
 
@@ -55,10 +57,10 @@ def write_record(run_dir: Path, text: str) -> None:
 def with_row(run_dir: Path, row: dict) -> dict:
     """The record in run.json with ``row`` in place of its own: the log and curves the run wrote stay."""
     try:
-        record = json.loads((Path(run_dir) / RUN_RECORD).read_text())
-        if not isinstance(record, dict):
-            record = {"log": []}
-    except (OSError, ValueError):
+        record = read_results_json(Path(run_dir) / RUN_RECORD, limit=MAX_RECORD_BYTES, root=Path(run_dir).parent)
+    except ResultsError:
+        record = None
+    if not isinstance(record, dict):
         record = {"log": []}
     return {**record, "row": row}
 

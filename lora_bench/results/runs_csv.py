@@ -23,6 +23,7 @@ import pandas as pd
 from lora_bench.errors import ResultsError
 from lora_bench.escaping import csv_cell, csv_value
 from lora_bench.fileio import TooLarge, atomic_write_text, read_capped
+from lora_bench.results.guarded_read import read_results_file, results_file_problem
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.folder_files import RUNS_CSV  # noqa: F401
 from lora_bench.results.records import RUN_RECORD, STEPS_CSV
@@ -74,6 +75,8 @@ def _not_a_table(path: Path, why: str) -> ResultsError:
 def read_run_table(path: Path) -> RunTable:
     """Parse ``runs.csv`` strictly (see the module's docstring); raises ResultsError."""
     path = Path(path)
+    if why := results_file_problem(path, root=path.parent):
+        raise ResultsError(f"{path} {why}; not read")
     try:
         data = read_capped(path, MAX_TABLE_BYTES)
         text = data.decode("utf-8") if b"\0" not in data else None
@@ -119,20 +122,15 @@ def read_runs(path, *, warn: Callable[[str], None] | None = None) -> pd.DataFram
 
 
 def read_steps(run_dir: Path) -> pd.DataFrame | None:
-    """A run's ``steps.csv`` (schema dtypes), or None when the run wrote none. A file larger than
-    STEPS_MAX_BYTES, or one that does not parse as CSV, raises ResultsError naming it."""
+    """A run's ``steps.csv`` (schema dtypes), or None when the run wrote none. A file that is not a
+    results file to read (``guarded_read``: a pipe, a folder, a link out of the results folder,
+    more than STEPS_MAX_BYTES) or that does not parse as CSV raises ResultsError naming it."""
     path = Path(run_dir) / STEPS_CSV
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    data = read_results_file(path, limit=STEPS_MAX_BYTES, root=Path(run_dir).parent)
+    if data is None:
         return None
-    except OSError as e:
-        raise ResultsError(f"cannot read {path} ({e.strerror or e})") from None
-    if size > STEPS_MAX_BYTES:
-        raise ResultsError(f"{path} is {size / 2**20:.0f} MiB, more than the {STEPS_MAX_BYTES / 2**20:.0f} MiB "
-                           "a steps table of lora-bench reaches; not read")
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+        df = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a lora-bench steps table ({str(e).splitlines()[0][:200]})") from None
     return runs_frame(df)

@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 import pandas as pd
 
 from lora_bench.errors import UsageError
-from lora_bench.fileio import check_writable_dir, names_file
+from lora_bench.escaping import SHOWN_CHARS, clip
+from lora_bench.fileio import check_writable_dir, names_file, refusing
 from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
 from lora_bench.results.folder_files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
@@ -27,6 +28,7 @@ from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, copied_record,
 from lora_bench.results.runs_csv import RunTable, csv_text, read_run_table, read_runs, read_steps  # noqa: F401
 from lora_bench.results.runs_csv import stderr_warning, text_value, write_csv
 from lora_bench.results.schema import run_column_names
+from lora_bench.safe_yaml import short_repr
 
 # ran to their end: a resume does not run them again (a diverged run would diverge again)
 FINISHED = ("done", "diverged")
@@ -36,12 +38,14 @@ FINISHED = ("done", "diverged")
 def locked(path: Path):
     """An exclusive advisory lock beside ``path`` (``<name>.lock``), so processes sharing a results
     folder (sweep shards on several GPUs) rewrite ``runs.csv`` one at a time. The lock file is
-    removed when the lock is let go, so a folder at rest holds none."""
+    removed when the lock is let go, so a folder at rest holds none. A folder that takes no lock
+    file (read-only, full) is refused with ``fileio.NotWritable`` naming it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_name(path.name + LOCK_SUFFIX)
     while True:
-        fh = open(lock, "a")
+        with refusing(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(lock, "a")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX)
         except BaseException:
@@ -86,7 +90,7 @@ def write_index(results_dir: Path, *, drop: Iterable[str] = (), rows: Iterable[d
     torn = [t for t, run_id in zip(table.torn, table.torn_ids()) if run_id not in index and run_id not in drop]
     if torn:  # nothing is lost: a cut row without its run's record is kept as it was, apart
         new_file = not (results_dir / TORN_CSV).exists()
-        with open(results_dir / TORN_CSV, "a", newline="") as f:
+        with refusing(results_dir), open(results_dir / TORN_CSV, "a", newline="") as f:
             csv.writer(f).writerows([table.header] * new_file + torn)
     if index or path.is_file():
         keys = dict.fromkeys(k for r in index.values() for k in r)  # one row lacks: blank, not NaN (3 stays 3)
@@ -138,7 +142,9 @@ def _is_run_folder_name(run_id) -> bool:
 
 def find_run(results_dir: Path, run_id: str | None = None) -> dict:
     """One run's row (schema dtypes) for display: ``run_id``'s, or the latest started one. Its
-    run.json wins over runs.csv; a row cut mid-way without a run.json is refused, by name."""
+    run.json wins over runs.csv; a row cut mid-way without a run.json is refused, by name. Text
+    past ``escaping.SHOWN_CHARS`` (a run id, a setting) is cut as ``escaping.clip`` cuts it."""
+    named = short_repr(run_id, SHOWN_CHARS)
     results_dir, csv_path = Path(results_dir), Path(results_dir) / RUNS_CSV
     if not csv_path.is_file() and not any(results_dir.glob(f"*/{RUN_RECORD}")):
         raise UsageError(f"no runs.csv in {results_dir}: run `lora-bench train --results-dir {results_dir}` first")
@@ -148,17 +154,18 @@ def find_run(results_dir: Path, run_id: str | None = None) -> dict:
         raise UsageError(f"{results_dir} holds no complete run")
     if not hits:
         if csv_path.is_file() and run_id in read_run_table(csv_path).torn_ids():
-            raise UsageError(f"run_id {run_id!r}: its row in {csv_path} is cut mid-way and the run has no "
+            raise UsageError(f"run_id {named}: its row in {csv_path} is cut mid-way and the run has no "
                              f"{RUN_RECORD}; its numbers cannot be trusted, so nothing is shown")
-        copy_of = copied_record(results_dir / run_id)
+        copy_of = copied_record(results_dir / run_id) if _is_run_folder_name(run_id) and len(run_id) < 256 else None
         if copy_of is not None:
             raise UsageError(f"{results_dir / run_id / RUN_RECORD} records run {copy_of!r}: the folder is a copy "
                              f"of another run's, and a run's record is read only from the folder named by its "
                              f"run id ({results_dir / copy_of})")
-        latest = ", ".join(r["run_id"] for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
-        raise UsageError(f"run_id {run_id!r} not found in {results_dir}; latest runs: {latest or 'none'}")
-    return runs_frame(pd.DataFrame(hits[:1], dtype=object).astype(str), source=str(results_dir),
-                      warn=stderr_warning).iloc[0].to_dict()
+        latest = ", ".join(clip(r["run_id"], 80) for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
+        raise UsageError(f"run_id {named} not found in {results_dir}; latest runs: {latest or 'none'}")
+    row = runs_frame(pd.DataFrame(hits[:1], dtype=object).astype(str), source=str(results_dir),
+                     warn=stderr_warning).iloc[0].to_dict()
+    return {k: clip(v) if isinstance(v, str) else v for k, v in row.items()}
 
 
 def latest_result(rows: list[dict]) -> dict:

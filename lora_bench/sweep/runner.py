@@ -17,7 +17,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from lora_bench.config import render
 from lora_bench.errors import EXIT_INTERRUPTED, EXIT_NOT_SAVED, Interrupted, SaveError, UsageError
 from lora_bench.escaping import markup
 from lora_bench.results.claims import RunClaim, claimant, try_claim, wait_for_claim
@@ -25,10 +24,11 @@ from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import run_record
 from lora_bench.results.store import FINISHED, check_results_dir, result_rows
 from lora_bench.sweep.isolation import ISOLATION, Interrupts, Job, run_jobs
-from lora_bench.sweep.packs import describe_plan, plan_packs
+from lora_bench.sweep.machine import preflight_runs
+from lora_bench.sweep.packs import describe_plan, pack_memory_problem, plan_packs
+from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.resume import forget_runs, repair_runs_csv, resume_statuses
 from lora_bench.sweep.spec import PlannedRun, Sweep, select_shard
-from lora_bench.train.preflight import device_problems, memory_problem, require_packages
 
 
 def sweep_progress(console: Console, *, progress: bool, current: bool = False) -> Progress:
@@ -75,7 +75,7 @@ def start_sweep(sweep: Sweep, *, results_dir: Path, console, fresh: bool, shard:
     (``fresh``) or repaired; returns the runs not yet done and the result to fill."""
     runs = select_shard(sweep.runs, shard)
     if check_machine:
-        preflight(runs, console)
+        preflight_runs(runs, console)
     check_results_dir(results_dir)  # a place to record, before the first run
     read_manifest(results_dir)
     if fresh:
@@ -99,8 +99,10 @@ def run_sweep(sweep: Sweep, *, results_dir: Path, console, isolation: str = "pro
     todo, result = start_sweep(sweep, results_dir=results_dir, console=console, fresh=fresh, shard=shard)
     size = sweep.pack if pack is None else pack
     units, alone = plan_packs(todo, size)
-    for line in describe_plan(units, alone, size):
+    for line in describe_plan(units, alone, size) + plan_estimate(todo, process_each=isolation == "process"):
         console.print(markup(line), highlight=False)
+    if too_big := pack_memory_problem(units):  # before the first pack allocates
+        raise UsageError(too_big)
     seen = planned_records(results_dir)
     with Interrupts(inline=isolation == "inline") as stop, \
             sweep_progress(console, progress=progress, current=True) as bar:
@@ -190,33 +192,6 @@ def finished_elsewhere(results_dir: Path, run_id: str, planned: dict[str, str | 
     record is done and is not the one seen then. Asked while holding the run's claim."""
     mine = run_record(results_dir / run_id)
     return mine is not None and mine.get("status") in FINISHED and mine.get("started_at") != planned.get(run_id)
-
-
-def preflight(runs: list[PlannedRun], console) -> None:
-    """Environment checks that `validate` cannot do on another machine: fail before the first run.
-    A sweep runs each run in one process: data-parallel runs (nproc > 1) are `train --nproc`'s."""
-    parallel = sorted({r.cfg.nproc for r in runs if r.cfg.nproc > 1})
-    if parallel:
-        raise UsageError(f"nproc={parallel[0]}: a sweep runs each run in one process; run data-parallel runs with "
-                         f"lora-bench train --nproc {parallel[0]} (spread a sweep over GPUs with --workers)")
-    machines = {(r.cfg.device, r.cfg.cuda_graphs): r.cfg for r in runs}
-    problems = sorted({p for cfg in machines.values() for p in render(device_problems(cfg))})
-    if problems:
-        raise UsageError("; ".join(problems))
-    needs = {(r.cfg.implementation, r.cfg.is_lora, r.cfg.weights, r.cfg.weights_source, bool(r.cfg.weights_dir)): r.cfg
-             for r in runs}
-    for cfg in needs.values():  # a missing optional package stops the sweep before its first row
-        require_packages(cfg)
-    shapes = {(r.cfg.model_size, r.cfg.emb_dim, r.cfg.n_layers, r.cfg.n_heads, r.cfg.trainable_layers, r.cfg.lora_rank,
-               r.cfg.batch_size, r.cfg.context_length, r.cfg.precision): r for r in runs}
-    for run in shapes.values():  # the CPU's memory; a GPU's is asked by each run, on its device
-        too_big = memory_problem(run.cfg, cuda=False)
-        if too_big:
-            raise UsageError(f"{run.run_id} ({run.describe()}): {too_big}")
-    for path in sorted({r.cfg.data_file for r in runs if r.cfg.data_file}):
-        if not Path(path).is_file():
-            console.print(f"[yellow]warning:[/yellow] data_file {markup(path)} does not exist; runs using it will fail",
-                          highlight=False)
 
 
 def print_run(console, run: PlannedRun, row: dict, seconds: float, results_dir: Path) -> None:

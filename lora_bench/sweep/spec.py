@@ -34,6 +34,8 @@ from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import short_repr
+from lora_bench.sweep.machine import machine_problems
+from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.train.identity import make_run_id, settings_hash
 
 SWEEP_KEYS = ("name", "base", "grid", "runs", "repeats", "vary_seed", "pack")
@@ -173,8 +175,10 @@ def _expand(planned: list[tuple[str, dict, TrainConfig, TrainConfig, str]], layo
     return out
 
 
-def validate_files(paths: list[Path], *, console) -> list[Sweep]:
-    """Check every file and print what each expands to; UsageError at the end if any had problems."""
+def validate_files(paths: list[Path], *, console, machine: bool = False) -> list[Sweep]:
+    """Check every file and print what each expands to; with ``machine``, also its runs on this
+    machine as the sweep does (``sweep.machine``) and how long they would take here
+    (``sweep.plan_time``). UsageError at the end if any had problems."""
     sweeps, bad = [], 0
     for path in paths:
         try:
@@ -183,10 +187,19 @@ def validate_files(paths: list[Path], *, console) -> list[Sweep]:
             bad += 1
             console.print(f"[red]✗[/red] {markup(e, newlines=True)}", highlight=False)
             continue
+        problems = machine_problems(list(sw.runs)) if machine else []
+        if problems:
+            bad += 1
+            console.print(f"[red]✗[/red] {markup(path)}: on this machine, "
+                          + markup("\n".join(["the sweep would refuse:", *(f"  - {p}" for p in problems)]),
+                                   newlines=True), highlight=False)
+            continue
         sweeps.append(sw)
         seeds = ", seed + repeat" if sw.vary_seed and sw.repeats > 1 else ""
         console.print(f"[green]✓[/green] {markup(path)}: sweep {sw.name!r}, {len(sw.runs)} runs "
                       f"({len(sw.runs) // sw.repeats} settings × {sw.repeats} repeats{seeds})", highlight=False)
+        for line in plan_estimate(list(sw.runs), process_each=True) if machine else []:
+            console.print(f"  {markup(line)}", highlight=False)
     if bad:
         raise UsageError(f"{bad} of {len(paths)} sweep file(s) have problems (listed above)")
     return sweeps

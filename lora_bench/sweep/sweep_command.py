@@ -13,7 +13,9 @@ from lora_bench.escaping import markup, terminal
 from lora_bench.optional import require
 from lora_bench.results.manifest import start_invocation
 from lora_bench.results.store import FINISHED
+from lora_bench.sweep.machine import preflight_runs
 from lora_bench.sweep.packs import describe_plan, plan_packs
+from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
 from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
@@ -92,10 +94,15 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
                          f"in this sweep's own process, not on a Dask cluster; drop {where}, or pack 1")
     if dry_run:
         runs = select_shard(sw.runs, selected)
+        if scheduler is None:  # a cluster's workers are asked by the sweep itself, on their machines
+            preflight_runs(runs, console)
         print_plan(sw, runs, results_dir=results_dir, console=console)
         status = resume_statuses(results_dir, runs, sw.name)
-        units, alone = plan_packs([r for r in runs if status.get(r.run_id, ("",))[0] not in FINISHED], size)
+        todo = [r for r in runs if status.get(r.run_id, ("",))[0] not in FINISHED]
+        units, alone = plan_packs(todo, size)
         for line in describe_plan(units, alone, size):
+            console.print(markup(line), highlight=False)
+        for line in plan_estimate(todo, process_each=isolation == "process"):
             console.print(markup(line), highlight=False)
         return 0
     dask = size <= 1 and use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)

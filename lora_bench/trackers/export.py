@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_bench.errors import UsageError
+from lora_bench.fileio import refusing
 from lora_bench.trackers import mlflow_store, tensorboard_files
 from lora_bench.trackers.exported_run import run_exports
 
@@ -52,8 +53,9 @@ def export_folder(folder: Path, *, to: str, tracking_uri: str | None = None, out
         raise UsageError(f"{folder} holds no runs (no rows in runs.csv, no <run_id>/run.json): nothing to export")
     if to == "mlflow":
         return mlflow_store.export_mlflow(folder, runs, tracking_uri=tracking_uri, experiment=experiment)
-    return tensorboard_files.export_tensorboard(runs, output=output if output is not None else
-                                                folder / tensorboard_files.OUTPUT)
+    where = output if output is not None else folder / tensorboard_files.OUTPUT
+    with refusing(where):  # a read-only or full folder: one message naming it
+        return tensorboard_files.export_tensorboard(runs, output=where)
 
 
 def log_folder(results_dir: Path, *, to: str, say: Callable[[str], None] = print) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from lora_bench.fileio import TooLarge, read_capped
+from lora_bench.errors import ResultsError
+from lora_bench.results.guarded_read import read_results_file, read_results_json
 from lora_bench.results.manifest import read_manifest
 from lora_bench.results.records import MAX_RECORD_BYTES, RUN_RECORD, STEPS_CSV
 from lora_bench.results.schema import ENV_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STEP_COLUMNS
@@ -75,16 +76,16 @@ def _number(text) -> float | None:
 def _record(run_dir: Path) -> dict:
     """run.json as a whole (row, log, curves), or {} where it cannot be read as a record."""
     try:
-        record = json.loads(read_capped(run_dir / RUN_RECORD, MAX_RECORD_BYTES))
-    except (OSError, ValueError, TooLarge, RecursionError):
+        record = read_results_json(run_dir / RUN_RECORD, limit=MAX_RECORD_BYTES, root=run_dir.parent)
+    except ResultsError:
         return {}
     return record if isinstance(record, dict) else {}
 
 
 def _bytes(path: Path) -> bytes:
     try:
-        return read_capped(path, MAX_RECORD_BYTES * 8)
-    except (OSError, TooLarge):
+        return read_results_file(path, limit=MAX_RECORD_BYTES * 8, root=path.parent.parent) or b""
+    except ResultsError:
         return b""
 
 

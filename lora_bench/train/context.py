@@ -59,10 +59,8 @@ class RunContext:
 
     def _setup_model(self, cache_dir: Path, *, progress: bool) -> None:
         cfg = self.cfg
-        # before anything is allocated; a pack: one run of its whole batch at its largest rank
-        whole = cfg if self.n == 1 else cfg.replace(batch_size=cfg.batch_size * self.n,
-                                                     lora_rank=max(c.lora_rank for c in self.cfgs))
-        too_big = fit_problem(whole, self.device, processes=cfg.nproc)
+        # before anything is allocated; a pack: every run's adapters, head and batch on one base
+        too_big = fit_problem(cfg, self.device, processes=cfg.nproc, pack=self.cfgs)
         if too_big:
             raise UsageError(too_big if self.n == 1 else f"a pack of {self.n} runs: {too_big} (or pack fewer runs)")
         self.mcfg = model_config(cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -103,13 +104,15 @@ def _tokens(cfg: TrainConfig, m: GPTConfig) -> int:
     return min(LONGEST_TRAINING_TEXT, m.context_length)
 
 
-def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
+def estimate(cfg: TrainConfig, *, processes: int = 1, pack: Sequence[TrainConfig] = ()) -> MemoryEstimate:
     """What one process of the run needs at least (``processes``: data-parallel ranks, each with
-    its share of the batch)."""
+    its share of the batch; ``pack``: the settings of each run of a pack, which shares ``cfg``'s
+    base model and holds every run's adapters, head and batch)."""
+    pack = list(pack) or [cfg]
     m = _shape(cfg)
     e, n_layers = m.emb_dim, m.n_layers
     params = model_params(m)
-    trainable = trainable_params(cfg, m)
+    trainable = sum(trainable_params(c, m) for c in pack)
     if cfg.trainable_layers == "all":
         saved_blocks, frozen_blocks = n_layers, 0
     elif cfg.is_lora or cfg.trainable_layers == FROZEN:  # the gradient goes back through every block
@@ -118,7 +121,7 @@ def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
         saved_blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), n_layers)
         frozen_blocks = n_layers - saved_blocks
     bf16 = cfg.precision in ("bf16", BF16_TRUE)
-    adapters = lora_params(m, cfg.lora_rank) if cfg.is_lora else 0
+    adapters = sum(lora_params(m, c.lora_rank) for c in pack) if cfg.is_lora else 0
     book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
     masks = n_layers * m.context_length ** 2 if book and not m.disable_causal_mask else 0
     body = params - e * m.vocab_size + e * CLASSES + CLASSES  # the vocabulary head replaced by the classifier's
@@ -127,7 +130,7 @@ def estimate(cfg: TrainConfig, *, processes: int = 1) -> MemoryEstimate:
     if cfg.precision == BF16_TRUE:  # everything in bf16 (the float32 masters count under AdamW's state)
         weights = HALF * (body + adapters + masks)
     t = _tokens(cfg, m)
-    batch = max(1, cfg.batch_size // max(1, processes))
+    batch = max(1, sum(c.batch_size for c in pack) // max(1, processes))
     maps = ACT_MAPS * m.n_heads * t if book and cfg.attention == "book" else 0  # sdpa keeps no attention map
     per_block = batch * t * (ACT_WIDTHS * e + maps)
     activations = (HALF if bf16 else FLOAT) * per_block * (saved_blocks + 1)  # + the block the forward is in
@@ -178,10 +181,11 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def fit_problem(cfg: TrainConfig, device: torch.device, *, processes: int = 1) -> str | None:
-    """Why the run cannot fit on ``device`` (its estimate and what is available), or None. Data-
-    parallel processes on the CPU share its memory: each needs its own copy."""
-    need = estimate(cfg, processes=processes)
+def fit_problem(cfg: TrainConfig, device: torch.device, *, processes: int = 1,
+                pack: Sequence[TrainConfig] = ()) -> str | None:
+    """Why the run (or the pack of runs ``pack``) cannot fit on ``device`` (its estimate and what is
+    available), or None. Data-parallel processes on the CPU share its memory: each needs its own copy."""
+    need = estimate(cfg, processes=processes, pack=pack)
     have = available_bytes(device)
     sharing = processes if device.type == "cpu" else 1
     if have is None or need.total(device.type) * sharing <= have:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 
-from lora_bench.config import TrainConfig, pack_key, solo_reason
+from lora_bench.config import TrainConfig, pack_key, repeat_problem, solo_reason
 
 
 def pack_problem(cfgs: list[TrainConfig]) -> str | None:
@@ -30,7 +30,7 @@ def pack_problem(cfgs: list[TrainConfig]) -> str | None:
             differ = sorted(k for (k, v), (_, w) in zip(key, pack_key(cfg)) if v != w)
             return (f"run {i} of the pack differs from run 1 in {', '.join(differ)}: only the adapter's settings "
                     "may differ within a pack")
-    return None
+    return repeat_problem(cfgs)
 
 
 def pack_id_of(run_ids: list[str]) -> str:

@@ -15,7 +15,7 @@ from lora_bench.fileio import check_writable_dir
 from lora_bench.model.checkpoints import default_cache_dir
 from lora_bench.train.distributed import RankEnv
 from lora_bench.train.identity import check_run_id, make_run_id
-from lora_bench.train.pack import pack_problem
+from lora_bench.train.pack import pack_columns, pack_problem
 from lora_bench.train.setup import rank_settings
 
 
@@ -52,3 +52,8 @@ def checked_cache_dir(cache_dir: Path | None) -> Path:
     if why:
         raise UsageError(f"cache folder {cache_dir}: {why}; pass a writable --cache-dir")
     return cache_dir
+
+
+def points_pack_columns(points: list[Point]) -> dict:
+    """The pack columns every row of these points carries: the pack's size and id (none for one point)."""
+    return pack_columns([p.run_id for p in points])

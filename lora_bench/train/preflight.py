@@ -7,7 +7,7 @@ failed row behind. The rules between settings themselves are ``lora_bench.config
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -98,7 +98,7 @@ def require_packages(cfg: TrainConfig) -> None:
             require("huggingface_hub", purpose="weights_source=hf without weights_dir (the download)")
 
 
-def memory_problem(cfg: TrainConfig, *, cuda: bool) -> str | None:
+def memory_problem(cfg: TrainConfig, *, cuda: bool, pack: Sequence[TrainConfig] = ()) -> str | None:
     """Whether the run fits its device's free memory (``lora_bench.train.memory``): the CPU's always;
     a CUDA device's only with ``cuda``, since asking makes a CUDA context, which a process that does
     not train there (a sweep's parent, the launcher of data-parallel ranks) must not hold."""
@@ -106,7 +106,7 @@ def memory_problem(cfg: TrainConfig, *, cuda: bool) -> str | None:
     if on_cuda and not (cuda and cfg.nproc == 1):
         return None
     device = resolve_device(cfg.device) if on_cuda else torch.device("cpu")
-    return fit_problem(cfg, device, processes=cfg.nproc)
+    return fit_problem(cfg, device, processes=cfg.nproc, pack=pack)
 
 
 def preflight(cfg: TrainConfig, *, name_of: Callable[[str], str] | None = None) -> None:

@@ -20,17 +20,17 @@ from rich.console import Console
 
 from lora_bench.config import TrainConfig
 from lora_bench.kernels.policy import record_plans, use_policy
-from lora_bench.progress import TrainProgress
+from lora_bench.progress import CountProgress, TrainProgress
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
 import lora_bench.train.recording as recording
 from lora_bench.train.context import RunContext
 from lora_bench.train.distributed import DataParallel, RankEnv, rank_env
+from lora_bench.train.estimate import announce
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import TrainResult, train_classifier
-from lora_bench.train.pack import pack_columns
-from lora_bench.train.points import Point, checked_cache_dir, checked_points
+from lora_bench.train.points import Point, checked_cache_dir, checked_points, points_pack_columns
 from lora_bench.train.profiling import Profiler
 from lora_bench.train.record import divergence, peer_versions, run_environment, summary
 
@@ -45,7 +45,7 @@ def execute_run(cfg: TrainConfig, *, results_dir: Path, run_id: str | None = Non
 
 def execute(points: list[Point], *, results_dir: Path, console: Console | None = None, progress: bool = True,
             cache_dir: Path | None = None, overwrite: bool = False, claims: list | None = None,
-            handle_signals: bool = True) -> list[dict]:
+            handle_signals: bool = True, estimate: bool = False) -> list[dict]:
     """Train ``points`` at once and record each as its own run; returns their rows. On failure or
     interruption every row is still written (status failed / interrupted, with the error and, when
     interrupted, the summary of the steps measured so far) and the exception propagates.
@@ -55,7 +55,8 @@ def execute(points: list[Point], *, results_dir: Path, console: Console | None =
     replaces an earlier run of that id) and each point's folder is claimed, so no other process
     executes it at the same time (``claims``: the caller's, one per point). ``handle_signals``:
     SIGTERM and SIGHUP end the run as Ctrl-C does (see RaiseOnSignal); a caller with its own
-    signal handling passes False.
+    signal handling passes False. ``estimate``: say how long the run will take before its first step
+    (``lora_bench.train.estimate``; not on a data-parallel run).
 
     Under torchrun (a data-parallel solo run, see lora_bench.train.distributed) every rank executes
     the run and rank 0 alone checks, claims and writes; the others run quietly. torchrun stops the
@@ -74,7 +75,7 @@ def execute(points: list[Point], *, results_dir: Path, console: Console | None =
           else contextlib.nullcontext()):
         with RaiseOnSignal() if handle_signals else contextlib.nullcontext():
             run = _Run(points, results_dir=results_dir, console=console, progress=progress, cache_dir=cache_dir,
-                       env=env)
+                       env=env, estimate=estimate)
             return run.execute()
 
 
@@ -89,6 +90,7 @@ class _Run:
     progress: bool
     cache_dir: Path
     env: RankEnv | None
+    estimate: bool = False  # say how long the run will take, before its first step
     context: RunContext | None = None
     timer: PhaseTimer | None = None
     profiler: Profiler | None = None
@@ -118,7 +120,7 @@ class _Run:
     def execute(self) -> list[dict]:
         env, cfg = self.env, self.points[0].cfg
         begun_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        pack = pack_columns([p.run_id for p in self.points])
+        pack = points_pack_columns(self.points)
         rows = [{"run_id": p.run_id, "status": recording.RUNNING, "started_at": begun_at, **recording.cfg_columns(p.cfg),
                  **peer_versions(p.cfg), **p.extra, "world_size": env.world_size if env is not None else 1, **pack}
                 for p in self.points]
@@ -176,6 +178,8 @@ class _Run:
     def _train(self, rows: list[dict]) -> None:
         """The instrumented loop (profiled when asked, CUDA graphs when asked); its row columns."""
         context, timer, cfg = self.context, self.timer, self.context.cfg
+        if self.estimate and context.dp is None:
+            announce(context, lambda line: self.console.print(line, highlight=False, markup=False))
         if context.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(context.device)
         # a pack's profile is of its step (every point at once); each point's folder gets its files
@@ -209,7 +213,10 @@ class _Run:
         self.say_all(f"Training completed in {res.training_time_s / 60:.2f} minutes.")
 
     def _final_accuracies(self, rows: list[dict]) -> None:
-        accs = final_accuracies(self.context)
+        loaders = self.context.loaders
+        total = len(loaders.train) + len(loaders.val) + len(loaders.test)
+        with CountProgress(self.console, total=total, label="final evaluation", enabled=self.progress) as bar:
+            accs = final_accuracies(self.context, counted=bar.counted)
         for p, row in enumerate(rows):
             for name, title in (("train", "Training"), ("val", "Validation"), ("test", "Test")):
                 row[f"{name}_acc"] = accs[f"{name}_acc"][p]
@@ -259,12 +266,14 @@ class _Run:
                                 curves=self.curves, console=self.console, pending=pending)
 
 
-def final_accuracies(context: RunContext) -> dict[str, list[float]]:
-    """Each point's accuracy (in percent) on the whole train, validation and test sets."""
+def final_accuracies(context: RunContext, *, counted=lambda loader: loader) -> dict[str, list[float]]:
+    """Each point's accuracy (in percent) on the whole train, validation and test sets; each
+    loader read through ``counted`` (a progress display's)."""
     obj = context.loop_settings().objective(context.n)
     out = {}
     with use_policy(context.kernel_policy):
         for name, loader in (("train", context.loaders.train), ("val", context.loaders.val), ("test", context.loaders.test)):
-            accs = calc_accuracy_loader(loader, context.eval_model, context.device, objective=obj, amp=context.amp)
+            accs = calc_accuracy_loader(counted(loader), context.eval_model, context.device, objective=obj,
+                                        amp=context.amp)
             out[f"{name}_acc"] = [a * 100 for a in accs]
     return out

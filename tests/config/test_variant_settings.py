@@ -73,3 +73,13 @@ def test_refusals_on_the_command_line_name_the_flags(run_cli, tmp_path):
     assert code == 2 and "Traceback" not in out, out
     assert "--lora-variant=dora with --trainable-layers=lora-kernel is refused" in " ".join(out.split())
     assert not (tmp_path / "runs.csv").exists()
+
+
+def test_a_refused_trainable_layers_value_does_not_break_the_variant_rules():
+    """Each refused value is reported on its own; the rules between settings skip it."""
+    from lora_bench.config import DEFAULTS
+    from lora_bench.config.setting_rules import settings_problems
+
+    for extra in ({}, {"lora_variant": "dora"}, {"lora_scaling": "rslora"}, {"base_dtype": "int8"}):
+        problems = settings_problems({**DEFAULTS, **extra, "trainable_layers": "nonsense"})
+        assert [p.setting for p in problems][:1] == ["trainable_layers"]
