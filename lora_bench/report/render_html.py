@@ -90,7 +90,7 @@ def _glance(doc: Document, figures: dict[str, str]) -> str:
     lines = '<ul class="glance">' + "".join(f"<li>{_inline(x)}</li>" for x in doc.glance) + "</ul>"
     if doc.glance_figure not in figures:
         return lines
-    return lines + (f'\n<p><img alt="{html.escape(doc.glance_figure)} figure" '
+    return lines + (f'\n<p><img alt="{html_text(doc.glance_figure)} figure" '
                     f'src="data:image/png;base64,{figures[doc.glance_figure]}"></p>')
 
 
