@@ -215,8 +215,8 @@ def command() -> Any:
         fixed = {k: kw.pop(k) for k in ("overrides", "config", "results_dir", "run_id", "overwrite", "cache_dir",
                                          "no_progress", "logger")}
         if kw.pop("print_config"):  # the settings resolved as a run would resolve them, then exit 0
-            cfg, _ = settings_from(ctx, config=fixed["config"], overrides=fixed["overrides"] or [],
-                                   given={k: kw[k] for k in SETTINGS})
+            cfg = settings_from(ctx, config=fixed["config"], overrides=fixed["overrides"] or [],
+                               given={k: kw[k] for k in SETTINGS})[0]
             print_config(cfg.to_dict())
             return
         train(ctx, **fixed, given={k: kw[k] for k in SETTINGS})
