@@ -43,6 +43,7 @@ def kernel_bench(
     from lora_bench.results.manifest import record_invocation
 
     csv = out if out is not None else results_dir / CSV_NAME
+    made = not csv.parent.exists()
     output_dir(csv.parent, "--out" if out is not None else "--results-dir")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,7 +51,9 @@ def kernel_bench(
         rows = run_kernel_bench(shapes=split_list(shapes), impls=split_list(impls), dtypes=split_list(dtypes),
                                 device=device, repeats=repeats, warmup=warmup, out_csv=csv, cpu=cpu,
                                 progress=not no_progress)
-    except ValueError as e:  # bad shape/impl/dtype/device names or counts, or no GPU for device=cuda
+    except (ValueError, UsageError) as e:  # bad names or counts, no GPU for device=cuda, a group too big
+        if made and csv.parent.is_dir() and not any(csv.parent.iterdir()):
+            csv.parent.rmdir()  # refused: nothing left behind, not even the folder made for it
         raise UsageError(str(e)) from e
     record_invocation(csv.parent, outputs=[csv.name])
     console.print(render_kernel_table(rows))

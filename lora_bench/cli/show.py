@@ -23,7 +23,7 @@ def show(results_dir: Annotated[Path, typer.Argument(help="A results folder hold
     from lora_bench.escaping import clip, markup
     from lora_bench.report.phase_table import phase_table
     from lora_bench.report.run_cause import folder_cause
-    from lora_bench.results.store import find_run, unfinished_since
+    from lora_bench.results.lookup import find_run, unfinished_since
 
     row = find_run(results_dir, run_id if run_id is None else matching_run_id(results_dir, run_id))
     cause = folder_cause(results_dir, row)

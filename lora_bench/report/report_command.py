@@ -11,24 +11,18 @@ file."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from rich.console import Console
 
 from lora_bench.errors import UsageError
 from lora_bench.escaping import markup
-from lora_bench.fileio import atomic_write_text
 import lora_bench.report.figures as figs
 from lora_bench.report.aggregate import FORMATS, build_report, plan_report, refused_notes, report_of
 from lora_bench.report.document import build_document, table_document
 from lora_bench.report.filters import filter_runs
-from lora_bench.report.group_table import to_csv
 from lora_bench.report.load import RESULTS_DIR, load_results
-from lora_bench.report.render_html import to_html
-from lora_bench.report.render_json import report_json
-from lora_bench.report.render_markdown import to_markdown
-from lora_bench.report.render_terminal import print_document
+from lora_bench.report.render import emit
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study import build_study, study_baseline
 from lora_bench.results.folder_files import LOCK_SUFFIX, RESULTS_FILES
@@ -87,21 +81,7 @@ def report_command(paths: list[Path], *, group_by: str | None, baseline: str | N
                              study=study, figures=set(drawn["files"]) | set(drawn["embedded"]))
     else:
         doc = build_document(study, rep, figures=set(drawn["files"]) | set(drawn["embedded"]))
-    if fmt == "csv":
-        _emit(to_csv(rep), output, console)
-    elif fmt == "json":
-        _emit(report_json(rep, notes=drawn["notes"]), output, console)
-    elif fmt == "markdown":
-        links = {k: _relative(p, output) for k, p in drawn["files"].items()}
-        _emit(to_markdown(doc, figures=links), output, console)
-    elif fmt == "html":
-        _emit(to_html(doc, figures=drawn["embedded"]), output, console)
-    else:
-        if output:
-            with open(output, "w") as fh:
-                print_document(doc, Console(file=fh, no_color=True, width=120))
-        else:
-            print_document(doc, console)
+    emit(fmt, doc=doc, rep=rep, drawn=drawn, output=output, console=console)
     if output:
         wrote.insert(0, output)
     status = console if fmt not in ("csv", "json") or output else Console(stderr=True)  # stdout stays parseable
@@ -169,16 +149,3 @@ def _draw(study, *, fmt: str, output: Path | None, plot: Path | None, table_only
             out["embedded"][key] = figs.png_base64(fig)
         figs.close(fig)
     return out
-
-
-def _relative(path: Path, output: Path | None) -> str:
-    if output is None:
-        return str(path)
-    return os.path.relpath(Path(path).resolve(), Path(output).resolve().parent)
-
-
-def _emit(text: str, output: Path | None, console) -> None:
-    if output:
-        atomic_write_text(Path(output), text)
-    else:
-        console.out(text, end="", highlight=False)

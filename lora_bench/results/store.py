@@ -3,7 +3,7 @@
 Each run's ``<run_id>/run.json`` is its record (lora_bench.results.records, a save's commit point).
 ``rebuild_index``, the one writer of runs.csv, rewrites it atomically, under a lock, from those
 records whenever one is saved or removed; a row without a record (its folder removed) stays, and a
-row cut mid-way goes to its run's record or, verbatim, to ``runs-torn.csv``. Readers (``result_rows``, ``find_run``) take run.json over the row, so a process
+row cut mid-way goes to its run's record or, verbatim, to ``runs-torn.csv``. Readers (``result_rows``, ``lookup.find_run``) take run.json over the row, so a process
 stopped between its record and the index loses nothing. The text format is ``runs_csv``'s."""
 
 from __future__ import annotations
@@ -15,20 +15,16 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable
 
-import pandas as pd
 
 from lora_bench.errors import UsageError
-from lora_bench.escaping import SHOWN_CHARS, clip
 from lora_bench.fileio import check_writable_dir, names_file, refusing
-from lora_bench.results.cells import runs_frame
 from lora_bench.results.claims import is_claimed
 from lora_bench.results.folder_files import LOCK_SUFFIX, RUNS_CSV, TORN_CSV  # noqa: F401
-from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, copied_record, run_record, settle_run
+from lora_bench.results.records import DIED, RUN_RECORD, RUNNING, run_record, settle_run
 # the table's text format, also imported from here by its readers
 from lora_bench.results.runs_csv import RunTable, csv_text, read_run_table, read_runs, read_steps  # noqa: F401
 from lora_bench.results.runs_csv import stderr_warning, text_value, write_csv
 from lora_bench.results.schema import run_column_names
-from lora_bench.safe_yaml import short_repr
 
 # ran to their end: a resume does not run them again (a diverged run would diverge again)
 FINISHED = ("done", "diverged")
@@ -122,7 +118,7 @@ def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = stder
     table = read_run_table(results_dir / RUNS_CSV) if (results_dir / RUNS_CSV).is_file() else RunTable(["run_id"])
     rows: dict[str, dict] = {}
     for r in table.rows:
-        if r.get("status") == RUNNING and _is_run_folder_name(r["run_id"]) and not is_claimed(results_dir / r["run_id"]):
+        if r.get("status") == RUNNING and is_run_folder_name(r["run_id"]) and not is_claimed(results_dir / r["run_id"]):
             r = {**r, "status": "interrupted", "error": DIED}  # no process executes it (its run.json may say more)
         rows[r["run_id"]] = r
     for path in sorted(results_dir.glob(f"*/{RUN_RECORD}")):
@@ -136,59 +132,8 @@ def result_rows(results_dir: Path, *, warn: Callable[[str], None] | None = stder
     return list(rows.values())
 
 
-def _is_run_folder_name(run_id) -> bool:
+def is_run_folder_name(run_id) -> bool:
     return isinstance(run_id, str) and run_id not in ("", ".", "..") and "/" not in run_id and "\0" not in run_id
-
-
-def find_run(results_dir: Path, run_id: str | None = None) -> dict:
-    """One run's row (schema dtypes) for display: ``run_id``'s, or the latest started one. Its
-    run.json wins over runs.csv; a row cut mid-way without a run.json is refused, by name. Text
-    past ``escaping.SHOWN_CHARS`` (a run id, a setting) is cut as ``escaping.clip`` cuts it."""
-    named = short_repr(run_id, SHOWN_CHARS)
-    results_dir, csv_path = Path(results_dir), Path(results_dir) / RUNS_CSV
-    if not csv_path.is_file() and not any(results_dir.glob(f"*/{RUN_RECORD}")):
-        raise UsageError(f"no runs.csv in {results_dir}: run `lora-bench train --results-dir {results_dir}` first")
-    rows = result_rows(results_dir, warn=None)
-    hits = [r for r in rows if r["run_id"] == run_id] if run_id is not None else [latest_result(rows)] if rows else []
-    if not hits and run_id is None:
-        raise UsageError(f"{results_dir} holds no complete run")
-    if not hits:
-        if csv_path.is_file() and run_id in read_run_table(csv_path).torn_ids():
-            raise UsageError(f"run_id {named}: its row in {csv_path} is cut mid-way and the run has no "
-                             f"{RUN_RECORD}; its numbers cannot be trusted, so nothing is shown")
-        copy_of = copied_record(results_dir / run_id) if _is_run_folder_name(run_id) and len(run_id) < 256 else None
-        if copy_of is not None:
-            raise UsageError(f"{results_dir / run_id / RUN_RECORD} records run {copy_of!r}: the folder is a copy "
-                             f"of another run's, and a run's record is read only from the folder named by its "
-                             f"run id ({results_dir / copy_of})")
-        latest = ", ".join(clip(r["run_id"], 80) for r in sorted(rows, key=lambda r: r.get("started_at") or "")[-5:])
-        raise UsageError(f"run_id {named} not found in {results_dir}; latest runs: {latest or 'none'}")
-    row = runs_frame(pd.DataFrame(hits[:1], dtype=object).astype(str), source=str(results_dir),
-                     warn=stderr_warning).iloc[0].to_dict()
-    return {k: clip(v) if isinstance(v, str) else v for k, v in row.items()}
-
-
-def latest_result(rows: list[dict]) -> dict:
-    """The run to show when none is named: the latest finished one (a newer run that failed before
-    it measured anything, an offline start without weights, is no result), else the latest started."""
-    order = _start_order(rows)
-    done = [r for r in rows if r.get("status") == "done"]
-    return max(done or rows, key=lambda r: order[r["run_id"]])
-
-
-def _start_order(rows: list[dict]) -> dict[str, tuple[str, int]]:
-    """Each run's place in start order: its start time (to the second), then its place in runs.csv,
-    which indexes a run as it begins, so that two runs begun within one second keep their order."""
-    return {r["run_id"]: (str(r.get("started_at") or ""), i) for i, r in enumerate(rows)}
-
-
-def unfinished_since(results_dir: Path, row: dict) -> list[dict]:
-    """The rows of runs started after ``row`` that did not finish (failed, interrupted, ...)."""
-    rows = result_rows(results_dir, warn=None)
-    order = _start_order(rows)
-    after = order.get(row["run_id"], (str(row.get("started_at") or ""), -1))
-    return sorted((r for r in rows if r.get("status") != "done" and order[r["run_id"]] > after),
-                  key=lambda r: order[r["run_id"]])
 
 
 def check_results_dir(results_dir: Path) -> None:

@@ -233,7 +233,8 @@ def test_runs_begun_within_one_second_keep_their_order(run_cli, tmp_path):
     """Start times are kept to the second: a run that failed in the same second as the finished
     one before it is still named by show as a later run, a finished run updated later keeps its
     place, and one begun after a failure in the same second is the one shown."""
-    from lora_bench.results.store import read_run_table, upsert_run, unfinished_since, find_run
+    from lora_bench.results.lookup import find_run, unfinished_since
+    from lora_bench.results.store import read_run_table, upsert_run
 
     res = tmp_path / "r"
     code, out = run_cli("train", *TINY, "--max-steps", "2", "--warmup-steps", "1", "--skip-final-eval",

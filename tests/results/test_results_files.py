@@ -161,7 +161,7 @@ def test_folders_that_take_no_file_are_refused_before_any_work(unwritable_dir, t
 def test_a_copy_of_a_run_folder_never_stands_in_for_the_run(tmp_path, run_cli):
     """run.json names its run; only the folder of that name holds the run's record: a backup copy
     (``cp -r X X.bak``) is not read as run X, by readers or by the repair of runs.csv."""
-    from lora_bench.results.store import find_run
+    from lora_bench.results.lookup import find_run
     from lora_bench.sweep.resume import repair_runs_csv
 
     code, out = run_cli("train", *TINY, "--results-dir", tmp_path, "--run-id", "x")

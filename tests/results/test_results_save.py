@@ -20,7 +20,8 @@ from lora_bench.errors import SaveError
 from lora_bench.results.claims import claim_run
 from lora_bench.results.records import run_record
 from lora_bench.results.save import begin_record, save_record
-from lora_bench.results.store import RUNS_CSV, find_run, read_run_table, result_rows, upsert_run
+from lora_bench.results.lookup import find_run
+from lora_bench.results.store import RUNS_CSV, read_run_table, result_rows, upsert_run
 from lora_bench.signals import signals_deferred
 from paths import FIXTURES
 

@@ -81,7 +81,7 @@ def test_a_pack_that_cannot_fit_is_refused_before_any_run(tmp_path, run_cli, mon
     assert "the pack of" in out and "pack fewer runs" in out, out
 
 
-def test_kernel_bench_refuses_a_group_that_cannot_fit_before_allocating(run_cli, monkeypatch):
+def test_kernel_bench_refuses_a_group_that_cannot_fit_before_allocating(run_cli, monkeypatch, tmp_path):
     import lora_bench.bench.kernel_bench as kb
 
     monkeypatch.setattr(kb, "available_bytes", lambda device: 2**20)
@@ -91,9 +91,10 @@ def test_kernel_bench_refuses_a_group_that_cannot_fit_before_allocating(run_cli,
 
     monkeypatch.setattr(kb, "_make_sets", forbidden)
     code, out = run_cli("kernel-bench", "--device", "cpu", "--shapes", "4096:4096->4096:r16", "--impls", "lora",
-                        "--dtypes", "fp32")
+                        "--dtypes", "fp32", "--results-dir", tmp_path / "bench")
     assert code == 2 and "Traceback" not in out, out
     assert "needs about" in out and "GiB available" in out, out
+    assert not (tmp_path / "bench").exists()  # refused: no folder left behind
 
 
 def test_kernel_bench_lets_a_group_that_fits_through():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_bench.results.store import find_run
+from lora_bench.results.lookup import find_run
 from paths import FIXTURES
 
 SAMPLE = FIXTURES / "sms_spam_sample.tsv"
