@@ -94,16 +94,20 @@ def by_folder(folders: list[Path], options: dict) -> None:
 
     err_console.print(f"reading {len(folders)} results folders, each on its own (--pool reads them as one): "
                       f"{markup(folders_text(folders))}", highlight=False)
+    from lora_bench.progress import CountProgress
+
     skipped = []
-    for folder in folders:
-        if options["fmt"] == "markdown":
-            console.out(f"\n---\n\n*results folder {markdown_cell(str(folder))}*\n", highlight=False)
-        else:
-            console.print(Rule(Text(terminal(str(folder))), align="left"))
-        try:
-            report_command([folder], **options)
-        except UsageError as e:
-            skipped.append(folder)
-            err_console.print(f"{markup(folder)}: {markup(e)}", highlight=False)
+    with CountProgress(err_console, total=len(folders), label="reports", enabled=True) as bar:
+        for folder in folders:
+            if options["fmt"] == "markdown":
+                console.out(f"\n---\n\n*results folder {markdown_cell(str(folder))}*\n", highlight=False)
+            else:
+                console.print(Rule(Text(terminal(str(folder))), align="left"))
+            try:
+                report_command([folder], **options)
+            except UsageError as e:
+                skipped.append(folder)
+                err_console.print(f"{markup(folder)}: {markup(e)}", highlight=False)
+            bar.advance()
     if len(skipped) == len(folders):
         raise UsageError(f"nothing to report in any of the {len(folders)} folders (each says why above)")

@@ -56,6 +56,7 @@ def test_report_reports_each_folder_on_its_own_and_says_which_it_read(run_cli, t
     assert f"*results folder {tree / 'a'}*" in out and f"*results folder {tree / 'b' / 'c'}*" in out
     said = " ".join(out.split())
     assert "reading 2 results folders, each on its own (--pool reads them as one)" in said
+    assert "reports" in said and "2/2" in said  # the progress line over the folders, at its end
     assert "run id(s) appear in more than one folder" not in out  # nothing pooled
     code, table = run_cli("report", tree)
     assert code == 0 and table.count("Study report:") == 2
