@@ -136,3 +136,13 @@ def test_a_compiled_run_is_not_probed():
     said = []
     announce(SimpleNamespace(cfg=tiny(compile=True)), said.append)  # no model, no loaders: nothing probed
     assert said == ["estimate: after the first steps, on the progress line (a probe step would compile the model)"]
+
+
+def test_a_gpu_probe_never_stands_on_its_first_try():
+    """On a GPU the first try compiles and tunes kernels (tens of seconds, once): a second try is
+    taken whatever the first cost; on a CPU the budget alone decides; never past PROBE_TRIES."""
+    from lora_bench.train.estimate import PROBE_BUDGET_S, PROBE_TRIES, probe_again
+
+    assert probe_again(1, 36.0, "cuda") and not probe_again(2, 36.1, "cuda")
+    assert not probe_again(1, 36.0, "cpu") and probe_again(1, PROBE_BUDGET_S / 2, "cpu")
+    assert not probe_again(PROBE_TRIES, 0.0, "cuda") and not probe_again(PROBE_TRIES, 0.0, "cpu")
