@@ -20,6 +20,7 @@ import torch
 from lora_bench.classifier.book import model_config
 from lora_bench.data.sms_spam import balance_and_split, packaged_sms_spam, read_raw, resolve_max_length
 from lora_bench.data.tokenizer import gpt2_tokenizer
+from lora_bench.errors import LoraBenchError
 from lora_bench.model.gpt2 import TransformerBlock
 from lora_bench.train.estimate import StepTimes, duration, run_work
 
@@ -100,9 +101,14 @@ def plan_estimate(runs: list, *, process_each: bool) -> list[str]:
     data: dict = {}
     blocks: dict = {}
     total = 0.0
+    unread = 0
     for run in cpu:
         cfg = run.cfg
-        splits = splits_of(cfg, data)
+        try:
+            splits = splits_of(cfg, data)
+        except (LoraBenchError, OSError, ValueError):  # the run will fail and say why; the sweep goes on
+            unread += 1
+            continue
         key = (model_config(cfg), cfg.batch_size, splits.length, cfg.trainable_layers in WHOLE_BLOCK_TRAINS)
         if key not in blocks:
             blocks[key] = block_times(cfg, splits.length)
@@ -113,5 +119,6 @@ def plan_estimate(runs: list, *, process_each: bool) -> list[str]:
                                         test_batches=splits.test_batches))
     starts = f" and {duration(start * len(cpu))} starting their processes" if start else ""
     left = f"; {len(runs) - len(cpu)} runs for a CUDA device not estimated" if len(cpu) < len(runs) else ""
+    left += f"; {unread} runs whose data file cannot be read not estimated" if unread else ""
     return [f"estimate: about {duration(total + (start or 0) * len(cpu))} for {len(cpu)} runs on this CPU "
             f"(training and evaluation {duration(total)}{starts}; from a timed block of each model{left})"]
