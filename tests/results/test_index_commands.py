@@ -103,3 +103,17 @@ def test_reproducible_rewrites_machine_paths_and_nothing_else():
         "git checkout abc1234 && python -m benchmarks.gone --out results/f/x.csv")
     assert reproducible("python -m benchmarks.timer_overhead --blocks 16", folder="results/f") == (
         "python -m benchmarks.timer_overhead --blocks 16")
+
+
+def test_no_manifest_records_a_path_of_the_machine_it_ran_on():
+    """The recorded command lines name the tree's own paths: no scratch folder or absolute path a
+    reader of a fresh clone cannot have."""
+    import json
+
+    bad = []
+    for manifest in sorted((ROOT / "results").rglob("manifest.json")):
+        for entry in json.loads(manifest.read_text(encoding="utf-8")).get("invocations", []):
+            command = str(entry.get("command") or "")
+            if any(SCRATCH.search(t) for t in command.split()):
+                bad.append(f"{manifest.relative_to(ROOT)}: {command}")
+    assert not bad, "\n".join(bad)
