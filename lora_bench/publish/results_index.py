@@ -252,9 +252,9 @@ def render_index(root: Path, *, names: list[str] | None = None) -> str:
         f"the same sweep settings and repeat are kept, numbers untouched, in `<folder>/{SUPERSEDED}/`.",
         "Commands read as they run from a fresh clone: results go to the folder named here, `--data-file` reads",
         "the data set the tree carries, and a benchmark script no longer in the tree runs after checking out",
-        "the commit that recorded it; each `manifest.json` keeps the command line as recorded, a copy of the",
-        "data set outside the checkout named as the tree's own (the same bytes) and a scratch results folder as",
-        "the folder the runs now lie in. A commit",
+        "the commit that recorded it; each `manifest.json` keeps the command line as recorded. There and in the",
+        "run records a copy of the data set outside the checkout is named as the tree's own (the same bytes) and",
+        "a scratch results folder as the folder the runs now lie in. A commit",
         "marked *rows added* is the one that added rows older than their manifest: they ran at or before it.",
     ]
     sections: list[tuple[str, str, list[FolderSummary]]] = []
