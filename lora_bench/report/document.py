@@ -13,6 +13,7 @@ import pandas as pd
 from lora_bench.report.aggregate import Report
 from lora_bench.report.answer import MIN_SHARE, Point, answer
 from lora_bench.report.empty import why_empty
+from lora_bench.report.floor_kernels import floor_tables
 from lora_bench.report.glance import glance
 from lora_bench.report.group_table import groups_table
 from lora_bench.report.order_stats import MIN_REPEATS
@@ -69,6 +70,11 @@ def build_document(study: Study, rep: Report | None, *, figures: set[str]) -> Do
     prof = profiles_table(study)
     if prof is not None:
         sections.append(Section("Kernel profiles", tables=[prof]))
+    above = floor_tables(study)
+    if above is not None:
+        sections.append(Section("Device time above the floor", tables=[above[0]]))
+        if above[1]:
+            sections.append(Section("Kernel classes above the floor, by phase", tables=above[1], terminal=False))
     acc = accuracy_table(study)
     if acc is not None:
         sections.append(Section("Accuracy next to speed", tables=[acc]))

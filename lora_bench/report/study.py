@@ -98,6 +98,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     _base_params(study)
     study.lines = _lines(study)
     study.profiles = _attach_profiles(study, profiled)
+    study.profiled = profiled
     return study
 
 

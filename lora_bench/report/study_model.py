@@ -184,6 +184,7 @@ class Study:
     threshold: float = stats.THRESHOLD
     keys: list[str] = field(default_factory=list)  # the columns the runs are grouped by
     run_groups: list = field(default_factory=list)  # the engine's groups (lora_bench.report.groups.RunGroup)
+    profiled: pd.DataFrame = field(default_factory=pd.DataFrame)  # the runs with a profiler attached
 
     @property
     def device(self) -> str:
