@@ -137,10 +137,11 @@ def summary_table(rows: list[FloorRow]) -> Table:
         if not r.measured:
             body.append([*cells, r.why_not, NOT_MEASURED, signed(step), NOT_MEASURED, NOT_MEASURED, NOT_MEASURED])
             continue
-        deltas = sorted(_class_deltas(r).items(), key=lambda kv: -abs(kv[1]))[:SHOWN_CLASSES]
+        deltas = sorted(((c, d) for c, d in _class_deltas(r).items() if round(d, 2)),
+                        key=lambda kv: -abs(kv[1]))[:SHOWN_CLASSES]
         (rl, rms), (fl, fms) = _kernels(r.row_profile), _kernels(r.floor_profile)
         body.append([*cells, f"{r.row_profile.run_id} · {r.floor_profile.run_id}",
-                     "; ".join(f"{cls} {signed(d)}" for cls, d in deltas), signed(step), signed(rms - fms),
+                     "; ".join(f"{cls} {signed(d)}" for cls, d in deltas) or "none", signed(step), signed(rms - fms),
                      signed(_gap(g, r.row_profile) - _gap(r.floor, r.floor_profile)), signed(rl - fl, 0)])
     notes = ["each LoRA group against the floor (trainable_layers=frozen) of the same size, batch, context and "
              "execution mode: step ms from the timed repeats (median over repeats); kernel ms and launches per step "
