@@ -61,7 +61,8 @@ def profiled_mode(row) -> str:
     return mode_name({**dict(row), GRAPHS: "False"})
 
 
-def _same(a, b, cols) -> bool:
+def same_settings(a, b, cols) -> bool:
+    """Two runs (rows) hold the same value, or both none, in each of ``cols`` both have."""
     return all(same(a[c], b[c]) or (is_blank(a[c]) and is_blank(b[c])) for c in cols if c in a and c in b)
 
 
@@ -70,7 +71,7 @@ def _profile_of(row, profiles: list[dict], key: tuple[str, ...]) -> KernelProfil
     kernel summaries (``profiles``: newest first)."""
     want = profiled_mode(row)
     for p in profiles:
-        if str(p.get(MODE, "")) == want and _same(row, p, key):
+        if str(p.get(MODE, "")) == want and same_settings(row, p, key):
             kp = class_times(str(p["run_id"]), p[RUN_DIR]) if RUN_DIR in p else None
             if kp is not None:
                 return kp
@@ -88,7 +89,7 @@ def floor_rows(study: Study, profiled: pd.DataFrame) -> list[FloorRow]:
         if str(me.get(LAYERS, "")) not in LORA_LAYERS:
             continue
         floor = next((f for f in floors if str(f.runs.iloc[0].get(MODE, "")) == str(me.get(MODE, ""))
-                      and _same(me, f.runs.iloc[0], FLOOR_KEY)), None)
+                      and same_settings(me, f.runs.iloc[0], FLOOR_KEY)), None)
         if floor is None:
             continue
         out.append(FloorRow(group=g, floor=floor, row_profile=_profile_of(me, runs, ROW_KEY),
