@@ -6,10 +6,12 @@ HTML as text."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import pandas as pd
 import pytest
+from rich.console import Console
 
 from lora_bench.report.document import build_document
 from lora_bench.report.floor_kernels import floor_rows, floor_tables
@@ -17,6 +19,7 @@ from lora_bench.report.kernel_classes import OTHER, UNNAMED, class_times, kernel
 from lora_bench.report.load import load_results
 from lora_bench.report.render_html import to_html
 from lora_bench.report.render_markdown import to_markdown
+from lora_bench.report.render_terminal import print_document
 from lora_bench.report.study import build_study
 from lora_bench.results.runs_csv import write_csv
 from lora_bench.timing import PHASES
@@ -181,3 +184,25 @@ def test_kernel_names_reach_markdown_and_html_as_text(tmp_path):
     assert "not measured" in md and "by name alone" in md
     html = to_html(doc)
     assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_a_folder_of_profiled_runs_alone_sets_them_against_each_other(tmp_path):
+    """Without timed repeats the profiled runs are the groups (their times perturbed by the profiler):
+    each LoRA run is its own profiled repeat, the floor's run the floor's."""
+    rows = [_run("floor-prof", layers="frozen", step=4.0, graphs=False, profile="kernels"),
+            _run("kernel-prof", layers="lora-kernel", step=5.0, graphs=False, profile="kernels", grads="deferred")]
+    _profile(tmp_path, "floor-prof", FLOOR_TOP, FLOOR_TOTALS)
+    _profile(tmp_path, "kernel-prof", ROW_TOP, ROW_TOTALS)
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    summary, [table] = floor_tables(build_study(load_results([tmp_path])))
+    [row] = summary.rows
+    assert row[2] == EAGER and row[3] == "kernel-prof · floor-prof" and row[5:7] == ["+1.00", "+0.96"]
+    assert table.rows[0][:2] == ["forward", "LoRA Triton kernels"]
+
+
+def test_the_terminal_shows_the_summary(tmp_path):
+    console = Console(file=io.StringIO(), width=400, color_system=None)
+    print_document(build_document(_study(tmp_path), None, figures=set()), console)
+    out = console.file.getvalue()
+    assert "Device time above the floor" in out and "kernel-prof · floor-prof" in out
+    assert "cutlass::gemm" not in out  # the tables by phase are for files
