@@ -1,4 +1,5 @@
-"""Per-run summaries of the per-step table: medians and spread per phase, analytic FLOPs, achieved
+"""Per-run summaries of the per-step table: medians and spread per phase, analytic FLOPs (the
+model's products and each adapted layer's work, per LoRA variant: ``adapter_flops``), achieved
 throughput and model-FLOPs utilisation against a table of GPU peaks."""
 
 from __future__ import annotations

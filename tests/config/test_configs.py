@@ -206,7 +206,8 @@ def test_floor_study_measures_every_variant_beside_the_floor_in_both_bf16_precis
         assert c.weights == "random" and c.skip_final_eval and c.eval_freq == 0 and c.warmup_steps < c.max_steps
 
 
-VARIANT_ROWS = {  # (implementation, trainable_layers, lora_variant, dora_norm, lora_scaling, loraplus_lr_ratio, lora_init)
+# (implementation, trainable_layers, lora_variant, dora_norm, lora_scaling, loraplus_lr_ratio, lora_init)
+VARIANT_ROWS = {
     ("book", "frozen", "lora", "exact", "alpha", 1.0, "kaiming"),
     ("book", "lora", "lora", "exact", "alpha", 1.0, "kaiming"),
     ("book", "lora", "lora", "exact", "rslora", 1.0, "kaiming"),
@@ -240,7 +241,8 @@ def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
              ("best", "hf"): ("bf16", "sdpa", "fused", "fused", False, True)}
     for r in sw.runs:
         c = r.cfg
-        assert (c.precision, c.attention, c.ops, c.optimizer, c.cuda_graphs, c.compile) == modes[(r.label, c.implementation)]
+        mode = (c.precision, c.attention, c.ops, c.optimizer, c.cuda_graphs, c.compile)
+        assert mode == modes[(r.label, c.implementation)]
         assert (c.batch_size, c.lora_rank, c.lora_alpha, c.weights) == (8, 16, 16.0, "random")
         assert (c.max_steps, c.warmup_steps, c.eval_freq, c.skip_final_eval) == \
             (floor.max_steps, floor.warmup_steps, 0, True)

@@ -219,7 +219,8 @@ def test_a_merged_classifier_keeps_what_the_estimate_counts(variant):
     lora_cfg, lora = _classifier()
     merged_cfg, merged = _classifier(trainable_layers="lora-merged", lora_variant=variant)
     tokens = _tokens(lora_cfg)
-    (lora_flops, lora_kept, _), (merged_flops, merged_kept, _) = _step_counts(lora, tokens), _step_counts(merged, tokens)
+    (lora_flops, lora_kept, _), (merged_flops, merged_kept, _) = \
+        _step_counts(lora, tokens), _step_counts(merged, tokens)
     mcfg, n_tokens = gpt_config("tiny"), tokens.numel()
     step = dict(tokens=n_tokens, rank=4)
     matmul = sum(adapter_flops(k, n, trainable_layers="lora-merged", lora_variant=variant, weight_trained=w, **step)[0]
