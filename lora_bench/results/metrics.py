@@ -48,7 +48,8 @@ def adapter_flops(k: int, n: int, *, rank: int, tokens: float, trainable_layers:
 
     Products count 2 per multiply-add. LoRA unmerged (``lora``, ``lora-kernel``): x·A·B forward,
     and its input and adapter gradients, 6·N·(k+n)·r. Merged (``lora-merged``): A·B (k·n·r, twice
-    more in backward, 6·k·n·r) and the merged weight's gradient, 2·N·k·n, as a trained layer's (a trained W's own).
+    more in backward, 6·k·n·r) and the merged weight's gradient, 2·N·k·n (a trained W's own
+    gradient, which the model's count holds).
     DoRA unmerged adds its norm: W·A (2·n·k·r), A's Gram AᵀA (2·k·r²), B's rows times it
     (2·n·r²); the exact norm's backward Wᵀ times an n×r gradient (2·n·k·r, twice with a trained W),
     the Gram's and its product's (4·k·r² + 4·n·r²); the detached norm none. PEFT's DoRA forms B·A
