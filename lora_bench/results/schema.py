@@ -90,7 +90,8 @@ RUN_COLUMNS: list[Column] = [
            "lower"),
     Column("tokens_per_step", "float64", "tokens", "median tokens per step"),
     Column("tokens_per_s", "float64", "tokens/s", "tokens per second of median step time", "higher"),
-    Column("flops_per_step", "float64", "FLOP", "analytic FLOPs per step for the trainable set"),
+    Column("flops_per_step", "float64", "FLOP", "analytic FLOPs per step for the trainable set and the adapter "
+           "(LoRA's products, the merged weight's, DoRA's norm and scale; results.metrics.flops_per_step)"),
     Column("achieved_tflops", "float64", "TFLOP/s", "flops_per_step / median step time", "higher"),
     Column("peak_tflops", "float64", "TFLOP/s", "datasheet dense peak for the GPU and precision (blank when unknown)"),
     Column("mfu", "float64", "fraction", "model-FLOPs utilisation (achieved / peak)", "higher"),

@@ -1,7 +1,9 @@
 """Whether a run fits in its device's memory, asked before anything is built: the memory it needs,
 estimated from its settings alone (parameters × bytes, gradients and AdamW's two moments for the
-trainable ones, the causal masks, a rough activation term), against what the device has free (the
-CPU's available RAM from /proc/meminfo or sysconf, a CUDA device's from ``torch.cuda.mem_get_info``).
+trainable ones, the causal masks, a rough activation term, and what a LoRA variant adds: DoRA's
+magnitudes and the tensors its layers keep for backward, a merged layer's merged weights), against
+what the device has free (the CPU's available RAM from /proc/meminfo or sysconf, a CUDA device's
+from ``torch.cuda.mem_get_info``).
 
 The estimate is a floor, not a forecast: its parameter counts are exact, its activation term below
 what runs measured, and it leaves out the allocator's slack, the data and the evaluation, so a run
@@ -18,6 +20,7 @@ import torch
 
 from lora_bench.config import BF16_TRUE, FROZEN, TrainConfig
 from lora_bench.model.sizes import MODEL_SIZES, GPTConfig, resolve_model_size
+from lora_bench.results.metrics import adapted_layers
 
 FLOAT, HALF = 4, 2  # bytes: fp32, and bf16 (frozen linear weights and activations in bf16 mode)
 ADAM = 3 * FLOAT  # a trainable parameter's gradient and AdamW's two moments, fp32 in every mode (bf16-true
@@ -30,6 +33,10 @@ LONGEST_TRAINING_TEXT = 120
 # sequence's length per head; fewer than the block stores (the MLP alone keeps 4x-wide tensors), so
 # the term stays below what GPT-2 124M to 1558M measured in fp32 and bf16 (peak_mem_allocated_mib).
 ACT_WIDTHS, ACT_MAPS = 8, 1
+# Weight-sized tensors a merged layer keeps for backward, per adapted layer: LoRA's merged weight;
+# DoRA's merged weight, its direction and the weight scaled by m (measured on the layers' autograd
+# graphs: tests/train/test_variant_estimates.py).
+MERGED_SAVED = {"lora": 1, "dora": 3}
 GIB = 2**30
 
 
@@ -82,14 +89,24 @@ def lora_params(m: GPTConfig, rank: int) -> int:
     return rank * (m.n_layers * (4 * 2 * e + 5 * e + 5 * e) + e + CLASSES)
 
 
+def dora_outputs(cfg: TrainConfig, m: GPTConfig) -> int:
+    """The outputs of every layer DoRA adapts (0 for LoRA): one trained magnitude each, and per token
+    one value its layer keeps for backward (the products before the scale m/‖·‖, which m's gradient
+    reads)."""
+    if not cfg.is_lora or cfg.lora_variant != "dora":
+        return 0
+    return sum(n for _, n, _ in adapted_layers(m, n_classes=CLASSES, implementation=cfg.implementation))
+
+
 def trainable_params(cfg: TrainConfig, m: GPTConfig) -> int:
-    """What the classifier trains: the new head, and the blocks or adapters the setting names."""
+    """What the classifier trains: the new head, and the blocks or adapters the setting names (DoRA:
+    and its magnitudes)."""
     e = m.emb_dim
     head = e * CLASSES + CLASSES
     if cfg.trainable_layers == "all":
         return model_params(m) - e * m.vocab_size + head
     if cfg.is_lora:
-        return lora_params(m, cfg.lora_rank) + head
+        return lora_params(m, cfg.lora_rank) + dora_outputs(cfg, m) + head
     if cfg.trainable_layers == FROZEN:
         return m.context_length * e + head
     blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), m.n_layers)
@@ -110,6 +127,7 @@ def estimate(cfg: TrainConfig, *, processes: int = 1, pack: Sequence[TrainConfig
     base model and holds every run's adapters, head and batch)."""
     pack = list(pack) or [cfg]
     m = _shape(cfg)
+    book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
     e, n_layers = m.emb_dim, m.n_layers
     params = model_params(m)
     trainable = sum(trainable_params(c, m) for c in pack)
@@ -121,8 +139,9 @@ def estimate(cfg: TrainConfig, *, processes: int = 1, pack: Sequence[TrainConfig
         saved_blocks = min({"last_block": 1, "last_two_blocks": 2}.get(cfg.trainable_layers, 0), n_layers)
         frozen_blocks = n_layers - saved_blocks
     bf16 = cfg.precision in ("bf16", BF16_TRUE)
-    adapters = sum(lora_params(m, c.lora_rank) for c in pack) if cfg.is_lora else 0
-    book = cfg.implementation == "book"  # transformers' GPT-2 keeps no mask buffers and attends by sdpa
+    # adapters, DoRA's magnitudes and (book) its frozen weights' row norms, kept from the start
+    adapters = sum(lora_params(m, c.lora_rank) + (2 if book else 1) * dora_outputs(c, m) for c in pack) \
+        if cfg.is_lora else 0
     masks = n_layers * m.context_length ** 2 if book and not m.disable_causal_mask else 0
     body = params - e * m.vocab_size + e * CLASSES + CLASSES  # the vocabulary head replaced by the classifier's
     halved = frozen_blocks * block_linear_params(e) if bf16 else 0  # frozen linear weights, cast once to bf16
@@ -133,9 +152,24 @@ def estimate(cfg: TrainConfig, *, processes: int = 1, pack: Sequence[TrainConfig
     batch = max(1, sum(c.batch_size for c in pack) // max(1, processes))
     maps = ACT_MAPS * m.n_heads * t if book and cfg.attention == "book" else 0  # sdpa keeps no attention map
     per_block = batch * t * (ACT_WIDTHS * e + maps)
-    activations = (HALF if bf16 else FLOAT) * per_block * (saved_blocks + 1)  # + the block the forward is in
+    act = HALF if bf16 else FLOAT
+    activations = act * (per_block * (saved_blocks + 1) + _variant_saved(cfg, m, batch=batch, tokens=t))
     return MemoryEstimate(params=params, trainable=trainable, weights=weights, training_state=ADAM * trainable,
                           activations=activations, host_copy=FLOAT * params if cfg.weights == "random" else 0)
+
+
+def _variant_saved(cfg: TrainConfig, m: GPTConfig, *, batch: int, tokens: int) -> int:
+    """Values a LoRA variant's layers keep for backward beyond the block's activations: a merged
+    layer's weight-sized tensors (``MERGED_SAVED``), an unmerged DoRA layer's products before its
+    scale (batch × tokens × out)."""
+    if not cfg.is_lora:
+        return 0
+    if cfg.trainable_layers == "lora-merged":  # the first block's query, key and value read the embeddings, which
+        # need no gradient: their product keeps no weight for one
+        layers = adapted_layers(m, n_classes=CLASSES, implementation=cfg.implementation)
+        first = 3 * m.emb_dim ** 2 if cfg.implementation == "book" else 0
+        return MERGED_SAVED[cfg.lora_variant] * sum(k * n for k, n, _ in layers) - first
+    return batch * tokens * dora_outputs(cfg, m)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -47,7 +47,8 @@ def summary(context: RunContext, timer: PhaseTimer, cfg: TrainConfig, steps: lis
         tokens = s["tokens_per_step"]
         step_s = s["step_ms_median"] / 1e3
         flops = flops_per_step(context.mcfg, trainable_layers=cfg.trainable_layers, tokens=tokens, rank=cfg.lora_rank,
-                               implementation=cfg.implementation)
+                               implementation=cfg.implementation, lora_variant=cfg.lora_variant,
+                               dora_norm=cfg.dora_norm)
         out.update(tokens_per_s=tokens / step_s, flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
         if context.device.type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(context.device), cfg.precision)

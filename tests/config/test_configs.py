@@ -204,3 +204,65 @@ def test_floor_study_measures_every_variant_beside_the_floor_in_both_bf16_precis
         assert (c.attention, c.ops, c.optimizer, c.cuda_graphs, c.batch_size, c.lora_rank) == ("sdpa", "fused", "fused",
                                                                                                  True, 8, 16)
         assert c.weights == "random" and c.skip_final_eval and c.eval_freq == 0 and c.warmup_steps < c.max_steps
+
+
+# (implementation, trainable_layers, lora_variant, dora_norm, lora_scaling, loraplus_lr_ratio, lora_init)
+VARIANT_ROWS = {
+    ("book", "frozen", "lora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora", "lora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora", "lora", "exact", "rslora", 1.0, "kaiming"),
+    ("book", "lora", "lora", "exact", "alpha", 16.0, "kaiming"),
+    ("book", "lora", "dora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora", "dora", "detached", "alpha", 1.0, "kaiming"),
+    ("book", "lora-merged", "dora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora", "lora", "exact", "alpha", 1.0, "pissa"),
+    ("book", "lora-kernel", "lora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora-kernel", "lora", "exact", "rslora", 1.0, "kaiming"),
+    ("hf", "lora", "lora", "exact", "alpha", 1.0, "kaiming"),
+    ("hf", "lora", "dora", "detached", "alpha", 1.0, "kaiming"),
+    ("hf", "lora", "lora", "exact", "rslora", 1.0, "kaiming"),
+    ("hf", "lora", "lora", "exact", "alpha", 1.0, "pissa"),
+}
+
+
+def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
+    """Every variant row at 124M and 1558M in the reference mode (the defaults) and the best mode (the
+    floor study's for the book model, configs/peers.yaml's compiled one for hf), 5 repeats of the
+    floor study's timing runs; DoRA never on lora-kernel (refused until the fused layer computes it)."""
+    sw = load_sweep(REPO / "configs" / "variants-study.yaml")
+    floor = load_sweep(REPO / "configs" / "floor-study.yaml").runs[0].cfg
+    got = {(r.cfg.model_size, r.label, r.cfg.implementation, r.cfg.trainable_layers, r.cfg.lora_variant,
+            r.cfg.dora_norm, r.cfg.lora_scaling, r.cfg.loraplus_lr_ratio, r.cfg.lora_init) for r in sw.runs}
+    assert got == {(s, mode, *row) for s in ("124M", "1558M") for mode in ("reference", "best") for row in VARIANT_ROWS}
+    assert sw.repeats == 5 and len(sw.runs) == len(got) * 5
+    modes = {("reference", "book"): ("fp32", "book", "book", "book", False, False),
+             ("reference", "hf"): ("fp32", "book", "book", "book", False, False),
+             ("best", "book"): ("bf16", "sdpa", "fused", "fused", True, False),
+             ("best", "hf"): ("bf16", "sdpa", "fused", "fused", False, True)}
+    for r in sw.runs:
+        c = r.cfg
+        mode = (c.precision, c.attention, c.ops, c.optimizer, c.cuda_graphs, c.compile)
+        assert mode == modes[(r.label, c.implementation)]
+        assert (c.batch_size, c.lora_rank, c.lora_alpha, c.weights) == (8, 16, 16.0, "random")
+        assert (c.max_steps, c.warmup_steps, c.eval_freq, c.skip_final_eval) == \
+            (floor.max_steps, floor.warmup_steps, 0, True)
+        assert not (c.trainable_layers == "lora-kernel" and c.lora_variant == "dora")
+
+
+def test_variants_accuracy_trains_each_variant_of_the_book_tables_lora_row_from_5_seeds():
+    """The lora row is the book table's row 11 setting for setting; each other row changes its own
+    variant settings alone; 5 seeds, repeat r of every row from the same seed."""
+    sw = load_sweep(REPO / "configs" / "variants-accuracy.yaml")
+    row11 = next(r.cfg for r in load_sweep(REPO / "configs" / "book-table.yaml").runs if r.label.startswith("row 11"))
+    assert sw.repeats == 5 and sw.vary_seed
+    variants = {"lora": {}, "rslora": {"lora_scaling": "rslora"}, "loraplus": {"loraplus_lr_ratio": 16.0},
+                "dora-exact": {"lora_variant": "dora", "dora_norm": "exact"},
+                "dora-detached": {"lora_variant": "dora", "dora_norm": "detached"}, "pissa": {"lora_init": "pissa"}}
+    assert sorted(r.label for r in sw.runs) == sorted(label for label in variants for _ in range(5))
+    seeds: dict[int, set[int]] = {}
+    for r in sw.runs:
+        want = row11.to_dict() | variants[r.label] | {"seed": row11.seed + r.repeat}
+        assert r.cfg.to_dict() == want, r.label
+        assert (r.cfg.model_size, r.cfg.num_epochs, r.cfg.weights) == ("124M", 5, "pretrained")
+        seeds.setdefault(r.repeat, set()).add(r.cfg.seed)
+    assert all(len(s) == 1 for s in seeds.values()) and len({next(iter(s)) for s in seeds.values()}) == 5
