@@ -22,7 +22,7 @@ from lora_bench.report.groups import same
 from lora_bench.report.kernel_classes import KernelProfile, class_times, classes_text
 from lora_bench.report.labels import MODE_FIELDS, count_text, is_blank, mode_name, value_text
 from lora_bench.report.load import MODE, RUN_DIR
-from lora_bench.report.study import KERNEL_ONLY, STEP_SHAPE
+from lora_bench.report.study import ADAPTER_ONLY, KERNEL_ONLY, STEP_SHAPE, step_setting
 from lora_bench.report.study_header import LAYERS
 from lora_bench.report.study_model import NOT_MEASURED, Group, Study
 from lora_bench.report.tables import Table, num
@@ -31,9 +31,8 @@ from lora_bench.timing import PHASES
 
 RANK = SETTING_PREFIX + "lora_rank"
 # what decides the floor's kernels: the step's shape without what only the adapters use
-FLOOR_KEY = tuple(c for c in (*STEP_SHAPE, SETTING_PREFIX + "base_dtype")
-                  if c not in MODE_FIELDS and c not in (LAYERS, RANK))
-ROW_KEY = (*FLOOR_KEY, LAYERS, RANK, *KERNEL_ONLY, SETTING_PREFIX + "group_qkv")
+FLOOR_KEY = tuple(c for c in STEP_SHAPE if c not in MODE_FIELDS and c not in (LAYERS, RANK, *ADAPTER_ONLY))
+ROW_KEY = (*FLOOR_KEY, LAYERS, RANK, *ADAPTER_ONLY, *KERNEL_ONLY, SETTING_PREFIX + "group_qkv")
 GRAPHS = SETTING_PREFIX + "cuda_graphs"
 SHOWN_CLASSES = 3  # the largest class differences the summary names
 
@@ -63,7 +62,8 @@ def profiled_mode(row) -> str:
 
 def same_settings(a, b, cols) -> bool:
     """Two runs (rows) hold the same value, or both none, in each of ``cols`` both have."""
-    return all(same(a[c], b[c]) or (is_blank(a[c]) and is_blank(b[c])) for c in cols if c in a and c in b)
+    return all(same(step_setting(a, c), step_setting(b, c)) or (is_blank(a[c]) and is_blank(b[c]))
+               for c in cols if c in a and c in b)
 
 
 def _profile_of(row, profiles: list[dict], key: tuple[str, ...]) -> KernelProfile | None:

@@ -19,7 +19,8 @@ import math
 
 import pandas as pd
 
-from lora_bench.config.setting_rules import KERNEL_LAYER_SETTINGS
+from lora_bench.config.declaration import BASE_DTYPE_DEFAULT
+from lora_bench.config.setting_rules import KERNEL_LAYER_SETTINGS, VARIANT_DEFAULTS
 from lora_bench.report.aggregate import (
     collapse_modes,
     numbers,
@@ -41,9 +42,15 @@ KERNEL = "lora-kernel"
 KERNEL_ONLY = tuple(SETTING_PREFIX + k for k in KERNEL_LAYER_SETTINGS)
 SHAPE_OVERRIDES = tuple(SETTING_PREFIX + k for k in ("emb_dim", "n_layers", "n_heads"))
 # settings that decide the kernels a step launches: a profile describes a timed group that shares them
+# The adapter's variant and the model's code change the kernels too; a row that predates a setting
+# (a blank cell) holds its default, which left the step as it was.
+STEP_DEFAULTS = {SETTING_PREFIX + k: v for k, v in {
+    **VARIANT_DEFAULTS, "dora_norm": "exact", "implementation": "book", "base_dtype": BASE_DTYPE_DEFAULT}.items()}
+ADAPTER_ONLY = tuple(SETTING_PREFIX + k for k in (*VARIANT_DEFAULTS, "dora_norm"))  # what a floor has no say in
 STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
     "lora_rank", "batch_size", "context_length", "no_padding", "accumulation_steps", "trainable_token_pos",
-    "average_embeddings", "disable_causal_mask")), "pack_size", *MODE_FIELDS)  # a pack's step is its points' at once
+    "average_embeddings", "disable_causal_mask")), "pack_size", *STEP_DEFAULTS,
+    *MODE_FIELDS)  # a pack's step is its points' at once
 STEP = "step_ms_median"
 METRICS = (STEP, "host_step_ms_median", *(f"{p}{ph}_ms_median" for ph in PHASES for p in ("", "host_")),
            "tokens_per_s", "mfu", *ACCURACIES)  # the estimates a group shows
@@ -114,10 +121,16 @@ def _split(done: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return profiled, done if timed.empty else timed
 
 
+def step_setting(row, column: str):
+    """``row``'s value of a step-shape setting: a blank cell of a setting with a default reads as it."""
+    value = row[column]
+    return STEP_DEFAULTS[column] if column in STEP_DEFAULTS and is_blank(value) else value
+
+
 def same_step(a, b) -> bool:
     """Two runs (rows) launch the same kernels per step: the same step shape and execution mode."""
     return same(a.get(MODE, ""), b.get(MODE, "")) and all(
-        same(a[c], b[c]) or (is_blank(a[c]) and is_blank(b[c]))
+        same(step_setting(a, c), step_setting(b, c)) or (is_blank(a[c]) and is_blank(b[c]))
         for c in STEP_SHAPE if c in a and c in b and c not in MODE_FIELDS)
 
 

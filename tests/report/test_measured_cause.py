@@ -138,3 +138,26 @@ def test_show_says_not_measured_without_a_profiled_repeat(run_cli):
     code, out = run_cli("show", study, sorted(graphed["run_id"])[0])
     assert code == 0 and out.count("not measured") == len(PHASES) + 1  # each phase, and the note under the table
     assert "GPU-bound" not in out and "waits for the host" not in out
+
+
+def test_a_profile_describes_only_runs_that_launch_its_kernels():
+    """A profiled DoRA (or peer, or stored-base) repeat is not taken for plain LoRA's step, while a
+    row written before a setting existed (a blank cell) reads as that setting's default."""
+    import pandas as pd
+
+    from lora_bench.report.study import same_step
+    from lora_bench.results.schema import SETTING_PREFIX as P
+
+    lora = pd.Series({"model_size": "124M", "trainable_layers": "lora", P + "lora_rank": 16,
+                      P + "lora_variant": "lora", P + "dora_norm": "exact", P + "implementation": "book",
+                      P + "base_dtype": "precision"})
+    assert same_step(lora, lora.copy())
+    for column, other in ((P + "lora_variant", "dora"), (P + "dora_norm", "detached"),
+                          (P + "implementation", "hf"), (P + "base_dtype", "nf4")):
+        changed = lora.copy()
+        changed[column] = other
+        assert not same_step(lora, changed), column
+        older = lora.copy()
+        older[column] = ""  # a row that predates the setting ran its default
+        assert same_step(lora, older), column
+        assert not same_step(changed, older), column
