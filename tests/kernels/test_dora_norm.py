@@ -1,0 +1,211 @@
+"""DoRA's norm kernel (:mod:`lora_bench.kernels.dora_triton`) and the fused DoRA layer on its GPU paths.
+
+On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
+and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
+given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
+values. GPU tests (``-m gpu``): the kernel at GPT-2 shapes; the layer in float32, under bfloat16
+autocast and in bfloat16, eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
+
+Tolerances (tests/numerics.py): the kernel multiplies its operands exactly and sums in float32, so
+each result is ``dot_tol(float32, chain)``: W·A sums k terms, Bᵀ·AᵀA k then r, n k, then r for the
+dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more. The layer: float32
+``dot_tol`` over ``dora_chain``; 16-bit as tests/lora/test_dora_kernel.py derives it,
+``rounded_input_tol(bfloat16, 8)``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+
+from lora_bench.kernels.policy import record_plans
+from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (out, in, r, operand dtype, W and A stored transposed): odd sizes, K tails, rows past the last block
+KERNEL_CASES = [
+    (53, 37, 1, "fp32", False), (53, 37, 16, "fp32", True), (70, 45, 64, "fp32", False),
+    (100, 29, 3, "fp32", False), (33, 100, 7, "fp16", False), (17, 130, 64, "fp16", True), (16, 16, 16, "fp32", False),
+]
+SCALES = (1.5, -0.75)
+
+
+def _chains(k: int, r: int) -> dict[str, int]:
+    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "wa": k, "btg": k + r}
+
+
+def _operands(out: int, k: int, r: int, dtype: torch.dtype, device, transposed: bool = False):
+    w = fresh(out, k, device=device, dtype=dtype, scale=k ** -0.5)
+    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    if transposed:  # the same values, stored the other way round
+        w, a = w.t().contiguous().t(), a.t().contiguous().t()
+    b = fresh(r, out, device=device, dtype=dtype, scale=r ** -0.5)
+    m = (torch.rand(out, device=device) + 0.5).to(dtype)
+    return w, a, b, m
+
+
+def _float64_norm(w, a, b, m, s) -> dict[str, torch.Tensor]:
+    W, A, B, M = (t.double() for t in (w, a, b, m))
+    n = (W + s * (A @ B).t()).norm(dim=1)
+    return {"n": n, "g": M / n, "wa": W @ A, "btg": B.t() @ (A.t() @ A)}
+
+
+def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
+    from lora_bench.kernels.dora_triton import dora_norm
+
+    got = dict(zip(("n", "g", "wa", "btg"), dora_norm(w, a, b, m, s)))
+    assert all(t.dtype is torch.float32 for t in got.values())
+    want = _float64_norm(w, a, b, m, s)
+    return {name: rel_err(got[name], want[name]) for name in want}
+
+
+def _interp_main() -> None:
+    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales, outputs NaN-poisoned;
+    one JSON line each with the errors against float64."""
+    from lora_bench.kernels import lora_triton
+
+    lora_triton.POISON_OUTPUTS = True
+    for i, (out, k, r, dt, transposed) in enumerate(KERNEL_CASES):
+        for s in SCALES:
+            w, a, b, m = _operands(out, k, r, DTYPE[dt], "cpu", transposed)
+            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_runs():
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
+            "import test_dora_norm as t; t._interp_main()")
+    proc = run_interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == len(KERNEL_CASES) * len(SCALES), proc.stdout[-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
+def test_norm_kernel_under_the_triton_interpreter(interp_runs, i):
+    out, k, r, dt, transposed = KERNEL_CASES[i]
+    runs = [run for run in interp_runs if run["case"] == i]
+    assert len(runs) == len(SCALES)
+    for run in runs:
+        for name, chain in _chains(k, r).items():
+            assert run["errs"][name] <= dot_tol(torch.float32, chain), (run, name)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool) -> LinearWithDoRAKernel:
+    """A fused DoRA layer on the GPU in ``dtype``, B and m moved off their start."""
+    linear = nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.copy_(fresh(n, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
+    layer = LinearWithDoRAKernel(linear.requires_grad_(False), r, 1.5, detach_norm=detach)
+    with torch.no_grad():
+        layer.lora.B.copy_(fresh(r, n, device="cpu", dtype=torch.float32, scale=r ** -0.5))
+        layer.m.mul_(1 + 0.1 * torch.rand_like(layer.m))
+    return layer.to("cuda", dtype)
+
+
+def _float64_layer(layer: LinearWithDoRAKernel) -> LinearWithDoRA:
+    linear = copy.deepcopy(layer.linear).double()
+    ref = LinearWithDoRA(linear, layer.lora.A.shape[1], layer.lora.alpha, detach_norm=layer.detach_norm).double()
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    return ref
+
+
+def _grads(layer, x, g):
+    wrt = [x, layer.lora.A, layer.lora.B, layer.m]
+    y = layer(x)
+    return (y, *torch.autograd.grad(y, wrt, g.to(y.dtype)))
+
+
+def _layer_bound(mode: str, k: int, n: int, r: int, rows: int) -> float:
+    return dot_tol(torch.float32, dora_chain(k, n, r, rows)) if mode == "fp32" else rounded_input_tol(torch.bfloat16, 8)
+
+
+def _assert_float64(layer, x, g, outs, bound: float, what: str) -> None:
+    ref = _float64_layer(layer)
+    want = _grads(ref, x.detach().double().requires_grad_(), g.double())
+    for name, got, w in zip(("y", "x", "A", "B", "m"), outs, want):
+        assert rel_err(got, w) <= bound, (what, name, rel_err(got, w), bound)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("out, k, r", [(6400, 1600, 16), (1600, 6400, 16), (770, 768, 1), (384, 640, 64)])
+def test_gpu_norm_kernel_matches_float64(dt, out, k, r, monkeypatch):
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    w, a, b, m = _operands(out, k, r, DTYPE[dt], "cuda")
+    for s in SCALES:
+        errs = _kernel_errors(w, a, b, m, s)
+        for name, chain in _chains(k, r).items():
+            assert errs[name] <= dot_tol(torch.float32, chain), (name, errs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1), (129, 640, 384, 64)])
+def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
+    """Eager: float32 (exact products), bfloat16 autocast over float32 parameters, bfloat16 parameters;
+    the norm ran in the Triton kernel."""
+    layer = _dora_layer(k, n, r, dtype=torch.bfloat16 if mode == "bf16-true" else torch.float32, detach=detach)
+    pdt = layer.m.dtype
+    x = fresh(rows, k, device="cuda", dtype=pdt).requires_grad_()
+    g = fresh(rows, n, device="cuda", dtype=pdt)
+    with record_plans() as log, torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16"):
+        outs = _grads(layer, x, g)
+    assert log.dora == {"triton"}, log.dora
+    _assert_float64(layer, x, g, outs, _layer_bound(mode, k, n, r, rows), f"{mode} detach={detach}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1)])
+def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k, n, r):
+    """Forward and backward captured in a CUDA graph (warm-up on a side stream, as a run's graphs
+    are made): replays on fresh x, A, B, m and output gradient copied into the captured buffers match
+    float64 every time."""
+    from lora_bench.train.graphs import warm_up
+
+    layer = _dora_layer(k, n, r, dtype=torch.float32, detach=detach)
+    x = fresh(rows, k, device="cuda", dtype=torch.float32).requires_grad_()
+    g = fresh(rows, n, device="cuda", dtype=torch.float32)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16", cache_enabled=False):
+            return _grads(layer, x, g)
+
+    with record_plans() as log:
+        warm_up(step, 2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+    assert log.dora == {"triton"}, log.dora
+    bound = _layer_bound(mode, k, n, r, rows)
+    for i in range(3):
+        with torch.no_grad():
+            for t in (x, layer.lora.A, layer.lora.B, g):
+                t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.std())))
+            layer.m.copy_(layer.m * (1 + 0.1 * torch.rand_like(layer.m)))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_float64(layer, x, g, outs, bound, f"{mode} detach={detach} replay {i}")
