@@ -186,10 +186,13 @@ class PlanLog:
         return len(self.plans)
 
     def backend(self) -> str:
-        """'+'-joined names of the plans noted, e.g. 'cpp+fused'; '' if none."""
-        return "+".join(sorted(p.value for p in self.plans))
+        """'+'-joined names of the plans noted, e.g. 'cpp+fused', with where DoRA layers' norms ran
+        (``dora-norm-triton``, ``dora-norm-torch``); '' if none."""
+        norms = {DORA_NORM_PREFIX + where.split(":")[0] for where in self.dora}
+        return "+".join(sorted({p.value for p in self.plans} | norms))
 
 
+DORA_NORM_PREFIX = "dora-norm-"  # a DoRA norm's path as the backend names it
 _LOG: contextvars.ContextVar[PlanLog | None] = contextvars.ContextVar("lora_bench_plan_log", default=None)
 
 

@@ -171,6 +171,7 @@ def test_the_layer_notes_where_its_norm_and_its_product_ran():
     with record_plans() as log:
         layer(fresh(5, 37, device="cpu", dtype=torch.float32)).sum().backward()
     assert set(log) == {Plan.TORCH} and log.dora == {"torch: the CPU"}
+    assert log.backend() == "dora-norm-torch+torch"
     with record_plans() as log, torch.no_grad():
         layer(fresh(5, 37, device="cpu", dtype=torch.float32))
     assert not log.dora  # evaluation is not recorded
@@ -217,7 +218,7 @@ def test_dora_kernel_trains_from_the_command_line(run_cli, tmp_path):
     assert code == 0, out
     row = pd.read_csv(tmp_path / "runs.csv").iloc[0]
     assert row["status"] == "done" and row["cfg_lora_variant"] == "dora" and row["trainable_layers"] == "lora-kernel"
-    assert row["backend"] == "torch"
+    assert row["backend"] == "dora-norm-torch+torch"  # the LoRA op's plan and where the norm ran
     steps = pd.read_csv(next(tmp_path.glob("*/steps.csv")))
     assert len(steps) == 3 and steps["loss"].map(math.isfinite).all() and steps["loss"].nunique() > 1
 
@@ -271,7 +272,7 @@ def _interp_main() -> None:
             got = _run(layer, x, g)
         want = _run(_reference(layer), x.double(), g.double())
         errs = {name: rel_err(t, want[name]) for name, t in got.items()}
-        print(json.dumps(dict(case=i, dora=sorted(log.dora), errs=errs)), flush=True)
+        print(json.dumps(dict(case=i, dora=sorted(log.dora), backend=log.backend(), errs=errs)), flush=True)
 
 
 def test_dora_kernel_layer_with_the_triton_norm_under_the_interpreter():
@@ -288,7 +289,7 @@ def test_dora_kernel_layer_with_the_triton_norm_under_the_interpreter():
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [run["case"] for run in runs] == list(range(len(INTERP_CASES))), proc.stdout[-3000:]
     for run, (k, n, rows, r, detach) in zip(runs, INTERP_CASES):
-        assert run["dora"] == ["triton"], run
+        assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
         bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
         for name, err in run["errs"].items():
             assert err <= bound, (run, name, bound)
