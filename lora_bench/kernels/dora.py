@@ -47,10 +47,10 @@ def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     """Where the norm of a layer call with this weight and A runs, noted in the plan log: ``triton``
     (one launch) on CUDA, or under Triton's CPU interpreter, where Triton is there and the call
     fits its kernel, else ``torch`` with the reason."""
-    why = None
     if torch.compiler.is_compiling():
-        why = "torch.compile traces torch ops (the Triton launch is opaque to it)"
-    elif weight.dtype not in TRITON_DTYPES or a.dtype is not weight.dtype:
+        return _traced_norm_path()
+    why = None
+    if weight.dtype not in TRITON_DTYPES or a.dtype is not weight.dtype:
         why = f"the kernel takes W and A in one of float32, bfloat16, float16, not {weight.dtype} and {a.dtype}"
     elif a.shape[1] > TRITON_NORM_MAX_RANK:
         why = f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
@@ -79,6 +79,16 @@ def norm_torch(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Te
     sq = wsq + (2 * scale) * (wa * bt).sum(1) + (scale * scale) * (btg * bt).sum(1)
     n = sq.clamp_min(0).sqrt()
     return n, m.to(acc) / n, wa, btg
+
+
+COMPILED = f"{TORCH}: torch.compile traces torch ops (inductor fuses the elementwise ones)"
+
+
+@torch.compiler.assume_constant_result
+def _traced_norm_path() -> str:
+    """The norm's path in a layer call torch.compile traces (run once, at trace time, and noted then)."""
+    note_dora(COMPILED)
+    return TORCH
 
 
 class DoRAScaleFunction(torch.autograd.Function):

@@ -44,8 +44,8 @@ class LinearWithDoRAKernel(DoRALinearBase):
 
     def forward(self, x):
         w, lora = self.linear.weight, self.lora
-        policy = current_policy()
-        if policy.adapter_grads == DEFERRED:
+        policy = None if torch.compiler.is_compiling() else current_policy()  # compiled: always inline
+        if policy is not None and policy.adapter_grads == DEFERRED:
             note_adapter_grads(DORA_INLINE)
             with use_policy(dataclasses.replace(policy, adapter_grads=ADAPTER_GRADS_INLINE)):
                 z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)

@@ -4,7 +4,7 @@ the gradients of x, A, B, m and, for a trained base (the head), W and b; exact a
 ranks 1 to 64, odd shapes, B and m moved off their start. The pieces (``DoRAScaleFunction``'s
 written-out backward, ``ScaleBiasFunction``) by gradcheck in float64; the layer's choices (where its
 norm runs, its adapter gradients inline, no grouping); a tiny run on the command line; the layer
-with its norm in the Triton kernel, under Triton's CPU interpreter.
+with its norm in the Triton kernel, under Triton's CPU interpreter; the layer under torch.compile.
 
 Tolerances (tests/numerics.py): float32 is ``dot_tol`` over ``dora_chain`` (the longest chain of
 summed terms behind a DoRA output or gradient). Under bfloat16 autocast the
@@ -25,7 +25,7 @@ import torch.nn as nn
 from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
 
 from lora_bench.kernels import deferred
-from lora_bench.kernels.dora import DoRAScaleFunction, ScaleBiasFunction
+from lora_bench.kernels.dora import COMPILED, DoRAScaleFunction, ScaleBiasFunction
 from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel, lora_class
 from lora_bench.lora.kernel import DORA_INLINE, group_layers
@@ -293,3 +293,26 @@ def test_dora_kernel_layer_with_the_triton_norm_under_the_interpreter():
         bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
         for name, err in run["errs"].items():
             assert err <= bound, (run, name, bound)
+
+
+@pytest.mark.parametrize("trained_base", [False, True])
+@pytest.mark.parametrize("detach", [False, True])
+def test_compiled_layer_against_float64(trained_base, detach):
+    """Under torch.compile (one graph, AOTAutograd's aot_eager): the norm runs torch ops (noted, with
+    the reason), and the output and every gradient stay within the float32 bound of float64."""
+    import torch._dynamo
+
+    k, n, r, rows = 37, 53, 7, 6
+    layer = _layer(k, n, r, 1.5, trained_base=trained_base, detach=detach)
+    x = fresh(2, 3, k, device="cpu", dtype=torch.float32)
+    g = fresh(2, 3, n, device="cpu", dtype=torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with record_plans() as log:
+        got = _run(compiled, x, g)
+    assert log.dora == {COMPILED}
+    want = _run(_reference(layer), x.double(), g.double())
+    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
+    for name, t in got.items():
+        assert rel_err(t, want[name]) <= bound, (name, rel_err(t, want[name]), bound)
+    torch._dynamo.reset()
