@@ -1,20 +1,20 @@
 """DoRA in the fused layer: y = g ⊙ z + b, with z = x·Wᵀ + s·(x·A)·B from the LoRA op and the per-output
-scale g = m / n, n_j = ‖W_j + s·(A·B)_j‖ (docs/variants.md#dora-in-the-fused-layer).
+scale g = m / n, n_j = ‖W_j + s·(A·B)_j‖ (docs/variants.md#dora-in-the-fused-layer). ``dora_output``
+computes it, on the path ``norm_path`` chooses for the call (noted: ``PlanLog.dora``): ``triton``
+on CUDA (:mod:`lora_bench.kernels.dora_triton`), ``torch`` ops elsewhere.
 
-``dora_scale`` gives g. Its forward takes the norm without the merged weight: ‖W_j‖² (fixed while W
-is frozen, else read anew), ⟨W_j, (A·B)_j⟩ from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram
-matrix; in one Triton launch on CUDA (:mod:`lora_bench.kernels.dora_triton`), with torch ops elsewhere.
-Its backward is written out: dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
-dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
-trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
-(Wᵀ times an out × r matrix), and no out × in matrix is formed. ``detached``: the norm is a
-constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are read as they are
-stored, their products accumulated in float32; a float64 W in float64); g and n come in that dtype.
+``DoRAScaleFunction`` gives g. Its forward takes the norm without the merged weight: ‖W_j‖² (fixed
+while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩ from W·A (out × r) and ‖(A·B)_j‖² from A's r × r
+Gram matrix (one Triton launch). Its backward is written out: dm = dg / n and, with the exact norm,
+c = dn / (2n), dn = −dg·m / n², dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j,
+dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ:
+a frozen W is read once forward (W·A) and once backward (Wᵀ times an out × r matrix), and no
+out × in matrix is formed. ``detached``: the norm is a constant in backward (dm only). The norm
+runs in float32 (a 16-bit W and A are read as they are stored, their products accumulated in
+float32; a float64 W in float64); g and n come in that dtype.
 
-``scale_bias`` gives y = g ⊙ z + b in one launch; its backward dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
-db = Σ_rows dy. It keeps z (N × out) for dg.
-
-``norm_path`` says where the norm runs for a call, and notes it (``PlanLog.dora``).
+``ScaleBiasFunction`` gives y = g ⊙ z + b in one launch, and its backward dz = dy ⊙ g,
+dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one Triton launch (four torch ops). It keeps z (N × out) for dg.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import functools
 import torch
 
 from lora_bench.kernels import available
-from lora_bench.kernels.autograd import outside_autocast
+from lora_bench.kernels.autograd import cast, outside_autocast
 from lora_bench.kernels.policy import note_dora
 
 TRITON = "triton"
@@ -63,6 +63,16 @@ def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     return path
 
 
+def norm_outputs(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                 m: torch.Tensor, scale: float, path: str) -> tuple[torch.Tensor, ...]:
+    """What the norm's forward gives, in ``norm_dtype``: n (out), g = m / n (out), cn = −m / (2n³)
+    (out: dg·cn is the c of the module docstring) and vᵀ (r × out) with v = 2s·(W·A) + 2s²·(Bᵀ·AᵀA),
+    so that the exact backward's dB = vᵀ ⊙ c. ``path``: ``triton`` (one launch) or ``torch``."""
+    if path == TRITON:
+        return triton_norm().dora_norm(weight, a, b, m, scale)
+    return norm_torch(weight, weight_sq, a, b, m, scale)
+
+
 def norm_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the norm and its backward compute in: float32, or float64 for a float64 weight."""
     return torch.promote_types(weight.dtype, torch.float32)
@@ -70,7 +80,7 @@ def norm_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def norm_torch(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                m: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """(n, g, W·A, Bᵀ·AᵀA) in ``norm_dtype`` with torch ops: four products and a few elementwise ones."""
+    """``norm_outputs`` with torch ops: four products and a few elementwise ones."""
     acc = norm_dtype(weight)
     bt = b.t().to(acc)  # (out, r)
     wa = (weight @ a).to(acc)  # (out, r): the one pass over W
@@ -78,7 +88,8 @@ def norm_torch(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Te
     wsq = weight.to(acc).pow(2).sum(1) if weight_sq is None else weight_sq.to(acc)
     sq = wsq + (2 * scale) * (wa * bt).sum(1) + (scale * scale) * (btg * bt).sum(1)
     n = sq.clamp_min(0).sqrt()
-    return n, m.to(acc) / n, wa, btg
+    g = m.to(acc) / n
+    return n, g, -0.5 * g / n.square(), ((2 * scale) * wa + (2 * scale * scale) * btg).t().contiguous()
 
 
 COMPILED = f"{TORCH}: torch.compile traces torch ops (inductor fuses the elementwise ones)"
@@ -94,19 +105,22 @@ def _traced_norm_path() -> str:
 class DoRAScaleFunction(torch.autograd.Function):
     """g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module docstring). Inputs: weight
     (out × in), weight_sq (‖W_j‖², float32) or None (taken from W: a trained W), A (in × r), B
-    (r × out), m (out), scale, exact (differentiate through the norm), path (``norm_path``)."""
+    (r × out), m (out), scale, exact (differentiate through the norm), path (``norm_path``).
+    Backward: dm (one launch); with the exact norm c, dB, c ⊙ Bᵀ and dA (three: two r-wide products
+    and one ``addmm`` over Wᵀ) more, and dW for a trained W."""
 
     @staticmethod
     def forward(ctx, weight, weight_sq, A, B, m, scale, exact, path):
         s = float(scale)
         dev = weight.device.type
         with torch.autocast(dev, enabled=False):
-            if path == TRITON:
-                n, g, wa, btg = triton_norm().dora_norm(weight, A, B, m, s)
-            else:
-                n, g, wa, btg = norm_torch(weight, weight_sq, A, B, m, s)
-        ctx.save_for_backward(weight, A, B, m, n, wa, btg)
+            n, g, cn, vt = norm_outputs(weight, weight_sq, A, B, m, s, path)
+        if exact:
+            ctx.save_for_backward(weight, A, B, n, cn, vt)
+        else:
+            ctx.save_for_backward(n)
         ctx.scale, ctx.exact, ctx.dev = s, bool(exact), dev
+        ctx.dtypes = (weight.dtype, A.dtype, B.dtype, m.dtype)
         return g
 
     @staticmethod
@@ -115,65 +129,88 @@ class DoRAScaleFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_g):
-        weight, A, B, m, n, wa, btg = ctx.saved_tensors
         need_w, _, need_a, need_b, need_m = ctx.needs_input_grad[:5]
+        w_dt, a_dt, b_dt, m_dt = ctx.dtypes
         s = ctx.scale
+        n = ctx.saved_tensors[-1] if not ctx.exact else ctx.saved_tensors[3]
         acc = n.dtype
-        dg = grad_g.to(acc)
+        dg = grad_g if grad_g.dtype is acc else grad_g.to(acc)
         grad_w = grad_a = grad_b = grad_m = None
         if need_m:
-            grad_m = (dg / n).to(m.dtype)
+            grad_m = cast(dg / n, m_dt)
         if ctx.exact and (need_w or need_a or need_b):
-            c = -dg * m.to(acc) / (2 * n.pow(3))  # dn / (2n), dn = −dg·m / n²
-            cb = c[:, None] * B.t().to(acc)  # (out, r): c ⊙ Bᵀ
+            weight, A, B, _, cn, vt = ctx.saved_tensors
+            c = dg * cn  # dn / (2n), dn = −dg·m / n²
             if need_b:
-                grad_b = ((2 * s) * c[:, None] * wa + (2 * s * s) * c[:, None] * btg).t().contiguous().to(B.dtype)
-            if need_a:
-                gram_c = B.to(acc) @ cb  # B·diag(c)·Bᵀ (r × r)
-                ga = weight.t() @ cb.to(weight.dtype)  # the backward's one pass over W
-                grad_a = ((2 * s) * ga.to(acc) + (2 * s * s) * (A.to(acc) @ gram_c)).to(A.dtype)
+                grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
+            if need_a or need_w:
+                a32 = cast(A, acc)
+                cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
+            if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
+                gram = a32 @ (cast(B, acc) @ cb)
+                if w_dt is acc:
+                    grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
+                else:  # a 16-bit W: read as it is stored
+                    grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
+                grad_a = cast(grad_a, a_dt)
             if need_w:  # a trained W (the head): its gradient is out × in anyway
-                grad_w = (2 * c[:, None] * weight.to(acc) + (2 * s) * (cb @ A.to(acc).t())).to(weight.dtype)
+                grad_w = cast(torch.addmm(cast(weight, acc) * c[:, None], cb, a32.t(), beta=2, alpha=2 * s), w_dt)
         return grad_w, None, grad_a, grad_b, grad_m, None, None, None
 
 
-def dora_scale(weight, weight_sq, A, B, m, scale: float, *, exact: bool) -> torch.Tensor:
-    """g = m / ‖W + s·(A·B)ᵀ‖ per output (float32), through ``DoRAScaleFunction`` on the path
-    ``norm_path`` chooses. ``weight_sq``: ‖W_j‖² of a frozen W (None: read from W)."""
-    path = norm_path(weight, A)
-    return DoRAScaleFunction.apply(weight, weight_sq, A, B, m, scale, exact, path)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., n) as rows (N × n) whose elements lie one after the other (a copy only where not)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 class ScaleBiasFunction(torch.autograd.Function):
-    """y = g ⊙ z + b (z (..., out), g (out), b (out) or None), in z's dtype: one launch forward;
-    backward dz = dy ⊙ g, dg = Σ_rows dy ⊙ z and db = Σ_rows dy, summed in float32 (or float64)."""
+    """y = g ⊙ z + b (z (..., out), g (out), b (out) or None), in z's dtype, one launch; backward
+    dz = dy ⊙ g, dg = Σ_rows dy ⊙ z and db = Σ_rows dy, summed in float32 (or float64): one Triton
+    launch (``path`` ``triton``: it reads g and b as they are), or four torch ops (and casts of g and
+    b to z's dtype in forward where they differ)."""
 
     @staticmethod
-    def forward(ctx, z, g, bias):
-        gz = g.to(z.dtype)
-        y = z * gz if bias is None else torch.addcmul(bias.to(z.dtype), z, gz)
-        ctx.save_for_backward(z, gz)
+    def forward(ctx, z, g, bias, path):
+        ctx.path = path
         ctx.dtypes = (g.dtype, None if bias is None else bias.dtype)
-        return y
+        if path == TRITON:
+            z2 = _rows(z)
+            ctx.save_for_backward(z2, g)
+            return triton_norm().scale_bias_fwd(z2, g, bias).view(z.shape)
+        gz = cast(g, z.dtype)
+        ctx.save_for_backward(z, gz)
+        return z * gz if bias is None else torch.addcmul(cast(bias, z.dtype), z, gz)
 
     @staticmethod
     def backward(ctx, dy):
         z, gz = ctx.saved_tensors
         g_dt, b_dt = ctx.dtypes
-        need_z, need_g, need_b = ctx.needs_input_grad
-        dy = dy.to(z.dtype)
-        rows = dy.reshape(-1, dy.shape[-1])
-        acc = torch.promote_types(z.dtype, torch.float32)
-        grad_z = dy * gz if need_z else None
-        grad_g = (rows * z.reshape(rows.shape)).sum(0, dtype=acc).to(g_dt) if need_g else None
-        grad_b = rows.sum(0, dtype=acc).to(b_dt) if need_b and b_dt is not None else None
-        return grad_z, grad_g, grad_b
+        need_z, need_g, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and b_dt is not None
+        if ctx.path == TRITON:
+            dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z, need_db=need_b)
+            dz = None if dz is None else dz.view(dy.shape)
+        else:
+            dy = cast(dy, z.dtype)
+            rows = dy.reshape(-1, dy.shape[-1])
+            acc = torch.promote_types(z.dtype, torch.float32)
+            dz = dy * gz if need_z else None
+            dg = (rows * z.reshape(rows.shape)).sum(0, dtype=acc) if need_g else None
+            db = rows.sum(0, dtype=acc) if need_b else None
+        return dz, cast(dg, g_dt) if need_g else None, cast(db, b_dt) if need_b else None, None
 
 
-def scale_bias(z: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = g ⊙ z + b through ``ScaleBiasFunction``."""
-    return ScaleBiasFunction.apply(z, g, bias)
+def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
+                B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
+                exact: bool) -> torch.Tensor:
+    """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖: the norm (``DoRAScaleFunction``) and the scale
+    (``ScaleBiasFunction``) on the path ``norm_path`` chooses (noted). ``weight_sq``: ‖W_j‖² of a
+    frozen W (None: read from W)."""
+    path = norm_path(weight, A)
+    g = DoRAScaleFunction.apply(weight, weight_sq, A, B, m, scale, exact, path)
+    return ScaleBiasFunction.apply(z, g, bias, path)
 
 
-__all__ = ["DoRAScaleFunction", "ScaleBiasFunction", "TRITON_NORM_MAX_RANK", "dora_scale", "norm_dtype", "norm_path",
-           "norm_torch", "scale_bias", "triton_norm"]
+__all__ = ["COMPILED", "DoRAScaleFunction", "ScaleBiasFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
+           "norm_outputs", "norm_path", "norm_torch", "triton_norm"]

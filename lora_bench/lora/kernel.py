@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import dora_scale, scale_bias
+from lora_bench.kernels.dora import dora_output
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import lora_linear_segments, parameter_kinds
@@ -52,8 +52,8 @@ class LinearWithDoRAKernel(DoRALinearBase):
         else:
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
-        g = dora_scale(w, sq, lora.A, lora.B, self.m, lora.alpha, exact=not self.detach_norm)
-        return scale_bias(z, g, self.linear.bias)
+        return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
+                           exact=not self.detach_norm)
 
 
 class SideBySide:

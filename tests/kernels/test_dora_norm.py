@@ -3,7 +3,8 @@
 On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
 and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
 given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
-values. GPU tests (``-m gpu``): the kernel at GPT-2 shapes; the layer in float32, under bfloat16
+values; the scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``. GPU
+tests (``-m gpu``): the norm kernel at GPT-2 shapes; the layer in float32, under bfloat16
 autocast and in bfloat16, eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
 
 Tolerances (tests/numerics.py): the kernel multiplies its operands exactly and sums in float32, so
@@ -38,7 +39,7 @@ SCALES = (1.5, -0.75)
 
 
 def _chains(k: int, r: int) -> dict[str, int]:
-    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "wa": k, "btg": k + r}
+    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "cn": k + 2 * r + 7, "vt": k + r + 2}
 
 
 def _operands(out: int, k: int, r: int, dtype: torch.dtype, device, transposed: bool = False):
@@ -54,21 +55,47 @@ def _operands(out: int, k: int, r: int, dtype: torch.dtype, device, transposed: 
 def _float64_norm(w, a, b, m, s) -> dict[str, torch.Tensor]:
     W, A, B, M = (t.double() for t in (w, a, b, m))
     n = (W + s * (A @ B).t()).norm(dim=1)
-    return {"n": n, "g": M / n, "wa": W @ A, "btg": B.t() @ (A.t() @ A)}
+    v = 2 * s * (W @ A) + 2 * s * s * (B.t() @ (A.t() @ A))
+    return {"n": n, "g": M / n, "cn": -M / (2 * n ** 3), "vt": v.t()}
 
 
 def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
     from lora_bench.kernels.dora_triton import dora_norm
 
-    got = dict(zip(("n", "g", "wa", "btg"), dora_norm(w, a, b, m, s)))
+    got = dict(zip(("n", "g", "cn", "vt"), dora_norm(w, a, b, m, s)))
     assert all(t.dtype is torch.float32 for t in got.values())
     want = _float64_norm(w, a, b, m, s)
     return {name: rel_err(got[name], want[name]) for name in want}
 
 
+# the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
+SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
+               ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
+
+
+def _scale_errors(batch, out: int, bias: bool, dt: str, summed: bool) -> dict[str, float]:
+    """y, dz, dg and db of ``ScaleBiasFunction`` on the Triton path against float64 (g and b float32,
+    z and dy in ``dt``; ``summed``: dy is the expanded one of ``y.sum()``)."""
+    from lora_bench.kernels.dora import TRITON, ScaleBiasFunction
+
+    z = fresh(*batch, out, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+    g = (torch.rand(out) + 0.5).requires_grad_()
+    b = fresh(out, device="cpu", dtype=torch.float32).requires_grad_() if bias else None
+    dy = torch.ones(*batch, out, dtype=z.dtype) if summed else fresh(*batch, out, device="cpu", dtype=z.dtype)
+    wrt = [z, g] + ([b] if bias else [])
+    y = ScaleBiasFunction.apply(z, g, b, TRITON)
+    got = [y, *torch.autograd.grad(y.sum() if summed else y, wrt, None if summed else dy)]
+    Z, G, DY = z.detach().double().requires_grad_(), g.detach().double().requires_grad_(), dy.double()
+    B = b.detach().double().requires_grad_() if bias else None
+    Y = Z * G + (B if bias else 0)
+    want = [Y, *torch.autograd.grad(Y, [Z, G] + ([B] if bias else []), DY)]
+    assert got[0].dtype is z.dtype and got[2].dtype is torch.float32
+    return {name: rel_err(a, w) for name, a, w in zip(("y", "dz", "dg", "db"), got, want)}
+
+
 def _interp_main() -> None:
-    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales, outputs NaN-poisoned;
-    one JSON line each with the errors against float64."""
+    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales and every SCALE_CASES case,
+    outputs NaN-poisoned; one JSON line each with the errors against float64."""
     from lora_bench.kernels import lora_triton
 
     lora_triton.POISON_OUTPUTS = True
@@ -76,6 +103,8 @@ def _interp_main() -> None:
         for s in SCALES:
             w, a, b, m = _operands(out, k, r, DTYPE[dt], "cpu", transposed)
             print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
+    for i, case in enumerate(SCALE_CASES):
+        print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +116,35 @@ def interp_runs():
     proc = run_interpreted(["-c", code])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == len(KERNEL_CASES) * len(SCALES), proc.stdout[-3000:]
+    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(SCALE_CASES), proc.stdout[-3000:]
     return runs
 
 
 @pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
 def test_norm_kernel_under_the_triton_interpreter(interp_runs, i):
     out, k, r, dt, transposed = KERNEL_CASES[i]
-    runs = [run for run in interp_runs if run["case"] == i]
+    runs = [run for run in interp_runs if run.get("case") == i]
     assert len(runs) == len(SCALES)
     for run in runs:
         for name, chain in _chains(k, r).items():
             assert run["errs"][name] <= dot_tol(torch.float32, chain), (run, name)
+
+
+@pytest.mark.parametrize("i", range(len(SCALE_CASES)))
+def test_scale_kernels_under_the_triton_interpreter(interp_runs, i):
+    """y = g ⊙ z + b rounds once to z's dtype; dz = dy ⊙ g once; dg and db sum the rows in float32
+    (a 16-bit z and dy are exact in float32): ``rounded_input_tol`` of z's dtype with one rounding
+    for y and dz, ``dot_tol(float32, rows + 1)`` for dg and db."""
+    batch, out, bias, dt, summed = SCALE_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("scale_case") == i]
+    rows = 1
+    for d in batch:
+        rows *= d
+    bounds = {"y": rounded_input_tol(DTYPE[dt], 1), "dz": rounded_input_tol(DTYPE[dt], 1),
+              "dg": dot_tol(torch.float32, rows + 1), "db": dot_tol(torch.float32, rows)}
+    assert set(run["errs"]) == ({"y", "dz", "dg", "db"} if bias else {"y", "dz", "dg"}), run
+    for name, err in run["errs"].items():
+        assert err <= bounds[name], (run, name, bounds[name])
 
 
 # ----------------------------------------------------------------------------------- GPU
