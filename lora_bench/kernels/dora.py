@@ -144,10 +144,10 @@ class DoRAScaleFunction(torch.autograd.Function):
             if need_b:
                 grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
             if need_a or need_w:
-                a32 = cast(A, acc)
-                cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
+                a32, b32 = cast(A, acc), cast(B, acc)
+                cb = c[:, None] * b32.t()  # (out, r): c ⊙ Bᵀ
             if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
-                gram = a32 @ (cast(B, acc) @ cb)
+                gram = a32 @ (b32 @ cb)
                 if w_dt is acc:
                     grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
                 else:  # a 16-bit W: read as it is stored
