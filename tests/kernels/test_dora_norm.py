@@ -3,7 +3,8 @@
 On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
 and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
 given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
-values; the scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``. GPU
+values; the scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``; the
+layer with both against ``LinearWithDoRA`` in float64. GPU
 tests (``-m gpu``): the norm kernel at GPT-2 shapes; the layer in float32, under bfloat16
 autocast and in bfloat16, eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
 
@@ -68,6 +69,8 @@ def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
     return {name: rel_err(got[name], want[name]) for name in want}
 
 
+# the fused DoRA layer, its norm and scale in the Triton kernels: (in, out, rows, r, detached norm)
+LAYER_CASES = [(37, 53, 7, r, detach) for r in (1, 16, 64) for detach in (False, True)] + [(96, 80, 15, 7, False)]
 # the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
@@ -105,6 +108,14 @@ def _interp_main() -> None:
             print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
     for i, case in enumerate(SCALE_CASES):
         print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
+    for i, (k, n, rows, r, detach) in enumerate(LAYER_CASES):
+        layer = _dora_layer(k, n, r, dtype=torch.float32, detach=detach, device="cpu")
+        x = fresh(rows, k, device="cpu", dtype=torch.float32).requires_grad_()
+        g = fresh(rows, n, device="cpu", dtype=torch.float32)
+        with record_plans() as log:
+            outs = _grads(layer, x, g)
+        print(json.dumps(dict(layer_case=i, dora=sorted(log.dora), backend=log.backend(),
+                              errs=_float64_errors(layer, x, g, outs))), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +127,7 @@ def interp_runs():
     proc = run_interpreted(["-c", code])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(SCALE_CASES), proc.stdout[-3000:]
+    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(SCALE_CASES) + len(LAYER_CASES), proc.stdout[-3000:]
     return runs
 
 
@@ -147,11 +158,26 @@ def test_scale_kernels_under_the_triton_interpreter(interp_runs, i):
         assert err <= bounds[name], (run, name, bounds[name])
 
 
-# ----------------------------------------------------------------------------------- GPU
+@pytest.mark.parametrize("i", range(len(LAYER_CASES)))
+def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
+    """The layer with its norm and scale in the Triton kernels against ``LinearWithDoRA`` in float64,
+    within the float32 bound of its torch path (the kernels sum in float32 as torch does); the run
+    notes the Triton path."""
+    k, n, rows, r, detach = LAYER_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("layer_case") == i]
+    assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
+    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
+    assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
 
 
-def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool) -> LinearWithDoRAKernel:
-    """A fused DoRA layer on the GPU in ``dtype``, B and m moved off their start."""
+# ------------------------------------------------------------------ the layer (interpreter and GPU)
+
+
+def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool,
+                device: str = "cuda") -> LinearWithDoRAKernel:
+    """A fused DoRA layer on ``device`` in ``dtype``, B and m moved off their start."""
     linear = nn.Linear(k, n)
     with torch.no_grad():
         linear.weight.copy_(fresh(n, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
@@ -159,7 +185,7 @@ def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool) -> 
     with torch.no_grad():
         layer.lora.B.copy_(fresh(r, n, device="cpu", dtype=torch.float32, scale=r ** -0.5))
         layer.m.mul_(1 + 0.1 * torch.rand_like(layer.m))
-    return layer.to("cuda", dtype)
+    return layer.to(device, dtype)
 
 
 def _float64_layer(layer: LinearWithDoRAKernel) -> LinearWithDoRA:
@@ -179,11 +205,18 @@ def _layer_bound(mode: str, k: int, n: int, r: int, rows: int) -> float:
     return dot_tol(torch.float32, dora_chain(k, n, r, rows)) if mode == "fp32" else rounded_input_tol(torch.bfloat16, 8)
 
 
+def _float64_errors(layer, x, g, outs) -> dict[str, float]:
+    """Each of ``_grads``' results against ``LinearWithDoRA`` in float64 with the layer's values."""
+    want = _grads(_float64_layer(layer), x.detach().double().requires_grad_(), g.double())
+    return {name: rel_err(got, w) for name, got, w in zip(("y", "x", "A", "B", "m"), outs, want)}
+
+
 def _assert_float64(layer, x, g, outs, bound: float, what: str) -> None:
-    ref = _float64_layer(layer)
-    want = _grads(ref, x.detach().double().requires_grad_(), g.double())
-    for name, got, w in zip(("y", "x", "A", "B", "m"), outs, want):
-        assert rel_err(got, w) <= bound, (what, name, rel_err(got, w), bound)
+    for name, err in _float64_errors(layer, x, g, outs).items():
+        assert err <= bound, (what, name, err, bound)
+
+
+# ----------------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu

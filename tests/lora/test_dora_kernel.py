@@ -4,7 +4,7 @@ the gradients of x, A, B, m and, for a trained base (the head), W and b; exact a
 ranks 1 to 64, odd shapes, B and m moved off their start. The pieces (``DoRAScaleFunction``'s
 written-out backward, ``ScaleBiasFunction``) by gradcheck in float64; the layer's choices (where its
 norm runs, its adapter gradients inline, no grouping); a tiny run on the command line; the layer
-with its norm in the Triton kernel, under Triton's CPU interpreter; the layer under torch.compile.
+under torch.compile. Its Triton path, under Triton's CPU interpreter: tests/kernels/test_dora_norm.py.
 
 Tolerances (tests/numerics.py): float32 is ``dot_tol`` over ``dora_chain`` (the longest chain of
 summed terms behind a DoRA output or gradient). Under bfloat16 autocast the
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol
 
 from lora_bench.kernels import deferred
 from lora_bench.kernels.dora import COMPILED, DoRAScaleFunction, ScaleBiasFunction
@@ -249,50 +248,6 @@ def test_dora_kernel_model_moves_its_magnitudes():
         opt.step()
     assert losses[0] != losses[1]
     assert all(not torch.equal(m.m, s) for m, s in zip(layers, start))
-
-
-# ------------------------------------------------------------- the Triton norm under the interpreter
-INTERP_CASES = [(37, 53, 7, r, detach) for r in (1, 16, 64) for detach in (False, True)] + [(96, 80, 15, 7, False)]
-
-
-def _interp_main() -> None:
-    """Run with TRITON_INTERPRET=1: each INTERP_CASES layer (its norm in the Triton kernel, on the
-    CPU), outputs the kernel allocates NaN-filled; one JSON line per case with the norm's noted path
-    and each result's error against float64."""
-    import json
-
-    from lora_bench.kernels import lora_triton
-
-    lora_triton.POISON_OUTPUTS = True
-    for i, (k, n, rows, r, detach) in enumerate(INTERP_CASES):
-        layer = _layer(k, n, r, 1.5, detach=detach)
-        x = fresh(rows, k, device="cpu", dtype=torch.float32)
-        g = fresh(rows, n, device="cpu", dtype=torch.float32)
-        with record_plans() as log:
-            got = _run(layer, x, g)
-        want = _run(_reference(layer), x.double(), g.double())
-        errs = {name: rel_err(t, want[name]) for name, t in got.items()}
-        print(json.dumps(dict(case=i, dora=sorted(log.dora), backend=log.backend(), errs=errs)), flush=True)
-
-
-def test_dora_kernel_layer_with_the_triton_norm_under_the_interpreter():
-    """The layer with its norm in the Triton kernel (Triton's CPU interpreter) against float64, with
-    the float32 bound of the torch path: the kernel accumulates in float32 as torch does."""
-    import json
-
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
-            "import test_dora_kernel as t; t._interp_main()")
-    proc = run_interpreted(["-c", code])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [run["case"] for run in runs] == list(range(len(INTERP_CASES))), proc.stdout[-3000:]
-    for run, (k, n, rows, r, detach) in zip(runs, INTERP_CASES):
-        assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
-        bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
-        for name, err in run["errs"].items():
-            assert err <= bound, (run, name, bound)
 
 
 @pytest.mark.parametrize("trained_base", [False, True])
