@@ -26,8 +26,9 @@ from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol
 from lora_bench.kernels import deferred
 from lora_bench.kernels.dora import COMPILED, DoRAScaleFunction, ScaleBiasFunction
 from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
-from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel, lora_class
-from lora_bench.lora.kernel import DORA_INLINE, group_layers
+from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel, inject_lora, lora_class
+from lora_bench.lora.kernel import DORA_INLINE, group_layers, group_qkv
+from lora_bench.model.gpt2 import build_random_model, gpt_config
 
 SHAPES = ((37, 53, 7), (96, 80, 15))  # (in, out, rows): odd, more outputs than inputs; even
 RANKS = (1, 16, 64)
@@ -196,11 +197,16 @@ def test_deferred_adapter_gradients_run_inline_with_the_reason_noted():
 
 def test_dora_layers_are_not_grouped():
     """Grouping lays LoRA layers side by side under one call; DoRA layers each scale their own outputs,
-    so ``group_layers`` leaves them as they are."""
+    so ``group_layers`` leaves them as they are and ``group_qkv`` groups no block of a DoRA model."""
     layers = [_layer(16, 16, 4, 2.0) for _ in range(3)]
     before = [t.data_ptr() for m in layers for t in (m.linear.weight, m.lora.A)]
     assert group_layers(layers) is None
     assert [t.data_ptr() for m in layers for t in (m.linear.weight, m.lora.A)] == before
+    model = build_random_model(gpt_config("tiny", context_length=16))
+    inject_lora(model, cls=LinearWithDoRAKernel, rank=4, alpha=2.0)
+    blocks = [m for m in model.modules() if hasattr(m, "qkv")]
+    assert blocks and all(isinstance(m.W_query, LinearWithDoRAKernel) for m in blocks)
+    assert group_qkv(model) == 0 and all(m.qkv is None for m in blocks)
 
 
 def test_dora_kernel_trains_from_the_command_line(run_cli, tmp_path):
