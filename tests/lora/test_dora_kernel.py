@@ -3,12 +3,13 @@
 the gradients of x, A, B, m and, for a trained base (the head), W and b; exact and detached norm;
 ranks 1 to 64, odd shapes, B and m moved off their start. The pieces (``DoRAScaleFunction``'s
 written-out backward, ``ScaleBiasFunction``) by gradcheck in float64; the layer's choices (where its
-norm runs, its adapter gradients inline, no grouping); a tiny run on the command line; the layer
-under torch.compile. Its Triton path, under Triton's CPU interpreter: tests/kernels/test_dora_norm.py.
+norm runs, its adapter gradients inline, no grouping); a tiny run on the command line, and whole
+runs equal to the unmerged layer's (``same_function_tol``); the layer under torch.compile. Its
+Triton path, under Triton's CPU interpreter: tests/kernels/test_dora_norm.py.
 
 Tolerances (tests/numerics.py): float32 is ``dot_tol`` over ``dora_chain`` (the longest chain of
-summed terms behind a DoRA output or gradient). Under bfloat16 autocast the
-values are rounded on their way: the inputs x, W, A, B, the intermediate x·A, z (rounded twice: the
+summed terms behind a DoRA output or gradient). Under bfloat16 autocast the values are rounded on
+their way: the inputs x, W, A, B, the intermediate x·A, z (rounded twice: the
 adapter's product added into the rounded base product), g cast for the scale, and y; a gradient runs
 through as many (dy, g, dy ⊙ g, B or W, u, x; or dy, z, dy ⊙ z for m): 8 roundings on the longest
 path, ``rounded_input_tol(bfloat16, 8)``; the norm itself runs in float32."""
@@ -277,3 +278,35 @@ def test_compiled_layer_against_float64(trained_base, detach):
     for name, t in got.items():
         assert rel_err(t, want[name]) <= bound, (name, rel_err(t, want[name]), bound)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("norm", ["exact", "detached"])
+def test_fused_and_unmerged_dora_runs_are_one_function(norm, tmp_path):
+    """Whole tiny runs: the fused DoRA layer trains to the unmerged layer's losses, as close to the
+    float64 run as another rounding order of the unmerged run can be."""
+    import json
+
+    import pandas as pd
+    from numerics import assert_same_function, float64_runs
+    from rich.console import Console
+    from tiny import SAMPLE
+
+    from lora_bench.config import TrainConfig
+    from lora_bench.train.run import execute_run
+
+    def losses(cfg, run_id):
+        execute_run(cfg, results_dir=tmp_path, run_id=run_id, console=Console(quiet=True), progress=False,
+                    cache_dir=tmp_path / "cache")
+        record = json.loads((tmp_path / run_id / "run.json").read_text())
+        steps = pd.read_csv(tmp_path / run_id / "steps.csv")
+        return torch.tensor(list(steps["loss"]) + record["train_losses"] + record["val_losses"], dtype=torch.float64)
+
+    cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers="lora", lora_variant="dora",
+                      dora_norm=norm, device="cpu", data_file=str(SAMPLE), num_epochs=1, max_steps=4, warmup_steps=1,
+                      eval_freq=2, eval_iter=1, skip_final_eval=True, learning_rate=1e-3)
+    want = losses(cfg, "unmerged")
+    got = losses(cfg.replace(trainable_layers="lora-kernel"), "fused")
+    with float64_runs() as built:
+        ref = losses(cfg, "float64")
+    assert built and all(p.dtype == torch.float64 for p in built[0].parameters())
+    assert_same_function(got, want, ref, what=f"fused DoRA vs unmerged, norm {norm}")
