@@ -106,8 +106,9 @@ class DoRAScaleFunction(torch.autograd.Function):
     """g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module docstring). Inputs: weight
     (out × in), weight_sq (‖W_j‖², float32) or None (taken from W: a trained W), A (in × r), B
     (r × out), m (out), scale, exact (differentiate through the norm), path (``norm_path``).
-    Backward: dm (one launch); with the exact norm c, dB, c ⊙ Bᵀ and dA (three: two r-wide products
-    and one ``addmm`` over Wᵀ) more, and dW for a trained W."""
+    Backward: dm, and with the exact norm dB and c ⊙ Bᵀ, in one Triton launch (torch ops: dm one,
+    c, dB and c ⊙ Bᵀ three more); then dA in three (two r-wide products and one ``addmm`` over Wᵀ),
+    and dW for a trained W."""
 
     @staticmethod
     def forward(ctx, weight, weight_sq, A, B, m, scale, exact, path):
@@ -119,7 +120,7 @@ class DoRAScaleFunction(torch.autograd.Function):
             ctx.save_for_backward(weight, A, B, n, cn, vt)
         else:
             ctx.save_for_backward(n)
-        ctx.scale, ctx.exact, ctx.dev = s, bool(exact), dev
+        ctx.scale, ctx.exact, ctx.dev, ctx.path = s, bool(exact), dev, path
         ctx.dtypes = (weight.dtype, A.dtype, B.dtype, m.dtype)
         return g
 
@@ -132,29 +133,37 @@ class DoRAScaleFunction(torch.autograd.Function):
         need_w, _, need_a, need_b, need_m = ctx.needs_input_grad[:5]
         w_dt, a_dt, b_dt, m_dt = ctx.dtypes
         s = ctx.scale
-        n = ctx.saved_tensors[-1] if not ctx.exact else ctx.saved_tensors[3]
+        if ctx.exact:
+            weight, A, B, n, cn, vt = ctx.saved_tensors
+        else:  # the norm is a constant: dm alone
+            (n,) = ctx.saved_tensors
+            need_w = need_a = need_b = False
+            cn = vt = B = n  # (unread)
         acc = n.dtype
         dg = grad_g if grad_g.dtype is acc else grad_g.to(acc)
-        grad_w = grad_a = grad_b = grad_m = None
-        if need_m:
-            grad_m = cast(dg / n, m_dt)
-        if ctx.exact and (need_w or need_a or need_b):
-            weight, A, B, _, cn, vt = ctx.saved_tensors
-            c = dg * cn  # dn / (2n), dn = −dg·m / n²
-            if need_b:
-                grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
-            if need_a or need_w:
-                a32, b32 = cast(A, acc), cast(B, acc)
-                cb = c[:, None] * b32.t()  # (out, r): c ⊙ Bᵀ
-            if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
-                gram = a32 @ (b32 @ cb)
-                if w_dt is acc:
-                    grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
-                else:  # a 16-bit W: read as it is stored
-                    grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
-                grad_a = cast(grad_a, a_dt)
-            if need_w:  # a trained W (the head): its gradient is out × in anyway
-                grad_w = cast(torch.addmm(cast(weight, acc) * c[:, None], cb, a32.t(), beta=2, alpha=2 * s), w_dt)
+        grad_w = grad_a = grad_b = grad_m = cb = None
+        if ctx.path == TRITON:  # dm, dB and c ⊙ Bᵀ in one launch
+            grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
+                                                             need_b=need_b, need_cb=need_a or need_w)
+        else:
+            if need_m:
+                grad_m = cast(dg / n, m_dt)
+            if need_b or need_a or need_w:
+                c = dg * cn  # dn / (2n), dn = −dg·m / n²
+                if need_b:
+                    grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
+                if need_a or need_w:
+                    cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
+        if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
+            gram = cast(A, acc) @ (cast(B, acc) @ cb)
+            if w_dt is acc:
+                grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
+            else:  # a 16-bit W: read as it is stored
+                grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
+            grad_a = cast(grad_a, a_dt)
+        if need_w:  # a trained W (the head): 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ, out × in anyway
+            w_c = cast(weight, acc) * (dg * cn)[:, None]
+            grad_w = cast(torch.addmm(w_c, cb, cast(A, acc).t(), beta=2, alpha=2 * s), w_dt)
         return grad_w, None, grad_a, grad_b, grad_m, None, None, None
 
 

@@ -1,7 +1,8 @@
 """The Triton kernels of DoRA in the fused layer (:mod:`lora_bench.kernels.dora`). ``dora_norm``: for
 W (out × in), A (in × r), B (r × out), m (out) and the scale s, one launch gives n_j =
 ‖W_j + s·(A·B)_j‖, g = m / n and what the exact backward reads (−m / (2n³), and
-2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32. ``scale_bias_fwd`` / ``scale_bias_bwd``:
+2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32; ``dora_norm_bwd`` the elementwise part of its
+backward (dm, dB and c ⊙ Bᵀ) in one launch. ``scale_bias_fwd`` / ``scale_bias_bwd``:
 y = g ⊙ z + b in one launch, and dz = dy ⊙ g, dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one.
 
 Each program owns a block of output rows and runs over K once: W·A accumulated for its rows, ‖W_j‖²
@@ -62,6 +63,32 @@ def _dora_norm_kernel(
     v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
     tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
              mask=n_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, N, R,
+                          stride_vr, stride_vn, stride_br, stride_bn, stride_gr, stride_gn, stride_cn, stride_cr,
+                          NEED_M: tl.constexpr, NEED_B: tl.constexpr, NEED_CB: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # dm = dg / n; with c = dg · (−m / (2n³)): dB = vᵀ ⊙ c and c ⊙ Bᵀ (out × r, for dA and dW)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_mask = offs_n < N
+    mask = (offs_r < R)[:, None] & n_mask[None, :]  # (BR, BN)
+    dg = tl.load(dg_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if NEED_M:
+        nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
+        tl.store(gm_ptr + offs_n, (dg / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
+    if NEED_B or NEED_CB:
+        c = dg * tl.load(cn_ptr + offs_n, mask=n_mask, other=0.0)
+        if NEED_B:
+            vt = tl.load(vt_ptr + offs_r[:, None] * stride_vr + offs_n[None, :] * stride_vn, mask=mask, other=0.0)
+            tl.store(gb_ptr + offs_r[:, None] * stride_gr + offs_n[None, :] * stride_gn,
+                     (vt * c[None, :]).to(gb_ptr.dtype.element_ty), mask=mask)
+        if NEED_CB:
+            b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn, mask=mask,
+                        other=0.0).to(tl.float32)
+            tl.store(cb_ptr + offs_n[None, :] * stride_cn + offs_r[:, None] * stride_cr, b * c[None, :], mask=mask)
 
 
 @triton.jit
@@ -136,6 +163,28 @@ def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.T
     return n, g, cn, vt
 
 
+def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, b: torch.Tensor, *,
+                  m_dtype: torch.dtype, need_m: bool, need_b: bool, need_cb: bool) -> tuple[torch.Tensor | None, ...]:
+    """The elementwise part of the norm's backward in one launch, from ``dora_norm``'s outputs and
+    dg (out, float32): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c in B's dtype, c ⊙ Bᵀ (out × r,
+    float32)) with c = dg · cn, each None where not asked for (cn, vᵀ and B are read only for dB or
+    c ⊙ Bᵀ)."""
+    exact = need_b or need_cb
+    out, r = dg.shape[0], vt.shape[0] if exact else 1
+    gm = _alloc((out,), dg, m_dtype) if need_m else None
+    gb = _alloc((r, out), dg, b.dtype) if need_b else None
+    cb = _alloc((out, r), dg, torch.float32) if need_cb else None
+    bn = 64 if dg.is_cuda else 16
+    vs, bs = (vt.stride(), b.stride()) if exact else ((0, 0), (0, 0))
+    gs = gb.stride() if need_b else (0, 0)
+    cs = cb.stride() if need_cb else (0, 0)
+    launch(_dora_norm_bwd_kernel, (triton.cdiv(out, bn), 1, 1),
+           (dg, n, cn, vt, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg),
+           (out, r, vs[0], vs[1], bs[0], bs[1], gs[0], gs[1], cs[0], cs[1]), (),
+           (need_m, need_b, need_cb, bn, block_r(r)), tag="dora_norm_bwd", num_warps=4, num_stages=1)
+    return gm, gb, cb
+
+
 def _elementwise_config(device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the scale's kernels: 32 × 64 tiles on a GPU (32 columns a program in
     backward: 1600 outputs give 50 programs); 16 × 16 in the interpreter, so its tests cross the masks."""
@@ -171,4 +220,4 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     return dz, dg, db
 
 
-__all__ = ["dora_norm", "norm_config", "scale_bias_bwd", "scale_bias_fwd"]
+__all__ = ["dora_norm", "dora_norm_bwd", "norm_config", "scale_bias_bwd", "scale_bias_fwd"]

@@ -69,8 +69,10 @@ def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
     return {name: rel_err(got[name], want[name]) for name in want}
 
 
-# the fused DoRA layer, its norm and scale in the Triton kernels: (in, out, rows, r, detached norm)
-LAYER_CASES = [(37, 53, 7, r, detach) for r in (1, 16, 64) for detach in (False, True)] + [(96, 80, 15, 7, False)]
+# the fused DoRA layer, its norm and scale in the Triton kernels: (in, out, rows, r, detached norm,
+# parameter dtype: float16 for the 16-bit paths, the stand-in for bfloat16 here)
+LAYER_CASES = ([(37, 53, 7, r, detach, "fp32") for r in (1, 16, 64) for detach in (False, True)]
+               + [(96, 80, 15, 7, False, "fp32"), (37, 53, 7, 16, False, "fp16"), (40, 24, 9, 5, True, "fp16")])
 # the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
@@ -108,9 +110,9 @@ def _interp_main() -> None:
             print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
     for i, case in enumerate(SCALE_CASES):
         print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
-    for i, (k, n, rows, r, detach) in enumerate(LAYER_CASES):
-        layer = _dora_layer(k, n, r, dtype=torch.float32, detach=detach, device="cpu")
-        x = fresh(rows, k, device="cpu", dtype=torch.float32).requires_grad_()
+    for i, (k, n, rows, r, detach, dt) in enumerate(LAYER_CASES):
+        layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
+        x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
         g = fresh(rows, n, device="cpu", dtype=torch.float32)
         with record_plans() as log:
             outs = _grads(layer, x, g)
@@ -162,11 +164,11 @@ def test_scale_kernels_under_the_triton_interpreter(interp_runs, i):
 def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
     """The layer with its norm and scale in the Triton kernels against ``LinearWithDoRA`` in float64,
     within the float32 bound of its torch path (the kernels sum in float32 as torch does); the run
-    notes the Triton path."""
-    k, n, rows, r, detach = LAYER_CASES[i]
+    notes the Triton path. Float16 parameters: ``rounded_input_tol(float16, 8)``, as for bfloat16."""
+    k, n, rows, r, detach, dt = LAYER_CASES[i]
     (run,) = [run for run in interp_runs if run.get("layer_case") == i]
     assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
-    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
+    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
     for name, err in run["errs"].items():
         assert err <= bound, (run, name, bound)
