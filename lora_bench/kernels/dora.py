@@ -19,8 +19,6 @@ dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one Triton launch (four torch ops). It
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lora_bench.kernels import available
@@ -33,9 +31,9 @@ TRITON_NORM_MAX_RANK = 64  # A's Gram matrix (r × r, float32) lives in register
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
 def triton_norm():
-    """The Triton norm module (``lora_bench.kernels.dora_triton``), or None without Triton."""
+    """DoRA's Triton kernels (``lora_bench.kernels.dora_triton``), or None where Triton is unavailable
+    (``available.triton_kernels``: probed once, forgotten with ``available.forget``)."""
     if available.triton_kernels() is None:
         return None
     from lora_bench.kernels import dora_triton
