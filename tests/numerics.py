@@ -109,6 +109,15 @@ def lora_chains(*, rows: int, k: int, n: int, r: int, segments: int = 1) -> dict
                 grad_W=rows, grad_b=rows)
 
 
+def dora_chain(k: int, n: int, r: int, rows: int) -> int:
+    """The longest chain of summed terms behind a DoRA layer's output or gradient (k → n, rank r, on
+    ``rows`` input rows): the output sums the two branches (k + r + 2) and the norm (‖W_j‖² or W·A:
+    k terms, then B·Gram and its row sums: 2r, the three terms and the root: 4), then divides and
+    multiplies (2): 2k + 3r + 8; a gradient adds the backward's sums over the rows and the outputs
+    and runs through the norm's chain once more."""
+    return rows + n + 2 * (2 * k + 3 * r + 8)
+
+
 def same_function_tol(want, ref, dtype: torch.dtype = torch.float32) -> float:
     """How far from the float64 evaluation ``ref`` another rounding order of ``want``'s function
     may land: SPREAD × ``want``'s own error plus λ·u (module docstring). ``want`` and ``ref`` are

@@ -133,7 +133,8 @@ class SettingFields:
     lora_variant: str = _s("lora", "The adapter: lora, the update added to the frozen layer; dora, DoRA: a trained "
                            "magnitude per output times the direction of W + s * (A @ B)^T, its norm computed from "
                            "W's row norms, W @ A and A's Gram matrix without forming the merged weight (with "
-                           "trainable_layers lora: unmerged; lora-merged: the book's merged form; not lora-kernel) "
+                           "trainable_layers lora: unmerged; lora-merged: the book's merged form; lora-kernel: the fused "
+                           "op, then the norm and the scale) "
                            "(docs/variants.md).", LORA, choices=LORA_VARIANTS)
     dora_norm: str = _s("exact", "lora_variant=dora: the norm's gradient. exact: the full gradient; detached: the "
                         "norm treated as a constant in backward, as DoRA's paper trains it (and PEFT's DoRA "

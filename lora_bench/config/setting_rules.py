@@ -172,11 +172,6 @@ def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *nam
     dora = ok("lora_variant") and v["lora_variant"] == "dora"
     if ok("dora_norm", "lora_variant") and v["dora_norm"] != "exact" and v["lora_variant"] != "dora":
         out.append(problem("dora_norm", "{dora_norm}={p} is only used with {lora_variant}=dora", p=raw(v["dora_norm"])))
-    if dora and ok("trainable_layers") and layers == "lora-kernel":
-        out.append(problem("lora_variant", "{lora_variant}=dora with {trainable_layers}=lora-kernel is refused: the "
-                                           "fused kernels compute LoRA's update, and DoRA's (the magnitude and the "
-                                           "norm of W + s * (A @ B)^T in the same pass) are not built; with DoRA "
-                                           "choose {trainable_layers} lora or lora-merged"))
     if dora and ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
         out.append(problem("lora_variant", "{lora_variant}=dora with {base_dtype}={b} is refused: DoRA's norm reads "
                                            "the frozen weight itself (its row norms and W @ A), which a stored base "

@@ -9,7 +9,8 @@ The policy in force is held in a context variable: ``use_policy`` sets it for a 
 ``graph_plan`` switches it to capture mode (graph warm-ups run the plan their capture will use).
 ``policy_for(name)`` is the policy of a run's ``kernel_plan`` setting. ``record_plans`` collects
 the plans that layer calls with gradients enabled ran (what a run reports in its ``backend``
-column) and where their adapter gradients ran (``adapter_grads``: inline, deferred, or why not).
+column) and where their adapter gradients ran (``adapter_grads``: inline, deferred, or why not), and where
+DoRA layers' norms ran (``dora``).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class PlanLog:
     def __init__(self) -> None:
         self.plans: set[Plan] = set()
         self.adapter_grads: set[str] = set()  # "inline", "deferred", or "inline: why it could not defer"
+        self.dora: set[str] = set()  # where DoRA's norm ran (lora_bench.kernels.dora): "triton", or "torch: why"
 
     def __iter__(self) -> Iterator[Plan]:
         return iter(sorted(self.plans, key=lambda p: p.value))
@@ -184,10 +186,13 @@ class PlanLog:
         return len(self.plans)
 
     def backend(self) -> str:
-        """'+'-joined names of the plans noted, e.g. 'cpp+fused'; '' if none."""
-        return "+".join(sorted(p.value for p in self.plans))
+        """'+'-joined names of the plans noted, e.g. 'cpp+fused', with where DoRA layers' norms ran
+        (``dora-norm-triton``, ``dora-norm-torch``); '' if none."""
+        norms = {DORA_NORM_PREFIX + where.split(":")[0] for where in self.dora}
+        return "+".join(sorted({p.value for p in self.plans} | norms))
 
 
+DORA_NORM_PREFIX = "dora-norm-"  # a DoRA norm's path as the backend names it
 _LOG: contextvars.ContextVar[PlanLog | None] = contextvars.ContextVar("lora_bench_plan_log", default=None)
 
 
@@ -216,6 +221,13 @@ def note_adapter_grads(where: str) -> None:
         log.adapter_grads.add(where)
 
 
+def note_dora(where: str) -> None:
+    """Record where a DoRA layer call's norm runs (calls with gradients enabled, while recording)."""
+    log = _LOG.get()
+    if log is not None and torch.is_grad_enabled():
+        log.dora.add(where)
+
+
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

@@ -5,7 +5,7 @@ in (``bases``, used through ``quantized``)."""
 from __future__ import annotations
 
 from lora_bench.lora.inject import inject_lora
-from lora_bench.lora.kernel import LinearWithLoRAKernel
+from lora_bench.lora.kernel import LinearWithDoRAKernel, LinearWithLoRAKernel
 from lora_bench.lora.layer import (DoRALinearBase, LinearWithDoRA, LinearWithLoRA, LoRALayer, LoRALinearBase,
                                    lora_scale)
 from lora_bench.lora.merged import LinearWithDoRAMerged, LinearWithLoRAMerged
@@ -17,6 +17,7 @@ LAYER_CLASSES: dict[tuple[str, str], type[LoRALinearBase]] = {
     ("lora-kernel", "lora"): LinearWithLoRAKernel,
     ("lora", "dora"): LinearWithDoRA,
     ("lora-merged", "dora"): LinearWithDoRAMerged,
+    ("lora-kernel", "dora"): LinearWithDoRAKernel,
 }
 
 
@@ -24,12 +25,10 @@ def lora_class(name: str, variant: str = "lora") -> type[LoRALinearBase]:
     """The layer class for a trainable-layers name and a LoRA variant (lora or dora)."""
     if (name, variant) in LAYER_CLASSES:
         return LAYER_CLASSES[(name, variant)]
-    if variant == "dora" and name == "lora-kernel":
-        raise ValueError("lora-kernel's fused kernels compute LoRA's update; with dora choose lora or lora-merged")
     raise ValueError(f"{name!r} with variant {variant!r} is not a LoRA layer; choose lora, lora-merged or "
                      "lora-kernel, and variant lora or dora")
 
 
 __all__ = ["LoRALayer", "LoRALinearBase", "DoRALinearBase", "LinearWithLoRA", "LinearWithLoRAMerged",
-           "LinearWithLoRAKernel", "LinearWithDoRA", "LinearWithDoRAMerged", "inject_lora", "lora_class",
-           "lora_scale", "pissa_init"]
+           "LinearWithLoRAKernel", "LinearWithDoRA", "LinearWithDoRAKernel", "LinearWithDoRAMerged", "inject_lora",
+           "lora_class", "lora_scale", "pissa_init"]

@@ -1,14 +1,22 @@
 """``--trainable-layers lora-kernel``: the LoRA layer whose forward and backward run the project's
-minimal-work op (:mod:`lora_bench.kernels.autograd`), and the grouping of layers that share an input."""
+minimal-work op (:mod:`lora_bench.kernels.autograd`), its DoRA layer (that op, then DoRA's per-output
+scale: :mod:`lora_bench.kernels.dora`), and the grouping of LoRA layers that share an input (DoRA
+layers are not grouped: each scales its own outputs by its own norm)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
+from lora_bench.kernels.deferred import DEFERRED
+from lora_bench.kernels.dora import dora_output
+from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
+from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import lora_linear_segments, parameter_kinds
-from lora_bench.lora.layer import LoRALinearBase
+from lora_bench.lora.layer import DoRALinearBase, LoRALinearBase
 
 
 class LinearWithLoRAKernel(LoRALinearBase):
@@ -20,6 +28,32 @@ class LinearWithLoRAKernel(LoRALinearBase):
 
     def forward(self, x):
         return lora_linear(x, self.linear.weight, self.linear.bias, self.lora.A, self.lora.B, self.lora.alpha)
+
+
+DORA_INLINE = f"{ADAPTER_GRADS_INLINE}: DoRA's norm adds its own gradients into A and B in the same backward pass"
+
+
+class LinearWithDoRAKernel(DoRALinearBase):
+    """``dora`` with the minimal-work op: z = x·Wᵀ + s·(x·A)·B from the LoRA op (no bias, its plan
+    chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
+    output (:mod:`lora_bench.kernels.dora`: the norm in one Triton launch on CUDA, its backward
+    written out). The adapter gradients run inline: where the policy defers them, the layer runs
+    them inline and notes why (``DORA_INLINE``)."""
+
+    variant = "dora-kernel"
+
+    def forward(self, x):
+        w, lora = self.linear.weight, self.lora
+        policy = None if torch.compiler.is_compiling() else current_policy()  # compiled: always inline
+        if policy is not None and policy.adapter_grads == DEFERRED:
+            note_adapter_grads(DORA_INLINE)
+            with use_policy(dataclasses.replace(policy, adapter_grads=ADAPTER_GRADS_INLINE)):
+                z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
+        else:
+            z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
+        sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
+        return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
+                           exact=not self.detach_norm)
 
 
 class SideBySide:

@@ -32,8 +32,8 @@ def test_each_variant_is_a_setting_with_a_flag_and_a_column():
 def test_every_variant_composes_with_the_lora_choices(layers):
     ok = dict(trainable_layers=layers, lora_scaling="rslora", lora_init="pissa", loraplus_lr_ratio=16.0)
     assert _problems(**ok) == []
-    if layers != "lora-kernel":
-        assert _problems(**ok, lora_variant="dora", dora_norm="detached") == []
+    assert _problems(**ok, lora_variant="dora", dora_norm="detached") == []
+    assert _problems(**ok, lora_variant="dora") == []
     for precision in ("tf32", "bf16", "bf16-true"):
         assert _problems(**ok, precision=precision) == []
 
@@ -47,8 +47,8 @@ def test_a_variant_without_lora_is_refused(name, value):
 
 @pytest.mark.parametrize("values, needle", [
     (dict(LORA, dora_norm="detached"), "dora_norm=detached is only used with lora_variant=dora"),
-    (dict(trainable_layers="lora-kernel", lora_variant="dora"),
-     "lora_variant=dora with trainable_layers=lora-kernel is refused: the fused kernels compute LoRA's update"),
+    (dict(trainable_layers="lora-kernel", lora_variant="dora", base_dtype="int8"),
+     "lora_variant=dora with base_dtype=int8 is refused: DoRA's norm reads the frozen weight itself"),
     (dict(LORA, lora_variant="dora", base_dtype="int8"),
      "lora_variant=dora with base_dtype=int8 is refused: DoRA's norm reads the frozen weight itself"),
     (dict(LORA, lora_init="pissa", lora_alpha=0.0), "lora_init=pissa with lora_alpha=0 is refused"),
@@ -69,9 +69,9 @@ def test_ratio_must_be_positive():
 
 def test_refusals_on_the_command_line_name_the_flags(run_cli, tmp_path):
     code, out = run_cli("train", "--device", "cpu", "--weights", "random", "--trainable-layers", "lora-kernel",
-                        "--lora-variant", "dora", "--results-dir", tmp_path)
+                        "--lora-variant", "dora", "--base-dtype", "int8", "--results-dir", tmp_path)
     assert code == 2 and "Traceback" not in out, out
-    assert "--lora-variant=dora with --trainable-layers=lora-kernel is refused" in " ".join(out.split())
+    assert "--lora-variant=dora with --base-dtype=int8 is refused" in " ".join(out.split())
     assert not (tmp_path / "runs.csv").exists()
 
 

@@ -9,8 +9,8 @@ longest chain of summed terms behind a result. LoRA's are ``lora_chains``' (the 
 term more). DoRA's output sums the two branches (k + r + 2) and the norm (‖W_j‖² or W·A: k terms,
 then B·Gram and its row sums: 2r, the three terms and the root: 4), then divides and multiplies
 (2): 2k + 3r + 8. A gradient adds the backward's sums over the rows and the outputs and runs
-through the norm's chain once more: ``DORA_CHAIN`` bounds every path. Float64 against float64 (the
-two DoRA layers, the cheap norm) is bounded the same way in float64."""
+through the norm's chain once more: ``DORA_CHAIN`` (tests/numerics.py, ``dora_chain``) bounds every
+path. Float64 against float64 (the two DoRA layers, the cheap norm) is bounded the same way in float64."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from numerics import dora_chain as DORA_CHAIN
 from numerics import dot_tol, fresh, lora_chains, rel_err
 
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAMerged, LinearWithLoRA, LinearWithLoRAMerged, lora_scale
@@ -29,11 +30,6 @@ from lora_bench.lora.pissa import pissa_init
 SHAPES = ((96, 80), (37, 53))  # (in, out): even, and odd with more outputs than inputs
 RANKS = (1, 7, 64)
 ROWS = (3, 5)  # batch 3 of 5 tokens: 15 rows
-
-
-def DORA_CHAIN(k: int, n: int, r: int, rows: int) -> int:
-    """The longest chain of summed terms behind a DoRA layer's output or gradient (module docstring)."""
-    return rows + n + 2 * (2 * k + 3 * r + 8)
 
 
 def _layer(cls, k: int, n: int, r: int, alpha: float, *, trained_base: bool = False, **options):

@@ -1,0 +1,223 @@
+"""The Triton kernels of DoRA in the fused layer (:mod:`lora_bench.kernels.dora`). ``dora_norm``: for
+W (out × in), A (in × r), B (r × out), m (out) and the scale s, one launch gives n_j =
+‖W_j + s·(A·B)_j‖, g = m / n and what the exact backward reads (−m / (2n³), and
+2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32; ``dora_norm_bwd`` the elementwise part of its
+backward (dm, dB and c ⊙ Bᵀ) in one launch. ``scale_bias_fwd`` / ``scale_bias_bwd``:
+y = g ⊙ z + b in one launch, and dz = dy ⊙ g, dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one.
+
+Each program owns a block of output rows and runs over K once: W·A accumulated for its rows, ‖W_j‖²
+from the same W tiles (so a frozen W needs no stored row norms here), and A's Gram matrix AᵀA
+recomputed from the same A tiles (in × r² multiply-adds per program: far less than its W·A's
+rows × in × r); then Bᵀ·AᵀA, the dot products with Bᵀ and the root. W is read once, A once per
+program (it stays in L2). The scale's backward: each program owns a block of columns and runs
+down the rows, so dg and db are summed without atomics. This module imports Triton; import it
+lazily (``dora.triton_norm``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_bench.kernels.lora_triton import _alloc, _precision, block_r
+from lora_bench.kernels.triton_launch import launch
+
+
+@triton.jit
+def _dora_norm_kernel(
+    w_ptr, a_ptr, b_ptr, m_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
+    N, K, R,
+    stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn, stride_vr, stride_vn, scale,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_mask = offs_n < N
+    r_mask = offs_r < R
+    wa = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
+    wsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K  # the K tail, rows past N and A's columns past R read zeros: they are summed
+        wt = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :] * stride_wk,
+                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
+        at = tl.load(a_ptr + ks[:, None] * stride_ak + offs_r[None, :] * stride_ar,
+                     mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # (BK, BR)
+        wa = tl.dot(wt, at, wa, input_precision=PRECISION)
+        gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
+        wf = wt.to(tl.float32)
+        wsq += tl.sum(wf * wf, axis=1)
+    bt = tl.load(b_ptr + offs_r[None, :] * stride_br + offs_n[:, None] * stride_bn,
+                 mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
+    btg = tl.dot(bt, gram, input_precision="ieee")
+    sq = wsq + (2.0 * scale) * tl.sum(wa * bt, axis=1) + (scale * scale) * tl.sum(btg * bt, axis=1)
+    nrm = tl.where(n_mask, tl.sqrt(tl.maximum(sq, 0.0)), 1.0)  # rows past N: 1, never stored
+    m = tl.load(m_ptr + offs_n, mask=n_mask, other=1.0).to(tl.float32)
+    g = m / nrm
+    tl.store(n_ptr + offs_n, nrm, mask=n_mask)
+    tl.store(g_ptr + offs_n, g, mask=n_mask)
+    tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_mask)
+    v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
+    tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
+             mask=n_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, N, R,
+                          stride_vr, stride_vn, stride_br, stride_bn, stride_gr, stride_gn, stride_cn, stride_cr,
+                          NEED_M: tl.constexpr, NEED_B: tl.constexpr, NEED_CB: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # dm = dg / n; with c = dg · (−m / (2n³)): dB = vᵀ ⊙ c and c ⊙ Bᵀ (out × r, for dA and dW)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_mask = offs_n < N
+    mask = (offs_r < R)[:, None] & n_mask[None, :]  # (BR, BN)
+    dg = tl.load(dg_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if NEED_M:
+        nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
+        tl.store(gm_ptr + offs_n, (dg / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
+    if NEED_B or NEED_CB:
+        c = dg * tl.load(cn_ptr + offs_n, mask=n_mask, other=0.0)
+        if NEED_B:
+            vt = tl.load(vt_ptr + offs_r[:, None] * stride_vr + offs_n[None, :] * stride_vn, mask=mask, other=0.0)
+            tl.store(gb_ptr + offs_r[:, None] * stride_gr + offs_n[None, :] * stride_gn,
+                     (vt * c[None, :]).to(gb_ptr.dtype.element_ty), mask=mask)
+        if NEED_CB:
+            b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn, mask=mask,
+                        other=0.0).to(tl.float32)
+            tl.store(cb_ptr + offs_n[None, :] * stride_cn + offs_r[:, None] * stride_cr, b * c[None, :], mask=mask)
+
+
+@triton.jit
+def _scale_bias_fwd_kernel(z_ptr, g_ptr, b_ptr, y_ptr, M, N, stride_zm, stride_ym,
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = z * tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, M, N, stride_dym, stride_zm, stride_dzm,
+                           WRITE_DZ: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m < M)[:, None] & n_mask[None, :]  # padded rows read zeros: they are summed
+        dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WRITE_DZ:
+            tl.store(dz_ptr + offs_m[:, None] * stride_dzm + offs_n[None, :],
+                     (dy * g[None, :]).to(dz_ptr.dtype.element_ty), mask=mask)
+        acc_g += tl.sum(dy * z, axis=0)
+        if HAS_BIAS:
+            acc_b += tl.sum(dy, axis=0)
+    tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
+
+
+def norm_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 32 output rows per program (1600 outputs give 50
+    programs), 128-byte rows of W per K step; the interpreter takes 16 × 16 tiles, so its tests
+    cross every mask."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    return 32, 32 if dtype == torch.float32 else 64, 4, 3
+
+
+def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, ...]:
+    """(n, g, cn, vᵀ) of ``lora_bench.kernels.dora.norm_outputs``, float32, for W (out × in), A
+    (in × r), B (r × out), m (out), in one launch. W and A in one dtype (float32, bfloat16 or
+    float16; fp32 products follow torch's matmul precision, as the LoRA kernels do), any strides;
+    B and m in any float dtype."""
+    out, k = weight.shape
+    r = a.shape[1]
+    assert a.shape[0] == k and b.shape == (r, out) and m.shape == (out,), (weight.shape, a.shape, b.shape, m.shape)
+    f32 = torch.float32
+    n, g, cn = (_alloc((out,), weight, f32) for _ in range(3))
+    vt = _alloc((r, out), weight, f32)
+    bn, bk, warps, stages = norm_config(weight.dtype, weight.device)
+    ws, as_, bs, vs = weight.stride(), a.stride(), b.stride(), vt.stride()
+    launch(
+        _dora_norm_kernel, (triton.cdiv(out, bn), 1, 1), (weight, a, b, m, n, g, cn, vt),
+        (out, k, r, ws[0], ws[1], as_[0], as_[1], bs[0], bs[1], vs[0], vs[1]),
+        (float(scale),),
+        (_precision(weight.dtype), bn, bk, block_r(r)),
+        tag="dora_norm", num_warps=warps, num_stages=stages,
+    )
+    return n, g, cn, vt
+
+
+def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, b: torch.Tensor, *,
+                  m_dtype: torch.dtype, need_m: bool, need_b: bool, need_cb: bool) -> tuple[torch.Tensor | None, ...]:
+    """The elementwise part of the norm's backward in one launch, from ``dora_norm``'s outputs and
+    dg (out, float32): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c in B's dtype, c ⊙ Bᵀ (out × r,
+    float32)) with c = dg · cn, each None where not asked for (cn, vᵀ and B are read only for dB or
+    c ⊙ Bᵀ)."""
+    exact = need_b or need_cb
+    out, r = dg.shape[0], vt.shape[0] if exact else 1
+    gm = _alloc((out,), dg, m_dtype) if need_m else None
+    gb = _alloc((r, out), dg, b.dtype) if need_b else None
+    cb = _alloc((out, r), dg, torch.float32) if need_cb else None
+    bn = 64 if dg.is_cuda else 16
+    vs, bs = (vt.stride(), b.stride()) if exact else ((0, 0), (0, 0))
+    gs = gb.stride() if need_b else (0, 0)
+    cs = cb.stride() if need_cb else (0, 0)
+    launch(_dora_norm_bwd_kernel, (triton.cdiv(out, bn), 1, 1),
+           (dg, n, cn, vt, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg),
+           (out, r, vs[0], vs[1], bs[0], bs[1], gs[0], gs[1], cs[0], cs[1]), (),
+           (need_m, need_b, need_cb, bn, block_r(r)), tag="dora_norm_bwd", num_warps=4, num_stages=1)
+    return gm, gb, cb
+
+
+def _elementwise_config(device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the scale's kernels: 32 × 64 tiles on a GPU (32 columns a program in
+    backward: 1600 outputs give 50 programs); 16 × 16 in the interpreter, so its tests cross the masks."""
+    return (32, 64) if device.type == "cuda" else (16, 16)
+
+
+def scale_bias_fwd(z: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = g ⊙ z + b for z (M × N, rows contiguous), g and b (N, any float dtype: read as they are),
+    computed in float32 and stored in z's dtype; one launch."""
+    M, N = z.shape
+    y = _alloc((M, N), z)
+    bm, bn = _elementwise_config(z.device)
+    launch(_scale_bias_fwd_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn), 1),
+           (z, g, bias if bias is not None else g, y), (M, N, z.stride(0), y.stride(0)), (),
+           (bias is not None, bm, bn), tag="dora_scale", num_warps=4, num_stages=1)
+    return y
+
+
+def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_dz: bool,
+                   need_db: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(dz = dy ⊙ g in z's dtype or None, dg = Σ_rows dy ⊙ z and db = Σ_rows dy in float32 or None)
+    for dy, z (M × N, rows contiguous), g (N); one launch."""
+    M, N = z.shape
+    dz = _alloc((M, N), z) if need_dz else None
+    dg = _alloc((N,), z, torch.float32)
+    db = _alloc((N,), z, torch.float32) if need_db else None
+    bm, bn = _elementwise_config(z.device)
+    bn //= 2 if z.is_cuda else 1
+    launch(_scale_bias_bwd_kernel, (triton.cdiv(N, bn), 1, 1),
+           (dy, z, g, dz if need_dz else dy, dg, db if need_db else dg),
+           (M, N, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
+           (need_dz, need_db, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=2)
+    return dz, dg, db
+
+
+__all__ = ["dora_norm", "dora_norm_bwd", "norm_config", "scale_bias_bwd", "scale_bias_fwd"]

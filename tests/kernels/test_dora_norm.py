@@ -1,0 +1,292 @@
+"""DoRA's norm kernel (:mod:`lora_bench.kernels.dora_triton`) and the fused DoRA layer on its GPU paths.
+
+On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
+and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
+given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
+values; the scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``; the
+layer with both against ``LinearWithDoRA`` in float64. GPU
+tests (``-m gpu``): the norm kernel at GPT-2 shapes; the layer in float32, under bfloat16
+autocast and in bfloat16, eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
+
+Tolerances (tests/numerics.py): the kernel multiplies its operands exactly and sums in float32, so
+each result is ``dot_tol(float32, chain)``: W·A sums k terms, Bᵀ·AᵀA k then r, n k, then r for the
+dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more. The layer: float32
+``dot_tol`` over ``dora_chain``; 16-bit as tests/lora/test_dora_kernel.py derives it,
+``rounded_input_tol(bfloat16, 8)``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+
+from lora_bench.kernels.policy import record_plans
+from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (out, in, r, operand dtype, W and A stored transposed): odd sizes, K tails, rows past the last block
+KERNEL_CASES = [
+    (53, 37, 1, "fp32", False), (53, 37, 16, "fp32", True), (70, 45, 64, "fp32", False),
+    (100, 29, 3, "fp32", False), (33, 100, 7, "fp16", False), (17, 130, 64, "fp16", True), (16, 16, 16, "fp32", False),
+]
+SCALES = (1.5, -0.75)
+
+
+def _chains(k: int, r: int) -> dict[str, int]:
+    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "cn": k + 2 * r + 7, "vt": k + r + 2}
+
+
+def _operands(out: int, k: int, r: int, dtype: torch.dtype, device, transposed: bool = False):
+    w = fresh(out, k, device=device, dtype=dtype, scale=k ** -0.5)
+    a = fresh(k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    if transposed:  # the same values, stored the other way round
+        w, a = w.t().contiguous().t(), a.t().contiguous().t()
+    b = fresh(r, out, device=device, dtype=dtype, scale=r ** -0.5)
+    m = (torch.rand(out, device=device) + 0.5).to(dtype)
+    return w, a, b, m
+
+
+def _float64_norm(w, a, b, m, s) -> dict[str, torch.Tensor]:
+    W, A, B, M = (t.double() for t in (w, a, b, m))
+    n = (W + s * (A @ B).t()).norm(dim=1)
+    v = 2 * s * (W @ A) + 2 * s * s * (B.t() @ (A.t() @ A))
+    return {"n": n, "g": M / n, "cn": -M / (2 * n ** 3), "vt": v.t()}
+
+
+def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
+    from lora_bench.kernels.dora_triton import dora_norm
+
+    got = dict(zip(("n", "g", "cn", "vt"), dora_norm(w, a, b, m, s)))
+    assert all(t.dtype is torch.float32 for t in got.values())
+    want = _float64_norm(w, a, b, m, s)
+    return {name: rel_err(got[name], want[name]) for name in want}
+
+
+# the fused DoRA layer, its norm and scale in the Triton kernels: (in, out, rows, r, detached norm,
+# parameter dtype: float16 for the 16-bit paths, the stand-in for bfloat16 here)
+LAYER_CASES = ([(37, 53, 7, r, detach, "fp32") for r in (1, 16, 64) for detach in (False, True)]
+               + [(96, 80, 15, 7, False, "fp32"), (37, 53, 7, 16, False, "fp16"), (40, 24, 9, 5, True, "fp16")])
+# the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
+SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
+               ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
+
+
+def _scale_errors(batch, out: int, bias: bool, dt: str, summed: bool) -> dict[str, float]:
+    """y, dz, dg and db of ``ScaleBiasFunction`` on the Triton path against float64 (g and b float32,
+    z and dy in ``dt``; ``summed``: dy is the expanded one of ``y.sum()``)."""
+    from lora_bench.kernels.dora import TRITON, ScaleBiasFunction
+
+    z = fresh(*batch, out, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+    g = (torch.rand(out) + 0.5).requires_grad_()
+    b = fresh(out, device="cpu", dtype=torch.float32).requires_grad_() if bias else None
+    dy = torch.ones(*batch, out, dtype=z.dtype) if summed else fresh(*batch, out, device="cpu", dtype=z.dtype)
+    wrt = [z, g] + ([b] if bias else [])
+    y = ScaleBiasFunction.apply(z, g, b, TRITON)
+    got = [y, *torch.autograd.grad(y.sum() if summed else y, wrt, None if summed else dy)]
+    Z, G, DY = z.detach().double().requires_grad_(), g.detach().double().requires_grad_(), dy.double()
+    B = b.detach().double().requires_grad_() if bias else None
+    Y = Z * G + (B if bias else 0)
+    want = [Y, *torch.autograd.grad(Y, [Z, G] + ([B] if bias else []), DY)]
+    assert got[0].dtype is z.dtype and got[2].dtype is torch.float32
+    return {name: rel_err(a, w) for name, a, w in zip(("y", "dz", "dg", "db"), got, want)}
+
+
+def _interp_main() -> None:
+    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales and every SCALE_CASES case,
+    outputs NaN-poisoned; one JSON line each with the errors against float64."""
+    from lora_bench.kernels import lora_triton
+
+    lora_triton.POISON_OUTPUTS = True
+    for i, (out, k, r, dt, transposed) in enumerate(KERNEL_CASES):
+        for s in SCALES:
+            w, a, b, m = _operands(out, k, r, DTYPE[dt], "cpu", transposed)
+            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
+    for i, case in enumerate(SCALE_CASES):
+        print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
+    for i, (k, n, rows, r, detach, dt) in enumerate(LAYER_CASES):
+        layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
+        x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+        g = fresh(rows, n, device="cpu", dtype=torch.float32)
+        with record_plans() as log:
+            outs = _grads(layer, x, g)
+        print(json.dumps(dict(layer_case=i, dora=sorted(log.dora), backend=log.backend(),
+                              errs=_float64_errors(layer, x, g, outs))), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_runs():
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
+            "import test_dora_norm as t; t._interp_main()")
+    proc = run_interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(SCALE_CASES) + len(LAYER_CASES), proc.stdout[-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
+def test_norm_kernel_under_the_triton_interpreter(interp_runs, i):
+    out, k, r, dt, transposed = KERNEL_CASES[i]
+    runs = [run for run in interp_runs if run.get("case") == i]
+    assert len(runs) == len(SCALES)
+    for run in runs:
+        for name, chain in _chains(k, r).items():
+            assert run["errs"][name] <= dot_tol(torch.float32, chain), (run, name)
+
+
+@pytest.mark.parametrize("i", range(len(SCALE_CASES)))
+def test_scale_kernels_under_the_triton_interpreter(interp_runs, i):
+    """y = g ⊙ z + b rounds once to z's dtype; dz = dy ⊙ g once; dg and db sum the rows in float32
+    (a 16-bit z and dy are exact in float32): ``rounded_input_tol`` of z's dtype with one rounding
+    for y and dz, ``dot_tol(float32, rows + 1)`` for dg and db."""
+    batch, out, bias, dt, summed = SCALE_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("scale_case") == i]
+    rows = 1
+    for d in batch:
+        rows *= d
+    bounds = {"y": rounded_input_tol(DTYPE[dt], 1), "dz": rounded_input_tol(DTYPE[dt], 1),
+              "dg": dot_tol(torch.float32, rows + 1), "db": dot_tol(torch.float32, rows)}
+    assert set(run["errs"]) == ({"y", "dz", "dg", "db"} if bias else {"y", "dz", "dg"}), run
+    for name, err in run["errs"].items():
+        assert err <= bounds[name], (run, name, bounds[name])
+
+
+@pytest.mark.parametrize("i", range(len(LAYER_CASES)))
+def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
+    """The layer with its norm and scale in the Triton kernels against ``LinearWithDoRA`` in float64,
+    within the float32 bound of its torch path (the kernels sum in float32 as torch does); the run
+    notes the Triton path. Float16 parameters: ``rounded_input_tol(float16, 8)``, as for bfloat16."""
+    k, n, rows, r, detach, dt = LAYER_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("layer_case") == i]
+    assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
+    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
+    assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+# ------------------------------------------------------------------ the layer (interpreter and GPU)
+
+
+def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool,
+                device: str = "cuda") -> LinearWithDoRAKernel:
+    """A fused DoRA layer on ``device`` in ``dtype``, B and m moved off their start."""
+    linear = nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.copy_(fresh(n, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
+    layer = LinearWithDoRAKernel(linear.requires_grad_(False), r, 1.5, detach_norm=detach)
+    with torch.no_grad():
+        layer.lora.B.copy_(fresh(r, n, device="cpu", dtype=torch.float32, scale=r ** -0.5))
+        layer.m.mul_(1 + 0.1 * torch.rand_like(layer.m))
+    return layer.to(device, dtype)
+
+
+def _float64_layer(layer: LinearWithDoRAKernel) -> LinearWithDoRA:
+    linear = copy.deepcopy(layer.linear).double()
+    ref = LinearWithDoRA(linear, layer.lora.A.shape[1], layer.lora.alpha, detach_norm=layer.detach_norm).double()
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    return ref
+
+
+def _grads(layer, x, g):
+    wrt = [x, layer.lora.A, layer.lora.B, layer.m]
+    y = layer(x)
+    return (y, *torch.autograd.grad(y, wrt, g.to(y.dtype)))
+
+
+def _layer_bound(mode: str, k: int, n: int, r: int, rows: int) -> float:
+    return dot_tol(torch.float32, dora_chain(k, n, r, rows)) if mode == "fp32" else rounded_input_tol(torch.bfloat16, 8)
+
+
+def _float64_errors(layer, x, g, outs) -> dict[str, float]:
+    """Each of ``_grads``' results against ``LinearWithDoRA`` in float64 with the layer's values."""
+    want = _grads(_float64_layer(layer), x.detach().double().requires_grad_(), g.double())
+    return {name: rel_err(got, w) for name, got, w in zip(("y", "x", "A", "B", "m"), outs, want)}
+
+
+def _assert_float64(layer, x, g, outs, bound: float, what: str) -> None:
+    for name, err in _float64_errors(layer, x, g, outs).items():
+        assert err <= bound, (what, name, err, bound)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("out, k, r", [(6400, 1600, 16), (1600, 6400, 16), (770, 768, 1), (384, 640, 64)])
+def test_gpu_norm_kernel_matches_float64(dt, out, k, r, monkeypatch):
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    w, a, b, m = _operands(out, k, r, DTYPE[dt], "cuda")
+    for s in SCALES:
+        errs = _kernel_errors(w, a, b, m, s)
+        for name, chain in _chains(k, r).items():
+            assert errs[name] <= dot_tol(torch.float32, chain), (name, errs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1), (129, 640, 384, 64)])
+def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
+    """Eager: float32 (exact products), bfloat16 autocast over float32 parameters, bfloat16 parameters;
+    the norm ran in the Triton kernel."""
+    layer = _dora_layer(k, n, r, dtype=torch.bfloat16 if mode == "bf16-true" else torch.float32, detach=detach)
+    pdt = layer.m.dtype
+    x = fresh(rows, k, device="cuda", dtype=pdt).requires_grad_()
+    g = fresh(rows, n, device="cuda", dtype=pdt)
+    with record_plans() as log, torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16"):
+        outs = _grads(layer, x, g)
+    assert log.dora == {"triton"}, log.dora
+    _assert_float64(layer, x, g, outs, _layer_bound(mode, k, n, r, rows), f"{mode} detach={detach}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1)])
+def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k, n, r):
+    """Forward and backward captured in a CUDA graph (warm-up on a side stream, as a run's graphs
+    are made): replays on fresh x, A, B, m and output gradient copied into the captured buffers match
+    float64 every time."""
+    from lora_bench.train.graphs import warm_up
+
+    layer = _dora_layer(k, n, r, dtype=torch.float32, detach=detach)
+    x = fresh(rows, k, device="cuda", dtype=torch.float32).requires_grad_()
+    g = fresh(rows, n, device="cuda", dtype=torch.float32)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16", cache_enabled=False):
+            return _grads(layer, x, g)
+
+    with record_plans() as log:
+        warm_up(step, 2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+    assert log.dora == {"triton"}, log.dora
+    bound = _layer_bound(mode, k, n, r, rows)
+    for i in range(3):
+        with torch.no_grad():
+            for t in (x, layer.lora.A, layer.lora.B, g):
+                t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.std())))
+            layer.m.copy_(layer.m * (1 + 0.1 * torch.rand_like(layer.m)))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_float64(layer, x, g, outs, bound, f"{mode} detach={detach} replay {i}")
