@@ -218,6 +218,8 @@ VARIANT_ROWS = {
     ("book", "lora", "lora", "exact", "alpha", 1.0, "pissa"),
     ("book", "lora-kernel", "lora", "exact", "alpha", 1.0, "kaiming"),
     ("book", "lora-kernel", "lora", "exact", "rslora", 1.0, "kaiming"),
+    ("book", "lora-kernel", "dora", "exact", "alpha", 1.0, "kaiming"),
+    ("book", "lora-kernel", "dora", "detached", "alpha", 1.0, "kaiming"),
     ("hf", "lora", "lora", "exact", "alpha", 1.0, "kaiming"),
     ("hf", "lora", "dora", "detached", "alpha", 1.0, "kaiming"),
     ("hf", "lora", "lora", "exact", "rslora", 1.0, "kaiming"),
@@ -228,7 +230,7 @@ VARIANT_ROWS = {
 def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
     """Every variant row at 124M and 1558M in the reference mode (the defaults) and the best mode (the
     floor study's for the book model, configs/peers.yaml's compiled one for hf), 5 repeats of the
-    floor study's timing runs; DoRA never on lora-kernel (refused until the fused layer computes it)."""
+    floor study's timing runs."""
     sw = load_sweep(REPO / "configs" / "variants-study.yaml")
     floor = load_sweep(REPO / "configs" / "floor-study.yaml").runs[0].cfg
     got = {(r.cfg.model_size, r.label, r.cfg.implementation, r.cfg.trainable_layers, r.cfg.lora_variant,
@@ -246,7 +248,6 @@ def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
         assert (c.batch_size, c.lora_rank, c.lora_alpha, c.weights) == (8, 16, 16.0, "random")
         assert (c.max_steps, c.warmup_steps, c.eval_freq, c.skip_final_eval) == \
             (floor.max_steps, floor.warmup_steps, 0, True)
-        assert not (c.trainable_layers == "lora-kernel" and c.lora_variant == "dora")
 
 
 def test_variants_accuracy_trains_each_variant_of_the_book_tables_lora_row_from_5_seeds():
@@ -266,3 +267,17 @@ def test_variants_accuracy_trains_each_variant_of_the_book_tables_lora_row_from_
         assert (r.cfg.model_size, r.cfg.num_epochs, r.cfg.weights) == ("124M", 5, "pretrained")
         seeds.setdefault(r.repeat, set()).add(r.cfg.seed)
     assert all(len(s) == 1 for s in seeds.values()) and len({next(iter(s)) for s in seeds.values()}) == 5
+
+
+def test_variants_cause_profiles_each_reference_row_of_the_variants_study_once():
+    """Each profiled run is a reference-mode row of configs/variants-study.yaml with only the profiler
+    added, and every such row has one: the report pairs them by what their steps launch."""
+    study = load_sweep(REPO / "configs" / "variants-study.yaml")
+    cause = load_sweep(REPO / "configs" / "variants-cause.yaml")
+    reference = {r.cfg.to_dict().__repr__() for r in study.runs if r.label == "reference" and r.repeat == 0}
+    assert cause.repeats == 1 and len(cause.runs) == len(reference)
+    profiled = set()
+    for r in cause.runs:
+        assert r.cfg.profile == "kernels" and not r.cfg.cuda_graphs
+        profiled.add((r.cfg.to_dict() | {"profile": "none"}).__repr__())
+    assert profiled == reference
