@@ -33,6 +33,7 @@ class RunGroup:
     ratio: Estimate = NONE  # the ratio metric's median / its baseline's, with its interval
     verdict: str = ""  # stats.verdict of that ratio ('' for a baseline group)
     has_baseline: bool = False  # baseline runs were found to divide by
+    baseline_runs: pd.DataFrame | None = None  # those runs (None without a baseline)
 
 
 def metric_sense(col: str) -> tuple[bool | None, bool]:
@@ -137,6 +138,7 @@ def _against(group: RunGroup, base: pd.DataFrame, *, keys: list[str], spec: dict
     if rows.empty and lone_baseline and keys and base.groupby(keys, dropna=False).ngroups == 1:
         rows = base
     group.has_baseline = not rows.empty
+    group.baseline_runs = rows if not rows.empty else None
     own = group.estimates.get(metric) or estimate(group.runs, metric)
     r, word = NONE, unknown
     if not rows.empty and own.known:

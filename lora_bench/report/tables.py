@@ -14,6 +14,7 @@ import pandas as pd
 from lora_bench.report.aggregate import rule
 from lora_bench.report.labels import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.order_stats import MIN_REPEATS
+from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER, against_floor, is_lora, per_layer_text
 from lora_bench.report.stats import RESAMPLING, STATISTIC, STEPS_MARK, STEPS_NOTE, TOO_FEW, Estimate, span_text
 from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study
 from lora_bench.timing import PHASES
@@ -96,6 +97,13 @@ def ratio_cell(g: Group | None) -> str:
     return f"{g.ratio:.2f}×{word}\n{span_text(g.ratio_estimate)}"
 
 
+def _per_layer_cell(g: Group | None, floor: Group | None) -> str:
+    """The adapters' µs per adapted layer above the floor (lora_bench.report.per_layer), '-' without the group."""
+    if g is None:
+        return "-"
+    return per_layer_text(g.runs, floor.runs if floor is not None else None, lines=True)
+
+
 def _shown(groups: list[Group]) -> list[Estimate]:
     """The step medians and the ratios a table of these groups shows."""
     return [*(g.step for g in groups), *(g.ratio_estimate for g in groups if not g.is_baseline)]
@@ -104,6 +112,7 @@ def _shown(groups: list[Group]) -> list[Estimate]:
 def crossover_table(study: Study) -> Table:
     """Per mode and condition: the baseline's median step ms by size, then each variant's ratio."""
     with_cond = any(study.conditions())
+    floor = against_floor(study.baseline)
     head = ["execution mode", *(["condition"] if with_cond else []), "variant", *study.sizes]
     rows, starts = [], []
     for cond in study.conditions():
@@ -119,10 +128,15 @@ def crossover_table(study: Study) -> Table:
                 by = {g.size: g for g in ln.groups}
                 rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
+                if floor and any(is_lora(g.runs) for g in ln.groups):
+                    rows.append(["", *([""] if with_cond else []), f"{ln.variant}: {PER_LAYER} {CI}"] +
+                                [_per_layer_cell(by.get(s), base.get(s)) for s in study.sizes])
     notes = [(f"step ms: {STEP_STATISTIC}; ratio to the baseline's ({study.baseline_text}) at the "
               "same size, mode and condition, then its verdict; [lo–hi] (n, confidence): its interval, the repeats "
               f"it stands on and the confidence it reaches ({RESAMPLING})"),
              rule(study.threshold), *interval_notes(*_shown(study.groups))]
+    if floor:
+        notes.append(PER_LAYER_NOTE)
     if legend(study):
         notes.append(legend(study))
     return Table(title=f"LoRA crossover: step time relative to {study.baseline_text} ({study.device})", head=head,
