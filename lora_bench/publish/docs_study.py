@@ -11,6 +11,7 @@ import pandas as pd
 
 from lora_bench.publish.source import LAYERS, RESULTS, ROOT, as_read, fmt_ms, md_table, runs
 from lora_bench.report.groups import RunGroup, group_runs
+from lora_bench.report.per_layer import UNIT as PER_LAYER, is_lora, per_layer_text
 from lora_bench.report.stats import UNCLEAR, interval_text, shared_n_text
 from lora_bench.results.store import read_runs
 
@@ -112,8 +113,9 @@ def _floor_groups() -> list[RunGroup]:
 
 
 def table_floor() -> str:
-    """The floor study per variant: median step and backward ms at 124M and 1558M, and each LoRA
-    variant's step ÷ the floor of its precision, with intervals (docs/kernel-design.md)."""
+    """The floor study per variant: median step and backward ms at 124M and 1558M, each LoRA
+    variant's step ÷ the floor of its precision and its adapters' µs per adapted layer above that
+    floor (lora_bench.report.per_layer), with intervals (docs/kernel-design.md)."""
     cells = {}
     for g in _floor_groups():
         v = g.values
@@ -131,15 +133,17 @@ def table_floor() -> str:
         for size in ("124M", "1558M"):
             g = cells.get((*key, size))
             if g is None:
-                row += ["-", "-", "-"]
+                row += ["-", "-", "-", "-"]
                 continue
             row += [interval_text(g.estimates[STEP], digits=2, told=False),
                     "1" if layers == "frozen" else interval_text(g.ratio, told=False),
+                    per_layer_text(g.runs, g.baseline_runs, told=False) if is_lora(g.runs) else "-",
                     f"{g.estimates['backward_ms_median'].value:.2f}"]
         rows.append(row)
-    return md_table(["best mode, batch 8 × 120, r16", "124M step ms [interval]", "124M ÷ floor [interval]",
-                     "124M backward ms", "1558M step ms [interval]", "1558M ÷ floor [interval]", "1558M backward ms"],
-                    rows, align="---|---:|---:|---:|---:|---:|---:")
+    return md_table(["best mode, batch 8 × 120, r16",
+                     *(f"{size} {col}" for size in ("124M", "1558M") for col in (
+                         "step ms [interval]", "÷ floor [interval]", f"{PER_LAYER} [interval]", "backward ms"))],
+                    rows, align="---|" + "|".join(["---:"] * 8))
 
 
 BOOK_WHOLE = "answer/book-whole-runs"
