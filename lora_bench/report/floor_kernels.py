@@ -22,6 +22,7 @@ from lora_bench.report.groups import same
 from lora_bench.report.kernel_classes import KernelProfile, class_times, classes_text
 from lora_bench.report.labels import MODE_FIELDS, count_text, is_blank, mode_name, value_text
 from lora_bench.report.load import MODE, RUN_DIR
+from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER, per_layer_text
 from lora_bench.report.study import ADAPTER_ONLY, KERNEL_ONLY, STEP_SHAPE, step_setting
 from lora_bench.report.study_header import LAYERS
 from lora_bench.report.study_model import NOT_MEASURED, Group, Study
@@ -129,20 +130,24 @@ def signed(v: float, digits: int = 2) -> str:
 def summary_table(rows: list[FloorRow]) -> Table:
     head = ["size", "variant", "execution mode", "profiled repeats (group · floor)",
             f"largest class differences (ms / step, of {SHOWN_CLASSES})", "step ms above the floor (timed)",
-            "kernel ms above the floor", "gap ms above the floor", "launches above the floor"]
+            f"{PER_LAYER} (timed) [interval]", "kernel ms above the floor", "gap ms above the floor",
+            "launches above the floor"]
     body = []
     for r in rows:
         g = r.group
         step = g.step.median - r.floor.step.median if g.step.known and r.floor.step.known else math.nan
         cells = [g.size, g.variant, str(g.runs.iloc[0].get(MODE, ""))]
+        per_layer = per_layer_text(g.runs, r.floor.runs)
         if not r.measured:
-            body.append([*cells, r.why_not, NOT_MEASURED, signed(step), NOT_MEASURED, NOT_MEASURED, NOT_MEASURED])
+            body.append([*cells, r.why_not, NOT_MEASURED, signed(step), per_layer, NOT_MEASURED, NOT_MEASURED,
+                         NOT_MEASURED])
             continue
         deltas = sorted(((c, d) for c, d in _class_deltas(r).items() if round(d, 2)),
                         key=lambda kv: -abs(kv[1]))[:SHOWN_CLASSES]
         (rl, rms), (fl, fms) = _kernels(r.row_profile), _kernels(r.floor_profile)
         body.append([*cells, f"{r.row_profile.run_id} · {r.floor_profile.run_id}",
-                     "; ".join(f"{cls} {signed(d)}" for cls, d in deltas) or "none", signed(step), signed(rms - fms),
+                     "; ".join(f"{cls} {signed(d)}" for cls, d in deltas) or "none", signed(step), per_layer,
+                     signed(rms - fms),
                      signed(_gap(g, r.row_profile) - _gap(r.floor, r.floor_profile)), signed(rl - fl, 0)])
     notes = ["each LoRA group against the floor (trainable_layers=frozen) of the same size, batch, context and "
              "execution mode: step ms from the timed repeats (median over repeats); kernel ms and launches per step "
@@ -151,6 +156,7 @@ def summary_table(rows: list[FloorRow]) -> Table:
              "none of the phase's kernels); above the floor: the group's less the floor's",
              "a group run as CUDA graphs is profiled without them (a profiler sees no kernel inside a replayed "
              "graph): the same kernels launched one by one, so its gap is the replay's device time less their time",
+             PER_LAYER_NOTE,
              f"{NOT_MEASURED}: the folder holds no profiled repeat of the group or of its floor "
              "(configs/floor-profile.yaml makes them); nothing is inferred for it"]
     return Table(title="Device time above the floor, by kernel class", head=head, rows=body, notes=notes, n_keys=5)

@@ -14,7 +14,8 @@ import pandas as pd
 from lora_bench.report.aggregate import rule
 from lora_bench.report.labels import LAYER_HELP, column_label, count_text, is_blank
 from lora_bench.report.order_stats import MIN_REPEATS
-from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER, against_floor, is_lora, per_layer_text
+from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER
+from lora_bench.report.per_layer import against_floor, is_lora, per_layer_text
 from lora_bench.report.stats import RESAMPLING, STATISTIC, STEPS_MARK, STEPS_NOTE, TOO_FEW, Estimate, span_text
 from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study
 from lora_bench.timing import PHASES

@@ -139,12 +139,15 @@ def test_each_profiled_group_is_set_against_the_profiled_floor_class_by_class(tm
     k = by_variant["lora-kernel"]
     assert k[:4] == ["124M", "lora-kernel", GRAPHS, "kernel-prof · floor-prof"]
     # kernel ms above the floor: (1.25 + 1.31 + 0.1) - (0.75 + 0.9 + 0.05); launches (150+100+8) - (80+60+4)
-    assert k[5:] == ["+1.00", "+0.96", "+0.04", "+114"]  # gaps: (3.0 - 2.66) - (2.0 - 1.70)
+    # µs per adapted layer: (3.0 - 2.0) ms over 124M's 73 adapted layers, one run a side: no interval
+    # gaps: (3.0 - 2.66) - (2.0 - 1.70)
+    assert k[5:] == ["+1.00", "13.7 (no interval, n = 1)", "+0.96", "+0.04", "+114"]
     # the largest class differences: LoRA Triton +2.20, GEMMs -1.39 (the hostile name is a GEMM's), casts +0.20
     assert k[4] == "LoRA Triton kernels +2.20; GEMMs (cuBLAS, CUTLASS) -1.39; casts, copies +0.20"
     lora = by_variant["lora"]
     assert lora[3] == "not measured: no profiled repeat of this group" and lora[5] == "+4.00"  # timed: still shown
-    assert lora[4] == lora[6] == lora[7] == lora[8] == "not measured"
+    assert lora[6] == "54.8 (no interval, n = 1)"  # 4.0 ms over 73 layers: timed, still shown
+    assert lora[4] == lora[7] == lora[8] == lora[9] == "not measured"
 
     [table] = details
     cells = {(r[0], r[1]): r for r in table.rows}
@@ -196,7 +199,8 @@ def test_a_folder_of_profiled_runs_alone_sets_them_against_each_other(tmp_path):
     pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     summary, [table] = floor_tables(build_study(load_results([tmp_path])))
     [row] = summary.rows
-    assert row[2] == EAGER and row[3] == "kernel-prof · floor-prof" and row[5:7] == ["+1.00", "+0.96"]
+    assert row[2] == EAGER and row[3] == "kernel-prof · floor-prof"
+    assert row[5:8] == ["+1.00", "13.7 (no interval, n = 1)", "+0.96"]
     assert table.rows[0][:2] == ["forward", "LoRA Triton kernels"]
 
 
