@@ -12,8 +12,8 @@ layers an adapter wraps, in µs.
   the figure is per layer, not per call;
 - a LoRA group with no floor reads "no floor"; one without step times, "-".
 
-The study report's crossover table (against the floor) and the docs' floor table both take it
-from here."""
+The study report's crossover table (where its baseline is the floor), its summary of device time
+above the floor (lora_bench.report.floor_kernels) and the docs' floor table all take it from here."""
 
 from __future__ import annotations
 
