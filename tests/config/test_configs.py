@@ -281,3 +281,13 @@ def test_variants_cause_profiles_each_reference_row_of_the_variants_study_once()
         assert r.cfg.profile == "kernels" and not r.cfg.cuda_graphs
         profiled.add((r.cfg.to_dict() | {"profile": "none"}).__repr__())
     assert profiled == reference
+
+
+def test_packing_overhead_holds_the_floor_at_the_packs_batch():
+    """The 16-point pack's step is set against the floor at batch 128 (16 × 8 rows): the floor's
+    run differs from the plain LoRA run at that batch only in what trains."""
+    sw = load_sweep(REPO / "configs" / "packing-overhead.yaml")
+    plain = {r.cfg.trainable_layers: r.cfg for r in sw.runs if r.label == "plain" and r.repeat == 0}
+    packed = [r.cfg for r in sw.runs if r.label == "packed" and r.repeat == 0]
+    assert plain["frozen"].batch_size == len(packed) * packed[0].batch_size == 128
+    assert plain["frozen"].to_dict() | {"trainable_layers": "lora"} == plain["lora"].to_dict()
