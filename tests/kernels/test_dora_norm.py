@@ -20,6 +20,7 @@ backward's as ``_bwd_bounds`` counts them (16-bit: its roundings to the paramete
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -341,27 +342,73 @@ def _gradient_counter(y: torch.Tensor) -> tuple[dict, list]:
     return counts, handles
 
 
+@contextlib.contextmanager
+def _dora_torch_ops():
+    """The aten ops that compute (no views, no allocations) DoRA's own functions (``DoRAScaleFunction``
+    and ``ScaleBiasFunction``, forward and backward) run in the block outside their Triton launches,
+    by name: the list yielded."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora_bench.kernels import dora, dora_triton
+
+    aten = torch.ops.aten
+    free = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.full, aten.new_full}
+    ops, state = [], {"inside": 0, "launching": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if state["inside"] and not state["launching"] and not func.is_view and func.overloadpacket not in free:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def within(key, fn):
+        def run(*args, **kwargs):
+            state[key] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state[key] -= 1
+        return run
+
+    wrapped = [(dora_triton, "launch", None)] + [(cls, name, staticmethod) for cls, names in (
+        (dora.DoRAScaleFunction, ("forward", "_backward")), (dora.ScaleBiasFunction, ("forward", "backward")))
+        for name in names]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
+    try:
+        for owner, name, wrap in wrapped:
+            fn = within("launching" if wrap is None else "inside", getattr(owner, name))
+            setattr(owner, name, fn if wrap is None else wrap(fn))
+        with Count():
+            yield ops
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def _launches(detach: bool) -> dict:
-    """The Triton launches (tags) of one fused DoRA layer's forward and backward, and autograd's sums
-    in its backward, beside a fused LoRA layer's over the same linear layer."""
-    from lora_bench.kernels import triton_launch
+    """The Triton launches (tags) of one fused DoRA layer's forward and backward, the torch ops its
+    own functions run besides, and autograd's sums in its backward, beside a fused LoRA layer's over
+    the same linear layer."""
+    from lora_bench.kernels import lora_triton, triton_launch
     from lora_bench.lora import LinearWithLoRAKernel
 
+    lora_triton.POISON_OUTPUTS = False  # (allocations only: the count is the same either way)
     dora = _dora_layer(37, 53, 7, dtype=torch.float32, detach=detach, device="cpu")
     lora = LinearWithLoRAKernel(copy.deepcopy(dora.linear), 7, 1.5)
     x = fresh(9, 37, device="cpu", dtype=torch.float32).requires_grad_()
     g = fresh(9, 53, device="cpu", dtype=torch.float32)
     counts = {}
     for name, layer in (("dora", dora), ("lora", lora)):
-        with triton_launch.recording() as fwd:
+        with triton_launch.recording() as fwd, _dora_torch_ops() as fwd_ops:
             y = layer(x)
         grads, hooks = _gradient_counter(y)
-        with triton_launch.recording() as bwd:
+        with triton_launch.recording() as bwd, _dora_torch_ops() as bwd_ops:
             y.backward(g)
         for hook in hooks:
             hook.remove()
         counts[name] = dict(forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd],
-                            sums=sum(n - 1 for n in grads.values()))
+                            torch_ops=dict(forward=fwd_ops, backward=bwd_ops), sums=sum(n - 1 for n in grads.values()))
+    lora_triton.POISON_OUTPUTS = True
     return counts
 
 
@@ -381,6 +428,7 @@ def _docs_launch_table() -> dict[str, list[int]]:
 def _beyond_lora(run: dict, phase: str) -> dict[str, int]:
     """One phase's launches of the DoRA layer beyond the LoRA layer's, per row of the docs' table."""
     dora, lora = run["dora"], run["lora"]
+    assert dora["torch_ops"][phase] == [], run  # DoRA's functions launch nothing but their Triton kernels
     tags = [tag for tag in dora[phase] if tag.startswith("dora_")]
     assert [tag for tag in dora[phase] if tag not in tags] == lora[phase], run  # the LoRA op's own
     rows = {row: sum(tag.startswith(key) for tag in tags) for key, row in LAUNCH_ROWS.items()}
@@ -391,9 +439,10 @@ def _beyond_lora(run: dict, phase: str) -> dict[str, int]:
 
 
 def test_one_layer_launches_what_the_docs_state(interp_runs):
-    """The Triton launches of one fused DoRA layer (its norm and scale kernels, tagged) and autograd's
-    sums of A's and B's gradients, forward and backward with the exact and the detached norm, beyond
-    a fused LoRA layer's: docs/variants.md's table, row by row."""
+    """The Triton launches of one fused DoRA layer (its norm and scale kernels, tagged; its functions
+    run no torch op that computes) and autograd's sums of A's and B's gradients, forward and backward
+    with the exact and the detached norm, beyond a fused LoRA layer's: docs/variants.md's table, row
+    by row."""
     runs = {run["launches"]: run for run in interp_runs if "launches" in run}
     assert _beyond_lora(runs["exact"], "forward") == _beyond_lora(runs["detached"], "forward")
     columns = [_beyond_lora(runs["exact"], "forward"), _beyond_lora(runs["exact"], "backward"),
