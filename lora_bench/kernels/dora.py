@@ -5,13 +5,13 @@ on CUDA (:mod:`lora_bench.kernels.dora_triton`), ``torch`` ops elsewhere.
 
 ``DoRAScaleFunction`` gives g. Its forward takes the norm without the merged weight: ‖W_j‖² (fixed
 while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩ from W·A (out × r) and ‖(A·B)_j‖² from A's r × r
-Gram matrix (one Triton launch). Its backward is written out: dm = dg / n and, with the exact norm,
-c = dn / (2n), dn = −dg·m / n², dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j,
-dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ:
-a frozen W is read once forward (W·A) and once backward (Wᵀ times an out × r matrix), and no
-out × in matrix is formed. ``detached``: the norm is a constant in backward (dm only). The norm
-runs in float32 (a 16-bit W and A are read as they are stored, their products accumulated in
-float32; a float64 W in float64); g and n come in that dtype.
+Gram matrix (one Triton launch). Its backward is written out (one Triton launch, a trained W's dW
+aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
+dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
+trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
+(Wᵀ times an out × r matrix), and no out × in matrix is formed. ``detached``: the norm is a
+constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are read as they are
+stored, their products accumulated in float32; a float64 W in float64); g and n come in that dtype.
 
 ``ScaleBiasFunction`` gives y = g ⊙ z + b in one launch, and its backward dz = dy ⊙ g,
 dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one Triton launch (four torch ops). It keeps z (N × out) for dg.
@@ -104,9 +104,10 @@ class DoRAScaleFunction(torch.autograd.Function):
     """g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module docstring). Inputs: weight
     (out × in), weight_sq (‖W_j‖², float32) or None (taken from W: a trained W), A (in × r), B
     (r × out), m (out), scale, exact (differentiate through the norm), path (``norm_path``).
-    Backward: dm, and with the exact norm dB and c ⊙ Bᵀ, in one Triton launch (torch ops: dm one,
-    c, dB and c ⊙ Bᵀ three more); then dA in three (two r-wide products and one ``addmm`` over Wᵀ),
-    and dW for a trained W."""
+    Backward on the Triton path: dm, and with the exact norm dB and dA, in one launch (it gives
+    c ⊙ Bᵀ too where a trained W needs dW, which torch ops take from it). Torch ops: dm one; c, dB
+    and c ⊙ Bᵀ three more; dA three (two r-wide products and one ``addmm`` over Wᵀ); dW for a
+    trained W."""
 
     @staticmethod
     def forward(ctx, weight, weight_sq, A, B, m, scale, exact, path):
@@ -140,9 +141,14 @@ class DoRAScaleFunction(torch.autograd.Function):
         acc = n.dtype
         dg = grad_g if grad_g.dtype is acc else grad_g.to(acc)
         grad_w = grad_a = grad_b = grad_m = cb = None
-        if ctx.path == TRITON:  # dm, dB and c ⊙ Bᵀ in one launch
-            grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
-                                                             need_b=need_b, need_cb=need_a or need_w)
+        if ctx.path == TRITON:
+            dg = dg.contiguous()  # the kernels read dg's elements one after the other
+            if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in one launch
+                grad_m, grad_b, grad_a, cb = triton_norm().dora_exact_bwd(
+                    dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
+            else:  # dm, dB and c ⊙ Bᵀ in one launch
+                grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
+                                                                 need_b=need_b, need_cb=need_w)
         else:
             if need_m:
                 grad_m = cast(dg / n, m_dt)
@@ -152,13 +158,13 @@ class DoRAScaleFunction(torch.autograd.Function):
                     grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
                 if need_a or need_w:
                     cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
-        if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
-            gram = cast(A, acc) @ (cast(B, acc) @ cb)
-            if w_dt is acc:
-                grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
-            else:  # a 16-bit W: read as it is stored
-                grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
-            grad_a = cast(grad_a, a_dt)
+            if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
+                gram = cast(A, acc) @ (cast(B, acc) @ cb)
+                if w_dt is acc:
+                    grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
+                else:  # a 16-bit W: read as it is stored
+                    grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
+                grad_a = cast(grad_a, a_dt)
         if need_w:  # a trained W (the head): 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ, out × in anyway
             w_c = cast(weight, acc) * (dg * cn)[:, None]
             grad_w = cast(torch.addmm(w_c, cb, cast(A, acc).t(), beta=2, alpha=2 * s), w_dt)

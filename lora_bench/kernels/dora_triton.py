@@ -1,17 +1,23 @@
 """The Triton kernels of DoRA in the fused layer (:mod:`lora_bench.kernels.dora`). ``dora_norm``: for
 W (out × in), A (in × r), B (r × out), m (out) and the scale s, one launch gives n_j =
 ‖W_j + s·(A·B)_j‖, g = m / n and what the exact backward reads (−m / (2n³), and
-2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32; ``dora_norm_bwd`` the elementwise part of its
-backward (dm, dB and c ⊙ Bᵀ) in one launch. ``scale_bias_fwd`` / ``scale_bias_bwd``:
-y = g ⊙ z + b in one launch, and dz = dy ⊙ g, dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one.
+2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32; ``dora_exact_bwd`` the exact norm's backward
+(dm, dB and dA, and c ⊙ Bᵀ for a trained W's dW) in one launch; ``dora_norm_bwd`` its elementwise
+part alone (dm; dB and c ⊙ Bᵀ where dA is not asked for) in one. ``scale_bias_fwd`` /
+``scale_bias_bwd``: y = g ⊙ z + b in one launch, and dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
+db = Σ_rows dy in one.
 
 Each program owns a block of output rows and runs over K once: W·A accumulated for its rows, ‖W_j‖²
 from the same W tiles (so a frozen W needs no stored row norms here), and A's Gram matrix AᵀA
 recomputed from the same A tiles (in × r² multiply-adds per program: far less than its W·A's
 rows × in × r); then Bᵀ·AᵀA, the dot products with Bᵀ and the root. W is read once, A once per
-program (it stays in L2). The scale's backward: each program owns a block of columns and runs
-down the rows, so dg and db are summed without atomics. This module imports Triton; import it
-lazily (``dora.triton_norm``)."""
+program (it stays in L2). The exact backward turns it round: each program owns a block of A's rows
+and runs over all outputs once, summing Wᵀ·(c ⊙ Bᵀ) for its rows from W's tiles as stored and
+recomputing B·diag(c)·Bᵀ (r × r, out × r² multiply-adds per program) from the same B tiles, so W
+is read once and dA needs no second launch; dm, dB and c ⊙ Bᵀ are elementwise in the outputs, each
+block of them written by one program on its way. The scale's backward: each program owns a block
+of columns and runs down the rows, so dg and db are summed without atomics. This module imports
+Triton; import it lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
 
@@ -70,7 +76,7 @@ def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, 
                           stride_vr, stride_vn, stride_br, stride_bn, stride_gr, stride_gn, stride_cn, stride_cr,
                           NEED_M: tl.constexpr, NEED_B: tl.constexpr, NEED_CB: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    # dm = dg / n; with c = dg · (−m / (2n³)): dB = vᵀ ⊙ c and c ⊙ Bᵀ (out × r, for dA and dW)
+    # dm = dg / n; with c = dg · (−m / (2n³)): dB = vᵀ ⊙ c and c ⊙ Bᵀ (out × r, for dW)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
@@ -89,6 +95,57 @@ def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, 
             b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn, mask=mask,
                         other=0.0).to(tl.float32)
             tl.store(cb_ptr + offs_n[None, :] * stride_cn + offs_r[:, None] * stride_cr, b * c[None, :], mask=mask)
+
+
+@triton.jit
+def _dora_exact_bwd_kernel(
+    dg_ptr, n_ptr, cn_ptr, vt_ptr, w_ptr, a_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, ga_ptr,
+    N, K, R,
+    stride_vr, stride_vn, stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn,
+    stride_gr, stride_gn, stride_cn, stride_cr, stride_gak, stride_gar, scale,
+    PRECISION: tl.constexpr, PRECISION_F32: tl.constexpr, NEED_M: tl.constexpr, NEED_B: tl.constexpr,
+    NEED_CB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) for a block of A's rows, c ⊙ Bᵀ rebuilt per block of
+    # outputs; each block of outputs also gets dm, dB (and c ⊙ Bᵀ) from one program, the pid ≡ block one
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_k = pid * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    k_mask = offs_k < K
+    r_mask = offs_r < R
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)  # Wᵀ·(c ⊙ Bᵀ) for this program's rows
+    bcb = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)  # B·diag(c)·Bᵀ, summed alike in every program
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        nr_mask = n_mask[:, None] & r_mask[None, :]
+        dg = tl.load(dg_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        c = dg * tl.load(cn_ptr + offs_n, mask=n_mask, other=0.0)  # outputs past N: c = 0, summed
+        bt = tl.load(b_ptr + offs_r[None, :] * stride_br + offs_n[:, None] * stride_bn, mask=nr_mask,
+                     other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
+        cb = bt * c[:, None]  # (BN, BR): c ⊙ Bᵀ
+        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # (BK, BN): Wᵀ's tile, as stored
+        acc = tl.dot(wt, cb.to(wt.dtype), acc, input_precision=PRECISION)
+        bcb = tl.dot(tl.trans(bt), cb, bcb, input_precision=PRECISION_F32)
+        own = n_mask & ((offs_n // BLOCK_N) % nprog == pid)  # one writer for each output: this block's
+        own_r = own[:, None] & r_mask[None, :]
+        if NEED_M:
+            nrm = tl.load(n_ptr + offs_n, mask=own, other=1.0)
+            tl.store(gm_ptr + offs_n, (dg / nrm).to(gm_ptr.dtype.element_ty), mask=own)
+        if NEED_B:
+            v = tl.load(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, mask=own_r, other=0.0)
+            tl.store(gb_ptr + offs_r[None, :] * stride_gr + offs_n[:, None] * stride_gn,
+                     (v * c[:, None]).to(gb_ptr.dtype.element_ty), mask=own_r)
+        if NEED_CB:
+            tl.store(cb_ptr + offs_n[:, None] * stride_cn + offs_r[None, :] * stride_cr, cb, mask=own_r)
+    kr_mask = k_mask[:, None] & r_mask[None, :]
+    a = tl.load(a_ptr + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar, mask=kr_mask,
+                other=0.0).to(tl.float32)
+    ga = (2.0 * scale) * acc + (2.0 * scale * scale) * tl.dot(a, bcb, input_precision=PRECISION_F32)
+    tl.store(ga_ptr + offs_k[:, None] * stride_gak + offs_r[None, :] * stride_gar, ga.to(ga_ptr.dtype.element_ty),
+             mask=kr_mask)
 
 
 @triton.jit
@@ -184,6 +241,40 @@ def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch
            (need_m, need_b, need_cb, bn, block_r(r)), tag="dora_norm_bwd", num_warps=4, num_stages=1)
     return gm, gb, cb
 
+def exact_bwd_config(device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_N, num_warps, num_stages) of ``dora_exact_bwd``: 32 rows of A per program (768
+    inputs give 24 programs, 1600 give 50), 64 outputs per step over all of them; the interpreter
+    takes 16 × 16 tiles, so its tests cross every mask."""
+    return (32, 64, 4, 3) if device.type == "cuda" else (16, 16, 4, 1)
+
+
+def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
+                   a: torch.Tensor, b: torch.Tensor, scale: float, *, m_dtype: torch.dtype, need_m: bool,
+                   need_b: bool, need_cb: bool) -> tuple[torch.Tensor | None, ...]:
+    """The exact norm's backward in one launch, from ``dora_norm``'s outputs and dg (out, float32),
+    with W (out × in, as stored), A (in × r) and B (r × out): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c
+    in B's dtype, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) in A's dtype, c ⊙ Bᵀ (out × r, float32,
+    for a trained W's dW)) with c = dg · cn, dm, dB and c ⊙ Bᵀ None where not asked for. A 16-bit W
+    is multiplied by c ⊙ Bᵀ rounded to W's dtype (as torch's ``W.t() @ cb`` does); fp32 products
+    follow torch's matmul precision; all sums in float32."""
+    out, k = weight.shape
+    r = a.shape[1]
+    assert a.shape[0] == k and b.shape == (r, out) and vt.shape == (r, out), (weight.shape, a.shape, b.shape)
+    gm = _alloc((out,), dg, m_dtype) if need_m else None
+    gb = _alloc((r, out), dg, b.dtype) if need_b else None
+    cb = _alloc((out, r), dg, torch.float32) if need_cb else None
+    ga = _alloc((k, r), a)
+    bk, bn, warps, stages = exact_bwd_config(weight.device)
+    gs = gb.stride() if need_b else (0, 0)
+    cs = cb.stride() if need_cb else (0, 0)
+    launch(_dora_exact_bwd_kernel, (triton.cdiv(k, bk), 1, 1),
+           (dg, n, cn, vt, weight, a, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg, ga),
+           (out, k, r, *vt.stride(), *weight.stride(), *a.stride(), *b.stride(), *gs, *cs, *ga.stride()),
+           (float(scale),),
+           (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, bk, bn, block_r(r)),
+           tag="dora_norm_exact_bwd", num_warps=warps, num_stages=stages)
+    return gm, gb, ga, cb
+
 
 def _elementwise_config(device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the scale's kernels: 32 × 64 tiles on a GPU (32 columns a program in
@@ -220,4 +311,5 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     return dz, dg, db
 
 
-__all__ = ["dora_norm", "dora_norm_bwd", "norm_config", "scale_bias_bwd", "scale_bias_fwd"]
+__all__ = ["dora_exact_bwd", "dora_norm", "dora_norm_bwd", "exact_bwd_config", "norm_config", "scale_bias_bwd",
+           "scale_bias_fwd"]

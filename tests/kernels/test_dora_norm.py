@@ -3,27 +3,33 @@
 On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
 and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
 given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
-values; the scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``; the
-layer with both against ``LinearWithDoRA`` in float64. GPU
-tests (``-m gpu``): the norm kernel at GPT-2 shapes; the layer in float32, under bfloat16
-autocast and in bfloat16, eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
+values; the exact backward's kernel (dm, dB, dA and c ⊙ Bᵀ in one launch) alike, ranks 1 to 64; the
+scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``; the layer with them
+all against ``LinearWithDoRA`` in float64 (a trained base too); what one layer launches beyond a
+fused LoRA layer, forward and backward, held to docs/variants.md's table. GPU tests (``-m gpu``):
+the norm kernel and the exact backward's at GPT-2 shapes, the latter replayed from a CUDA graph as
+well; the layer in float32, under bfloat16 autocast and in bfloat16, eager and replayed from a CUDA
+graph, against ``LinearWithDoRA`` in float64.
 
 Tolerances (tests/numerics.py): the kernel multiplies its operands exactly and sums in float32, so
 each result is ``dot_tol(float32, chain)``: W·A sums k terms, Bᵀ·AᵀA k then r, n k, then r for the
-dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more. The layer: float32
+dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more; the exact
+backward's as ``_bwd_bounds`` counts them (16-bit: its roundings to the parameters' dtype). The layer: float32
 ``dot_tol`` over ``dora_chain``; 16-bit as tests/lora/test_dora_kernel.py derives it,
 ``rounded_input_tol(bfloat16, 8)``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from numerics import ROOT, dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
 
 from lora_bench.kernels.policy import record_plans
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
@@ -69,10 +75,65 @@ def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
     return {name: rel_err(got[name], want[name]) for name in want}
 
 
+# the exact backward's kernel: (out, in, r, operand dtype, W and A stored transposed); 16 × 16 tiles in
+# the interpreter: fewer programs than blocks of outputs (each program writes several) and more
+BWD_CASES = [
+    (53, 37, 1, "fp32", False), (29, 100, 7, "fp32", True), (70, 45, 16, "fp16", False),
+    (17, 130, 64, "fp16", True), (100, 33, 64, "fp32", False), (16, 16, 7, "fp32", False),
+]
+BWD_NEEDS = ((True, True, True), (False, False, False))  # (dm, dB, c ⊙ Bᵀ): all, or dA alone
+
+
+def _bwd_operands(out: int, k: int, r: int, dtype: torch.dtype, device, s: float, transposed: bool = False):
+    """dg, n, cn, vᵀ (float32: the exact norm's at scale s, of W, A, B), W, A, B (``dtype``); m's dtype."""
+    w, a, b, m = _operands(out, k, r, dtype, device, transposed)
+    norm = _float64_norm(w, a, b, m, s)
+    dg = fresh(out, device=device, dtype=torch.float32)
+    return dict(dg=dg, n=norm["n"].float(), cn=norm["cn"].float(), vt=norm["vt"].float().contiguous(), weight=w,
+                a=a, b=b), m.dtype
+
+
+def _float64_exact_bwd(ops: dict, s: float) -> dict[str, torch.Tensor]:
+    DG, N, CN, VT, W, A, B = (ops[k].double() for k in ("dg", "n", "cn", "vt", "weight", "a", "b"))
+    c = DG * CN
+    cb = c[:, None] * B.t()
+    return {"dm": DG / N, "dB": VT * c, "dA": 2 * s * W.t() @ cb + 2 * s * s * A @ (B @ cb), "cb": cb}
+
+
+def _bwd_errors(ops: dict, m_dtype: torch.dtype, s: float, needs: tuple[bool, bool, bool]) -> dict[str, float]:
+    """``dora_exact_bwd``'s outputs against float64 on the same values: dm, dB, dA, c ⊙ Bᵀ where asked
+    for (None where not), each in its dtype."""
+    from lora_bench.kernels.dora_triton import dora_exact_bwd
+
+    need_m, need_b, need_cb = needs
+    got = dict(zip(("dm", "dB", "dA", "cb"), dora_exact_bwd(
+        *ops.values(), s, m_dtype=m_dtype, need_m=need_m, need_b=need_b, need_cb=need_cb)))
+    asked = {"dm": need_m, "dB": need_b, "dA": True, "cb": need_cb}
+    assert all((got[name] is None) is not asked[name] for name in got), got
+    dtypes = {"dm": m_dtype, "dB": ops["b"].dtype, "dA": ops["a"].dtype, "cb": torch.float32}
+    assert all(got[name].dtype is dtypes[name] for name in got if asked[name])
+    want = _float64_exact_bwd(ops, s)
+    return {name: rel_err(got[name], want[name]) for name in got if asked[name]}
+
+
+def _bwd_bounds(out: int, r: int, dtype: torch.dtype) -> dict[str, float]:
+    """dm: a division (and the store in m's dtype); dB and c ⊙ Bᵀ: c, then a product (and the store in
+    B's dtype); dA sums over the outputs (out terms; B·diag(c)·Bᵀ out, then A times it r), after c and
+    c ⊙ Bᵀ and before the two scaled terms' sum: ``dot_tol(float32, out + r + 4)``; with a 16-bit W,
+    c ⊙ Bᵀ is rounded to W's dtype for the product and dA to A's: two roundings of that dtype more."""
+    if dtype is torch.float32:
+        return {"dm": dot_tol(dtype, 1), "dB": dot_tol(dtype, 2), "dA": dot_tol(dtype, out + r + 4),
+                "cb": dot_tol(dtype, 2)}
+    return {"dm": rounded_input_tol(dtype, 1), "dB": rounded_input_tol(dtype, 1),
+            "dA": rounded_input_tol(dtype, 2) + dot_tol(torch.float32, out + r + 4),
+            "cb": dot_tol(torch.float32, 2)}
+
+
 # the fused DoRA layer, its norm and scale in the Triton kernels: (in, out, rows, r, detached norm,
-# parameter dtype: float16 for the 16-bit paths, the stand-in for bfloat16 here)
-LAYER_CASES = ([(37, 53, 7, r, detach, "fp32") for r in (1, 16, 64) for detach in (False, True)]
-               + [(96, 80, 15, 7, False, "fp32"), (37, 53, 7, 16, False, "fp16"), (40, 24, 9, 5, True, "fp16")])
+# parameter dtype: float16 for the 16-bit paths, the stand-in for bfloat16 here, a trained base)
+LAYER_CASES = ([(37, 53, 7, r, detach, "fp32", False) for r in (1, 16, 64) for detach in (False, True)]
+               + [(96, 80, 15, 7, False, "fp32", False), (37, 53, 7, 16, False, "fp16", False),
+                  (40, 24, 9, 5, True, "fp16", False), (37, 5, 9, 7, False, "fp32", True)])
 # the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
@@ -99,8 +160,10 @@ def _scale_errors(batch, out: int, bias: bool, dt: str, summed: bool) -> dict[st
 
 
 def _interp_main() -> None:
-    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales and every SCALE_CASES case,
-    outputs NaN-poisoned; one JSON line each with the errors against float64."""
+    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales, every BWD_CASES case with
+    each of BWD_NEEDS, every SCALE_CASES and LAYER_CASES case, outputs NaN-poisoned: one JSON line
+    each with the errors against float64; and one line each for what a layer launches (``_launches``)
+    with the exact and the detached norm."""
     from lora_bench.kernels import lora_triton
 
     lora_triton.POISON_OUTPUTS = True
@@ -108,10 +171,17 @@ def _interp_main() -> None:
         for s in SCALES:
             w, a, b, m = _operands(out, k, r, DTYPE[dt], "cpu", transposed)
             print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
+    for i, (out, k, r, dt, transposed) in enumerate(BWD_CASES):
+        for needs in BWD_NEEDS:
+            ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cpu", SCALES[1], transposed)
+            print(json.dumps(dict(bwd_case=i, needs=needs, errs=_bwd_errors(ops, m_dtype, SCALES[1], needs))),
+                  flush=True)
     for i, case in enumerate(SCALE_CASES):
         print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
-    for i, (k, n, rows, r, detach, dt) in enumerate(LAYER_CASES):
-        layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
+    for detach in (False, True):
+        print(json.dumps(dict(launches="detached" if detach else "exact", **_launches(detach))), flush=True)
+    for i, (k, n, rows, r, detach, dt, trained) in enumerate(LAYER_CASES):
+        layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu", trained_base=trained)
         x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
         g = fresh(rows, n, device="cpu", dtype=torch.float32)
         with record_plans() as log:
@@ -129,7 +199,9 @@ def interp_runs():
     proc = run_interpreted(["-c", code])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(SCALE_CASES) + len(LAYER_CASES), proc.stdout[-3000:]
+    expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * len(BWD_NEEDS) + len(SCALE_CASES) + 2
+                + len(LAYER_CASES))
+    assert len(runs) == expected, proc.stdout[-3000:]
     return runs
 
 
@@ -141,6 +213,20 @@ def test_norm_kernel_under_the_triton_interpreter(interp_runs, i):
     for run in runs:
         for name, chain in _chains(k, r).items():
             assert run["errs"][name] <= dot_tol(torch.float32, chain), (run, name)
+
+
+@pytest.mark.parametrize("i", range(len(BWD_CASES)))
+def test_exact_backward_kernel_under_the_triton_interpreter(interp_runs, i):
+    """dm, dB, dA and c ⊙ Bᵀ in one launch against float64 (``_bwd_bounds``), outputs NaN-poisoned:
+    every one written, each exactly once whatever the count of programs; dA alone as well."""
+    out, k, r, dt, transposed = BWD_CASES[i]
+    runs = [run for run in interp_runs if run.get("bwd_case") == i]
+    assert sorted(tuple(run["needs"]) for run in runs) == sorted(BWD_NEEDS)
+    bounds = _bwd_bounds(out, r, DTYPE[dt])
+    for run in runs:
+        assert set(run["errs"]) == ({"dm", "dB", "dA", "cb"} if run["needs"][0] else {"dA"}), run
+        for name, err in run["errs"].items():
+            assert err <= bounds[name], (run, name, bounds[name])
 
 
 @pytest.mark.parametrize("i", range(len(SCALE_CASES)))
@@ -165,11 +251,11 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
     """The layer with its norm and scale in the Triton kernels against ``LinearWithDoRA`` in float64,
     within the float32 bound of its torch path (the kernels sum in float32 as torch does); the run
     notes the Triton path. Float16 parameters: ``rounded_input_tol(float16, 8)``, as for bfloat16."""
-    k, n, rows, r, detach, dt = LAYER_CASES[i]
+    k, n, rows, r, detach, dt, trained = LAYER_CASES[i]
     (run,) = [run for run in interp_runs if run.get("layer_case") == i]
     assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
-    assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
+    assert set(run["errs"]) == {"y", "x", "A", "B", "m"} | ({"W", "b"} if trained else set()), run
     for name, err in run["errs"].items():
         assert err <= bound, (run, name, bound)
 
@@ -177,13 +263,14 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
 # ------------------------------------------------------------------ the layer (interpreter and GPU)
 
 
-def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool,
-                device: str = "cuda") -> LinearWithDoRAKernel:
-    """A fused DoRA layer on ``device`` in ``dtype``, B and m moved off their start."""
+def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool, device: str = "cuda",
+                trained_base: bool = False) -> LinearWithDoRAKernel:
+    """A fused DoRA layer on ``device`` in ``dtype``, B and m moved off their start; its base frozen
+    unless ``trained_base`` (the head)."""
     linear = nn.Linear(k, n)
     with torch.no_grad():
         linear.weight.copy_(fresh(n, k, device="cpu", dtype=torch.float32, scale=k ** -0.5))
-    layer = LinearWithDoRAKernel(linear.requires_grad_(False), r, 1.5, detach_norm=detach)
+    layer = LinearWithDoRAKernel(linear.requires_grad_(trained_base), r, 1.5, detach_norm=detach)
     with torch.no_grad():
         layer.lora.B.copy_(fresh(r, n, device="cpu", dtype=torch.float32, scale=r ** -0.5))
         layer.m.mul_(1 + 0.1 * torch.rand_like(layer.m))
@@ -198,9 +285,15 @@ def _float64_layer(layer: LinearWithDoRAKernel) -> LinearWithDoRA:
 
 
 def _grads(layer, x, g):
+    """y and the gradients of x, A, B, m and, for a trained base, W and b (``GRADS``' order)."""
     wrt = [x, layer.lora.A, layer.lora.B, layer.m]
+    if layer.linear.weight.requires_grad:
+        wrt += [layer.linear.weight, layer.linear.bias]
     y = layer(x)
     return (y, *torch.autograd.grad(y, wrt, g.to(y.dtype)))
+
+
+GRADS = ("y", "x", "A", "B", "m", "W", "b")
 
 
 def _layer_bound(mode: str, k: int, n: int, r: int, rows: int) -> float:
@@ -210,12 +303,152 @@ def _layer_bound(mode: str, k: int, n: int, r: int, rows: int) -> float:
 def _float64_errors(layer, x, g, outs) -> dict[str, float]:
     """Each of ``_grads``' results against ``LinearWithDoRA`` in float64 with the layer's values."""
     want = _grads(_float64_layer(layer), x.detach().double().requires_grad_(), g.double())
-    return {name: rel_err(got, w) for name, got, w in zip(("y", "x", "A", "B", "m"), outs, want)}
+    assert len(outs) == len(want)
+    return {name: rel_err(got, w) for name, got, w in zip(GRADS, outs, want)}
 
 
 def _assert_float64(layer, x, g, outs, bound: float, what: str) -> None:
     for name, err in _float64_errors(layer, x, g, outs).items():
         assert err <= bound, (what, name, err, bound)
+
+
+# ------------------------------------------------------------------ what one layer launches
+
+LAUNCH_TABLE = "| | forward | backward, exact norm | backward, detached norm |"
+LAUNCH_ROWS = {"dora_norm": "the norm", "dora_scale": "the scale"}  # a kernel's tag starts with its row's key
+
+
+def _gradient_counter(y: torch.Tensor) -> tuple[dict, list]:
+    """Hooks on every node of y's graph counting the gradients (not None) each input of a node (a
+    leaf's accumulator too) receives in backward: autograd sums all but one of them. Returns the
+    counts (filled by the backward) and the hooks' handles."""
+    counts: dict = {}
+    handles, seen, todo = [], set(), [y.grad_fn]
+
+    def count(fn):
+        def hook(grad_inputs, grad_outputs):
+            for edge, grad in zip(fn.next_functions, grad_inputs):
+                if edge[0] is not None and grad is not None:
+                    counts[edge] = counts.get(edge, 0) + 1
+        return hook
+
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        handles.append(fn.register_hook(count(fn)))
+        todo.extend(edge[0] for edge in fn.next_functions)
+    return counts, handles
+
+
+@contextlib.contextmanager
+def _dora_torch_ops():
+    """The aten ops that compute (no views, no allocations) DoRA's own functions (``DoRAScaleFunction``
+    and ``ScaleBiasFunction``, forward and backward) run in the block outside their Triton launches,
+    by name: the list yielded."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora_bench.kernels import dora, dora_triton
+
+    aten = torch.ops.aten
+    free = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.full, aten.new_full}
+    ops, state = [], {"inside": 0, "launching": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if state["inside"] and not state["launching"] and not func.is_view and func.overloadpacket not in free:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def within(key, fn):
+        def run(*args, **kwargs):
+            state[key] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state[key] -= 1
+        return run
+
+    wrapped = [(dora_triton, "launch", None)] + [(cls, name, staticmethod) for cls, names in (
+        (dora.DoRAScaleFunction, ("forward", "_backward")), (dora.ScaleBiasFunction, ("forward", "backward")))
+        for name in names]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
+    try:
+        for owner, name, wrap in wrapped:
+            fn = within("launching" if wrap is None else "inside", getattr(owner, name))
+            setattr(owner, name, fn if wrap is None else wrap(fn))
+        with Count():
+            yield ops
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def _launches(detach: bool) -> dict:
+    """The Triton launches (tags) of one fused DoRA layer's forward and backward, the torch ops its
+    own functions run besides, and autograd's sums in its backward, beside a fused LoRA layer's over
+    the same linear layer."""
+    from lora_bench.kernels import lora_triton, triton_launch
+    from lora_bench.lora import LinearWithLoRAKernel
+
+    lora_triton.POISON_OUTPUTS = False  # (allocations only: the count is the same either way)
+    dora = _dora_layer(37, 53, 7, dtype=torch.float32, detach=detach, device="cpu")
+    lora = LinearWithLoRAKernel(copy.deepcopy(dora.linear), 7, 1.5)
+    x = fresh(9, 37, device="cpu", dtype=torch.float32).requires_grad_()
+    g = fresh(9, 53, device="cpu", dtype=torch.float32)
+    counts = {}
+    for name, layer in (("dora", dora), ("lora", lora)):
+        with triton_launch.recording() as fwd, _dora_torch_ops() as fwd_ops:
+            y = layer(x)
+        grads, hooks = _gradient_counter(y)
+        with triton_launch.recording() as bwd, _dora_torch_ops() as bwd_ops:
+            y.backward(g)
+        for hook in hooks:
+            hook.remove()
+        counts[name] = dict(forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd],
+                            torch_ops=dict(forward=fwd_ops, backward=bwd_ops), sums=sum(n - 1 for n in grads.values()))
+    lora_triton.POISON_OUTPUTS = True
+    return counts
+
+
+def _docs_launch_table() -> dict[str, list[int]]:
+    """docs/variants.md's table of what a fused DoRA layer launches beyond LoRA: each row's leading
+    numbers (an empty cell: 0) in its columns forward, backward exact, backward detached."""
+    text = (ROOT / "docs" / "variants.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in text[text.index(LAUNCH_TABLE):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        name, *cells = (cell.strip().strip("*") for cell in line.strip().strip("|").split("|"))
+        rows[name] = [int(re.match(r"\d*", cell).group() or 0) for cell in cells]
+    return rows
+
+
+def _beyond_lora(run: dict, phase: str) -> dict[str, int]:
+    """One phase's launches of the DoRA layer beyond the LoRA layer's, per row of the docs' table."""
+    dora, lora = run["dora"], run["lora"]
+    assert dora["torch_ops"][phase] == [], run  # DoRA's functions launch nothing but their Triton kernels
+    tags = [tag for tag in dora[phase] if tag.startswith("dora_")]
+    assert [tag for tag in dora[phase] if tag not in tags] == lora[phase], run  # the LoRA op's own
+    rows = {row: sum(tag.startswith(key) for tag in tags) for key, row in LAUNCH_ROWS.items()}
+    assert sum(rows.values()) == len(tags), tags
+    rows["autograd's sums"] = dora["sums"] - lora["sums"] if phase == "backward" else 0
+    rows["more than LoRA"] = sum(rows.values())
+    return rows
+
+
+def test_one_layer_launches_what_the_docs_state(interp_runs):
+    """The Triton launches of one fused DoRA layer (its norm and scale kernels, tagged; its functions
+    run no torch op that computes) and autograd's sums of A's and B's gradients, forward and backward
+    with the exact and the detached norm, beyond a fused LoRA layer's: docs/variants.md's table, row
+    by row."""
+    runs = {run["launches"]: run for run in interp_runs if "launches" in run}
+    assert _beyond_lora(runs["exact"], "forward") == _beyond_lora(runs["detached"], "forward")
+    columns = [_beyond_lora(runs["exact"], "forward"), _beyond_lora(runs["exact"], "backward"),
+               _beyond_lora(runs["detached"], "backward")]
+    measured = {row: [column[row] for column in columns] for row in columns[0]}
+    assert _docs_launch_table() == measured
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -234,6 +467,63 @@ def test_gpu_norm_kernel_matches_float64(dt, out, k, r, monkeypatch):
         errs = _kernel_errors(w, a, b, m, s)
         for name, chain in _chains(k, r).items():
             assert errs[name] <= dot_tol(torch.float32, chain), (name, errs)
+
+
+# GPT-2's adapted layers (out, in): 124M's attention, its projection and MLP; 1558M's MLP both ways
+GPT2_BWD_SHAPES = [(2304, 768, 16), (768, 768, 16), (3072, 768, 16), (768, 3072, 16), (6400, 1600, 16),
+                   (1600, 6400, 64), (770, 768, 1)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("out, k, r", GPT2_BWD_SHAPES)
+def test_gpu_exact_backward_kernel_matches_float64(dt, out, k, r, monkeypatch):
+    """dm, dB, dA and c ⊙ Bᵀ of ``dora_exact_bwd`` at GPT-2's shapes, outputs NaN-poisoned; dA alone too."""
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    bounds = _bwd_bounds(out, r, DTYPE[dt])
+    for s in SCALES:
+        ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
+        for needs in BWD_NEEDS:
+            for name, err in _bwd_errors(ops, m_dtype, s, needs).items():
+                assert err <= bounds[name], (name, err, bounds[name], s, needs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("out, k, r", [(2304, 768, 16), (6400, 1600, 16), (1600, 6400, 64)])
+def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
+    """``dora_exact_bwd`` captured in a CUDA graph (warm-up on a side stream): replays on fresh operands
+    copied into the captured buffers, outputs NaN-filled before each, match float64 every time."""
+    from lora_bench.kernels.dora_triton import dora_exact_bwd
+    from lora_bench.train.graphs import warm_up
+
+    s = SCALES[1]
+    ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
+
+    def call():
+        return dora_exact_bwd(*ops.values(), s, m_dtype=m_dtype, need_m=True, need_b=True, need_cb=True)
+
+    warm_up(call, 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call()
+    bounds = _bwd_bounds(out, r, DTYPE[dt])
+    for i in range(3):
+        fresh_ops, _ = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
+        with torch.no_grad():
+            for name, t in ops.items():
+                t.copy_(fresh_ops[name])
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _float64_exact_bwd(ops, s)
+        for name, got in zip(("dm", "dB", "dA", "cb"), outs):
+            assert rel_err(got, want[name]) <= bounds[name], (name, rel_err(got, want[name]), f"replay {i}")
 
 
 @pytest.mark.gpu
