@@ -10,8 +10,10 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from lora_bench.config.setting_rules import VARIANT_DEFAULTS
 from lora_bench.escaping import terminal
 from lora_bench.report.study_model import NOT_MEASURED, cause_of
+from lora_bench.results.schema import SETTING_PREFIX
 from lora_bench.timing import PHASES
 
 
@@ -52,6 +54,22 @@ class Summary:
             yield Text(line, no_wrap=True, overflow="fold")
 
 
+def variant_text(row: dict) -> str:
+    """The run's LoRA variant settings that differ from the reference's LoRA ("lora_variant=dora,
+    dora_norm=detached"), or "" for plain LoRA and for rows that predate them."""
+    defaults = {**VARIANT_DEFAULTS, "dora_norm": "exact"}
+    out = []
+    for name in ("lora_variant", "dora_norm", *(k for k in VARIANT_DEFAULTS if k != "lora_variant")):
+        plain = defaults[name]
+        value = row.get(SETTING_PREFIX + name)
+        if value is None or str(value) in ("", "nan"):
+            continue
+        number = _num(value) if isinstance(plain, float) else None
+        if (number if number is not None else str(value)) != plain:
+            out.append(f"{name}={value}")
+    return ", ".join(out)
+
+
 def cause_cell(busy: float | None) -> str:
     """'93 % GPU-bound' from a measured busy fraction; 'not measured' without one."""
     return NOT_MEASURED if busy is None else f"{100 * busy:.0f} % {cause_of(busy)}"
@@ -61,8 +79,10 @@ def phase_table(row: dict, *, busy: dict[str, float] | None = None, profile: str
     """Median [p10–p90] per phase, device and host, with each phase's measured cause (``busy``: the
     GPU's busy fraction per phase from the profiled repeat ``profile``); the run's summary under it."""
     clock = row.get("timing_clock") or "off"
+    variant = variant_text(row)
     title = (f"{row.get('run_id', '')}  ·  {row.get('model_size')} {row.get('trainable_layers')}"
-             f"  ·  {row.get('device', '')} {row.get('gpu_name') or ''}  ·  clock: {clock}")
+             + (f" ({variant})" if variant else "")
+             + f"  ·  {row.get('device', '')} {row.get('gpu_name') or ''}  ·  clock: {clock}")
     status = row.get("status")
     if status not in (None, "", "done"):  # a failed or interrupted run: say so before any number
         title += f"  ·  {status}" + (f": {row.get('error')}" if row.get("error") else "")

@@ -161,3 +161,25 @@ def test_a_profile_describes_only_runs_that_launch_its_kernels():
         older[column] = ""  # a row that predates the setting ran its default
         assert same_step(lora, older), column
         assert not same_step(changed, older), column
+
+
+def test_the_phase_table_names_a_runs_lora_variant():
+    """A DoRA, rsLoRA or LoRA+ run's table says so in its title; plain LoRA's and an older row's
+    (no variant columns) say nothing more."""
+    import io
+
+    from lora_bench.report.phase_table import variant_text
+    from lora_bench.results.schema import SETTING_PREFIX as P
+
+    plain = {P + "lora_variant": "lora", P + "dora_norm": "exact", P + "lora_scaling": "alpha",
+             P + "loraplus_lr_ratio": 1.0, P + "lora_init": "kaiming"}
+    assert variant_text(plain) == "" and variant_text({}) == ""
+    assert variant_text(plain | {P + "loraplus_lr_ratio": "1.0"}) == ""
+    dora = plain | {P + "lora_variant": "dora", P + "dora_norm": "detached", P + "loraplus_lr_ratio": 16.0}
+    assert variant_text(dora) == "lora_variant=dora, dora_norm=detached, loraplus_lr_ratio=16.0"
+    row = {"run_id": "r", "model_size": "124M", "trainable_layers": "lora-kernel", "timing_clock": "host",
+           "status": "done", **dora}
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(phase_table(row))
+    title = " ".join(buf.getvalue().split())  # the title wraps to the table's width
+    assert "124M lora-kernel (lora_variant=dora, dora_norm=detached, loraplus_lr_ratio=16.0)" in title
