@@ -484,6 +484,18 @@ def test_one_layer_launches_what_the_docs_state(interp_runs):
 # ----------------------------------------------------------------------------------- GPU
 
 
+def _capture(call):
+    """``call`` warmed up on a side stream (as a run's graphs are made) and captured in a CUDA graph:
+    (the graph, the outputs it writes)."""
+    from lora_bench.train.graphs import warm_up
+
+    warm_up(call, 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call()
+    return graph, outs
+
+
 # the forward kernel at GPT-2's shapes, a batch of 8 × 120 rows: (out, in, r, rows, bias dtype or None)
 GPT2_FWD_SHAPES = [(2304, 768, 16, 960, "fp32"), (768, 768, 16, 960, "fp32"), (3072, 768, 16, 960, None),
                    (768, 3072, 16, 960, "fp32"), (6400, 1600, 16, 960, "fp32"), (1600, 6400, 64, 333, None),
@@ -516,8 +528,6 @@ def test_gpu_forward_kernel_replayed_from_a_cuda_graph(dt, out, k, r, rows, bias
     """``dora_forward`` captured in a CUDA graph (warm-up on a side stream): replays on fresh z, W, A,
     B, m and bias copied into the captured buffers, outputs NaN-filled before each, match float64
     every time."""
-    from lora_bench.train.graphs import warm_up
-
     s = SCALES[1]
     w, a, b, m = _operands(out, k, r, DTYPE[dt], "cuda")
     z, bb = _fwd_operands(rows, out, bias, DTYPE[dt], "cuda")
@@ -525,10 +535,7 @@ def test_gpu_forward_kernel_replayed_from_a_cuda_graph(dt, out, k, r, rows, bias
     def call():
         return _fwd_kernel(z, w, a, b, m, bb, s)
 
-    warm_up(call, 2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call()
+    graph, outs = _capture(call)
     bounds = _fwd_bounds(k, r, DTYPE[dt])
     for i in range(3):
         (z2, bb2), (w2, a2, b2, m2) = _fwd_operands(rows, out, bias, DTYPE[dt], "cuda"), _operands(out, k, r, DTYPE[dt],
@@ -576,7 +583,6 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     """``dora_exact_bwd`` captured in a CUDA graph (warm-up on a side stream): replays on fresh operands
     copied into the captured buffers, outputs NaN-filled before each, match float64 every time."""
     from lora_bench.kernels.dora_triton import dora_exact_bwd
-    from lora_bench.train.graphs import warm_up
 
     s = SCALES[1]
     ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
@@ -584,10 +590,7 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     def call():
         return dora_exact_bwd(*ops.values(), s, m_dtype=m_dtype, need_m=True, need_b=True, need_cb=True)
 
-    warm_up(call, 2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call()
+    graph, outs = _capture(call)
     bounds = _bwd_bounds(out, r, DTYPE[dt])
     for i in range(3):
         fresh_ops, _ = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
@@ -607,7 +610,8 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
 @gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
 @pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1), (129, 640, 384, 64)])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (960, 768, 2304, 16), (333, 768, 770, 1),
+                                         (129, 640, 384, 64)])
 def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
     """Eager: float32 (exact products), bfloat16 autocast over float32 parameters, bfloat16 parameters;
     the norm ran in the Triton kernel."""
@@ -625,7 +629,7 @@ def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
 @gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 @pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1)])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (960, 768, 2304, 16), (333, 768, 770, 1)])
 def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k, n, r):
     """Forward and backward captured in a CUDA graph (warm-up on a side stream, as a run's graphs
     are made): replays on fresh x, A, B, m and output gradient copied into the captured buffers match
