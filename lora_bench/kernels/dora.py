@@ -40,9 +40,9 @@ def triton_norm():
 
 
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
-    """Where the norm of a layer call with this weight and A runs, noted in the plan log: ``triton``
-    (one launch) on CUDA, or under Triton's CPU interpreter, where Triton is there and the call
-    fits its kernel, else ``torch`` with the reason."""
+    """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
+    log: ``triton`` (one launch forward) on CUDA, or under Triton's CPU interpreter, where Triton is
+    there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
     why = None
