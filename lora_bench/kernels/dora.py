@@ -1,20 +1,18 @@
 """DoRA in the fused layer: y = g ⊙ z + b, with z = x·Wᵀ + s·(x·A)·B from the LoRA op and the per-output
 scale g = m / n, n_j = ‖W_j + s·(A·B)_j‖ (docs/variants.md#dora-in-the-fused-layer). ``dora_output``
-computes it, on the path ``norm_path`` chooses for the call (noted: ``PlanLog.dora``): ``triton``
-on CUDA (:mod:`lora_bench.kernels.dora_triton`), ``torch`` ops elsewhere.
+computes it with ``DoRAFunction``, on the path ``norm_path`` chooses for the call (noted:
+``PlanLog.dora``): ``triton`` on CUDA (:mod:`lora_bench.kernels.dora_triton`), ``torch`` ops elsewhere.
 
-``DoRAScaleFunction`` gives g. Its forward takes the norm without the merged weight: ‖W_j‖² (fixed
-while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩ from W·A (out × r) and ‖(A·B)_j‖² from A's r × r
-Gram matrix (one Triton launch). Its backward is written out (one Triton launch, a trained W's dW
-aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
+The norm needs no merged weight: ‖W_j‖² (fixed while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩
+from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram matrix. On the Triton path the norm and the
+scale are one launch forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
+db = Σ_rows dy (one Triton launch, four torch ops), then the norm's (one Triton launch, a trained W's
+dW aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
 dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
 trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
 (Wᵀ times an out × r matrix), and no out × in matrix is formed. ``detached``: the norm is a
 constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are read as they are
-stored, their products accumulated in float32; a float64 W in float64); g and n come in that dtype.
-
-``ScaleBiasFunction`` gives y = g ⊙ z + b in one launch, and its backward dz = dy ⊙ g,
-dg = Σ_rows dy ⊙ z, db = Σ_rows dy in one Triton launch (four torch ops). It keeps z (N × out) for dg.
+stored, their products accumulated in float32; a float64 W in float64). z (N × out) is kept for dg.
 """
 
 from __future__ import annotations
@@ -42,9 +40,9 @@ def triton_norm():
 
 
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
-    """Where the norm of a layer call with this weight and A runs, noted in the plan log: ``triton``
-    (one launch) on CUDA, or under Triton's CPU interpreter, where Triton is there and the call
-    fits its kernel, else ``torch`` with the reason."""
+    """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
+    log: ``triton`` (one launch forward) on CUDA, or under Triton's CPU interpreter, where Triton is
+    there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
     why = None
@@ -61,16 +59,6 @@ def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     return path
 
 
-def norm_outputs(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                 m: torch.Tensor, scale: float, path: str) -> tuple[torch.Tensor, ...]:
-    """What the norm's forward gives, in ``norm_dtype``: n (out), g = m / n (out), cn = −m / (2n³)
-    (out: dg·cn is the c of the module docstring) and vᵀ (r × out) with v = 2s·(W·A) + 2s²·(Bᵀ·AᵀA),
-    so that the exact backward's dB = vᵀ ⊙ c. ``path``: ``triton`` (one launch) or ``torch``."""
-    if path == TRITON:
-        return triton_norm().dora_norm(weight, a, b, m, scale)
-    return norm_torch(weight, weight_sq, a, b, m, scale)
-
-
 def norm_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the norm and its backward compute in: float32, or float64 for a float64 weight."""
     return torch.promote_types(weight.dtype, torch.float32)
@@ -78,7 +66,9 @@ def norm_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def norm_torch(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                m: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """``norm_outputs`` with torch ops: four products and a few elementwise ones."""
+    """The norm's forward with torch ops (four products and a few elementwise ones), in ``norm_dtype``:
+    n (out), g = m / n (out), cn = −m / (2n³) (out: dg·cn is the c of the module docstring) and vᵀ
+    (r × out) with v = 2s·(W·A) + 2s²·(Bᵀ·AᵀA), so that the exact backward's dB = vᵀ ⊙ c."""
     acc = norm_dtype(weight)
     bt = b.t().to(acc)  # (out, r)
     wa = (weight @ a).to(acc)  # (out, r): the one pass over W
@@ -100,130 +90,137 @@ def _traced_norm_path() -> str:
     return TORCH
 
 
-class DoRAScaleFunction(torch.autograd.Function):
-    """g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module docstring). Inputs: weight
-    (out × in), weight_sq (‖W_j‖², float32) or None (taken from W: a trained W), A (in × r), B
-    (r × out), m (out), scale, exact (differentiate through the norm), path (``norm_path``).
-    Backward on the Triton path: dm, and with the exact norm dB and dA, in one launch (it gives
-    c ⊙ Bᵀ too where a trained W needs dW, which torch ops take from it). Torch ops: dm one; c, dB
-    and c ⊙ Bᵀ three more; dA three (two r-wide products and one ``addmm`` over Wᵀ); dW for a
-    trained W."""
-
-    @staticmethod
-    def forward(ctx, weight, weight_sq, A, B, m, scale, exact, path):
-        s = float(scale)
-        dev = weight.device.type
-        with torch.autocast(dev, enabled=False):
-            n, g, cn, vt = norm_outputs(weight, weight_sq, A, B, m, s, path)
-        if exact:
-            ctx.save_for_backward(weight, A, B, n, cn, vt)
-        else:
-            ctx.save_for_backward(n)
-        ctx.scale, ctx.exact, ctx.dev, ctx.path = s, bool(exact), dev, path
-        ctx.dtypes = (weight.dtype, A.dtype, B.dtype, m.dtype)
-        return g
-
-    @staticmethod
-    def backward(ctx, grad_g):
-        return outside_autocast(DoRAScaleFunction._backward, ctx, grad_g)
-
-    @staticmethod
-    def _backward(ctx, grad_g):
-        need_w, _, need_a, need_b, need_m = ctx.needs_input_grad[:5]
-        w_dt, a_dt, b_dt, m_dt = ctx.dtypes
-        s = ctx.scale
-        if ctx.exact:
-            weight, A, B, n, cn, vt = ctx.saved_tensors
-        else:  # the norm is a constant: dm alone
-            (n,) = ctx.saved_tensors
-            need_w = need_a = need_b = False
-            cn = vt = B = n  # (unread)
-        acc = n.dtype
-        dg = grad_g if grad_g.dtype is acc else grad_g.to(acc)
-        grad_w = grad_a = grad_b = grad_m = cb = None
-        if ctx.path == TRITON:
-            dg = dg.contiguous()  # the kernels read dg's elements one after the other
-            if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in one launch
-                grad_m, grad_b, grad_a, cb = triton_norm().dora_exact_bwd(
-                    dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
-            else:  # dm, dB and c ⊙ Bᵀ in one launch
-                grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
-                                                                 need_b=need_b, need_cb=need_w)
-        else:
-            if need_m:
-                grad_m = cast(dg / n, m_dt)
-            if need_b or need_a or need_w:
-                c = dg * cn  # dn / (2n), dn = −dg·m / n²
-                if need_b:
-                    grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
-                if need_a or need_w:
-                    cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
-            if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
-                gram = cast(A, acc) @ (cast(B, acc) @ cb)
-                if w_dt is acc:
-                    grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
-                else:  # a 16-bit W: read as it is stored
-                    grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
-                grad_a = cast(grad_a, a_dt)
-        if need_w:  # a trained W (the head): 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ, out × in anyway
-            w_c = cast(weight, acc) * (dg * cn)[:, None]
-            grad_w = cast(torch.addmm(w_c, cb, cast(A, acc).t(), beta=2, alpha=2 * s), w_dt)
-        return grad_w, None, grad_a, grad_b, grad_m, None, None, None
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (..., n) as rows (N × n) whose elements lie one after the other (a copy only where not)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-class ScaleBiasFunction(torch.autograd.Function):
-    """y = g ⊙ z + b (z (..., out), g (out), b (out) or None), in z's dtype, one launch; backward
-    dz = dy ⊙ g, dg = Σ_rows dy ⊙ z and db = Σ_rows dy, summed in float32 (or float64): one Triton
-    launch (``path`` ``triton``: it reads g and b as they are), or four torch ops (and casts of g and
-    b to z's dtype in forward where they differ)."""
+class DoRAFunction(torch.autograd.Function):
+    """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module
+    docstring). Inputs: z (..., out) from the LoRA op, weight (out × in), weight_sq (‖W_j‖², float32)
+    or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
+    exact (differentiate through the norm), path (``norm_path``). y in z's dtype.
+
+    Triton path: forward one launch (``dora_forward``: the norm, then g ⊙ z + b, g and b read as they
+    are); backward the scale's launch (dz, dg, db), then the norm's: dm, and with the exact norm dB
+    and dA, in one launch (it gives c ⊙ Bᵀ too where a trained W needs dW, which torch ops take from
+    it). Torch ops: the norm four products and a few elementwise ops, the scale one ``addcmul`` (and
+    casts of g and b to z's dtype where they differ); backward the scale's four ops, then dm one; c,
+    dB and c ⊙ Bᵀ three more; dA three (two r-wide products and one ``addmm`` over Wᵀ); dW for a
+    trained W. Sums in float32 (or float64)."""
 
     @staticmethod
-    def forward(ctx, z, g, bias, path):
-        ctx.path = path
-        ctx.dtypes = (g.dtype, None if bias is None else bias.dtype)
+    def forward(ctx, z, weight, weight_sq, A, B, m, bias, scale, exact, path):
+        s = float(scale)
+        dev = weight.device.type
         if path == TRITON:
             z2 = _rows(z)
-            ctx.save_for_backward(z2, g)
-            return triton_norm().scale_bias_fwd(z2, g, bias).view(z.shape)
-        gz = cast(g, z.dtype)
-        ctx.save_for_backward(z, gz)
-        return z * gz if bias is None else torch.addcmul(cast(bias, z.dtype), z, gz)
+            y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, A, B, m, bias, s)
+            y, zs, gs = y.view(z.shape), z2, g
+        else:
+            with torch.autocast(dev, enabled=False):
+                n, g, cn, vt = norm_torch(weight, weight_sq, A, B, m, s)
+            zs, gs = z, cast(g, z.dtype)
+            y = z * gs if bias is None else torch.addcmul(cast(bias, z.dtype), z, gs)
+        if exact:
+            ctx.save_for_backward(zs, gs, weight, A, B, n, cn, vt)
+        else:
+            ctx.save_for_backward(zs, gs, n)
+        ctx.scale, ctx.exact, ctx.dev, ctx.path = s, bool(exact), dev, path
+        ctx.dtypes = (weight.dtype, A.dtype, B.dtype, m.dtype, None if bias is None else bias.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        z, gz = ctx.saved_tensors
-        g_dt, b_dt = ctx.dtypes
-        need_z, need_g, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and b_dt is not None
-        if ctx.path == TRITON:
-            dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z, need_db=need_b)
-            dz = None if dz is None else dz.view(dy.shape)
-        else:
-            dy = cast(dy, z.dtype)
-            rows = dy.reshape(-1, dy.shape[-1])
-            acc = torch.promote_types(z.dtype, torch.float32)
-            dz = dy * gz if need_z else None
-            dg = (rows * z.reshape(rows.shape)).sum(0, dtype=acc) if need_g else None
-            db = rows.sum(0, dtype=acc) if need_b else None
-        return dz, cast(dg, g_dt) if need_g else None, cast(db, b_dt) if need_b else None, None
+        return outside_autocast(DoRAFunction._backward, ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
+        need_z, need_w, _, need_a, need_b, need_m, need_bias = ctx.needs_input_grad[:7]
+        b_dt = ctx.dtypes[4]
+        need_bias = need_bias and b_dt is not None
+        z, gz, *norm = ctx.saved_tensors
+        if not ctx.exact:
+            need_w = need_a = need_b = False
+        need_g = need_m or need_w or need_a or need_b
+        dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
+        grad_w = grad_a = grad_b = grad_m = None
+        if need_g:
+            grad_w, grad_a, grad_b, grad_m = _norm_backward(ctx, norm, dg, need_w=need_w, need_a=need_a,
+                                                            need_b=need_b, need_m=need_m)
+        return dz, grad_w, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None
+
+
+def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tensor, *, need_z: bool, need_g: bool,
+                    need_bias: bool) -> tuple[torch.Tensor | None, ...]:
+    """y = g ⊙ z + b's backward: (dz = dy ⊙ g in z's dtype, dg = Σ_rows dy ⊙ z, db = Σ_rows dy, summed in
+    float32 or float64), None where not asked for; ``triton``: one launch (z as rows, g as stored;
+    it gives dg always), else four torch ops (``gz``: g in z's dtype)."""
+    if path == TRITON:
+        dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z, need_db=need_bias)
+        return None if dz is None else dz.view(dy.shape), dg, db
+    dy = cast(dy, z.dtype)
+    rows = dy.reshape(-1, dy.shape[-1])
+    acc = torch.promote_types(z.dtype, torch.float32)
+    dz = dy * gz if need_z else None
+    dg = (rows * z.reshape(rows.shape)).sum(0, dtype=acc) if need_g else None
+    db = rows.sum(0, dtype=acc) if need_bias else None
+    return dz, dg, db
+
+
+def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need_w: bool, need_a: bool,
+                   need_b: bool, need_m: bool) -> tuple[torch.Tensor | None, ...]:
+    """g = m / n's backward from dg: (dW, dA, dB, dm), None where not asked for (module docstring);
+    ``saved``: (W, A, B, n, cn, vᵀ) with the exact norm, (n,) with the detached one."""
+    w_dt, a_dt, b_dt, m_dt, _ = ctx.dtypes
+    s = ctx.scale
+    if ctx.exact:
+        weight, A, B, n, cn, vt = saved
+    else:  # the norm is a constant: dm alone
+        (n,) = saved
+        cn = vt = B = n  # (unread)
+    acc = n.dtype
+    dg = grad_g if grad_g.dtype is acc else grad_g.to(acc)
+    grad_w = grad_a = grad_b = grad_m = cb = None
+    if ctx.path == TRITON:
+        dg = dg.contiguous()  # the kernels read dg's elements one after the other
+        if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in one launch
+            grad_m, grad_b, grad_a, cb = triton_norm().dora_exact_bwd(
+                dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
+        else:  # dm, dB and c ⊙ Bᵀ in one launch
+            grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
+                                                             need_b=need_b, need_cb=need_w)
+    else:
+        if need_m:
+            grad_m = cast(dg / n, m_dt)
+        if need_b or need_a or need_w:
+            c = dg * cn  # dn / (2n), dn = −dg·m / n²
+            if need_b:
+                grad_b = cast(vt * c, b_dt)  # 2s·c ⊙ (W·A)ᵀ + 2s²·c ⊙ (Bᵀ·AᵀA)ᵀ
+            if need_a or need_w:
+                cb = c[:, None] * cast(B, acc).t()  # (out, r): c ⊙ Bᵀ
+        if need_a:  # 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ): the backward's one pass over W
+            gram = cast(A, acc) @ (cast(B, acc) @ cb)
+            if w_dt is acc:
+                grad_a = torch.addmm(gram, weight.t(), cb, beta=2 * s * s, alpha=2 * s)
+            else:  # a 16-bit W: read as it is stored
+                grad_a = gram.mul_(2 * s * s).add_(weight.t() @ cast(cb, w_dt), alpha=2 * s)
+            grad_a = cast(grad_a, a_dt)
+    if need_w:  # a trained W (the head): 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ, out × in anyway
+        w_c = cast(weight, acc) * (dg * cn)[:, None]
+        grad_w = cast(torch.addmm(w_c, cb, cast(A, acc).t(), beta=2, alpha=2 * s), w_dt)
+    return grad_w, grad_a, grad_b, grad_m
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
                 B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
                 exact: bool) -> torch.Tensor:
-    """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖: the norm (``DoRAScaleFunction``) and the scale
-    (``ScaleBiasFunction``) on the path ``norm_path`` chooses (noted). ``weight_sq``: ‖W_j‖² of a
-    frozen W (None: read from W)."""
+    """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ (``DoRAFunction``) on the path ``norm_path`` chooses
+    (noted). ``weight_sq``: ‖W_j‖² of a frozen W (None: read from W)."""
     path = norm_path(weight, A)
-    g = DoRAScaleFunction.apply(weight, weight_sq, A, B, m, scale, exact, path)
-    return ScaleBiasFunction.apply(z, g, bias, path)
+    return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "DoRAScaleFunction", "ScaleBiasFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
-           "norm_outputs", "norm_path", "norm_torch", "triton_norm"]
+__all__ = ["COMPILED", "DoRAFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype", "norm_path", "norm_torch",
+           "triton_norm"]

@@ -1,23 +1,24 @@
-"""The Triton kernels of DoRA in the fused layer (:mod:`lora_bench.kernels.dora`). ``dora_norm``: for
-W (out × in), A (in × r), B (r × out), m (out) and the scale s, one launch gives n_j =
-‖W_j + s·(A·B)_j‖, g = m / n and what the exact backward reads (−m / (2n³), and
-2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out), all float32; ``dora_exact_bwd`` the exact norm's backward
-(dm, dB and dA, and c ⊙ Bᵀ for a trained W's dW) in one launch; ``dora_norm_bwd`` its elementwise
-part alone (dm; dB and c ⊙ Bᵀ where dA is not asked for) in one. ``scale_bias_fwd`` /
-``scale_bias_bwd``: y = g ⊙ z + b in one launch, and dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
-db = Σ_rows dy in one.
+"""The Triton kernels of DoRA in the fused layer (:mod:`lora_bench.kernels.dora`). ``dora_forward``:
+for z (M × out) from the LoRA op, W (out × in), A (in × r), B (r × out), m (out), the bias and the
+scale s, one launch gives y = g ⊙ z + b with g = m / n, n_j = ‖W_j + s·(A·B)_j‖, and what the
+backward reads (n, g, −m / (2n³), and 2s·(W·A)ᵀ + 2s²·(Bᵀ·AᵀA)ᵀ: r × out, all float32);
+``dora_exact_bwd`` the exact norm's backward (dm, dB and dA, and c ⊙ Bᵀ for a trained W's dW) in one
+launch; ``dora_norm_bwd`` its elementwise part alone (dm; dB and c ⊙ Bᵀ where dA is not asked for)
+in one; ``scale_bias_bwd`` the scale's backward, dz = dy ⊙ g, dg = Σ_rows dy ⊙ z, db = Σ_rows dy,
+in one.
 
-Each program owns a block of output rows and runs over K once: W·A accumulated for its rows, ‖W_j‖²
-from the same W tiles (so a frozen W needs no stored row norms here), and A's Gram matrix AᵀA
-recomputed from the same A tiles (in × r² multiply-adds per program: far less than its W·A's
-rows × in × r); then Bᵀ·AᵀA, the dot products with Bᵀ and the root. W is read once, A once per
-program (it stays in L2). The exact backward turns it round: each program owns a block of A's rows
-and runs over all outputs once, summing Wᵀ·(c ⊙ Bᵀ) for its rows from W's tiles as stored and
-recomputing B·diag(c)·Bᵀ (r × r, out × r² multiply-adds per program) from the same B tiles, so W
-is read once and dA needs no second launch; dm, dB and c ⊙ Bᵀ are elementwise in the outputs, each
-block of them written by one program on its way. The scale's backward: each program owns a block
-of columns and runs down the rows, so dg and db are summed without atomics. This module imports
-Triton; import it lazily (``dora.triton_norm``)."""
+The forward: each program owns a block of outputs and runs over K once: W·A accumulated for its
+rows of W, ‖W_j‖² from the same W tiles (so a frozen W needs no stored row norms here), and A's
+Gram matrix AᵀA recomputed from the same A tiles (in × r² multiply-adds per program: far less than
+its W·A's rows × in × r); then Bᵀ·AᵀA, the dot products with Bᵀ, the root and g; then it runs down
+all M rows of z writing its columns of y, so g never leaves the program before it scales z. W is
+read once, A once per program (it stays in L2), z once. The exact backward turns it round: each
+program owns a block of A's rows and runs over all outputs once, summing Wᵀ·(c ⊙ Bᵀ) for its rows
+from W's tiles as stored and recomputing B·diag(c)·Bᵀ (r × r, out × r² multiply-adds per program)
+from the same B tiles, so W is read once and dA needs no second launch; dm, dB and c ⊙ Bᵀ are
+elementwise in the outputs, each block of them written by one program on its way. The scale's
+backward: each program owns a block of columns and runs down the rows, so dg and db are summed
+without atomics. This module imports Triton; import it lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ from lora_bench.kernels.triton_launch import launch
 
 
 @triton.jit
-def _dora_norm_kernel(
-    w_ptr, a_ptr, b_ptr, m_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
-    N, K, R,
-    stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn, stride_vr, stride_vn, scale,
-    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+def _dora_fwd_kernel(
+    w_ptr, a_ptr, b_ptr, m_ptr, z_ptr, bias_ptr, y_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
+    N, K, R, M,
+    stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn, stride_vr, stride_vn, stride_zm, stride_ym,
+    scale,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,6 +72,17 @@ def _dora_norm_kernel(
     v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
     tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
              mask=n_mask[:, None] & r_mask[None, :])
+    # y[:, block] = g ⊙ z[:, block] + b[block], down all M rows: this program's columns, from its g
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
+        z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = z * g[None, :]
+        if HAS_BIAS:
+            y += bias[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -149,20 +163,6 @@ def _dora_exact_bwd_kernel(
 
 
 @triton.jit
-def _scale_bias_fwd_kernel(z_ptr, g_ptr, b_ptr, y_ptr, M, N, stride_zm, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = z * tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, M, N, stride_dym, stride_zm, stride_dzm,
                            WRITE_DZ: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr):
@@ -187,37 +187,45 @@ def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, M, N, s
         tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
 
 
-def norm_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 32 output rows per program (1600 outputs give 50
-    programs), 128-byte rows of W per K step; the interpreter takes 16 × 16 tiles, so its tests
-    cross every mask."""
+def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, BLOCK_M, num_warps, num_stages) of ``dora_forward``: 16 outputs per program,
+    the smallest side ``tl.dot`` takes, so the grid has as many programs as it can (GPT-2 124M's 768
+    outputs give 48, its 2304 give 144; 1558M's 1600 give 100), each running over all of K, 128-byte
+    rows of W per K step, then down the rows 128 at a time; the interpreter takes 16 × 16 tiles, so
+    its tests cross every mask."""
     if device.type != "cuda":
-        return 16, 16, 4, 1
-    return 32, 32 if dtype == torch.float32 else 64, 4, 3
+        return 16, 16, 16, 4, 1
+    return 16, 32 if dtype == torch.float32 else 64, 128, 4, 3
 
 
-def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, ...]:
-    """(n, g, cn, vᵀ) of ``lora_bench.kernels.dora.norm_outputs``, float32, for W (out × in), A
-    (in × r), B (r × out), m (out), in one launch. W and A in one dtype (float32, bfloat16 or
-    float16; fp32 products follow torch's matmul precision, as the LoRA kernels do), any strides;
-    B and m in any float dtype."""
+def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
+                 bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, ...]:
+    """(y, n, g, cn, vᵀ) in one launch, for z (M × out, rows contiguous), W (out × in), A (in × r),
+    B (r × out), m (out) and the bias (out) or None: y = g ⊙ z + b in z's dtype (computed in float32
+    from g and b as they are), and n, g, cn = −m / (2n³) and vᵀ = (2s·(W·A) + 2s²·(Bᵀ·AᵀA))ᵀ (r × out)
+    in float32. W and A in one dtype (float32, bfloat16 or float16; fp32 products follow torch's matmul
+    precision, as the LoRA kernels do), any strides; B, m and the bias in any float dtype."""
     out, k = weight.shape
     r = a.shape[1]
-    assert a.shape[0] == k and b.shape == (r, out) and m.shape == (out,), (weight.shape, a.shape, b.shape, m.shape)
+    rows = z.shape[0]
+    assert a.shape[0] == k and b.shape == (r, out) and m.shape == (out,) and z.shape == (rows, out), (
+        weight.shape, a.shape, b.shape, m.shape, z.shape)
+    assert z.stride(1) == 1 or rows <= 1, z.stride()
     f32 = torch.float32
     n, g, cn = (_alloc((out,), weight, f32) for _ in range(3))
     vt = _alloc((r, out), weight, f32)
-    bn, bk, warps, stages = norm_config(weight.dtype, weight.device)
+    y = _alloc((rows, out), z)
+    bn, bk, bm, warps, stages = fwd_config(weight.dtype, weight.device)
     ws, as_, bs, vs = weight.stride(), a.stride(), b.stride(), vt.stride()
     launch(
-        _dora_norm_kernel, (triton.cdiv(out, bn), 1, 1), (weight, a, b, m, n, g, cn, vt),
-        (out, k, r, ws[0], ws[1], as_[0], as_[1], bs[0], bs[1], vs[0], vs[1]),
+        _dora_fwd_kernel, (triton.cdiv(out, bn), 1, 1),
+        (weight, a, b, m, z, bias if bias is not None else m, y, n, g, cn, vt),
+        (out, k, r, rows, ws[0], ws[1], as_[0], as_[1], bs[0], bs[1], vs[0], vs[1], z.stride(0), y.stride(0)),
         (float(scale),),
-        (_precision(weight.dtype), bn, bk, block_r(r)),
-        tag="dora_norm", num_warps=warps, num_stages=stages,
+        (_precision(weight.dtype), bias is not None, bn, bk, block_r(r), bm),
+        tag="dora_fwd", num_warps=warps, num_stages=stages,
     )
-    return n, g, cn, vt
+    return y, n, g, cn, vt
 
 
 def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, b: torch.Tensor, *,
@@ -276,22 +284,10 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     return gm, gb, ga, cb
 
 
-def _elementwise_config(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the scale's kernels: 32 × 64 tiles on a GPU (32 columns a program in
-    backward: 1600 outputs give 50 programs); 16 × 16 in the interpreter, so its tests cross the masks."""
-    return (32, 64) if device.type == "cuda" else (16, 16)
-
-
-def scale_bias_fwd(z: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = g ⊙ z + b for z (M × N, rows contiguous), g and b (N, any float dtype: read as they are),
-    computed in float32 and stored in z's dtype; one launch."""
-    M, N = z.shape
-    y = _alloc((M, N), z)
-    bm, bn = _elementwise_config(z.device)
-    launch(_scale_bias_fwd_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn), 1),
-           (z, g, bias if bias is not None else g, y), (M, N, z.stride(0), y.stride(0)), (),
-           (bias is not None, bm, bn), tag="dora_scale", num_warps=4, num_stages=1)
-    return y
+def _scale_bwd_config(device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the scale's backward: 32 rows × 32 columns a program on a GPU (1600
+    outputs give 50 programs); 16 × 16 in the interpreter, so its tests cross the masks."""
+    return (32, 32) if device.type == "cuda" else (16, 16)
 
 
 def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_dz: bool,
@@ -302,8 +298,7 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     dz = _alloc((M, N), z) if need_dz else None
     dg = _alloc((N,), z, torch.float32)
     db = _alloc((N,), z, torch.float32) if need_db else None
-    bm, bn = _elementwise_config(z.device)
-    bn //= 2 if z.is_cuda else 1
+    bm, bn = _scale_bwd_config(z.device)
     launch(_scale_bias_bwd_kernel, (triton.cdiv(N, bn), 1, 1),
            (dy, z, g, dz if need_dz else dy, dg, db if need_db else dg),
            (M, N, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
@@ -311,5 +306,4 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     return dz, dg, db
 
 
-__all__ = ["dora_exact_bwd", "dora_norm", "dora_norm_bwd", "exact_bwd_config", "norm_config", "scale_bias_bwd",
-           "scale_bias_fwd"]
+__all__ = ["dora_exact_bwd", "dora_forward", "dora_norm_bwd", "exact_bwd_config", "fwd_config", "scale_bias_bwd"]

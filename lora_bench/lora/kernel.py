@@ -1,6 +1,6 @@
 """``--trainable-layers lora-kernel``: the LoRA layer whose forward and backward run the project's
 minimal-work op (:mod:`lora_bench.kernels.autograd`), its DoRA layer (that op, then DoRA's per-output
-scale: :mod:`lora_bench.kernels.dora`), and the grouping of LoRA layers that share an input (DoRA
+scale in one function: :mod:`lora_bench.kernels.dora`), and the grouping of LoRA layers that share an input (DoRA
 layers are not grouped: each scales its own outputs by its own norm)."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ DORA_INLINE = f"{ADAPTER_GRADS_INLINE}: DoRA's norm adds its own gradients into 
 class LinearWithDoRAKernel(DoRALinearBase):
     """``dora`` with the minimal-work op: z = x·Wᵀ + s·(x·A)·B from the LoRA op (no bias, its plan
     chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
-    output (:mod:`lora_bench.kernels.dora`: the norm in one Triton launch on CUDA, its backward
-    written out). The adapter gradients run inline: where the policy defers them, the layer runs
+    output (:mod:`lora_bench.kernels.dora`: the norm and the scale in one Triton launch on CUDA,
+    their backward written out). The adapter gradients run inline: where the policy defers them, the layer runs
     them inline and notes why (``DORA_INLINE``)."""
 
     variant = "dora-kernel"

@@ -1,19 +1,20 @@
-"""DoRA's norm kernel (:mod:`lora_bench.kernels.dora_triton`) and the fused DoRA layer on its GPU paths.
+"""DoRA's Triton kernels (:mod:`lora_bench.kernels.dora_triton`) and the fused DoRA layer on its GPU paths.
 
-On the CPU, under Triton's interpreter: n, g, W·A and Bᵀ·AᵀA of odd shapes, ranks 1 to 64, float32
-and float16 operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), W and A
-given transposed as well, outputs NaN-poisoned, against float64 evaluated on the same (rounded)
-values; the exact backward's kernel (dm, dB, dA and c ⊙ Bᵀ in one launch) alike, ranks 1 to 64; the
-scale's kernels (y = g ⊙ z + b and its backward) through ``ScaleBiasFunction``; the layer with them
-all against ``LinearWithDoRA`` in float64 (a trained base too); what one layer launches beyond a
-fused LoRA layer, forward and backward, held to docs/variants.md's table. GPU tests (``-m gpu``):
-the norm kernel and the exact backward's at GPT-2 shapes, the latter replayed from a CUDA graph as
-well; the layer in float32, under bfloat16 autocast and in bfloat16, eager and replayed from a CUDA
-graph, against ``LinearWithDoRA`` in float64.
+On the CPU, under Triton's interpreter: the forward kernel (n, g, W·A and Bᵀ·AᵀA, and y = g ⊙ z + b)
+of odd shapes and row counts, ranks 1 to 64, float32 and float16 operands (bfloat16 is left to the
+GPU: the interpreter gets bf16 dots wrong), W and A given transposed as well, with a bias and
+without, outputs NaN-poisoned, against float64 evaluated on the same (rounded) values; the exact
+backward's kernel (dm, dB, dA and c ⊙ Bᵀ in one launch) alike, ranks 1 to 64; the scale's backward
+kernel; the layer with them all against ``LinearWithDoRA`` in float64 (a trained base too); what
+one layer launches beyond a fused LoRA layer, forward and backward, held to docs/variants.md's
+table. GPU tests (``-m gpu``): the forward kernel and the exact backward's at GPT-2 shapes, both
+replayed from a CUDA graph as well; the layer in float32, under bfloat16 autocast and in bfloat16,
+eager and replayed from a CUDA graph, against ``LinearWithDoRA`` in float64.
 
 Tolerances (tests/numerics.py): the kernel multiplies its operands exactly and sums in float32, so
 each result is ``dot_tol(float32, chain)``: W·A sums k terms, Bᵀ·AᵀA k then r, n k, then r for the
-dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more; the exact
+dot with Bᵀ, then the three terms and the root (k + 2r + 4), g one division more, y a product and a
+sum more (and its rounding to z's dtype: ``rounded_input_tol`` of a 16-bit z, one rounding); the exact
 backward's as ``_bwd_bounds`` counts them (16-bit: its roundings to the parameters' dtype). The layer: float32
 ``dot_tol`` over ``dora_chain``; 16-bit as tests/lora/test_dora_kernel.py derives it,
 ``rounded_input_tol(bfloat16, 8)``."""
@@ -37,16 +38,26 @@ from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# (out, in, r, operand dtype, W and A stored transposed): odd sizes, K tails, rows past the last block
+# the forward kernel: (out, in, r, operand dtype, W and A stored transposed, rows of z, bias dtype or
+# None): odd sizes, K tails, outputs and rows past the last block, a float32 bias beside a 16-bit z
 KERNEL_CASES = [
-    (53, 37, 1, "fp32", False), (53, 37, 16, "fp32", True), (70, 45, 64, "fp32", False),
-    (100, 29, 3, "fp32", False), (33, 100, 7, "fp16", False), (17, 130, 64, "fp16", True), (16, 16, 16, "fp32", False),
+    (53, 37, 1, "fp32", False, 7, "fp32"), (53, 37, 16, "fp32", True, 33, None), (70, 45, 64, "fp32", False, 1, "fp32"),
+    (100, 29, 3, "fp32", False, 20, None), (33, 100, 7, "fp16", False, 17, "fp32"), (17, 130, 64, "fp16", True, 5, None),
+    (16, 16, 16, "fp32", False, 16, "fp32"), (45, 23, 7, "fp16", False, 40, "fp16"),
 ]
 SCALES = (1.5, -0.75)
 
 
 def _chains(k: int, r: int) -> dict[str, int]:
-    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "cn": k + 2 * r + 7, "vt": k + r + 2}
+    return {"n": k + 2 * r + 4, "g": k + 2 * r + 5, "cn": k + 2 * r + 7, "vt": k + r + 2, "y": k + 2 * r + 7}
+
+
+def _fwd_bounds(k: int, r: int, dtype: torch.dtype) -> dict[str, float]:
+    """``_chains`` in float32; y in a 16-bit z's dtype rounds once more."""
+    bounds = {name: dot_tol(torch.float32, chain) for name, chain in _chains(k, r).items()}
+    if dtype is not torch.float32:
+        bounds["y"] += rounded_input_tol(dtype, 1)
+    return bounds
 
 
 def _operands(out: int, k: int, r: int, dtype: torch.dtype, device, transposed: bool = False):
@@ -66,12 +77,31 @@ def _float64_norm(w, a, b, m, s) -> dict[str, torch.Tensor]:
     return {"n": n, "g": M / n, "cn": -M / (2 * n ** 3), "vt": v.t()}
 
 
-def _kernel_errors(w, a, b, m, s) -> dict[str, float]:
-    from lora_bench.kernels.dora_triton import dora_norm
+def _fwd_operands(rows: int, out: int, bias: str | None, dtype: torch.dtype, device) -> tuple:
+    """z (rows × out, ``dtype``) and the bias (out, its dtype) or None."""
+    z = fresh(rows, out, device=device, dtype=dtype)
+    return z, None if bias is None else fresh(out, device=device, dtype=DTYPE[bias])
 
-    got = dict(zip(("n", "g", "cn", "vt"), dora_norm(w, a, b, m, s)))
-    assert all(t.dtype is torch.float32 for t in got.values())
+
+def _fwd_kernel(z, w, a, b, m, bias, s) -> dict[str, torch.Tensor]:
+    """``dora_forward``'s outputs by name, their dtypes checked: y in z's, the rest float32."""
+    from lora_bench.kernels.dora_triton import dora_forward
+
+    got = dict(zip(("y", "n", "g", "cn", "vt"), dora_forward(z, w, a, b, m, bias, s)))
+    assert got["y"].dtype is z.dtype and all(got[name].dtype is torch.float32 for name in ("n", "g", "cn", "vt"))
+    return got
+
+
+def _fwd_want(z, w, a, b, m, bias, s) -> dict[str, torch.Tensor]:
     want = _float64_norm(w, a, b, m, s)
+    want["y"] = z.double() * want["g"] + (0 if bias is None else bias.double())
+    return want
+
+
+def _kernel_errors(z, w, a, b, m, bias, s) -> dict[str, float]:
+    """The forward kernel against float64 on the same values: n, g, cn, vᵀ and y."""
+    got = _fwd_kernel(z, w, a, b, m, bias, s)
+    want = _fwd_want(z, w, a, b, m, bias, s)
     return {name: rel_err(got[name], want[name]) for name in want}
 
 
@@ -134,29 +164,25 @@ def _bwd_bounds(out: int, r: int, dtype: torch.dtype) -> dict[str, float]:
 LAYER_CASES = ([(37, 53, 7, r, detach, "fp32", False) for r in (1, 16, 64) for detach in (False, True)]
                + [(96, 80, 15, 7, False, "fp32", False), (37, 53, 7, 16, False, "fp16", False),
                   (40, 24, 9, 5, True, "fp16", False), (37, 5, 9, 7, False, "fp32", True)])
-# the scale's kernels through ScaleBiasFunction: (batch shape, out, bias, z's dtype, dy expanded from a sum)
+# the scale's backward kernel: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
 
 
 def _scale_errors(batch, out: int, bias: bool, dt: str, summed: bool) -> dict[str, float]:
-    """y, dz, dg and db of ``ScaleBiasFunction`` on the Triton path against float64 (g and b float32,
-    z and dy in ``dt``; ``summed``: dy is the expanded one of ``y.sum()``)."""
-    from lora_bench.kernels.dora import TRITON, ScaleBiasFunction
+    """dz, dg and db of y = g ⊙ z + b from the scale's backward on the Triton path against float64
+    (g float32, z and dy in ``dt``; ``summed``: dy is the expanded one of ``y.sum()``)."""
+    from lora_bench.kernels.dora import TRITON, _scale_backward
 
-    z = fresh(*batch, out, device="cpu", dtype=DTYPE[dt]).requires_grad_()
-    g = (torch.rand(out) + 0.5).requires_grad_()
-    b = fresh(out, device="cpu", dtype=torch.float32).requires_grad_() if bias else None
-    dy = torch.ones(*batch, out, dtype=z.dtype) if summed else fresh(*batch, out, device="cpu", dtype=z.dtype)
-    wrt = [z, g] + ([b] if bias else [])
-    y = ScaleBiasFunction.apply(z, g, b, TRITON)
-    got = [y, *torch.autograd.grad(y.sum() if summed else y, wrt, None if summed else dy)]
-    Z, G, DY = z.detach().double().requires_grad_(), g.detach().double().requires_grad_(), dy.double()
-    B = b.detach().double().requires_grad_() if bias else None
-    Y = Z * G + (B if bias else 0)
-    want = [Y, *torch.autograd.grad(Y, [Z, G] + ([B] if bias else []), DY)]
-    assert got[0].dtype is z.dtype and got[2].dtype is torch.float32
-    return {name: rel_err(a, w) for name, a, w in zip(("y", "dz", "dg", "db"), got, want)}
+    z = fresh(*batch, out, device="cpu", dtype=DTYPE[dt])
+    g = torch.rand(out) + 0.5
+    dy = torch.ones((), dtype=z.dtype).expand(*batch, out) if summed else fresh(*batch, out, device="cpu", dtype=z.dtype)
+    rows = z.reshape(-1, out)
+    got = _scale_backward(TRITON, dy, rows, g, need_z=True, need_g=True, need_bias=bias)
+    assert (got[2] is None) is not bias and got[0].dtype is z.dtype and got[1].dtype is torch.float32
+    DY, Z = dy.double(), z.double()
+    want = [DY * g.double(), (DY * Z).reshape(-1, out).sum(0), DY.reshape(-1, out).sum(0)]
+    return {name: rel_err(a, w) for name, a, w in zip(("dz", "dg", "db"), got, want) if a is not None}
 
 
 def _interp_main() -> None:
@@ -167,10 +193,11 @@ def _interp_main() -> None:
     from lora_bench.kernels import lora_triton
 
     lora_triton.POISON_OUTPUTS = True
-    for i, (out, k, r, dt, transposed) in enumerate(KERNEL_CASES):
+    for i, (out, k, r, dt, transposed, rows, bias) in enumerate(KERNEL_CASES):
         for s in SCALES:
             w, a, b, m = _operands(out, k, r, DTYPE[dt], "cpu", transposed)
-            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(w, a, b, m, s))), flush=True)
+            z, bb = _fwd_operands(rows, out, bias, DTYPE[dt], "cpu")
+            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(z, w, a, b, m, bb, s))), flush=True)
     for i, (out, k, r, dt, transposed) in enumerate(BWD_CASES):
         for needs in BWD_NEEDS:
             ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cpu", SCALES[1], transposed)
@@ -206,13 +233,17 @@ def interp_runs():
 
 
 @pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
-def test_norm_kernel_under_the_triton_interpreter(interp_runs, i):
-    out, k, r, dt, transposed = KERNEL_CASES[i]
+def test_forward_kernel_under_the_triton_interpreter(interp_runs, i):
+    """n, g, cn, vᵀ and y = g ⊙ z + b from one launch against float64 (``_fwd_bounds``), outputs
+    NaN-poisoned: every one written."""
+    out, k, r, dt, transposed, rows, bias = KERNEL_CASES[i]
     runs = [run for run in interp_runs if run.get("case") == i]
     assert len(runs) == len(SCALES)
+    bounds = _fwd_bounds(k, r, DTYPE[dt])
     for run in runs:
-        for name, chain in _chains(k, r).items():
-            assert run["errs"][name] <= dot_tol(torch.float32, chain), (run, name)
+        assert set(run["errs"]) == set(bounds), run
+        for name, err in run["errs"].items():
+            assert err <= bounds[name], (run, name, bounds[name])
 
 
 @pytest.mark.parametrize("i", range(len(BWD_CASES)))
@@ -230,18 +261,18 @@ def test_exact_backward_kernel_under_the_triton_interpreter(interp_runs, i):
 
 
 @pytest.mark.parametrize("i", range(len(SCALE_CASES)))
-def test_scale_kernels_under_the_triton_interpreter(interp_runs, i):
-    """y = g ⊙ z + b rounds once to z's dtype; dz = dy ⊙ g once; dg and db sum the rows in float32
-    (a 16-bit z and dy are exact in float32): ``rounded_input_tol`` of z's dtype with one rounding
-    for y and dz, ``dot_tol(float32, rows + 1)`` for dg and db."""
+def test_scale_backward_kernel_under_the_triton_interpreter(interp_runs, i):
+    """dz = dy ⊙ g rounds once to z's dtype; dg and db sum the rows in float32 (a 16-bit z and dy are
+    exact in float32): ``rounded_input_tol`` of z's dtype with one rounding for dz,
+    ``dot_tol(float32, rows + 1)`` for dg and db."""
     batch, out, bias, dt, summed = SCALE_CASES[i]
     (run,) = [run for run in interp_runs if run.get("scale_case") == i]
     rows = 1
     for d in batch:
         rows *= d
-    bounds = {"y": rounded_input_tol(DTYPE[dt], 1), "dz": rounded_input_tol(DTYPE[dt], 1),
-              "dg": dot_tol(torch.float32, rows + 1), "db": dot_tol(torch.float32, rows)}
-    assert set(run["errs"]) == ({"y", "dz", "dg", "db"} if bias else {"y", "dz", "dg"}), run
+    bounds = {"dz": rounded_input_tol(DTYPE[dt], 1), "dg": dot_tol(torch.float32, rows + 1),
+              "db": dot_tol(torch.float32, rows)}
+    assert set(run["errs"]) == ({"dz", "dg", "db"} if bias else {"dz", "dg"}), run
     for name, err in run["errs"].items():
         assert err <= bounds[name], (run, name, bounds[name])
 
@@ -315,7 +346,8 @@ def _assert_float64(layer, x, g, outs, bound: float, what: str) -> None:
 # ------------------------------------------------------------------ what one layer launches
 
 LAUNCH_TABLE = "| | forward | backward, exact norm | backward, detached norm |"
-LAUNCH_ROWS = {"dora_norm": "the norm", "dora_scale": "the scale"}  # a kernel's tag starts with its row's key
+# a kernel's tag starts with its row's key
+LAUNCH_ROWS = {"dora_fwd": "the norm and the scale", "dora_scale": "the scale", "dora_norm": "the norm"}
 
 
 def _gradient_counter(y: torch.Tensor) -> tuple[dict, list]:
@@ -344,9 +376,8 @@ def _gradient_counter(y: torch.Tensor) -> tuple[dict, list]:
 
 @contextlib.contextmanager
 def _dora_torch_ops():
-    """The aten ops that compute (no views, no allocations) DoRA's own functions (``DoRAScaleFunction``
-    and ``ScaleBiasFunction``, forward and backward) run in the block outside their Triton launches,
-    by name: the list yielded."""
+    """The aten ops that compute (no views, no allocations) DoRA's own function (``DoRAFunction``,
+    forward and backward) runs in the block outside its Triton launches, by name: the list yielded."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lora_bench.kernels import dora, dora_triton
@@ -370,9 +401,8 @@ def _dora_torch_ops():
                 state[key] -= 1
         return run
 
-    wrapped = [(dora_triton, "launch", None)] + [(cls, name, staticmethod) for cls, names in (
-        (dora.DoRAScaleFunction, ("forward", "_backward")), (dora.ScaleBiasFunction, ("forward", "backward")))
-        for name in names]
+    wrapped = [(dora_triton, "launch", None)] + [(dora.DoRAFunction, name, staticmethod)
+                                                 for name in ("forward", "_backward")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
     try:
         for owner, name, wrap in wrapped:
@@ -428,7 +458,7 @@ def _docs_launch_table() -> dict[str, list[int]]:
 def _beyond_lora(run: dict, phase: str) -> dict[str, int]:
     """One phase's launches of the DoRA layer beyond the LoRA layer's, per row of the docs' table."""
     dora, lora = run["dora"], run["lora"]
-    assert dora["torch_ops"][phase] == [], run  # DoRA's functions launch nothing but their Triton kernels
+    assert dora["torch_ops"][phase] == [], run  # DoRA's function launches nothing but its Triton kernels
     tags = [tag for tag in dora[phase] if tag.startswith("dora_")]
     assert [tag for tag in dora[phase] if tag not in tags] == lora[phase], run  # the LoRA op's own
     rows = {row: sum(tag.startswith(key) for tag in tags) for key, row in LAUNCH_ROWS.items()}
@@ -439,8 +469,8 @@ def _beyond_lora(run: dict, phase: str) -> dict[str, int]:
 
 
 def test_one_layer_launches_what_the_docs_state(interp_runs):
-    """The Triton launches of one fused DoRA layer (its norm and scale kernels, tagged; its functions
-    run no torch op that computes) and autograd's sums of A's and B's gradients, forward and backward
+    """The Triton launches of one fused DoRA layer (its forward, scale and norm kernels, tagged; its
+    function runs no torch op that computes) and autograd's sums of A's and B's gradients, forward and backward
     with the exact and the detached norm, beyond a fused LoRA layer's: docs/variants.md's table, row
     by row."""
     runs = {run["launches"]: run for run in interp_runs if "launches" in run}
@@ -454,19 +484,73 @@ def test_one_layer_launches_what_the_docs_state(interp_runs):
 # ----------------------------------------------------------------------------------- GPU
 
 
+def _capture(call):
+    """``call`` warmed up on a side stream (as a run's graphs are made) and captured in a CUDA graph:
+    (the graph, the outputs it writes)."""
+    from lora_bench.train.graphs import warm_up
+
+    warm_up(call, 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call()
+    return graph, outs
+
+
+# the forward kernel at GPT-2's shapes, a batch of 8 × 120 rows: (out, in, r, rows, bias dtype or None)
+GPT2_FWD_SHAPES = [(2304, 768, 16, 960, "fp32"), (768, 768, 16, 960, "fp32"), (3072, 768, 16, 960, None),
+                   (768, 3072, 16, 960, "fp32"), (6400, 1600, 16, 960, "fp32"), (1600, 6400, 64, 333, None),
+                   (770, 768, 1, 129, "fp32"), (384, 640, 64, 1, "fp32")]
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
-@pytest.mark.parametrize("out, k, r", [(6400, 1600, 16), (1600, 6400, 16), (770, 768, 1), (384, 640, 64)])
-def test_gpu_norm_kernel_matches_float64(dt, out, k, r, monkeypatch):
+@pytest.mark.parametrize("out, k, r, rows, bias", GPT2_FWD_SHAPES)
+def test_gpu_forward_kernel_matches_float64(dt, out, k, r, rows, bias, monkeypatch):
+    """n, g, cn, vᵀ and y of ``dora_forward`` at GPT-2's shapes, outputs NaN-poisoned."""
     from lora_bench.kernels import lora_triton
 
     monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
     w, a, b, m = _operands(out, k, r, DTYPE[dt], "cuda")
+    z, bb = _fwd_operands(rows, out, bias, DTYPE[dt], "cuda")
+    bounds = _fwd_bounds(k, r, DTYPE[dt])
     for s in SCALES:
-        errs = _kernel_errors(w, a, b, m, s)
-        for name, chain in _chains(k, r).items():
-            assert errs[name] <= dot_tol(torch.float32, chain), (name, errs)
+        errs = _kernel_errors(z, w, a, b, m, bb, s)
+        for name, err in errs.items():
+            assert err <= bounds[name], (name, errs, s)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("out, k, r, rows, bias", GPT2_FWD_SHAPES[:3] + GPT2_FWD_SHAPES[4:6])
+def test_gpu_forward_kernel_replayed_from_a_cuda_graph(dt, out, k, r, rows, bias):
+    """``dora_forward`` captured in a CUDA graph (warm-up on a side stream): replays on fresh z, W, A,
+    B, m and bias copied into the captured buffers, outputs NaN-filled before each, match float64
+    every time."""
+    s = SCALES[1]
+    w, a, b, m = _operands(out, k, r, DTYPE[dt], "cuda")
+    z, bb = _fwd_operands(rows, out, bias, DTYPE[dt], "cuda")
+
+    def call():
+        return _fwd_kernel(z, w, a, b, m, bb, s)
+
+    graph, outs = _capture(call)
+    bounds = _fwd_bounds(k, r, DTYPE[dt])
+    for i in range(3):
+        (z2, bb2), (w2, a2, b2, m2) = _fwd_operands(rows, out, bias, DTYPE[dt], "cuda"), _operands(out, k, r, DTYPE[dt],
+                                                                                                   "cuda")
+        with torch.no_grad():
+            for t, new in zip((z, w, a, b, m, bb), (z2, w2, a2, b2, m2, bb2)):
+                if t is not None:
+                    t.copy_(new)
+            for t in outs.values():
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _fwd_want(z, w, a, b, m, bb, s)
+        for name, got in outs.items():
+            assert rel_err(got, want[name]) <= bounds[name], (name, rel_err(got, want[name]), f"replay {i}")
 
 
 # GPT-2's adapted layers (out, in): 124M's attention, its projection and MLP; 1558M's MLP both ways
@@ -499,7 +583,6 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     """``dora_exact_bwd`` captured in a CUDA graph (warm-up on a side stream): replays on fresh operands
     copied into the captured buffers, outputs NaN-filled before each, match float64 every time."""
     from lora_bench.kernels.dora_triton import dora_exact_bwd
-    from lora_bench.train.graphs import warm_up
 
     s = SCALES[1]
     ops, m_dtype = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
@@ -507,10 +590,7 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     def call():
         return dora_exact_bwd(*ops.values(), s, m_dtype=m_dtype, need_m=True, need_b=True, need_cb=True)
 
-    warm_up(call, 2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call()
+    graph, outs = _capture(call)
     bounds = _bwd_bounds(out, r, DTYPE[dt])
     for i in range(3):
         fresh_ops, _ = _bwd_operands(out, k, r, DTYPE[dt], "cuda", s)
@@ -530,7 +610,8 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
 @gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
 @pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1), (129, 640, 384, 64)])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (960, 768, 2304, 16), (333, 768, 770, 1),
+                                         (129, 640, 384, 64)])
 def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
     """Eager: float32 (exact products), bfloat16 autocast over float32 parameters, bfloat16 parameters;
     the norm ran in the Triton kernel."""
@@ -548,7 +629,7 @@ def test_gpu_dora_kernel_layer_matches_float64(mode, detach, rows, k, n, r):
 @gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 @pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (333, 768, 770, 1)])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (960, 768, 2304, 16), (333, 768, 770, 1)])
 def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k, n, r):
     """Forward and backward captured in a CUDA graph (warm-up on a side stream, as a run's graphs
     are made): replays on fresh x, A, B, m and output gradient copied into the captured buffers match

@@ -1,8 +1,8 @@
 """DoRA in the fused layer (``LinearWithDoRAKernel``, ``trainable_layers: lora-kernel`` with
 ``lora_variant: dora``) on the CPU, against ``LinearWithDoRA`` evaluated in float64: the output and
 the gradients of x, A, B, m and, for a trained base (the head), W and b; exact and detached norm;
-ranks 1 to 64, odd shapes, B and m moved off their start. The pieces (``DoRAScaleFunction``'s
-written-out backward, ``ScaleBiasFunction``) by gradcheck in float64; the layer's choices (where its
+ranks 1 to 64, odd shapes, B and m moved off their start. ``DoRAFunction``'s written-out
+backward (the scale's, then the norm's) by gradcheck in float64; the layer's choices (where its
 norm runs, its adapter gradients inline, no grouping); a tiny run on the command line, and whole
 runs equal to the unmerged layer's (``same_function_tol``); the layer under torch.compile. Its
 Triton path, under Triton's CPU interpreter: tests/kernels/test_dora_norm.py.
@@ -25,7 +25,7 @@ import torch.nn as nn
 from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol
 
 from lora_bench.kernels import deferred
-from lora_bench.kernels.dora import COMPILED, DoRAScaleFunction, ScaleBiasFunction
+from lora_bench.kernels.dora import COMPILED, DoRAFunction
 from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel, inject_lora, lora_class
 from lora_bench.lora.kernel import DORA_INLINE, group_layers, group_qkv
@@ -121,32 +121,36 @@ def test_dora_kernel_layer_under_bf16_autocast(detach, r):
         assert rel_err(t, want[name]) <= bound, (name, rel_err(t, want[name]), bound)
 
 
-def test_norm_backward_passes_gradcheck():
-    """``DoRAScaleFunction``'s written-out backward (exact norm) against finite differences in float64,
-    every input differentiable (a trained W), and with a frozen W given its row norms; detached: only m."""
-    k, n, r = 7, 6, 3
-    w, a, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((n, k), (k, r), (r, n)))
-    m = (torch.rand(n, dtype=torch.float64) + 0.5).requires_grad_()
-    for s in (1.5, -0.75):
-        assert torch.autograd.gradcheck(lambda *t: DoRAScaleFunction.apply(t[0], None, *t[1:], s, True, "torch"),
-                                        (w, a, b, m))
-        sq = w.detach().pow(2).sum(1)
-        assert torch.autograd.gradcheck(lambda *t: DoRAScaleFunction.apply(w.detach(), sq, *t, s, True, "torch"),
-                                        (a, b, m))
-    detached = DoRAScaleFunction.apply(w, None, a, b, m, 1.5, False, "torch")
-    grads = torch.autograd.grad(detached.sum(), [w, a, b, m], allow_unused=True)
-    assert grads[0] is None and grads[1] is None and grads[2] is None
-    assert torch.autograd.gradcheck(lambda t: DoRAScaleFunction.apply(w.detach(), None, a.detach(), b.detach(), t,
-                                                                      1.5, False, "torch"), (m,))
+def _dora_fn(z, w, sq, a, b, m, bias, s, exact):
+    return DoRAFunction.apply(z, w, sq, a, b, m, bias, s, exact, "torch")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_scale_bias_passes_gradcheck(bias):
-    z = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(6, dtype=torch.float64, requires_grad=True) if bias else None
-    assert torch.autograd.gradcheck(lambda *t: ScaleBiasFunction.apply(*t, *([] if bias else [None]), "torch"),
-                                    (z, g, b) if bias else (z, g))
+def test_dora_function_backward_passes_gradcheck(bias):
+    """``DoRAFunction``'s written-out backward (the scale's, then the exact norm's) against finite
+    differences in float64, every input differentiable (a trained W and bias), and with a frozen W
+    given its row norms; detached: only z, m and the bias."""
+    k, n, r = 7, 6, 3
+    z = torch.randn(2, 5, n, dtype=torch.float64, requires_grad=True)
+    w, a, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((n, k), (k, r), (r, n)))
+    m = (torch.rand(n, dtype=torch.float64) + 0.5).requires_grad_()
+    bb = torch.randn(n, dtype=torch.float64, requires_grad=True) if bias else None
+    extra = (bb,) if bias else ()
+
+    def with_bias(t):
+        return t[0] if bias else None
+
+    for s in (1.5, -0.75):
+        assert torch.autograd.gradcheck(lambda z_, w_, a_, b_, m_, *t: _dora_fn(z_, w_, None, a_, b_, m_, with_bias(t),
+                                                                                 s, True), (z, w, a, b, m, *extra))
+        sq = w.detach().pow(2).sum(1)
+        assert torch.autograd.gradcheck(lambda z_, a_, b_, m_, *t: _dora_fn(z_, w.detach(), sq, a_, b_, m_, with_bias(t),
+                                                                             s, True), (z, a, b, m, *extra))
+    detached = _dora_fn(z, w, None, a, b, m, bb, 1.5, False)
+    grads = torch.autograd.grad(detached.sum(), [w, a, b], allow_unused=True)
+    assert grads[0] is None and grads[1] is None and grads[2] is None
+    assert torch.autograd.gradcheck(lambda z_, m_, *t: _dora_fn(z_, w.detach(), None, a.detach(), b.detach(), m_,
+                                                                 with_bias(t), 1.5, False), (z, m, *extra))
 
 
 def test_registry_and_state_dict_interchange():
