@@ -117,3 +117,31 @@ def test_no_manifest_records_a_path_of_the_machine_it_ran_on():
             if any(SCRATCH.search(t) for t in command.split()):
                 bad.append(f"{manifest.relative_to(ROOT)}: {command}")
     assert not bad, "\n".join(bad)
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])(/tmp|/work|/home|/root|/opt|/usr|/var|/mnt|/private)/|(^|[\s=\"'(])\.(glue|device)/")
+
+
+def test_no_committed_result_names_a_path_of_the_machine_it_ran_on():
+    """Logs, tables, profiles and records under results/ name files by the tree's own paths: a path
+    on the machine a run was made on means nothing to a reader of a fresh clone."""
+    bad = []
+    for path in sorted((ROOT / "results").rglob("*")):
+        if not path.is_file() or path.suffix in (".png", ".gz"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:160]}")
+    assert not bad, "\n".join(bad[:40])
+
+
+def test_the_machine_path_rule_catches_scratch_paths_and_passes_tree_paths():
+    assert MACHINE_PATH.search("results: /tmp/res/row10/runs.csv")
+    assert MACHINE_PATH.search("File: /work/main/lora_bench/train.py")
+    assert MACHINE_PATH.search('"data_file": ".glue/SMSSpamCollection.tsv"')
+    assert not MACHINE_PATH.search("results: results/answer/whole-runs/row10/runs.csv")
+    assert not MACHINE_PATH.search("File: lora_bench/train.py  ~/.cache/lora-bench/gpt2 at 1/5 steps")
