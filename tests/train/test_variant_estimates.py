@@ -178,18 +178,24 @@ def _tokens(cfg: TrainConfig) -> torch.Tensor:
     return torch.randint(0, 50257, (cfg.batch_size, min(120, gpt_config("tiny").context_length)))
 
 
+def _against_lora(**settings):
+    """The tiny classifier with LoRA and with ``settings``: both configs, the step counts of each
+    (``_step_counts``) on one batch, and that batch's token count."""
+    lora_cfg, lora = _classifier()
+    other_cfg, other = _classifier(**settings)
+    tokens = _tokens(lora_cfg)
+    return lora_cfg, other_cfg, _step_counts(lora, tokens), _step_counts(other, tokens), tokens.numel()
+
+
 @pytest.mark.parametrize("norm", ["exact", "detached"])
 def test_a_dora_classifier_costs_what_the_estimates_add(norm):
     """DoRA against LoRA on the tiny classifier: the products its layers add (FlopCounterMode), equal
     to what flops_per_step adds for them; its trained magnitudes, equal to the estimate's; the
     tensors its forward keeps, at least the estimate's added activations (a floor), and no more
     than those plus the norm's small tensors."""
-    lora_cfg, lora = _classifier()
-    dora_cfg, dora = _classifier(lora_variant="dora", dora_norm=norm)
-    tokens = _tokens(lora_cfg)
-    (lora_flops, lora_kept, lora_trained), (dora_flops, dora_kept, dora_trained) = \
-        _step_counts(lora, tokens), _step_counts(dora, tokens)
-    mcfg, n_tokens = gpt_config("tiny"), tokens.numel()
+    lora_cfg, dora_cfg, (lora_flops, lora_kept, lora_trained), (dora_flops, dora_kept, dora_trained), n_tokens = \
+        _against_lora(lora_variant="dora", dora_norm=norm)
+    mcfg = gpt_config("tiny")
     matmul = sum(adapter_flops(k, n, rank=4, tokens=n_tokens, lora_variant="dora", dora_norm=norm, weight_trained=w)[0]
                  - adapter_flops(k, n, rank=4, tokens=n_tokens, weight_trained=w)[0]
                  for k, n, w in adapted_layers(mcfg))
@@ -216,12 +222,9 @@ def test_a_merged_classifier_keeps_what_the_estimate_counts(variant):
     counts for them, but one: the first block's query, key and value read an input that needs no
     gradient, so the unmerged layers there skip the input gradient through A (2·N·e·r each, which
     the model's count, like the frozen product's input gradient there, includes)."""
-    lora_cfg, lora = _classifier()
-    merged_cfg, merged = _classifier(trainable_layers="lora-merged", lora_variant=variant)
-    tokens = _tokens(lora_cfg)
-    (lora_flops, lora_kept, _), (merged_flops, merged_kept, _) = \
-        _step_counts(lora, tokens), _step_counts(merged, tokens)
-    mcfg, n_tokens = gpt_config("tiny"), tokens.numel()
+    lora_cfg, merged_cfg, (lora_flops, lora_kept, _), (merged_flops, merged_kept, _), n_tokens = \
+        _against_lora(trainable_layers="lora-merged", lora_variant=variant)
+    mcfg = gpt_config("tiny")
     step = dict(tokens=n_tokens, rank=4)
     matmul = sum(adapter_flops(k, n, trainable_layers="lora-merged", lora_variant=variant, weight_trained=w, **step)[0]
                  - adapter_flops(k, n, weight_trained=w, **step)[0] for k, n, w in adapted_layers(mcfg))
