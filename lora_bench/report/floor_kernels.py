@@ -20,10 +20,10 @@ import pandas as pd
 from lora_bench.config import FROZEN, LORA_LAYERS
 from lora_bench.report.groups import same
 from lora_bench.report.kernel_classes import KernelProfile, class_times, classes_text
-from lora_bench.report.labels import MODE_FIELDS, count_text, is_blank, mode_name, value_text
+from lora_bench.report.labels import MODE_FIELDS, count_text, mode_name, value_text
 from lora_bench.report.load import MODE, RUN_DIR
 from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER, per_layer_text
-from lora_bench.report.study import ADAPTER_ONLY, KERNEL_ONLY, STEP_SHAPE, step_setting
+from lora_bench.report.study import ADAPTER_ONLY, KERNEL_ONLY, STEP_SHAPE, same_settings
 from lora_bench.report.study_header import LAYERS
 from lora_bench.report.study_model import NOT_MEASURED, Group, Study
 from lora_bench.report.tables import Table, num
@@ -59,12 +59,6 @@ class FloorRow:
 def profiled_mode(row) -> str:
     """The execution mode a profile of ``row``'s settings runs in: its own, without CUDA graphs."""
     return mode_name({**dict(row), GRAPHS: "False"})
-
-
-def same_settings(a, b, cols) -> bool:
-    """Two runs (rows) hold the same value, or both none, in each of ``cols`` both have."""
-    return all(same(step_setting(a, c), step_setting(b, c)) or (is_blank(a[c]) and is_blank(b[c]))
-               for c in cols if c in a and c in b)
 
 
 def _profile_of(row, profiles: list[dict], key: tuple[str, ...]) -> KernelProfile | None:

@@ -127,11 +127,16 @@ def step_setting(row, column: str):
     return STEP_DEFAULTS[column] if column in STEP_DEFAULTS and is_blank(value) else value
 
 
+def same_settings(a, b, cols) -> bool:
+    """Two runs (rows) hold the same value of each of ``cols`` both have (``step_setting``: a blank
+    cell as the setting's default), or both none."""
+    return all(same(step_setting(a, c), step_setting(b, c)) or (is_blank(a[c]) and is_blank(b[c]))
+               for c in cols if c in a and c in b)
+
+
 def same_step(a, b) -> bool:
     """Two runs (rows) launch the same kernels per step: the same step shape and execution mode."""
-    return same(a.get(MODE, ""), b.get(MODE, "")) and all(
-        same(step_setting(a, c), step_setting(b, c)) or (is_blank(a[c]) and is_blank(b[c]))
-        for c in STEP_SHAPE if c in a and c in b and c not in MODE_FIELDS)
+    return same(a.get(MODE, ""), b.get(MODE, "")) and same_settings(a, b, (c for c in STEP_SHAPE if c not in MODE_FIELDS))
 
 
 def profiled_runs(done: pd.DataFrame) -> pd.DataFrame:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pandas as pd
 
 from lora_bench.config import FROZEN, LORA_LAYERS
-from lora_bench.report.floor_kernels import FLOOR_KEY, ROW_KEY, same_settings, profiled_mode
+from lora_bench.report.floor_kernels import FLOOR_KEY, ROW_KEY, profiled_mode
+from lora_bench.report.study import same_settings
 from lora_bench.report.labels import mode_name
 from lora_bench.report.load import load_results
 from lora_bench.report.study import profiled_runs
