@@ -136,7 +136,9 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
 
     A kernel belongs to the phase whose host-side ``phase:*`` range contains the start of the
     CPU op that launched it (the profiler links each kernel to its op by correlation id). The
-    backward's ops run on autograd's own thread, inside the main thread's backward range."""
+    backward's ops run on autograd's own thread, inside the main thread's backward range. A kernel
+    launched where no op is open but the phase's own range (a Triton kernel called from an autograd
+    Function's forward) is linked to that range itself, so the ranges' kernels count too."""
     from torch.autograd import DeviceType
 
     events = list(prof.events())
@@ -161,11 +163,12 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
         acc[1] += us
 
     for ev in events:
-        if ev.device_type != DeviceType.CPU or ev.name.startswith("phase:"):
+        if ev.device_type != DeviceType.CPU:
             continue
         if cuda:
+            ph = ev.name[6:] if ev.name.startswith("phase:") else phase_of(ev.time_range.start)
             for k in getattr(ev, "kernels", None) or []:
-                add(phase_of(ev.time_range.start), k.name, k.duration)
+                add(ph, k.name, k.duration)
         elif ev.name.startswith("aten::") and not (ev.cpu_parent is not None
                                                    and ev.cpu_parent.name.startswith("aten::")):
             add(phase_of(ev.time_range.start), ev.name, ev.time_range.end - ev.time_range.start)

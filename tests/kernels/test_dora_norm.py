@@ -309,10 +309,12 @@ def _dora_layer(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool, dev
 
 
 def _float64_layer(layer: LinearWithDoRAKernel) -> LinearWithDoRA:
-    linear = copy.deepcopy(layer.linear).double()
+    """``LinearWithDoRA`` in float64 with the layer's values, on the layer's device. Built on the CPU
+    (where a new adapter's A and B are made) and moved after, as the trainer moves a model."""
+    linear = copy.deepcopy(layer.linear).cpu().double()
     ref = LinearWithDoRA(linear, layer.lora.A.shape[1], layer.lora.alpha, detach_norm=layer.detach_norm).double()
     ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
-    return ref
+    return ref.to(layer.m.device)
 
 
 def _grads(layer, x, g):

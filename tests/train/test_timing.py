@@ -275,3 +275,21 @@ def test_a_run_records_the_host_speed_it_ran_at(tiny_cfg, tmp_path):
         assert min(mhz) <= row["cpu_mhz"] <= max(mhz)
     else:
         assert pd.isna(row["cpu_mhz"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adapter_grads", ["inline", "deferred"])
+def test_gpu_profile_counts_the_fused_layers_forward_kernels_in_the_forward(tiny_cfg, tmp_path, adapter_grads):
+    """The fused layer's forward calls its Triton kernel with no aten op open around it; the
+    profile must count those launches in the forward (one per adapted layer a step), not drop them."""
+    cfg = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", adapter_grads=adapter_grads,
+                           precision="bf16", attention="sdpa", ops="fused", profile="kernels",
+                           max_steps=16, warmup_steps=2, eval_freq=0)
+    _run(cfg, tmp_path, adapter_grads)
+    top = pd.read_csv(tmp_path / adapter_grads / "top_kernels.csv")
+    fwd = top[(top["phase"] == "forward") & top["kernel"].str.startswith("_lora_")]
+    gpt = gpt_config("tiny")
+    adapted = 6 * gpt.n_layers + 1  # the book's six linears per block and the head
+    assert fwd["calls_per_step"].sum() >= adapted - 2 * gpt.n_layers  # q, k and v may run as one call
+    phases = pd.read_csv(tmp_path / adapter_grads / "kernels_by_phase.csv").set_index("phase")
+    assert phases.loc["forward", "kernel_ms_per_step"] > 0

@@ -1,0 +1,61 @@
+"""Which phase a profiled kernel counts in (lora_bench.train.profiling.kernel_summary), on events
+shaped as torch.profiler's ``prof.events()`` gives them: CPU events, each with the device kernels
+the profiler linked to it by correlation id."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from lora_bench.train.profiling import kernel_summary
+
+
+def _event(name: str, start: float, end: float, kernels=(), parent=None):
+    return SimpleNamespace(name=name, device_type=DeviceType.CPU, time_range=SimpleNamespace(start=start, end=end),
+                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels], cpu_parent=parent)
+
+
+class _Prof:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def _by_phase(events, steps=1):
+    rows, top = kernel_summary(_Prof(events), steps=steps, cuda=True)
+    return {r["phase"]: (r["launches_per_step"], r["kernel_ms_per_step"]) for r in rows}, top
+
+
+def test_a_kernel_counts_in_the_phase_its_launching_op_started_in():
+    events = [_event("phase:forward", 0, 100), _event("phase:backward", 100, 300),
+              _event("aten::mm", 10, 20, [("gemm_fwd", 30.0)]),
+              _event("aten::mm", 150, 160, [("gemm_bwd", 50.0), ("gemm_bwd", 50.0)])]
+    got, _ = _by_phase(events)
+    assert got["forward"] == (1, pytest.approx(0.030))
+    assert got["backward"] == (2, pytest.approx(0.100))
+
+
+def test_kernels_linked_to_a_phase_range_itself_count_in_that_phase():
+    """A Triton kernel launched from an autograd Function's forward, no aten op open around it: the
+    profiler links it to the innermost range open, the phase's own; it must not be dropped."""
+    events = [_event("phase:forward", 0, 100, [("_lora_mm_kernel", 40.0)] * 3),
+              _event("phase:backward", 100, 300, [("_lora_mm_kernel", 20.0)]),
+              _event("aten::mm", 150, 160, [("gemm_bwd", 10.0)])]
+    got, top = _by_phase(events)
+    assert got["forward"] == (3, pytest.approx(0.120))
+    assert got["backward"] == (2, pytest.approx(0.030))
+    fwd = [t for t in top if t["phase"] == "forward"]
+    assert fwd == [{"phase": "forward", "kernel": "_lora_mm_kernel", "calls_per_step": 3,
+                    "ms_per_step": pytest.approx(0.120)}]
+
+
+def test_counts_are_per_step_and_kernels_outside_every_phase_are_other():
+    events = [_event("phase:forward", 0, 100), _event("aten::add", 10, 11, [("add", 4.0)] * 4),
+              _event("aten::copy_", 500, 501, [("Memcpy HtoD", 2.0)])]
+    got, _ = _by_phase(events, steps=2)
+    assert got["forward"] == (2, pytest.approx(0.008))
+    assert got["other"] == (0.5, pytest.approx(0.001))
