@@ -100,6 +100,11 @@ def sweep(
     fresh: Annotated[bool, typer.Option("--fresh", help="Forget earlier results of these runs and start over.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs; run nothing.")] = False,
     shard: Annotated[Optional[str], typer.Option(help="Run only shard I of N (I/N, 1-based), e.g. 2/4.")] = None,
+    only: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="Run only the runs whose setting KEY (or label) is VALUE, e.g. --only label=best "
+                                  "--only model_size=124M; repeat a key for more values. Run ids, resume and "
+                                  "shards stay those of the whole file (the shard is taken first).",
+        show_default=False)] = None,
     workers: Annotated[Optional[int], typer.Option(
         help="Runs at once on a local Dask cluster, worker i on GPU i (default: one per GPU where there are "
              "several; 0: one run at a time, here).", show_default=False)] = None,
@@ -144,7 +149,7 @@ def sweep(
     code = sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
                                    progress=not no_progress, console=console, workers=workers,
-                                   scheduler=scheduler, pack=pack)
+                                   scheduler=scheduler, pack=pack, only=only)
     if logger is not None and not dry_run:
         from lora_bench.escaping import markup
         from lora_bench.sweep.spec import load_sweep

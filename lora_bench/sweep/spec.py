@@ -33,7 +33,8 @@ from lora_bench.escaping import markup, terminal
 from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import read_file
-from lora_bench.safe_yaml import short_repr
+from lora_bench.safe_yaml import parse_scalar, short_repr
+from lora_bench.results.runs_csv import text_value
 from lora_bench.sweep.machine import machine_problems
 from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.train.identity import make_run_id, settings_hash
@@ -376,6 +377,59 @@ def _group_message(msg: str, descs: list[str], total: int) -> str:
         return f"run ({descs[0]}): {msg}"
     shown = "; ".join(descs[:3]) + (f"; and {len(descs) - 3} more" if len(descs) > 3 else "")
     return f"{len(descs)} runs ({shown}): {msg}"
+
+
+# -- filters -------------------------------------------------------------------------------------
+def parse_only(items: list[str] | tuple[str, ...] | None) -> dict[str, list[str]]:
+    """``--only KEY=VALUE`` items: KEY a setting (as in a sweep file) or ``label``, VALUE read as
+    YAML reads a value and kept as runs.csv writes it. Repeating a key allows more values (any of
+    them); different keys must all hold."""
+    out: dict[str, list[str]] = {}
+    for item in items or ():
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise UsageError(f"--only {item!r}: write it as KEY=VALUE, e.g. --only model_size=124M")
+        if key != "label" and key not in SETTINGS:
+            close = difflib.get_close_matches(key, [*SETTINGS, "label"], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UsageError(f"--only {item!r}: {key!r} is not a setting{hint}; use a setting's name "
+                             "(lora-bench train --help lists them) or label")
+        value = text.strip()
+        if key != "label":
+            try:
+                value = text_value(parse_scalar(value))
+            except ConfigError as e:
+                raise UsageError(f"--only {item!r}: {e.problems[0].splitlines()[0]}") from None
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def _holds(run: PlannedRun, key: str, values: list[str]) -> bool:
+    got = run.label if key == "label" else text_value(getattr(run.cfg, key))
+    return any(got == v or _same_number(got, v) for v in values)
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def select_only(runs: list[PlannedRun], only: dict[str, list[str]]) -> list[PlannedRun]:
+    """The runs that hold every ``--only`` key at one of its values, in the plan's order. A filter
+    that keeps no run is a usage error naming the values the runs hold, so a typo is not a sweep
+    that silently does nothing."""
+    if not only:
+        return list(runs)
+    kept = [r for r in runs if all(_holds(r, k, v) for k, v in only.items())]
+    if not kept:
+        held = {k: sorted({r.label if k == "label" else text_value(getattr(r.cfg, k)) for r in runs}) for k in only}
+        shown = "; ".join(f"{k}: {', '.join(v) or '(none)'}" for k, v in held.items())
+        wanted = " ".join(f"--only {k}={v}" for k, vs in only.items() for v in vs)
+        raise UsageError(f"{wanted} keeps none of the {len(runs)} runs selected; they hold {shown}")
+    return kept
 
 
 # -- shards --------------------------------------------------------------------------------------

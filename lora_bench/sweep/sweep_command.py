@@ -3,6 +3,8 @@ print the summary."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import importlib.util
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from lora_bench.sweep.packs import describe_plan, plan_packs
 from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.sweep.resume import resume_statuses
 from lora_bench.sweep.runner import run_sweep
-from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_shard, select_shard
+from lora_bench.sweep.spec import PlannedRun, Sweep, load_sweep, parse_only, parse_shard, select_only, select_shard
 
 
 def print_plan(sweep: Sweep, runs: list[PlannedRun], *, results_dir: Path, console) -> None:
@@ -81,12 +83,19 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
 
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,
                   isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console,
-                  workers: int | None = None, scheduler: str | None = None, pack: int | None = None) -> int:
+                  workers: int | None = None, scheduler: str | None = None, pack: int | None = None,
+                  only: list[str] | None = None) -> int:
     """What ``lora-bench sweep`` does: validate, then list (dry run) or run, here or on a Dask
-    cluster (see ``use_dask``); returns the exit code. ``pack``: --pack, over the file's key."""
+    cluster (see ``use_dask``); returns the exit code. ``pack``: --pack, over the file's key.
+    ``only``: --only KEY=VALUE items; the shard is taken first, then the filter (so the shards of
+    the whole plan stay what they are), and the runners get the runs that are left."""
     sw = load_sweep(file, overrides=overrides)
     results_dir = Path(results_dir) if results_dir else Path("results") / sw.name
     selected = parse_shard(shard)
+    wanted = parse_only(only)
+    if wanted:
+        sw = replace(sw, runs=tuple(select_only(select_shard(sw.runs, selected), wanted)))
+        selected = None
     size = sw.pack if pack is None else pack
     if size > 1 and (scheduler is not None or workers):
         where = "--scheduler" if scheduler is not None else f"--workers {workers}"

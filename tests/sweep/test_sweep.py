@@ -16,7 +16,7 @@ import pytest
 from tiny import SAMPLE, TINY_BASE, UNTIL_SIGNAL, interrupt_sweep
 
 from lora_bench.errors import ConfigError, UsageError
-from lora_bench.sweep.spec import load_sweep, parse_shard, select_shard
+from lora_bench.sweep.spec import load_sweep, parse_only, parse_shard, select_only, select_shard
 
 TINY = TINY_BASE
 
@@ -185,6 +185,53 @@ def test_shards_are_disjoint_and_cover_the_sweep(tmp_path):
     for bad in ("0/3", "4/3", "a/b", "3"):
         with pytest.raises(UsageError, match="I/N"):
             parse_shard(bad)
+
+
+def test_only_keeps_the_runs_that_hold_every_key_at_one_of_its_values(tmp_path):
+    path = write(tmp_path, "name: o\nbase:\n" + TINY + "runs:\n  - {label: ref, trainable_layers: all}\n"
+                 "  - {label: ref, trainable_layers: lora}\n  - {label: fast, trainable_layers: lora, lora_rank: 4}\n"
+                 "grid:\n  batch_size: [2, 4]\nrepeats: 2\n")
+    runs = list(load_sweep(path).runs)
+    got = select_only(runs, parse_only(["trainable_layers=lora", "batch_size=4"]))
+    assert [(r.label, r.cfg.lora_rank, r.cfg.batch_size, r.repeat) for r in got] == [
+        ("ref", 8, 4, 0), ("fast", 4, 4, 0), ("ref", 8, 4, 1), ("fast", 4, 4, 1)]
+    # a repeated key is any of its values; the label is a key; numbers compare as numbers
+    got = select_only(runs, parse_only(["label=fast", "batch_size=2", "batch_size=4.0"]))
+    assert {r.run_id for r in got} == {r.run_id for r in runs if r.label == "fast"}
+    assert select_only(runs, {}) == runs
+    # the shard is taken from the whole plan first: the filtered shards are the whole plan's, filtered
+    for i in (1, 2):
+        part = select_only(select_shard(runs, (i, 2)), parse_only(["label=ref"]))
+        assert all(r.repeat == i - 1 and r.label == "ref" for r in part) and len(part) == 4
+
+
+def test_only_refuses_what_keeps_nothing_or_names_no_setting(tmp_path):
+    path = write(tmp_path, "name: o\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\n")
+    runs = list(load_sweep(path).runs)
+    with pytest.raises(UsageError, match=r"keeps none of the 2 runs.*trainable_layers: all, lora"):
+        select_only(runs, parse_only(["trainable_layers=lora-kernel"]))
+    with pytest.raises(UsageError, match="did you mean trainable_layers"):
+        parse_only(["trainable_layer=lora"])
+    with pytest.raises(UsageError, match="KEY=VALUE"):
+        parse_only(["lora"])
+
+
+def test_only_runs_and_resumes_just_the_selected_runs(tmp_path, monkeypatch, run_cli):
+    import lora_bench.train.run as run_mod
+
+    calls, real = [], run_mod.execute
+    monkeypatch.setattr(run_mod, "execute", lambda points, **kw: calls.extend(p.run_id for p in points) or real(points, **kw))
+    path = write(tmp_path, "name: only-run\nbase:\n" + TINY + "grid:\n  trainable_layers: [all, lora]\nrepeats: 2\n")
+    ids = {r.cfg.trainable_layers + str(r.repeat): r.run_id for r in load_sweep(path).runs}
+    common = ("--cache-dir", tmp_path / "cache", "--isolation", "inline", "--no-progress", "--results-dir", tmp_path / "r")
+    code, out = run_cli("sweep", path, "--only", "trainable_layers=lora", "--dry-run", "--results-dir", tmp_path / "r")
+    assert code == 0 and ids["lora0"] in out and ids["lora1"] in out and ids["all0"] not in out
+    assert run_cli("sweep", path, "--only", "trainable_layers=lora", "--shard", "2/2", *common)[0] == 0
+    assert calls == [ids["lora1"]]
+    assert run_cli("sweep", path, *common)[0] == 0  # the whole file resumes: the filtered run is done
+    assert sorted(calls) == sorted(ids.values()) and len(rows(tmp_path / "r")) == 4
+    code, out = run_cli("sweep", path, "--only", "model_size=124M", *common)
+    assert code == 2 and "keeps none" in out and "Traceback" not in out
 
 
 # -- running -------------------------------------------------------------------------------------
