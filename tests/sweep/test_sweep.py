@@ -199,6 +199,8 @@ def test_only_keeps_the_runs_that_hold_every_key_at_one_of_its_values(tmp_path):
     got = select_only(runs, parse_only(["label=fast", "batch_size=2", "batch_size=4.0"]))
     assert {r.run_id for r in got} == {r.run_id for r in runs if r.label == "fast"}
     assert select_only(runs, {}) == runs
+    # a plan line names the label and what sets the run apart within it
+    assert runs[0].describe() == "ref: batch_size=2, trainable_layers=all"
     # the shard is taken from the whole plan first: the filtered shards are the whole plan's, filtered
     for i in (1, 2):
         part = select_only(select_shard(runs, (i, 2)), parse_only(["label=ref"]))
