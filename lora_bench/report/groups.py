@@ -19,6 +19,7 @@ import pandas as pd
 from lora_bench.report import stats
 from lora_bench.report.samples import sample
 from lora_bench.report.stats import NONE, Estimate, Sample
+from lora_bench.results.runs_csv import same_number
 from lora_bench.results.schema import column_index
 
 SPEED_UNITS = ("ms", "s", "min", "tokens/s", "TFLOP/s")
@@ -48,12 +49,7 @@ def metric_sense(col: str) -> tuple[bool | None, bool]:
 def same(a, b) -> bool:
     """Two cells name the same value: equal as text (any case) or as numbers."""
     a, b = str(a), str(b)
-    if a.casefold() == b.casefold():
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
+    return a.casefold() == b.casefold() or same_number(a, b)
 
 
 def matches(df: pd.DataFrame, spec: dict, *, equal: Callable = same) -> pd.Series:

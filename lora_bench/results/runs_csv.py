@@ -143,5 +143,13 @@ def text_value(v) -> str:
     return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
 
 
+def same_number(a: str, b: str) -> bool:
+    """Two cells that read as the same number (``16`` and ``16.0``, ``1e-4`` and ``0.0001``)."""
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
 def stderr_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)

@@ -9,6 +9,7 @@ from pathlib import Path
 from lora_bench.config import TrainConfig
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
+from lora_bench.results.runs_csv import same_number
 from lora_bench.results.store import FINISHED, RUNS_CSV, rebuild_index, remove_runs, result_rows, text_value
 from lora_bench.sweep.spec import ID_AS_DECLARED, PlannedRun
 
@@ -55,16 +56,9 @@ def _same_settings(cfg: TrainConfig, row: dict, defaults: TrainConfig, *, skip: 
             continue
         want = text_value(getattr(cfg, name))
         got = row.get(f"cfg_{name}") or text_value(getattr(defaults, name))
-        if want != got and not _same_number(want, got):
+        if want != got and not same_number(want, got):
             return False
     return True
-
-
-def _same_number(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
 
 
 def forget_runs(results_dir: Path, run_ids: list[str]) -> int:

@@ -34,7 +34,7 @@ from lora_bench.fileio import not_a_file
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import parse_scalar, short_repr
-from lora_bench.results.runs_csv import text_value
+from lora_bench.results.runs_csv import same_number, text_value
 from lora_bench.sweep.machine import machine_problems
 from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.train.identity import make_run_id, settings_hash
@@ -409,14 +409,7 @@ def parse_only(items: list[str] | tuple[str, ...] | None) -> dict[str, list[str]
 
 def _holds(run: PlannedRun, key: str, values: list[str]) -> bool:
     got = run.label if key == "label" else text_value(getattr(run.cfg, key))
-    return any(got == v or _same_number(got, v) for v in values)
-
-
-def _same_number(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
+    return any(got == v or same_number(got, v) for v in values)
 
 
 def select_only(runs: list[PlannedRun], only: dict[str, list[str]]) -> list[PlannedRun]:
