@@ -149,7 +149,8 @@ class SettingFields:
                                   LORA, minimum=0, exclusive=True)
     group_qkv: bool = _s(True, "lora-kernel on a GPU: store each block's query, key and value layers side by "
                          "side, so that where the Triton kernels run (CUDA graphs) the three run as one launch "
-                         "forward and two backward. Same parameters and values; eager and compiled steps run "
+                         "forward and two backward (with DoRA, their norms and scales as one too). Same "
+                         "parameters and values; eager and compiled steps run "
                          "the layers one by one either way.", LORA)
     kernel_plan: str = _s(AUTO, "lora-kernel: the plan its layers run. auto: chosen per call by lora-bench's rules "
                           "(docs/kernel-design.md); direct, cpp, fused, cublas, torch: that plan wherever it can "

@@ -22,6 +22,7 @@ import torch
 from lora_bench.kernels import available
 from lora_bench.kernels.autograd import cast, outside_autocast
 from lora_bench.kernels.policy import note_dora
+from lora_bench.kernels.segments import stacked
 
 TRITON = "triton"
 TORCH = "torch"
@@ -213,6 +214,68 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
     return grad_w, grad_a, grad_b, grad_m
 
 
+class DoRASegmentsFunction(torch.autograd.Function):
+    """S DoRA layers side by side (one input, so one z): y (..., S·n) = g ⊙ z + b over all S·n outputs,
+    layer i's in columns [i·n, (i+1)·n), each layer's g from its own W rows, A, B and m. The Triton
+    path only (``DoRAFunction``'s kernels over S segments: one launch forward, the scale's and the
+    norm's backward one each, as for one layer). Inputs after z: the scale, S, whether the layers
+    have biases, exact, W (S·n × in, the layers' frozen weights side by side), then the S m's, the S
+    biases (``has_bias``), the S A's and the S B's one by one, so that autograd hands each its own
+    gradient; the kernels read them through their stacked views (``segments.stacked``: the caller
+    checked that they lie back to back)."""
+
+    @staticmethod
+    def forward(ctx, z, scale, segments, has_bias, exact, weight, *params):
+        S = segments
+        ms, bs = params[:S], (params[S:2 * S] if has_bias else None)
+        As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
+        m3 = stacked(list(ms)).reshape(-1)
+        bias3 = stacked(list(bs)).reshape(-1) if has_bias else None
+        a3, b3 = stacked(list(As)), stacked(list(Bs))
+        s = float(scale)
+        z2 = _rows(z)
+        y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, a3, b3, m3, bias3, s)
+        if exact:
+            ctx.save_for_backward(z2, g, weight, a3, b3, n, cn, vt)
+        else:
+            ctx.save_for_backward(z2, g, n)
+        ctx.scale, ctx.exact, ctx.segments, ctx.has_bias = s, bool(exact), S, has_bias
+        ctx.dev = weight.device.type
+        ctx.dtypes = (ms[0].dtype, bs[0].dtype if has_bias else None, As[0].dtype, Bs[0].dtype)
+        return y.view(z.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return outside_autocast(DoRASegmentsFunction._backward, ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
+        S, s = ctx.segments, ctx.scale
+        m_dt, bias_dt, a_dt, b_dt = ctx.dtypes
+        z, g, *norm = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        first = 6  # z, scale, segments, has_bias, exact, weight
+        need_m = any(need[first:first + S])
+        need_ab = ctx.exact and any(need[first + S * (1 + ctx.has_bias):])
+        dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+                                                  need_db=ctx.has_bias)
+        grad_m = grad_a = grad_b = None
+        if need_ab:
+            weight, a3, b3, n, cn, vt = norm
+            grad_m, grad_b, grad_a, _ = triton_norm().dora_exact_bwd(
+                dg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False)
+        elif need_m:  # dm alone (the detached norm): from n, which the exact norm saves fourth
+            n = norm[3] if ctx.exact else norm[0]
+            grad_m = triton_norm().dora_norm_bwd(dg, n, n, n, n, m_dtype=m_dt, need_m=True, need_b=False,
+                                                 need_cb=False)[0]
+        per_m = (None,) * S if grad_m is None else grad_m.view(S, -1).unbind(0)
+        per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
+        per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)
+        per_bb = (None,) * S if grad_b is None else cast(grad_b, b_dt).unbind(0)
+        return (None if dz is None else dz.view(dy.shape), None, None, None, None, None, *per_m,
+                *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
+
+
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
                 B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
                 exact: bool) -> torch.Tensor:
@@ -222,5 +285,5 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
     return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "DoRAFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype", "norm_path", "norm_torch",
+__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype", "norm_path", "norm_torch",
            "triton_norm"]

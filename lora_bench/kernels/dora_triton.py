@@ -33,14 +33,21 @@ from lora_bench.kernels.triton_launch import launch
 @triton.jit
 def _dora_fwd_kernel(
     w_ptr, a_ptr, b_ptr, m_ptr, z_ptr, bias_ptr, y_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
-    N, K, R, M,
-    stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn, stride_vr, stride_vn, stride_zm, stride_ym,
+    N, K, R, M, N_SEG,
+    stride_wn, stride_wk, stride_as, stride_ak, stride_ar, stride_bs, stride_br, stride_bn, stride_vr, stride_vn,
+    stride_zm, stride_ym,
     scale,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # segments of N_SEG outputs, each with its own A and B (one segment: N_SEG = N); a block lies in
+    # one segment (the host makes N_SEG a multiple of BLOCK_N where there are several)
+    seg = (pid * BLOCK_N) // N_SEG
+    a_ptr += seg * stride_as
+    b_ptr += seg * stride_bs
+    local_n = offs_n - seg * N_SEG
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
@@ -59,7 +66,7 @@ def _dora_fwd_kernel(
         gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
         wf = wt.to(tl.float32)
         wsq += tl.sum(wf * wf, axis=1)
-    bt = tl.load(b_ptr + offs_r[None, :] * stride_br + offs_n[:, None] * stride_bn,
+    bt = tl.load(b_ptr + offs_r[None, :] * stride_br + local_n[:, None] * stride_bn,
                  mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
     btg = tl.dot(bt, gram, input_precision="ieee")
     sq = wsq + (2.0 * scale) * tl.sum(wa * bt, axis=1) + (scale * scale) * tl.sum(btg * bt, axis=1)
@@ -115,15 +122,30 @@ def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, 
 def _dora_exact_bwd_kernel(
     dg_ptr, n_ptr, cn_ptr, vt_ptr, w_ptr, a_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, ga_ptr,
     N, K, R,
-    stride_vr, stride_vn, stride_wn, stride_wk, stride_ak, stride_ar, stride_br, stride_bn,
-    stride_gr, stride_gn, stride_cn, stride_cr, stride_gak, stride_gar, scale,
+    stride_vr, stride_vn, stride_wn, stride_wk, stride_as, stride_ak, stride_ar, stride_bs, stride_br, stride_bn,
+    stride_gs, stride_gr, stride_gn, stride_cn, stride_cr, stride_gas, stride_gak, stride_gar, scale,
     PRECISION: tl.constexpr, PRECISION_F32: tl.constexpr, NEED_M: tl.constexpr, NEED_B: tl.constexpr,
     NEED_CB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) for a block of A's rows, c ⊙ Bᵀ rebuilt per block of
-    # outputs; each block of outputs also gets dm, dB (and c ⊙ Bᵀ) from one program, the pid ≡ block one
+    # outputs; each block of outputs also gets dm, dB (and c ⊙ Bᵀ) from one program, the pid ≡ block one.
+    # Segment program_id(1) of N outputs each (its own A, B, dA and dB): the per-output vectors, vᵀ's
+    # columns, W's rows and c ⊙ Bᵀ's rows are the segment's from column seg·N on.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    seg = tl.program_id(1)
+    base = seg * N
+    dg_ptr += base
+    n_ptr += base
+    cn_ptr += base
+    gm_ptr += base
+    vt_ptr += base * stride_vn
+    w_ptr += base * stride_wn
+    cb_ptr += base * stride_cn
+    a_ptr += seg * stride_as
+    b_ptr += seg * stride_bs
+    gb_ptr += seg * stride_gs
+    ga_ptr += seg * stride_gas
     offs_k = pid * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     k_mask = offs_k < K
@@ -198,29 +220,49 @@ def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int,
     return 16, 32 if dtype == torch.float32 else 64, 128, 4, 3
 
 
+def _segments(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A and B as (S, in, r) and (S, r, n) (a layer's own: S = 1), and S."""
+    if a.dim() == 2:
+        return a.unsqueeze(0), b.unsqueeze(0), 1
+    assert a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0], (a.shape, b.shape)
+    return a, b, a.shape[0]
+
+
+def segments_fit(out: int, device: torch.device) -> bool:
+    """Whether layers of ``out`` outputs each can run side by side in the forward kernel: each block
+    of outputs must lie in one layer's (``fwd_config``'s BLOCK_N divides ``out``)."""
+    return out % fwd_config(torch.float32, device)[0] == 0
+
+
 def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, ...]:
     """(y, n, g, cn, vᵀ) in one launch, for z (M × out, rows contiguous), W (out × in), A (in × r),
     B (r × out), m (out) and the bias (out) or None: y = g ⊙ z + b in z's dtype (computed in float32
     from g and b as they are), and n, g, cn = −m / (2n³) and vᵀ = (2s·(W·A) + 2s²·(Bᵀ·AᵀA))ᵀ (r × out)
     in float32. W and A in one dtype (float32, bfloat16 or float16; fp32 products follow torch's matmul
-    precision, as the LoRA kernels do), any strides; B, m and the bias in any float dtype."""
+    precision, as the LoRA kernels do), any strides; B, m and the bias in any float dtype.
+
+    S layers side by side (one input, their outputs side by side in z's columns): A (S × in × r) and
+    B (S × r × n) stacked, W (S·n × in), m and the bias (S·n), out = S·n; layer i's columns are
+    [i·n, (i+1)·n) of y, n, g, cn and vᵀ (``segments_fit`` n)."""
     out, k = weight.shape
-    r = a.shape[1]
+    a, b, S = _segments(a, b)
+    r, seg_out = a.shape[2], b.shape[2]
     rows = z.shape[0]
-    assert a.shape[0] == k and b.shape == (r, out) and m.shape == (out,) and z.shape == (rows, out), (
-        weight.shape, a.shape, b.shape, m.shape, z.shape)
+    assert a.shape[1] == k and b.shape == (S, r, seg_out) and S * seg_out == out and m.shape == (out,) \
+        and z.shape == (rows, out), (weight.shape, a.shape, b.shape, m.shape, z.shape)
     assert z.stride(1) == 1 or rows <= 1, z.stride()
     f32 = torch.float32
     n, g, cn = (_alloc((out,), weight, f32) for _ in range(3))
     vt = _alloc((r, out), weight, f32)
     y = _alloc((rows, out), z)
     bn, bk, bm, warps, stages = fwd_config(weight.dtype, weight.device)
+    assert S == 1 or seg_out % bn == 0, (seg_out, bn)
     ws, as_, bs, vs = weight.stride(), a.stride(), b.stride(), vt.stride()
     launch(
         _dora_fwd_kernel, (triton.cdiv(out, bn), 1, 1),
         (weight, a, b, m, z, bias if bias is not None else m, y, n, g, cn, vt),
-        (out, k, r, rows, ws[0], ws[1], as_[0], as_[1], bs[0], bs[1], vs[0], vs[1], z.stride(0), y.stride(0)),
+        (out, k, r, rows, seg_out, ws[0], ws[1], *as_, *bs, vs[0], vs[1], z.stride(0), y.stride(0)),
         (float(scale),),
         (_precision(weight.dtype), bias is not None, bn, bk, block_r(r), bm),
         tag="dora_fwd", num_warps=warps, num_stages=stages,
@@ -259,28 +301,34 @@ def exact_bwd_config(device: torch.device) -> tuple[int, int, int, int]:
 def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
                    a: torch.Tensor, b: torch.Tensor, scale: float, *, m_dtype: torch.dtype, need_m: bool,
                    need_b: bool, need_cb: bool) -> tuple[torch.Tensor | None, ...]:
-    """The exact norm's backward in one launch, from ``dora_norm``'s outputs and dg (out, float32),
+    """The exact norm's backward in one launch (S layers side by side as ``dora_forward`` takes them:
+    dB (S × r × n) and dA (S × in × r) then), from ``dora_norm``'s outputs and dg (out, float32),
     with W (out × in, as stored), A (in × r) and B (r × out): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c
     in B's dtype, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) in A's dtype, c ⊙ Bᵀ (out × r, float32,
     for a trained W's dW)) with c = dg · cn, dm, dB and c ⊙ Bᵀ None where not asked for. A 16-bit W
     is multiplied by c ⊙ Bᵀ rounded to W's dtype (as torch's ``W.t() @ cb`` does); fp32 products
     follow torch's matmul precision; all sums in float32."""
     out, k = weight.shape
-    r = a.shape[1]
-    assert a.shape[0] == k and b.shape == (r, out) and vt.shape == (r, out), (weight.shape, a.shape, b.shape)
+    flat = a.dim() == 2
+    a, b, S = _segments(a, b)
+    r, seg_out = a.shape[2], b.shape[2]
+    assert a.shape[1] == k and b.shape == (S, r, seg_out) and S * seg_out == out and vt.shape == (r, out), (
+        weight.shape, a.shape, b.shape)
     gm = _alloc((out,), dg, m_dtype) if need_m else None
-    gb = _alloc((r, out), dg, b.dtype) if need_b else None
+    gb = _alloc((S, r, seg_out), dg, b.dtype) if need_b else None
     cb = _alloc((out, r), dg, torch.float32) if need_cb else None
-    ga = _alloc((k, r), a)
+    ga = _alloc((S, k, r), a)
     bk, bn, warps, stages = exact_bwd_config(weight.device)
-    gs = gb.stride() if need_b else (0, 0)
+    gs = gb.stride() if need_b else (0, 0, 0)
     cs = cb.stride() if need_cb else (0, 0)
-    launch(_dora_exact_bwd_kernel, (triton.cdiv(k, bk), 1, 1),
+    launch(_dora_exact_bwd_kernel, (triton.cdiv(k, bk), S, 1),
            (dg, n, cn, vt, weight, a, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg, ga),
-           (out, k, r, *vt.stride(), *weight.stride(), *a.stride(), *b.stride(), *gs, *cs, *ga.stride()),
+           (seg_out, k, r, *vt.stride(), *weight.stride(), *a.stride(), *b.stride(), *gs, *cs, *ga.stride()),
            (float(scale),),
            (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, bk, bn, block_r(r)),
            tag="dora_norm_exact_bwd", num_warps=warps, num_stages=stages)
+    if flat:  # one layer: its own (in × r) and (r × out)
+        return gm, None if gb is None else gb[0], ga[0], cb
     return gm, gb, ga, cb
 
 
@@ -306,4 +354,5 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     return dz, dg, db
 
 
-__all__ = ["dora_exact_bwd", "dora_forward", "dora_norm_bwd", "exact_bwd_config", "fwd_config", "scale_bias_bwd"]
+__all__ = ["dora_exact_bwd", "dora_forward", "dora_norm_bwd", "exact_bwd_config", "fwd_config", "scale_bias_bwd",
+           "segments_fit"]

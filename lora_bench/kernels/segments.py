@@ -107,22 +107,38 @@ class LoRASegmentsFunction(torch.autograd.Function):
         return (grad_x, None, None, None, None, *frozen, *adapter_grads())
 
 
-def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
-    """Outputs of the lora-kernel layers ``layers`` (each with ``.linear`` and ``.lora``) on one
-    input x: one fused call where the fused plan runs and the layers lie side by side (same
-    shapes, alpha, frozen bases, parameters back to back: ``group_layers``), else one call each."""
+def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None) -> torch.Tensor | None:
+    """The lora-kernel op of ``layers`` (each with ``.linear`` and ``.lora``) on one input x as one
+    fused call, y (..., S·n) with layer i's output in columns [i·n, (i+1)·n), where the fused plan
+    runs and the layers lie side by side (same shapes, alpha, frozen bases, parameters back to back:
+    ``group_layers``); else None (nothing run). ``bias``: add the layers' biases (their layer adds
+    them itself where not); ``defer``: the adapter gradients deferred or not (None: as chosen)."""
     first = layers[0]
     S = len(layers)
-    if not torch.compiler.is_compiling() and S > 1:
-        w, a = first.linear.weight, first.lora.A
-        rank = a.shape[1]
-        if S * rank <= TRITON_MAX_RANK and plan_for_size(x, S * w.numel(), S * rank) is Plan.FUSED:
-            params = segment_params(layers)
-            if params is not None:
-                note(Plan.FUSED)
-                defer = deferred.chosen(params[-2 * S:])
-                y = LoRASegmentsFunction.apply(x, first.lora.alpha, S, first.linear.bias is not None, defer, *params)
-                return y.split(w.shape[0], dim=-1)
+    if torch.compiler.is_compiling() or S < 2:
+        return None
+    w, a = first.linear.weight, first.lora.A
+    rank = a.shape[1]
+    if S * rank > TRITON_MAX_RANK or plan_for_size(x, S * w.numel(), S * rank) is not Plan.FUSED:
+        return None
+    params = segment_params(layers)
+    if params is None:
+        return None
+    has_bias = first.linear.bias is not None
+    if has_bias and not bias:
+        params = params[:S] + params[2 * S:]
+    note(Plan.FUSED)
+    if defer is None:
+        defer = deferred.chosen(params[-2 * S:])
+    return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, *params)
+
+
+def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:
+    """Outputs of the lora-kernel layers ``layers`` (each with ``.linear`` and ``.lora``) on one
+    input x: one fused call where it can run (``fused_segments``), else one call each."""
+    y = fused_segments(x, layers)
+    if y is not None:
+        return y.split(layers[0].linear.weight.shape[0], dim=-1)
     return tuple(lora_linear(x, m.linear.weight, m.linear.bias, m.lora.A, m.lora.B, m.lora.alpha) for m in layers)
 
 
@@ -150,4 +166,4 @@ def segment_params(layers) -> list[torch.Tensor] | None:
     return [t for k in kinds for t in k]
 
 
-__all__ = ["LoRASegmentsFunction", "lora_linear_segments", "parameter_kinds", "segment_params", "stacked"]
+__all__ = ["LoRASegmentsFunction", "fused_segments", "lora_linear_segments", "parameter_kinds", "segment_params", "stacked"]

@@ -1,10 +1,12 @@
 """``--trainable-layers lora-kernel``: the LoRA layer whose forward and backward run the project's
 minimal-work op (:mod:`lora_bench.kernels.autograd`), its DoRA layer (that op, then DoRA's per-output
-scale in one function: :mod:`lora_bench.kernels.dora`), and the grouping of LoRA layers that share an input (DoRA
-layers are not grouped: each scales its own outputs by its own norm)."""
+scale in one function: :mod:`lora_bench.kernels.dora`), and the grouping of layers that share an input
+(LoRA layers, or DoRA layers: each still scales its own outputs by its own norm, the norms of all
+computed in one launch)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -12,10 +14,10 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import dora_output
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_path, triton_norm
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
-from lora_bench.kernels.segments import lora_linear_segments, parameter_kinds
+from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
 from lora_bench.lora.layer import DoRALinearBase, LoRALinearBase
 
 
@@ -44,16 +46,24 @@ class LinearWithDoRAKernel(DoRALinearBase):
 
     def forward(self, x):
         w, lora = self.linear.weight, self.lora
-        policy = None if torch.compiler.is_compiling() else current_policy()  # compiled: always inline
-        if policy is not None and policy.adapter_grads == DEFERRED:
-            note_adapter_grads(DORA_INLINE)
-            with use_policy(dataclasses.replace(policy, adapter_grads=ADAPTER_GRADS_INLINE)):
-                z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
-        else:
+        with _inline_adapter_grads():
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
                            exact=not self.detach_norm)
+
+
+@contextlib.contextmanager
+def _inline_adapter_grads():
+    """A DoRA layer's LoRA op with its adapter gradients inline: where the policy defers them, run
+    inline and note why (``DORA_INLINE``); a compiled call is always inline."""
+    policy = None if torch.compiler.is_compiling() else current_policy()
+    if policy is not None and policy.adapter_grads == DEFERRED:
+        note_adapter_grads(DORA_INLINE)
+        with use_policy(dataclasses.replace(policy, adapter_grads=ADAPTER_GRADS_INLINE)):
+            yield
+    else:
+        yield
 
 
 class SideBySide:
@@ -70,17 +80,62 @@ class SideBySide:
         return f"SideBySide({len(self.layers)} lora-kernel layers)"
 
 
+class DoRASideBySide(SideBySide):
+    """DoRA layers that share their input, called as one where the Triton kernels run (the LoRA op
+    of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``),
+    else one call each, as ungrouped."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layers = self.layers
+        first = layers[0]
+        w = first.linear.weight
+        if not torch.compiler.is_compiling() and norm_path(w, first.lora.A) == TRITON:
+            weights = stacked([m.linear.weight for m in layers])
+            params = _dora_params(layers)
+            if weights is not None and params is not None and triton_norm().segments_fit(w.shape[0], w.device):
+                with _inline_adapter_grads():
+                    z = fused_segments(x, layers, bias=False, defer=False)
+                if z is not None:
+                    y = DoRASegmentsFunction.apply(z, first.lora.alpha, len(layers), first.linear.bias is not None,
+                                                   not first.detach_norm, weights.reshape(-1, w.shape[1]), *params)
+                    return y.split(w.shape[0], dim=-1)
+        return tuple(m(x) for m in layers)
+
+    def __repr__(self) -> str:
+        return f"DoRASideBySide({len(self.layers)} lora-kernel DoRA layers)"
+
+
+def _dora_params(layers) -> list[torch.Tensor] | None:
+    """The m's, biases (where the layers have them), A's and B's of DoRA layers, each kind back to
+    back in one buffer, flat in ``DoRASegmentsFunction``'s order; else None."""
+    kinds = [[m.m for m in layers], [m.linear.bias for m in layers], [m.lora.A for m in layers],
+             [m.lora.B for m in layers]]
+    if kinds[1][0] is None:
+        kinds.pop(1)
+    if any(stacked(k) is None for k in kinds):
+        return None
+    return [t for k in kinds for t in k]
+
+
 def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     """Lay the parameters of lora-kernel ``layers`` (same shapes, dtypes, device and alpha, frozen
-    bases) side by side: each weight, bias, A and B becomes a view of one buffer per kind, holding
-    the same values, so the fused kernels read all the layers at once. Returns the caller for the
-    group, or None when the layers cannot be grouped (nothing is changed then).
+    bases; DoRA layers alike, with one kind of norm) side by side: each weight, bias, A and B (and
+    DoRA's m) becomes a view of one buffer per kind, holding the same values, so the fused kernels
+    read all the layers at once. Returns the caller for the group, or None when the layers cannot
+    be grouped (nothing is changed then).
 
     Call it once the model is on its device and in its final dtypes (``Module.to`` gives each
     parameter its own storage again, which turns the grouped path off, not wrong)."""
-    if len(layers) < 2 or not all(isinstance(m, LinearWithLoRAKernel) for m in layers):
+    if len(layers) < 2:
+        return None
+    dora = all(isinstance(m, LinearWithDoRAKernel) for m in layers)
+    if not dora and not all(isinstance(m, LinearWithLoRAKernel) for m in layers):
         return None
     kinds = parameter_kinds(layers)
+    if dora and kinds is not None:
+        if len({m.detach_norm for m in layers}) != 1:
+            return None
+        kinds.append([m.m for m in layers])
     if kinds is None or any(len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1 for group in kinds):
         return None
     with torch.no_grad():
@@ -88,7 +143,7 @@ def group_layers(layers: list[nn.Module]) -> SideBySide | None:
             buf = torch.stack([t.detach() for t in group])
             for t, view in zip(group, buf.unbind(0)):
                 t.data = view
-    return SideBySide(list(layers))
+    return DoRASideBySide(list(layers)) if dora else SideBySide(list(layers))
 
 
 def group_qkv(model: nn.Module) -> int:

@@ -164,6 +164,12 @@ def _bwd_bounds(out: int, r: int, dtype: torch.dtype) -> dict[str, float]:
 LAYER_CASES = ([(37, 53, 7, r, detach, "fp32", False) for r in (1, 16, 64) for detach in (False, True)]
                + [(96, 80, 15, 7, False, "fp32", False), (37, 53, 7, 16, False, "fp16", False),
                   (40, 24, 9, 5, True, "fp16", False), (37, 5, 9, 7, False, "fp32", True)])
+# three DoRA layers side by side on one input (``group_layers``, as a block's query, key and value),
+# under a forced fused plan: (in, out, rows, r, detached norm, dtype, bias); out a multiple of the
+# forward kernel's 16-output block (the grouped path), or not (each layer on its own)
+GROUP_CASES = [(37, 48, 9, 7, False, "fp32", True), (37, 48, 9, 7, True, "fp32", False),
+               (40, 32, 5, 16, False, "fp16", True), (29, 64, 17, 1, False, "fp32", False),
+               (37, 53, 9, 7, False, "fp32", True)]
 # the scale's backward kernel: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
@@ -215,6 +221,65 @@ def _interp_main() -> None:
             outs = _grads(layer, x, g)
         print(json.dumps(dict(layer_case=i, dora=sorted(log.dora), backend=log.backend(),
                               errs=_float64_errors(layer, x, g, outs))), flush=True)
+    for i, case in enumerate(GROUP_CASES):
+        print(json.dumps(dict(group_case=i, **_group_run(*case))), flush=True)
+
+
+def _dora_group(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool, bias: bool, device: str):
+    """Three DoRA layers (``_dora_layer``), with fresh biases or none, grouped by ``group_layers``
+    (a block's query, key and value); returns (the group's caller, the layers)."""
+    from lora_bench.lora.kernel import DoRASideBySide, group_layers
+
+    layers = [_dora_layer(k, n, r, dtype=dtype, detach=detach, device=device) for _ in range(3)]
+    for m in layers:
+        if bias:
+            with torch.no_grad():
+                m.linear.bias.copy_(fresh(n, device=device, dtype=dtype))
+        else:
+            m.linear.bias = None
+    caller = group_layers(layers)
+    assert isinstance(caller, DoRASideBySide), caller
+    return caller, layers
+
+
+def _group_grads(caller, layers, x, gs):
+    """The group's outputs and the gradients of x and each layer's A, B and m, for output gradients gs."""
+    ys = caller(x)
+    loss = sum((y.float() * g.float()).sum() for y, g in zip(ys, gs))
+    return (*ys, *torch.autograd.grad(loss, [x, *[t for m in layers for t in (m.lora.A, m.lora.B, m.m)]]))
+
+
+GROUP_NAMES = ("y0", "y1", "y2", "x", "A0", "B0", "m0", "A1", "B1", "m1", "A2", "B2", "m2")
+
+
+def _group_errors(layers, x, gs, outs) -> dict[str, float]:
+    """``_group_grads``' results against the three layers as ``LinearWithDoRA`` in float64."""
+    refs = [_float64_layer(m) for m in layers]
+    x64 = x.detach().double().requires_grad_()
+    ys64 = [m(x64) for m in refs]
+    loss64 = sum((y * g.double()).sum() for y, g in zip(ys64, gs))
+    want = (*ys64, *torch.autograd.grad(loss64, [x64, *[t for m in refs for t in (m.lora.A, m.lora.B, m.m)]]))
+    return {name: rel_err(got, w) for name, got, w in zip(GROUP_NAMES, outs, want)}
+
+
+def _group_run(k: int, n: int, rows: int, r: int, detach: bool, dt: str, bias: bool) -> dict:
+    """Three DoRA layers grouped, under a forced fused plan: the Triton launches of their forward and
+    backward (tags) and, against the three as ``LinearWithDoRA`` in float64, the errors of their
+    outputs, x's gradient (summed over the three) and each layer's A, B and m."""
+    from lora_bench.kernels import triton_launch
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+
+    caller, layers = _dora_group(k, n, r, dtype=DTYPE[dt], detach=detach, bias=bias, device="cpu")
+    x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+    gs = [fresh(rows, n, device="cpu", dtype=torch.float32) for _ in layers]
+    with use_policy(PlanPolicy(forced=Plan.FUSED)), record_plans() as log:
+        with triton_launch.recording() as fwd:
+            ys = caller(x)
+        loss = sum((y.float() * g).sum() for y, g in zip(ys, gs))
+        with triton_launch.recording() as bwd:
+            grads = torch.autograd.grad(loss, [x, *[t for m in layers for t in (m.lora.A, m.lora.B, m.m)]])
+    return dict(forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd], dora=sorted(log.dora),
+                errs=_group_errors(layers, x, gs, (*ys, *grads)))
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +292,7 @@ def interp_runs():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * len(BWD_NEEDS) + len(SCALE_CASES) + 2
-                + len(LAYER_CASES))
+                + len(LAYER_CASES) + len(GROUP_CASES))
     assert len(runs) == expected, proc.stdout[-3000:]
     return runs
 
@@ -287,6 +352,32 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
     assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"} | ({"W", "b"} if trained else set()), run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+@pytest.mark.parametrize("i", range(len(GROUP_CASES)))
+def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
+    """Three DoRA layers side by side: where their outputs fit the forward kernel's blocks, one
+    LoRA launch and one DoRA launch forward for all three, and one scale and one norm launch
+    backward (beside the LoRA op's own), not three of each; elsewhere each layer on its own. Outputs
+    and gradients against ``LinearWithDoRA`` in float64: the layer's bound, its chain taken over
+    the three layers' outputs (x's gradient sums them)."""
+    k, n, rows, r, detach, dt, bias = GROUP_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("group_case") == i]
+    fits = n % 16 == 0
+    dora_fwd = [t for t in run["forward"] if t.startswith("dora")]
+    dora_bwd = [t for t in run["backward"] if t.startswith("dora")]
+    lora_fwd = [t for t in run["forward"] if not t.startswith("dora")]
+    if fits:
+        assert dora_fwd == ["dora_fwd"] and len(lora_fwd) == 1, run
+        want_bwd = ["dora_scale_bwd", "dora_norm_bwd" if detach else "dora_norm_exact_bwd"]
+        assert sorted(dora_bwd) == sorted(want_bwd), run
+    else:
+        assert dora_fwd == ["dora_fwd"] * 3, run
+    assert run["dora"] == ["triton"], run
+    bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
+             else rounded_input_tol(DTYPE[dt], 8))
     for name, err in run["errs"].items():
         assert err <= bound, (run, name, bound)
 
@@ -663,3 +754,70 @@ def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k,
         graph.replay()
         torch.cuda.synchronize()
         _assert_float64(layer, x, g, outs, bound, f"{mode} detach={detach} replay {i}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, r", [(960, 768, 16), (960, 1600, 16), (333, 640, 64)])
+def test_gpu_grouped_dora_layers_match_float64(mode, detach, rows, k, r):
+    """A block's query, key and value as grouped DoRA layers (k → k each), eager: float32, bfloat16
+    autocast, bfloat16 parameters; the grouped path ran (one DoRA forward launch for the three)."""
+    from lora_bench.kernels import triton_launch
+    from lora_bench.kernels.policy import Plan, PlanPolicy, use_policy
+
+    caller, layers = _dora_group(k, k, r, dtype=torch.bfloat16 if mode == "bf16-true" else torch.float32,
+                                 detach=detach, bias=True, device="cuda")
+    pdt = layers[0].m.dtype
+    x = fresh(rows, k, device="cuda", dtype=pdt).requires_grad_()
+    gs = [fresh(rows, k, device="cuda", dtype=pdt) for _ in layers]
+    # the fused plan, as under CUDA-graph capture (eager CUDA takes the C++ op, one layer at a time)
+    with use_policy(PlanPolicy(forced=Plan.FUSED)), record_plans() as log, triton_launch.recording() as rec, \
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16"):
+        outs = _group_grads(caller, layers, x, gs)
+    assert log.dora == {"triton"} and [t for t, *_ in rec].count("dora_fwd") == 1, (log.dora, rec)
+    bound = _layer_bound(mode, k, 3 * k, r, rows)
+    for name, err in _group_errors(layers, x, gs, outs).items():
+        assert err <= bound, (mode, detach, name, err, bound)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, r", [(960, 768, 16), (960, 1600, 16)])
+def test_gpu_grouped_dora_layers_replayed_from_a_cuda_graph(mode, detach, rows, k, r):
+    """The grouped layers' forward and backward captured in a CUDA graph (warm-up on a side stream),
+    where the fused plan runs them as one (one DoRA forward launch for the three): replays on fresh
+    x, A's, B's, m's and output gradients copied into the captured buffers match float64 every time."""
+    from lora_bench.kernels import triton_launch
+    from lora_bench.train.graphs import warm_up
+
+    caller, layers = _dora_group(k, k, r, dtype=torch.float32, detach=detach, bias=True, device="cuda")
+    x = fresh(rows, k, device="cuda", dtype=torch.float32).requires_grad_()
+    gs = [fresh(rows, k, device="cuda", dtype=torch.float32) for _ in layers]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16", cache_enabled=False):
+            return _group_grads(caller, layers, x, gs)
+
+    with record_plans() as log:
+        warm_up(step, 2)
+        graph = torch.cuda.CUDAGraph()
+        with triton_launch.recording() as rec, torch.cuda.graph(graph):
+            outs = step()
+    assert log.dora == {"triton"} and [t for t, *_ in rec].count("dora_fwd") == 1, (log.dora, rec)
+    bound = _layer_bound(mode, k, 3 * k, r, rows)
+    for i in range(3):
+        with torch.no_grad():
+            for t in (x, *gs, *[p for m in layers for p in (m.lora.A, m.lora.B)]):
+                t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.std())))
+            for m in layers:
+                m.m.copy_(m.m * (1 + 0.1 * torch.rand_like(m.m)))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, err in _group_errors(layers, x, gs, outs).items():
+            assert err <= bound, (mode, detach, name, err, bound, f"replay {i}")

@@ -3,7 +3,7 @@
 the gradients of x, A, B, m and, for a trained base (the head), W and b; exact and detached norm;
 ranks 1 to 64, odd shapes, B and m moved off their start. ``DoRAFunction``'s written-out
 backward (the scale's, then the norm's) by gradcheck in float64; the layer's choices (where its
-norm runs, its adapter gradients inline, no grouping); a tiny run on the command line, and whole
+norm runs, its adapter gradients inline, grouping side by side); a tiny run on the command line, and whole
 runs equal to the unmerged layer's (``same_function_tol``); the layer under torch.compile. Its
 Triton path, under Triton's CPU interpreter: tests/kernels/test_dora_norm.py.
 
@@ -200,18 +200,49 @@ def test_deferred_adapter_gradients_run_inline_with_the_reason_noted():
         assert torch.equal(a, b)
 
 
-def test_dora_layers_are_not_grouped():
-    """Grouping lays LoRA layers side by side under one call; DoRA layers each scale their own outputs,
-    so ``group_layers`` leaves them as they are and ``group_qkv`` groups no block of a DoRA model."""
+def test_dora_layers_group_side_by_side_and_run_one_by_one_off_the_triton_path():
+    """``group_layers`` lays DoRA layers' parameters (W, b, A, B and m) side by side, values kept;
+    off the Triton path (the CPU) the group runs each layer on its own: the same outputs and
+    gradients bit for bit as the ungrouped layers. Layers with different norms, or DoRA beside
+    LoRA, are not grouped; ``group_qkv`` groups every block of a DoRA model."""
+    from lora_bench.kernels.segments import stacked
+    from lora_bench.lora import LinearWithLoRAKernel
+    from lora_bench.lora.kernel import DoRASideBySide
+
     layers = [_layer(16, 16, 4, 2.0) for _ in range(3)]
-    before = [t.data_ptr() for m in layers for t in (m.linear.weight, m.lora.A)]
-    assert group_layers(layers) is None
-    assert [t.data_ptr() for m in layers for t in (m.linear.weight, m.lora.A)] == before
-    model = build_random_model(gpt_config("tiny", context_length=16))
+    plain = copy.deepcopy(layers)
+    caller = group_layers(layers)
+    assert isinstance(caller, DoRASideBySide)
+    for kind in ("linear.weight", "linear.bias", "lora.A", "lora.B", "m"):
+        ts = [m.get_parameter(kind) for m in layers]
+        assert stacked(ts) is not None, kind
+        assert all(torch.equal(t, m.get_parameter(kind)) for t, m in zip(ts, plain)), kind
+    x = fresh(5, 16, device="cpu", dtype=torch.float32)
+    g = fresh(5, 16, device="cpu", dtype=torch.float32)
+    got = [_run(_Pick(caller, i), x, g) for i in range(3)]
+    want = [_run(m, x, g) for m in plain]
+    for a, b in zip(got, want):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    assert group_layers([_layer(16, 16, 4, 2.0), _layer(16, 16, 4, 2.0, detach=True)]) is None
+    lora = LinearWithLoRAKernel(nn.Linear(16, 16).requires_grad_(False), 4, 2.0)
+    assert group_layers([_layer(16, 16, 4, 2.0), lora]) is None
+    model = build_random_model(gpt_config("tiny", context_length=16)).requires_grad_(False)  # frozen, as trained
     inject_lora(model, cls=LinearWithDoRAKernel, rank=4, alpha=2.0)
     blocks = [m for m in model.modules() if hasattr(m, "qkv")]
     assert blocks and all(isinstance(m.W_query, LinearWithDoRAKernel) for m in blocks)
-    assert group_qkv(model) == 0 and all(m.qkv is None for m in blocks)
+    assert group_qkv(model) == len(blocks) and all(isinstance(m.qkv, DoRASideBySide) for m in blocks)
+
+
+class _Pick(nn.Module):
+    """Output i of a group, with layer i's parameters where ``_run`` looks for them."""
+
+    def __init__(self, caller, i: int):
+        super().__init__()
+        self.caller, self.i = caller, i
+        self.lora, self.m, self.linear = caller.layers[i].lora, caller.layers[i].m, caller.layers[i].linear
+
+    def forward(self, x):
+        return self.caller(x)[self.i]
 
 
 def test_dora_kernel_trains_from_the_command_line(run_cli, tmp_path):
