@@ -145,8 +145,13 @@ class DoRAFunction(torch.autograd.Function):
         if not ctx.exact:
             need_w = need_a = need_b = False
         need_g = need_m or need_w or need_a or need_b
-        dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
         grad_w = grad_a = grad_b = grad_m = None
+        if ctx.path == TRITON and not ctx.exact and need_m:  # dm = dg / n in the scale's own launch
+            dz, _, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+                                                             need_db=need_bias, n=norm[0], m_dtype=ctx.dtypes[3])
+            dz = None if dz is None else dz.view(dy.shape)
+            return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None
+        dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
         if need_g:
             grad_w, grad_a, grad_b, grad_m = _norm_backward(ctx, norm, dg, need_w=need_w, need_a=need_a,
                                                             need_b=need_b, need_m=need_m)
@@ -159,7 +164,8 @@ def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tens
     float32 or float64), None where not asked for; ``triton``: one launch (z as rows, g as stored;
     it gives dg always), else four torch ops (``gz``: g in z's dtype)."""
     if path == TRITON:
-        dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z, need_db=need_bias)
+        dz, dg, db, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+                                                     need_db=need_bias)
         return None if dz is None else dz.view(dy.shape), dg, db
     dy = cast(dy, z.dtype)
     rows = dy.reshape(-1, dy.shape[-1])
@@ -257,17 +263,16 @@ class DoRASegmentsFunction(torch.autograd.Function):
         first = 6  # z, scale, segments, has_bias, exact, weight
         need_m = any(need[first:first + S])
         need_ab = ctx.exact and any(need[first + S * (1 + ctx.has_bias):])
-        dz, dg, db = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
-                                                  need_db=ctx.has_bias)
-        grad_m = grad_a = grad_b = None
+        alone = need_m and not need_ab  # dm alone (the detached norm): in the scale's own launch
+        n = norm[3] if ctx.exact else norm[0]
+        dz, dg, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+                                                          need_db=ctx.has_bias, n=n if alone else None,
+                                                          m_dtype=m_dt)
+        grad_a = grad_b = None
         if need_ab:
             weight, a3, b3, n, cn, vt = norm
             grad_m, grad_b, grad_a, _ = triton_norm().dora_exact_bwd(
                 dg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False)
-        elif need_m:  # dm alone (the detached norm): from n, which the exact norm saves fourth
-            n = norm[3] if ctx.exact else norm[0]
-            grad_m = triton_norm().dora_norm_bwd(dg, n, n, n, n, m_dtype=m_dt, need_m=True, need_b=False,
-                                                 need_cb=False)[0]
         per_m = (None,) * S if grad_m is None else grad_m.view(S, -1).unbind(0)
         per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
         per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)

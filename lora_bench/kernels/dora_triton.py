@@ -185,9 +185,9 @@ def _dora_exact_bwd_kernel(
 
 
 @triton.jit
-def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, M, N, stride_dym, stride_zm, stride_dzm,
-                           WRITE_DZ: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, n_ptr, gm_ptr, M, N, stride_dym, stride_zm,
+                           stride_dzm, WRITE_DZ: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_M: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -207,6 +207,9 @@ def _scale_bias_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, dg_ptr, db_ptr, M, N, s
     tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
     if HAS_BIAS:
         tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
+    if NEED_M:  # the detached norm's whole backward: dm = dg / n, from this program's dg
+        nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
+        tl.store(gm_ptr + offs_n, (acc_g / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
 
 
 def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -338,20 +341,24 @@ def _scale_bwd_config(device: torch.device) -> tuple[int, int]:
     return (32, 32) if device.type == "cuda" else (16, 16)
 
 
-def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_dz: bool,
-                   need_db: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """(dz = dy ⊙ g in z's dtype or None, dg = Σ_rows dy ⊙ z and db = Σ_rows dy in float32 or None)
-    for dy, z (M × N, rows contiguous), g (N); one launch."""
+def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_dz: bool, need_db: bool,
+                   n: torch.Tensor | None = None,
+                   m_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, ...]:
+    """(dz = dy ⊙ g in z's dtype or None, dg = Σ_rows dy ⊙ z and db = Σ_rows dy in float32 or None,
+    dm = dg / n in ``m_dtype`` where the norm n (N, float32) is given, else None) for dy, z (M × N,
+    rows contiguous), g (N); one launch (with n: the detached norm's backward in the same one)."""
     M, N = z.shape
     dz = _alloc((M, N), z) if need_dz else None
     dg = _alloc((N,), z, torch.float32)
     db = _alloc((N,), z, torch.float32) if need_db else None
+    gm = _alloc((N,), z, m_dtype) if n is not None else None
     bm, bn = _scale_bwd_config(z.device)
     launch(_scale_bias_bwd_kernel, (triton.cdiv(N, bn), 1, 1),
-           (dy, z, g, dz if need_dz else dy, dg, db if need_db else dg),
+           (dy, z, g, dz if need_dz else dy, dg, db if need_db else dg, n if n is not None else dg,
+            gm if gm is not None else dg),
            (M, N, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
-           (need_dz, need_db, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=2)
-    return dz, dg, db
+           (need_dz, need_db, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=2)
+    return dz, dg, db, gm
 
 
 __all__ = ["dora_exact_bwd", "dora_forward", "dora_norm_bwd", "exact_bwd_config", "fwd_config", "scale_bias_bwd",
