@@ -12,6 +12,7 @@ from typing import Callable
 from lora_bench.publish import docs_method as method
 from lora_bench.publish import docs_quantized as quantized
 from lora_bench.publish import docs_study as study
+from lora_bench.publish import docs_variants as variants
 from lora_bench.publish.docs_stats import table_order_stats
 from lora_bench.publish.docs_schema import results_schema
 from lora_bench.publish.source import ROOT
@@ -53,6 +54,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "qkv-group": method.table_qkv_group,
     "first-use": method.table_first_use,
     "order-stats": table_order_stats,
+    "variants-best": variants.table_variants_best,
+    "variants-reference": variants.table_variants_reference,
 }
 
 

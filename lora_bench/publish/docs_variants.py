@@ -1,0 +1,152 @@
+"""The docs tables of LoRA's variants (docs/variants.md), from the variants study's folder
+(results/answer/variants, ``configs/variants-study.yaml``): each variant's median step over its
+repeats, its ratio to its own implementation's LoRA (the book's unmerged layer for the book's
+variants and DoRA merged, the fused layer for the fused ones, PEFT's LoRA for PEFT's) and to the
+floor, with intervals and verdicts as the study's report gives them (lora_bench.report.groups).
+Where the folder holds no run of a row, its cells say "not run yet"."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from lora_bench.config import TrainConfig
+from lora_bench.publish.source import RESULTS, as_read, md_table, runs
+from lora_bench.report.groups import RunGroup, group_runs
+from lora_bench.report.stats import UNCLEAR, interval_text
+from lora_bench.results.runs_csv import text_value
+
+VARIANTS = "answer/variants"
+STEP = "step_ms_median"
+SIZES = ("124M", "1558M")
+# the settings that tell the study's rows apart, with the column each is read from
+KEYS = {"implementation": "cfg_implementation", "trainable_layers": "trainable_layers",
+        "lora_variant": "cfg_lora_variant", "dora_norm": "cfg_dora_norm", "lora_scaling": "cfg_lora_scaling",
+        "loraplus_lr_ratio": "cfg_loraplus_lr_ratio", "lora_init": "cfg_lora_init"}
+FLOOR = "the floor (`frozen`)"
+# (row, family, what sets it apart from the defaults); a family's first row is its baseline
+ROWS = (
+    (FLOOR, "floor", {"trainable_layers": "frozen"}),
+    ("LoRA (`lora`)", "book", {}),
+    ("rsLoRA (α/√r)", "book", {"lora_scaling": "rslora"}),
+    ("LoRA+ (B's rate 16×)", "book", {"loraplus_lr_ratio": 16}),
+    ("DoRA, exact norm", "book", {"lora_variant": "dora"}),
+    ("DoRA, detached norm", "book", {"lora_variant": "dora", "dora_norm": "detached"}),
+    ("DoRA merged (`lora-merged`)", "book", {"trainable_layers": "lora-merged", "lora_variant": "dora"}),
+    ("PiSSA", "book", {"lora_init": "pissa"}),
+    ("fused LoRA (`lora-kernel`)", "kernel", {"trainable_layers": "lora-kernel"}),
+    ("fused rsLoRA", "kernel", {"trainable_layers": "lora-kernel", "lora_scaling": "rslora"}),
+    ("fused DoRA, exact norm", "kernel", {"trainable_layers": "lora-kernel", "lora_variant": "dora"}),
+    ("fused DoRA, detached norm", "kernel",
+     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached"}),
+    ("PEFT LoRA", "hf", {"implementation": "hf"}),
+    ("PEFT DoRA (`use_dora`)", "hf", {"implementation": "hf", "lora_variant": "dora", "dora_norm": "detached"}),
+    ("PEFT rsLoRA (`use_rslora`)", "hf", {"implementation": "hf", "lora_scaling": "rslora"}),
+    ("PEFT PiSSA", "hf", {"implementation": "hf", "lora_init": "pissa"}),
+)
+NOT_RUN = "not run yet"
+
+
+def _settings(changes: dict) -> dict[str, str]:
+    """A row's settings as runs.csv writes them: the defaults, with ``changes``."""
+    defaults = TrainConfig()
+    out = {k: text_value(getattr(defaults, k)) for k in KEYS}
+    out["trainable_layers"] = "lora"
+    out.update({k: text_value(v) for k, v in changes.items()})
+    return out
+
+
+def _row_names(df: pd.DataFrame) -> pd.Series:
+    """Each run's row of ``ROWS`` (its settings equal to the row's, a missing or empty column read as
+    the default), or None. The DoRA norm counts only for DoRA, the floor only by its layers."""
+    defaults = _settings({})
+    cols = {}
+    for key, col in KEYS.items():
+        values = df[col] if col in df.columns else pd.Series("", index=df.index)
+        cols[key] = values.fillna("").astype(str).replace("", defaults[key])
+    table = pd.DataFrame(cols, index=df.index)
+    table["loraplus_lr_ratio"] = table["loraplus_lr_ratio"].map(_number)
+    names = pd.Series(None, index=df.index, dtype=object)
+    for name, _family, changes in ROWS:
+        want = _settings(changes)
+        want["loraplus_lr_ratio"] = _number(want["loraplus_lr_ratio"])
+        if name == FLOOR:
+            hit = table["trainable_layers"] == "frozen"
+        else:
+            keys = [k for k in KEYS if k != "dora_norm" or want["lora_variant"] == "dora"]
+            hit = (table[keys] == pd.Series({k: want[k] for k in keys})).all(axis=1)
+        names[hit & names.isna()] = name
+    return names
+
+
+def _number(text: str) -> str:
+    try:
+        return repr(float(text))
+    except ValueError:
+        return text
+
+
+def _groups(label: str, folder: str = VARIANTS) -> tuple[dict, dict]:
+    """(row, size) -> the group against its family's LoRA, and -> the group against the floor, for
+    the study's rows in one mode (its sweep label); empty where the folder holds none."""
+    path = RESULTS / folder / "runs.csv"
+    if not path.is_file():
+        return {}, {}
+    df = runs(folder)
+    df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
+    df = as_read(df.assign(variant_row=_row_names(df)).dropna(subset=["variant_row"]), folder)
+    family = {name: fam for name, fam, _ in ROWS}
+    df = df.assign(variant_family=df["variant_row"].map(family))
+    by_lora, by_floor = {}, {}
+    for fam in ("book", "kernel", "hf"):
+        base = next(name for name, f, _ in ROWS if f == fam)
+        part = df[df["variant_family"] == fam]
+        for g in _grouped(part, base):
+            by_lora[(g.values["variant_row"], g.values["model_size"])] = g
+        with_floor = df[(df["variant_family"] == fam) | (df["variant_row"] == FLOOR)]
+        for g in _grouped(with_floor, FLOOR):
+            by_floor[(g.values["variant_row"], g.values["model_size"])] = g
+    return by_lora, by_floor
+
+
+def _grouped(frame: pd.DataFrame, baseline: str) -> list[RunGroup]:
+    if frame.empty:
+        return []
+    return group_runs(frame, ["model_size", "variant_row"], metrics=[STEP], baseline={"variant_row": baseline},
+                      ratio_metric=STEP, lone_baseline=False, unknown=UNCLEAR, sort=True)
+
+
+def _ratio(g: RunGroup | None) -> str:
+    if g is None or g.is_baseline:
+        return "1" if g is not None else "-"
+    if not g.has_baseline:
+        return "-"
+    return f"{interval_text(g.ratio)} {g.verdict}".strip()
+
+
+def table_variants(label: str, folder: str = VARIANTS) -> str:
+    """One mode's table: for each row of ``ROWS`` and size, the median step ms [interval], ÷ its
+    family's LoRA with the verdict, and ÷ the floor."""
+    by_lora, by_floor = _groups(label, folder)
+    rows = []
+    for name, _family, _changes in ROWS:
+        row = [name]
+        for size in SIZES:
+            g = by_lora.get((name, size)) or by_floor.get((name, size))
+            if g is None:
+                row += [NOT_RUN, "-", "-"]
+                continue
+            f = by_floor.get((name, size))
+            row += [interval_text(g.estimates[STEP], digits=2),
+                    "-" if name == FLOOR else _ratio(by_lora.get((name, size))),
+                    "1" if name == FLOOR else _ratio(f)]
+        rows.append(row)
+    return md_table(["variant, batch 8 × 120, r16", *(f"{size} {col}" for size in SIZES for col in (
+        "step ms [interval]", "÷ its LoRA", "÷ floor"))], rows, align="---|" + "|".join(["---:"] * 6))
+
+
+def table_variants_best() -> str:
+    return table_variants("best")
+
+
+def table_variants_reference() -> str:
+    return table_variants("reference")

@@ -1,0 +1,78 @@
+"""docs/variants.md's tables of what each variant costs (lora_bench.publish.docs_variants), on a
+results folder the test writes: rows of the variants study's shape (its settings in ``cfg_``
+columns, some left out as runs.csv leaves them for older rows), five repeats each. Each row's
+median, its ratio to its own implementation's LoRA (paired by repeat) and to the floor; a row the
+folder lacks reads "not run yet"; runs of the other mode do not count."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from lora_bench.publish import docs_variants as dv
+from lora_bench.publish import source
+
+# (row name, settings as the study writes them, step ms of repeat 0; each repeat adds 1 %)
+RUNS = [
+    (dv.FLOOR, {"trainable_layers": "frozen"}, 2.0),
+    ("LoRA (`lora`)", {"trainable_layers": "lora"}, 6.0),
+    ("rsLoRA (α/√r)", {"trainable_layers": "lora", "cfg_lora_scaling": "rslora"}, 6.0),
+    ("DoRA, detached norm", {"trainable_layers": "lora", "cfg_lora_variant": "dora", "cfg_dora_norm": "detached"}, 9.0),
+    ("DoRA, exact norm", {"trainable_layers": "lora", "cfg_lora_variant": "dora", "cfg_dora_norm": "exact"}, 12.0),
+    ("LoRA+ (B's rate 16×)", {"trainable_layers": "lora", "cfg_loraplus_lr_ratio": "16.0"}, 6.0),
+    ("fused LoRA (`lora-kernel`)", {"trainable_layers": "lora-kernel"}, 4.0),
+    ("fused DoRA, exact norm", {"trainable_layers": "lora-kernel", "cfg_lora_variant": "dora"}, 5.0),
+    ("PEFT LoRA", {"trainable_layers": "lora", "cfg_implementation": "hf"}, 16.0),
+    ("PEFT DoRA (`use_dora`)", {"trainable_layers": "lora", "cfg_implementation": "hf", "cfg_lora_variant": "dora",
+                                "cfg_dora_norm": "detached"}, 24.0),
+]
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(source, "RESULTS", tmp_path)
+    monkeypatch.setattr(dv, "RESULTS", tmp_path)
+    rows = []
+    for repeat in range(5):
+        for name, settings, ms in RUNS:
+            for label, scale in (("best", 1.0), ("reference", 10.0)):
+                rows.append({"run_id": f"{name}-{label}-r{repeat}", "status": "done", "model_size": "124M",
+                             "sweep_name": "variants-study", "sweep_label": label, "repeat": repeat,
+                             "step_ms_median": ms * scale * (1 + 0.01 * repeat),
+                             "cfg_implementation": "book", **settings})
+    df = pd.DataFrame(rows)
+    df = df.drop(columns=["cfg_lora_init"], errors="ignore")  # a column older rows lack: its default
+    (tmp_path / dv.VARIANTS).mkdir(parents=True)
+    df.to_csv(tmp_path / dv.VARIANTS / "runs.csv", index=False)
+    return tmp_path
+
+
+def _cells(table: str) -> dict[str, list[str]]:
+    lines = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+def test_each_row_against_its_own_lora_and_the_floor(folder):
+    cells = _cells(dv.table_variants("best"))
+    assert list(cells) == [name for name, _f, _c in dv.ROWS]
+    assert cells[dv.FLOOR][:3] == [cells[dv.FLOOR][0], "-", "1"] and cells[dv.FLOOR][0].startswith("2.04 ")
+    # every repeat's ratio is the same: the paired ratio is exact
+    assert cells["DoRA, exact norm"][1].startswith("2.00 [2.00–2.00]")
+    assert cells["DoRA, exact norm"][2].startswith("6.00")
+    assert cells["DoRA, detached norm"][1].startswith("1.50")
+    assert cells["fused DoRA, exact norm"][1].startswith("1.25")  # against the fused LoRA, not the book's
+    assert cells["PEFT DoRA (`use_dora`)"][1].startswith("1.50")  # against PEFT's LoRA
+    assert cells["LoRA (`lora`)"][1] == "1" and cells["fused LoRA (`lora-kernel`)"][1] == "1"
+    assert cells["rsLoRA (α/√r)"][1].startswith("1.00") and cells["LoRA+ (B's rate 16×)"][1].startswith("1.00")
+    # rows the folder lacks, and the size it lacks
+    assert cells["PiSSA"][0] == dv.NOT_RUN and cells["fused rsLoRA"][0] == dv.NOT_RUN
+    assert all(cells[name][3] == dv.NOT_RUN for name in cells)
+    # the other mode: its own numbers, ten times these
+    ref = _cells(dv.table_variants("reference"))
+    assert ref["LoRA (`lora`)"][0].startswith("61.2") and ref["DoRA, exact norm"][1].startswith("2.00")
+
+
+def test_without_the_folder_every_row_is_not_run_yet(tmp_path, monkeypatch):
+    monkeypatch.setattr(dv, "RESULTS", tmp_path)
+    cells = _cells(dv.table_variants_best())
+    assert len(cells) == len(dv.ROWS) and all(c[0] == c[3] == dv.NOT_RUN for c in cells.values())
