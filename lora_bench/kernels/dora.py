@@ -263,10 +263,11 @@ class DoRASegmentsFunction(torch.autograd.Function):
         first = 6  # z, scale, segments, has_bias, exact, weight
         need_m = any(need[first:first + S])
         need_ab = ctx.exact and any(need[first + S * (1 + ctx.has_bias):])
+        need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
         alone = need_m and not need_ab  # dm alone (the detached norm): in the scale's own launch
         n = norm[3] if ctx.exact else norm[0]
         dz, dg, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
-                                                          need_db=ctx.has_bias, n=n if alone else None,
+                                                          need_db=need_bias, n=n if alone else None,
                                                           m_dtype=m_dt)
         grad_a = grad_b = None
         if need_ab:
@@ -290,5 +291,5 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
     return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype", "norm_path", "norm_torch",
-           "triton_norm"]
+__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
+           "norm_path", "norm_torch", "triton_norm"]

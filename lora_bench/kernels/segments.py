@@ -166,4 +166,5 @@ def segment_params(layers) -> list[torch.Tensor] | None:
     return [t for k in kinds for t in k]
 
 
-__all__ = ["LoRASegmentsFunction", "fused_segments", "lora_linear_segments", "parameter_kinds", "segment_params", "stacked"]
+__all__ = ["LoRASegmentsFunction", "fused_segments", "lora_linear_segments", "parameter_kinds", "segment_params",
+           "stacked"]

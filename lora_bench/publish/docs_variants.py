@@ -1,9 +1,10 @@
 """The docs tables of LoRA's variants (docs/variants.md), from the variants study's folder (the one
-``lora-bench sweep configs/variants-study.yaml --results-dir results/answer/variants`` writes): each variant's median step over its
-repeats, its ratio to its own implementation's LoRA (the book's unmerged layer for the book's
-variants and DoRA merged, the fused layer for the fused ones, PEFT's LoRA for PEFT's) and to the
-floor, with intervals and verdicts as the study's report gives them (lora_bench.report.groups).
-Where the folder holds no run of a row, its cells say "not run yet"."""
+``lora-bench sweep configs/variants-study.yaml --results-dir results/answer/variants`` writes):
+each variant's median step over its repeats, its ratio to its own implementation's LoRA (the
+book's unmerged layer for the book's variants and DoRA merged, the fused layer for the fused ones,
+PEFT's LoRA for PEFT's) and to the floor, with intervals and verdicts as the study's report gives
+them (lora_bench.report.groups). Where the folder holds no run of a row, its cells say "not run
+yet"."""
 
 from __future__ import annotations
 

@@ -59,7 +59,9 @@ class PlannedRun:
     def describe(self) -> str:
         """The run's label and what sets it apart (``best: model_size=124M, lora_scaling=rslora``):
         runs of one label differ in their settings, which a plan and a progress line must show."""
-        return f"{self.label}: {_describe(self.point)}" if self.label and self.point else self.label or _describe(self.point)
+        if self.label and self.point:
+            return f"{self.label}: {_describe(self.point)}"
+        return self.label or _describe(self.point)
 
 
 @dataclass(frozen=True)
