@@ -12,7 +12,8 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.publish.source import RESULTS, as_read, md_table, runs
-from lora_bench.report.groups import RunGroup, group_runs
+from lora_bench.report.groups import RunGroup, group_runs, same
+from lora_bench.report.labels import is_blank
 from lora_bench.report.stats import UNCLEAR, interval_text
 from lora_bench.results.runs_csv import text_value
 
@@ -56,34 +57,19 @@ def _settings(changes: dict) -> dict[str, str]:
     return out
 
 
-def _row_names(df: pd.DataFrame) -> pd.Series:
-    """Each run's row of ``ROWS`` (its settings equal to the row's, a missing or empty column read as
-    the default), or None. The DoRA norm counts only for DoRA, the floor only by its layers."""
+def _row_name(run: pd.Series) -> str | None:
+    """The run's row of ``ROWS``: its settings equal to the row's (``groups.same``; a missing or blank
+    cell read as the default), or None. The DoRA norm counts only for DoRA, the floor only by its
+    layers."""
     defaults = _settings({})
-    cols = {}
-    for key, col in KEYS.items():
-        values = df[col] if col in df.columns else pd.Series("", index=df.index)
-        cols[key] = values.fillna("").astype(str).replace("", defaults[key])
-    table = pd.DataFrame(cols, index=df.index)
-    table["loraplus_lr_ratio"] = table["loraplus_lr_ratio"].map(_number)
-    names = pd.Series(None, index=df.index, dtype=object)
+    got = {k: defaults[k] if is_blank(run.get(col)) else run[col] for k, col in KEYS.items()}
     for name, _family, changes in ROWS:
         want = _settings(changes)
-        want["loraplus_lr_ratio"] = _number(want["loraplus_lr_ratio"])
-        if name == FLOOR:
-            hit = table["trainable_layers"] == "frozen"
-        else:
-            keys = [k for k in KEYS if k != "dora_norm" or want["lora_variant"] == "dora"]
-            hit = (table[keys] == pd.Series({k: want[k] for k in keys})).all(axis=1)
-        names[hit & names.isna()] = name
-    return names
-
-
-def _number(text: str) -> str:
-    try:
-        return repr(float(text))
-    except ValueError:
-        return text
+        keys = ["trainable_layers"] if name == FLOOR else [
+            k for k in KEYS if k != "dora_norm" or want["lora_variant"] == "dora"]
+        if all(same(got[k], want[k]) for k in keys):
+            return name
+    return None
 
 
 def _groups(label: str, folder: str = VARIANTS) -> tuple[dict, dict]:
@@ -94,7 +80,8 @@ def _groups(label: str, folder: str = VARIANTS) -> tuple[dict, dict]:
         return {}, {}
     df = runs(folder)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
-    df = as_read(df.assign(variant_row=_row_names(df)).dropna(subset=["variant_row"]), folder)
+    rows = df.apply(_row_name, axis=1) if not df.empty else pd.Series(dtype=object)
+    df = as_read(df.assign(variant_row=rows).dropna(subset=["variant_row"]), folder)
     family = {name: fam for name, fam, _ in ROWS}
     df = df.assign(variant_family=df["variant_row"].map(family))
     by_lora, by_floor = {}, {}
