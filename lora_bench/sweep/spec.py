@@ -31,10 +31,10 @@ from lora_bench.config import (
 from lora_bench.errors import ConfigError, UsageError
 from lora_bench.escaping import markup, terminal
 from lora_bench.fileio import not_a_file
+from lora_bench.results.runs_csv import same_number, text_value
 from lora_bench.safe_yaml import load as load_yaml
 from lora_bench.safe_yaml import read_file
 from lora_bench.safe_yaml import parse_scalar, short_repr
-from lora_bench.results.runs_csv import same_number, text_value
 from lora_bench.sweep.machine import machine_problems
 from lora_bench.sweep.plan_time import plan_estimate
 from lora_bench.train.identity import make_run_id, settings_hash

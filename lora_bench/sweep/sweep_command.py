@@ -3,9 +3,8 @@ print the summary."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import torch
