@@ -12,7 +12,9 @@ dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ B�
 trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
 (Wᵀ times an out × r matrix), and no out × in matrix is formed. ``detached``: the norm is a
 constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are read as they are
-stored, their products accumulated in float32; a float64 W in float64). z (N × out) is kept for dg.
+stored, their products accumulated in float32; a float64 W in float64). A is read in W's dtype: in
+bf16 mode (a bfloat16 W, a float32 A under autocast) it is rounded to bfloat16 for W·A and its Gram
+matrix, as the LoRA op under autocast rounds it for x·A. z (N × out) is kept for dg.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     if torch.compiler.is_compiling():
         return _traced_norm_path()
     why = None
-    if weight.dtype not in TRITON_DTYPES or a.dtype is not weight.dtype:
-        why = f"the kernel takes W and A in one of float32, bfloat16, float16, not {weight.dtype} and {a.dtype}"
+    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
+        why = f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
     elif a.shape[1] > TRITON_NORM_MAX_RANK:
         why = f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
     elif not (weight.is_cuda or available.interpreting()):
@@ -72,6 +74,7 @@ def norm_torch(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Te
     (r × out) with v = 2s·(W·A) + 2s²·(Bᵀ·AᵀA), so that the exact backward's dB = vᵀ ⊙ c."""
     acc = norm_dtype(weight)
     bt = b.t().to(acc)  # (out, r)
+    a = cast(a, weight.dtype)  # read in W's dtype, as the Triton kernel reads it (bf16 mode: a 16-bit W, fp32 A)
     wa = (weight @ a).to(acc)  # (out, r): the one pass over W
     btg = bt @ (a.t() @ a).to(acc)  # (out, r): Bᵀ times A's Gram matrix
     wsq = weight.to(acc).pow(2).sum(1) if weight_sq is None else weight_sq.to(acc)

@@ -61,7 +61,7 @@ def _dora_fwd_kernel(
         wt = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :] * stride_wk,
                      mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
         at = tl.load(a_ptr + ks[:, None] * stride_ak + offs_r[None, :] * stride_ar,
-                     mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # (BK, BR)
+                     mask=k_mask[:, None] & r_mask[None, :], other=0.0).to(w_ptr.dtype.element_ty)  # (BK, BR)
         wa = tl.dot(wt, at, wa, input_precision=PRECISION)
         gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
         wf = wt.to(tl.float32)
@@ -242,8 +242,10 @@ def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torc
     """(y, n, g, cn, vᵀ) in one launch, for z (M × out, rows contiguous), W (out × in), A (in × r),
     B (r × out), m (out) and the bias (out) or None: y = g ⊙ z + b in z's dtype (computed in float32
     from g and b as they are), and n, g, cn = −m / (2n³) and vᵀ = (2s·(W·A) + 2s²·(Bᵀ·AᵀA))ᵀ (r × out)
-    in float32. W and A in one dtype (float32, bfloat16 or float16; fp32 products follow torch's matmul
-    precision, as the LoRA kernels do), any strides; B, m and the bias in any float dtype.
+    in float32. W in float32, bfloat16 or float16 (fp32 products follow torch's matmul precision, as
+    the LoRA kernels do) and A in any of them, read in W's dtype (a float32 A beside a bfloat16 W,
+    as in bf16 mode, is rounded as the LoRA op under autocast rounds it), any strides; B, m and the
+    bias in any float dtype.
 
     S layers side by side (one input, their outputs side by side in z's columns): A (S × in × r) and
     B (S × r × n) stacked, W (S·n × in), m and the bias (S·n), out = S·n; layer i's columns are

@@ -103,13 +103,20 @@ def test_dora_kernel_layer_with_a_trained_base_against_float64(detach):
     _check(layer, x, g, bound, "trained base, W changed")
 
 
+@pytest.mark.parametrize("base", ["fp32", "bf16"])
 @pytest.mark.parametrize("detach", [False, True])
 @pytest.mark.parametrize("r", [1, 16])
-def test_dora_kernel_layer_under_bf16_autocast(detach, r):
-    """Float32 parameters under CPU bfloat16 autocast: the output in bfloat16, the gradients in the
-    parameters' float32, all within the bfloat16 bound (module docstring) of float64."""
+def test_dora_kernel_layer_under_bf16_autocast(detach, r, base):
+    """Float32 parameters under CPU bfloat16 autocast, the frozen base in float32 or stored in
+    bfloat16 as bf16 mode stores it (``cast_frozen``: W and its bias bfloat16 beside float32 A, B
+    and m): the output in bfloat16, the gradients in the parameters' float32, all within the
+    bfloat16 bound (module docstring) of float64."""
+    from lora_bench.classifier.book import cast_frozen
+
     k, n, rows = 37, 53, 7
     layer = _layer(k, n, r, 1.5, detach=detach)
+    if base == "bf16":
+        assert cast_frozen(layer, torch.bfloat16) == 2 and layer.linear.weight.dtype is torch.bfloat16
     x = fresh(rows, k, device="cpu", dtype=torch.float32)
     g = fresh(rows, n, device="cpu", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -465,6 +465,23 @@ def test_bf16_on_cuda_close_to_fp32(tiny_cfg, tmp_path, graphs):
     assert _rel(got, ref) < 3e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("norm", ["exact", "detached"])
+def test_fused_dora_in_bf16_mode_close_to_fp32(tiny_cfg, tmp_path, norm, graphs):
+    """bf16 mode's fused DoRA layers (frozen bases stored in bfloat16 beside float32 adapters, under
+    autocast), eager and replayed from CUDA graphs: the norm runs in the Triton kernels, and the run
+    stays as close to the float32 run as bf16 LoRA does (test_bf16_on_cuda_close_to_fp32)."""
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", lora_variant="dora", dora_norm=norm,
+                            max_steps=20, lora_rank=4, lora_alpha=8.0, attention="sdpa", ops="fused")
+    ref, _ = _losses(base, tmp_path, f"fp32-{norm}-{graphs}")
+    got, row = _losses(base.replace(precision="bf16", cuda_graphs=graphs, optimizer="fused"), tmp_path,
+                       f"bf16-{norm}-{graphs}")
+    assert row["status"] == "done", row.get("error")
+    assert "dora-norm-triton" in row["backend"] and "dora-norm-torch" not in row["backend"], row["backend"]
+    assert _rel(got, ref) < 3e-2
+
+
 def test_tf32_mode_sets_and_records_the_matmul_precision(tiny_cfg, tmp_path):
     before = torch.get_float32_matmul_precision()
     try:
