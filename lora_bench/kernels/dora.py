@@ -5,9 +5,9 @@ computes it with ``DoRAFunction``, on the path ``norm_path`` chooses for the cal
 
 The norm needs no merged weight: ‖W_j‖² (fixed while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩
 from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram matrix. On the Triton path the norm and the
-scale are one launch forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
-db = Σ_rows dy (one Triton launch, four torch ops), then the norm's (one Triton launch, a trained W's
-dW aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
+scale are three launches forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
+db = Σ_rows dy (two Triton launches, four torch ops), then the norm's (one or two Triton launches, a
+trained W's dW aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
 dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
 trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
 (Wᵀ times an out × r matrix), and no out × in matrix is formed. ``detached``: the norm is a
@@ -44,7 +44,7 @@ def triton_norm():
 
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
-    log: ``triton`` (one launch forward) on CUDA, or under Triton's CPU interpreter, where Triton is
+    log: ``triton`` (three launches forward) on CUDA, or under Triton's CPU interpreter, where Triton is
     there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
@@ -106,10 +106,10 @@ class DoRAFunction(torch.autograd.Function):
     or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
     exact (differentiate through the norm), path (``norm_path``). y in z's dtype.
 
-    Triton path: forward one launch (``dora_forward``: the norm, then g ⊙ z + b, g and b read as they
-    are); backward the scale's launch (dz, dg, db), then the norm's: dm, and with the exact norm dB
-    and dA, in one launch (it gives c ⊙ Bᵀ too where a trained W needs dW, which torch ops take from
-    it). Torch ops: the norm four products and a few elementwise ops, the scale one ``addcmul`` (and
+    Triton path: forward ``dora_forward``'s three launches (the norm in two, then g ⊙ z + b, g and b
+    read as they are); backward the scale's two (dz, dg, db; with the detached norm dm too), then
+    with the exact norm dm, dB and dA in ``dora_exact_bwd``'s two (it gives c ⊙ Bᵀ too where a
+    trained W needs dW, which torch ops take from it). Torch ops: the norm four products and a few elementwise ops, the scale one ``addcmul`` (and
     casts of g and b to z's dtype where they differ); backward the scale's four ops, then dm one; c,
     dB and c ⊙ Bᵀ three more; dA three (two r-wide products and one ``addmm`` over Wᵀ); dW for a
     trained W. Sums in float32 (or float64)."""
@@ -164,7 +164,7 @@ class DoRAFunction(torch.autograd.Function):
 def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tensor, *, need_z: bool, need_g: bool,
                     need_bias: bool) -> tuple[torch.Tensor | None, ...]:
     """y = g ⊙ z + b's backward: (dz = dy ⊙ g in z's dtype, dg = Σ_rows dy ⊙ z, db = Σ_rows dy, summed in
-    float32 or float64), None where not asked for; ``triton``: one launch (z as rows, g as stored;
+    float32 or float64), None where not asked for; ``triton``: two launches (z as rows, g as stored;
     it gives dg always), else four torch ops (``gz``: g in z's dtype)."""
     if path == TRITON:
         dz, dg, db, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
@@ -195,7 +195,7 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
     grad_w = grad_a = grad_b = grad_m = cb = None
     if ctx.path == TRITON:
         dg = dg.contiguous()  # the kernels read dg's elements one after the other
-        if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in one launch
+        if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in two launches
             grad_m, grad_b, grad_a, cb = triton_norm().dora_exact_bwd(
                 dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
         else:  # dm, dB and c ⊙ Bᵀ in one launch
@@ -226,8 +226,8 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
 class DoRASegmentsFunction(torch.autograd.Function):
     """S DoRA layers side by side (one input, so one z): y (..., S·n) = g ⊙ z + b over all S·n outputs,
     layer i's in columns [i·n, (i+1)·n), each layer's g from its own W rows, A, B and m. The Triton
-    path only (``DoRAFunction``'s kernels over S segments: one launch forward, the scale's and the
-    norm's backward one each, as for one layer). Inputs after z: the scale, S, whether the layers
+    path only (``DoRAFunction``'s kernels over S segments: the launches of one layer, forward and
+    backward). Inputs after z: the scale, S, whether the layers
     have biases, exact, W (S·n × in, the layers' frozen weights side by side), then the S m's, the S
     biases (``has_bias``), the S A's and the S B's one by one, so that autograd hands each its own
     gradient; the kernels read them through their stacked views (``segments.stacked``: the caller

@@ -2,7 +2,7 @@
 minimal-work op (:mod:`lora_bench.kernels.autograd`), its DoRA layer (that op, then DoRA's per-output
 scale in one function: :mod:`lora_bench.kernels.dora`), and the grouping of layers that share an input
 (LoRA layers, or DoRA layers: each still scales its own outputs by its own norm, the norms of all
-computed in one launch)."""
+computed by one set of launches)."""
 
 from __future__ import annotations
 

@@ -374,11 +374,20 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
         assert err <= bound, (run, name, bound)
 
 
+# a DoRA function's launches: forward the norm's two (the parts of K, then their sum and g) and the
+# scale; backward the scale's two (dz and the blocks of rows' parts of dg, then their sums), and
+# with the exact norm its two
+FWD_TAGS = ["dora_fwd", "dora_fwd_finish", "dora_fwd_scale"]
+SCALE_BWD_TAGS = ["dora_scale_bwd", "dora_scale_bwd_finish"]
+EXACT_BWD_TAGS = ["dora_norm_exact_bwd", "dora_norm_exact_bwd_finish"]  # the exact norm's: the parts of the outputs, dA
+
+
 @pytest.mark.parametrize("i", range(len(GROUP_CASES)))
 def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
     """Three DoRA layers side by side: where their outputs fit the forward kernel's blocks, one
-    LoRA launch and one DoRA launch forward for all three, and one scale and (the exact norm) one
-    norm launch backward (beside the LoRA op's own), not three of each; elsewhere each layer on its own. Outputs
+    LoRA launch and one DoRA function's launches forward for all three, and one scale's and (the
+    exact norm) one norm launch backward (beside the LoRA op's own), not three of each; elsewhere
+    each layer on its own. Outputs
     and gradients against ``LinearWithDoRA`` in float64: the layer's bound, its chain taken over
     the three layers' outputs (x's gradient sums them)."""
     k, n, rows, r, detach, dt, bias = GROUP_CASES[i]
@@ -388,11 +397,11 @@ def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
     dora_bwd = [t for t in run["backward"] if t.startswith("dora")]
     lora_fwd = [t for t in run["forward"] if not t.startswith("dora")]
     if fits:
-        assert dora_fwd == ["dora_fwd"] and len(lora_fwd) == 1, run
-        want_bwd = ["dora_scale_bwd"] + ([] if detach else ["dora_norm_exact_bwd"])  # detached: dm in the scale's
+        assert dora_fwd == FWD_TAGS and len(lora_fwd) == 1, run
+        want_bwd = SCALE_BWD_TAGS + ([] if detach else EXACT_BWD_TAGS)  # detached: dm in the scale's
         assert sorted(dora_bwd) == sorted(want_bwd), run
     else:
-        assert dora_fwd == ["dora_fwd"] * 3, run
+        assert dora_fwd == FWD_TAGS * 3, run
     assert run["dora"] == ["triton"], run
     bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
              else rounded_input_tol(DTYPE[dt], 8))
