@@ -109,8 +109,9 @@ class DoRAFunction(torch.autograd.Function):
     Triton path: forward ``dora_forward``'s three launches (the norm in two, then g ⊙ z + b, g and b
     read as they are); backward the scale's two (dz, dg, db; with the detached norm dm too), then
     with the exact norm dm, dB and dA in ``dora_exact_bwd``'s two (it gives c ⊙ Bᵀ too where a
-    trained W needs dW, which torch ops take from it). Torch ops: the norm four products and a few elementwise ops, the scale one ``addcmul`` (and
-    casts of g and b to z's dtype where they differ); backward the scale's four ops, then dm one; c,
+    trained W needs dW, which torch ops take from it). Torch ops: the norm four products and a few
+    elementwise ops, the scale one ``addcmul`` (and casts of g and b to z's dtype where they
+    differ); backward the scale's four ops, then dm one; c,
     dB and c ⊙ Bᵀ three more; dA three (two r-wide products and one ``addmm`` over Wᵀ); dW for a
     trained W. Sums in float32 (or float64)."""
 
