@@ -1,5 +1,5 @@
-"""Shared fixtures: the real corpus (skip when absent), tiny configs, a CUDA skip marker, a local
-HTTP server for the download tests."""
+"""Shared fixtures: the real corpus (the copy beside the checkout, or the packaged one), tiny
+configs, a CUDA skip marker, a local HTTP server for the download tests."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from lora_bench.config import TrainConfig
+from lora_bench.data.sms_spam import PACKAGED_CORPUS
 
-# the corpus beside the checkout; LORA_BENCH_SMS_FILE points elsewhere (e.g. on a GPU machine)
-SHARED_DATA = Path(os.environ.get("LORA_BENCH_SMS_FILE") or
-                   Path(__file__).resolve().parents[2] / "shared" / "data" / "SMSSpamCollection.tsv")
+# the corpus: LORA_BENCH_SMS_FILE where set, else the copy beside the checkout, else the one the
+# package ships (the same file), so a machine with neither runs the tests that need it
+_BESIDE = Path(__file__).resolve().parents[2] / "shared" / "data" / "SMSSpamCollection.tsv"
+SHARED_DATA = Path(os.environ.get("LORA_BENCH_SMS_FILE") or (_BESIDE if _BESIDE.is_file() else PACKAGED_CORPUS))
 
 
 def pytest_collection_modifyitems(config, items):
