@@ -3,9 +3,11 @@
 Implementations: ``frozen`` (a plain frozen nn.Linear whose input requires grad: only the input
 gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-kernel``; for
 measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the plan policy
-(:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct``. The ``backend`` column names the
-plan(s) the layer's calls ran, eagerly and, where it differs, replayed from a CUDA graph ("direct;
-graph fused"). How it times (events back to back, implementations interleaved in rounds, fresh
+(:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct``; and, asked for by name, DoRA's
+layers (``DORA_IMPLS``: ``dora``, ``dora-merged``, ``dora-kernel``, ``dora-kernel-detached``: the
+book-style pair and the fused layer with the exact or the detached norm; m trains beside A and B).
+The ``backend`` column names the plan(s) the layer's calls ran, eagerly and, where it differs,
+replayed from a CUDA graph ("direct; graph fused"), and where a fused DoRA layer's norm ran. How it times (events back to back, implementations interleaved in rounds, fresh
 inputs beyond the L2): docs/kernel-design.md#how-kernel-bench-times.
 """
 
@@ -48,7 +50,11 @@ SHAPE_GROUPS: dict[str, list[str]] = {
 REFERENCE_4090_MS: dict[str, tuple[float, float]] = {
     "4x512:768->768:r16": (45.0, 15.0), "8x256:1024->1024:r32": (85.0, 22.0), "2x1024:2048->2048:r16": (120.0, 28.0),
 }
-IMPLS = ("frozen", "lora", "lora-merged", "lora-kernel")
+LORA_IMPLS = ("frozen", "lora", "lora-merged", "lora-kernel")  # what runs when --impls is not given
+# DoRA's layers: (the trainable-layers name whose DoRA layer it is, the detached norm)
+DORA_IMPLS = {"dora": ("lora", False), "dora-merged": ("lora-merged", False), "dora-kernel": ("lora-kernel", False),
+              "dora-kernel-detached": ("lora-kernel", True)}
+IMPLS = (*LORA_IMPLS, *DORA_IMPLS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALPHA = 2.0
 L2_FLUSH_BYTES = 256 << 20  # rotate sets until this much data cycles: ~4× the H200's 60 MB L2
@@ -113,10 +119,14 @@ def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.devic
     lin.requires_grad_(False)
     if impl == "frozen":
         return lin.to(device, dtype), []
-    layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
+    if impl in DORA_IMPLS:
+        name, detach = DORA_IMPLS[impl]
+        layer = lora_class(name, "dora")(lin, shape.rank, ALPHA, detach_norm=detach)
+    else:
+        layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
     nn.init.normal_(layer.lora.B, std=0.02)
     layer = layer.to(device, dtype)
-    return layer, [layer.lora.A, layer.lora.B]
+    return layer, [layer.lora.A, layer.lora.B, *([layer.m] if impl in DORA_IMPLS else [])]
 
 
 def _make_sets(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device, n_sets: int) -> list[tuple]:
@@ -144,7 +154,7 @@ def group_bytes(impls: list[str], shape: Shape, dtype: torch.dtype, device: torc
     elt = torch.tensor([], dtype=dtype).element_size()
     d_in, d_out, r, t = shape.d_in, shape.d_out, shape.rank, shape.tokens
     per_set = d_in * d_out + d_out + 2 * t * (d_in + d_out) + t * r
-    adapters = 2 * r * (d_in + d_out)  # A and B, and their gradients
+    adapters = 2 * r * (d_in + d_out) + 2 * d_out  # A and B (and DoRA's m), and their gradients
     sets = _n_sets(shape, dtype, device)
     return elt * sum(sets * (per_set + (0 if impl == "frozen" else adapters)) for impl in impls)
 
@@ -223,8 +233,13 @@ def _policy(impl: str, base: PlanPolicy) -> PlanPolicy:
 
 
 def _plans(log: PlanLog) -> str:
-    """The plans noted, by name: 'direct', 'cpp', 'fused+cpp', ..."""
-    return "+".join(p.value for p in log)
+    """The plans noted, by name, and where DoRA's norms ran: 'direct', 'cpp+fused', 'dora-norm-triton+fused', ..."""
+    return log.backend()
+
+
+def _kernel(impl: str) -> bool:
+    """Whether the implementation is a fused layer (its plans are noted)."""
+    return impl.startswith("lora-kernel") or DORA_IMPLS.get(impl, ("",))[0] == "lora-kernel"
 
 
 def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
@@ -238,7 +253,7 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
         sets[impl] = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
         rows[impl] = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
                       "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
-                      "backend": "" if impl.startswith("lora-kernel") else ("cublas" if device.type == "cuda" else "torch"),
+                      "backend": "" if _kernel(impl) else ("cublas" if device.type == "cuda" else "torch"),
                       "repeats": repeats, "sets": len(sets[impl])}
         eager_plans[impl] = PlanLog()
     n_rounds = max(1, math.ceil(repeats / ROUND))
@@ -267,12 +282,12 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
         r = rows[impl]
         for b in ratio_base:
             r[f"x_{b}"] = statistics.median(round_ratios[impl][b])
-        if impl.startswith("lora-kernel"):
+        if _kernel(impl):
             r["backend"] = _plans(eager_plans[impl])
         if device.type == "cuda":  # every implementation, replayed from a CUDA graph
             with use_policy(policies[impl]), record_plans() as graph_plans:
                 r["graph_fwdbwd_ms"] = _time_graph(sets[impl], repeats=repeats, device=device)
-            if impl.startswith("lora-kernel") and len(graph_plans) and _plans(graph_plans) != r["backend"]:
+            if _kernel(impl) and len(graph_plans) and _plans(graph_plans) != r["backend"]:
                 r["backend"] += f"; graph {_plans(graph_plans)}"
         if cpu and dtype_name == "fp32":
             if device.type == "cpu":
@@ -309,7 +324,7 @@ def run_kernel_bench(
     """Time every (shape, impl, dtype); returns rows (keys = ``COLUMNS``) and writes ``out_csv``.
 
     shapes: names, groups ('guide', '124m', '1558m') or 'BxT:IN->OUT:rR' specs; None = all groups.
-    impls: subset of ``IMPLS`` (or 'lora-kernel:PLAN'); dtypes: subset of 'fp32', 'bf16', 'fp16'.
+    impls: subset of ``IMPLS`` (or 'lora-kernel:PLAN'; None: ``LORA_IMPLS``); dtypes: subset of 'fp32', 'bf16', 'fp16'.
     device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
     forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force."""
     if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
@@ -319,7 +334,7 @@ def run_kernel_bench(
         raise ValueError("kernel-bench: device is CUDA but no GPU is visible; use --device cpu")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
-    impls = impls or list(IMPLS)
+    impls = impls or list(LORA_IMPLS)
     base_policy = current_policy()
     policies = {}
     for impl in impls:

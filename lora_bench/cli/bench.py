@@ -26,7 +26,9 @@ def kernel_bench(
                                                        "(default: all groups).")] = None,
     impls: Annotated[Optional[str], typer.Option(help="Comma-separated subset of frozen, lora, lora-merged, "
                                                       "lora-kernel (lora-kernel:MODE forces a plan: direct, cpp, "
-                                                      "fused, cublas, torch).")] = None,
+                                                      "fused, cublas, torch) (default: these four), and DoRA's "
+                                                      "dora, dora-merged, dora-kernel, "
+                                                      "dora-kernel-detached.")] = None,
     dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16.")] = "fp32,bf16",
     device: Annotated[str, typer.Option(help="auto (the first GPU if there is one, else the CPU), cuda, cuda:N, "
                                              "or cpu.")] = "auto",

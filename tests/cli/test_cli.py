@@ -131,6 +131,24 @@ def test_show_missing_and_unknown(run_cli, tmp_path):
     _assert_clean_usage_error(code, out, "no runs.csv")
 
 
+def test_kernel_bench_times_dora_layers_by_name(run_cli, tmp_path):
+    """DoRA's layers, asked for by name, beside the fused LoRA layer: a row each, timed; the fused
+    ones name where their norm ran (torch ops on the CPU)."""
+    import pandas as pd
+
+    impls = "frozen,lora-kernel,dora,dora-merged,dora-kernel,dora-kernel-detached"
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--impls", impls,
+                         "--dtypes", "fp32", "--repeats", "2", "--warmup", "1", "--results-dir", str(tmp_path),
+                         "--no-progress")
+    assert code == 0, text
+    rows = pd.read_csv(tmp_path / "kernel_bench.csv").set_index("impl")
+    assert list(rows.index) == impls.split(",")
+    assert (rows["fwdbwd_ms"] > 0).all() and rows["x_frozen"].notna().all()
+    for impl in ("dora-kernel", "dora-kernel-detached"):
+        assert "dora-norm-torch" in rows.loc[impl, "backend"], rows.loc[impl, "backend"]
+    assert "dora-norm" not in rows.loc["lora-kernel", "backend"]
+
+
 def test_kernel_bench_command_on_cpu(run_cli, tmp_path):
     code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--repeats", "2",
                          "--warmup", "1", "--results-dir", str(tmp_path), "--no-progress")
