@@ -5,7 +5,7 @@ computes it with ``DoRAFunction``, on the path ``norm_path`` chooses for the cal
 
 The norm needs no merged weight: ‖W_j‖² (fixed while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩
 from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram matrix. On the Triton path the norm and the
-scale are three launches forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
+scale are two launches forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
 db = Σ_rows dy (two Triton launches, four torch ops), then the norm's (one or two Triton launches, a
 trained W's dW aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
 dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
@@ -44,7 +44,7 @@ def triton_norm():
 
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
-    log: ``triton`` (three launches forward) on CUDA, or under Triton's CPU interpreter, where Triton is
+    log: ``triton`` (two launches forward) on CUDA, or under Triton's CPU interpreter, where Triton is
     there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
@@ -106,8 +106,8 @@ class DoRAFunction(torch.autograd.Function):
     or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
     exact (differentiate through the norm), path (``norm_path``). y in z's dtype.
 
-    Triton path: forward ``dora_forward``'s three launches (the norm in two, then g ⊙ z + b, g and b
-    read as they are); backward the scale's two (dz, dg, db; with the detached norm dm too), then
+    Triton path: forward ``dora_forward``'s two launches (the norm's parts, then the norm and
+    g ⊙ z + b, g and b read as they are); backward the scale's two (dz, dg, db; with the detached norm dm too), then
     with the exact norm dm, dB and dA in ``dora_exact_bwd``'s two (it gives c ⊙ Bᵀ too where a
     trained W needs dW, which torch ops take from it). Torch ops: the norm four products and a few
     elementwise ops, the scale one ``addcmul`` (and casts of g and b to z's dtype where they

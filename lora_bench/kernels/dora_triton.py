@@ -12,12 +12,12 @@ build, one program per 16 outputs over all of K and all rows, took 24 to 100 µs
 sum goes to a workspace, one slot per part, and the next launch adds the parts in a fixed order:
 no atomics, so a run repeats bit for bit.
 
-The forward, three launches: programs of (16 outputs, a part of K) accumulate their part of W·A,
+The forward, two launches: programs of (16 outputs, a part of K) accumulate their part of W·A,
 of ‖W_j‖² from the same W tiles (a frozen W needs no stored row norms here) and of A's Gram matrix
 AᵀA from the same A tiles (in × r² multiply-adds per program beside its W·A's rows × in × r),
-which the first block of each segment writes; then one program per 16 outputs adds the parts,
-forms Bᵀ·AᵀA, the dots with Bᵀ, the root and g; then y = g ⊙ z + b over tiles of rows × outputs.
-W is read once, z once. The exact backward turns it round, two launches: programs of (a block of
+which the first block of each segment writes; then programs of (16 outputs, a block of rows) add
+the parts, form Bᵀ·AᵀA, the dots with Bᵀ, the root and g (each block of rows alike, the first
+storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. The exact backward turns it round, two launches: programs of (a block of
 A's rows, a part of the outputs) sum Wᵀ·(c ⊙ Bᵀ) for their rows from W's tiles as stored and
 B·diag(c)·Bᵀ (r × r) from the same B tiles, writing dm, dB and c ⊙ Bᵀ on the way (each block of
 outputs by one program of its part); then one program per block of rows adds the parts and forms
@@ -81,16 +81,19 @@ def _dora_norm_part_kernel(
 
 
 @triton.jit
-def _dora_norm_finish_kernel(
-    wa_ptr, sq_ptr, gram_ptr, b_ptr, m_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
-    N, R, N_SEG, PARTS,
-    stride_bs, stride_br, stride_bn, stride_vr, stride_vn,
+def _dora_norm_scale_kernel(
+    wa_ptr, sq_ptr, gram_ptr, b_ptr, m_ptr, z_ptr, bias_ptr, y_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
+    N, R, M, N_SEG, PARTS,
+    stride_bs, stride_br, stride_bn, stride_vr, stride_vn, stride_zm, stride_ym,
     scale,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,
 ):
-    # a block of outputs: the parts of K summed in order, then Bᵀ·AᵀA, the dots with Bᵀ, n, g and what
-    # the backward reads
+    # program (block of outputs, block of rows): the parts of K summed in order, then Bᵀ·AᵀA, the dots
+    # with Bᵀ, n and g (every block of rows forms them alike: a few loads and an r-wide product; the
+    # first stores them and what the backward reads); then y = g ⊙ z + b for its rows, SUB_M at a time
     pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     seg = (pid * BLOCK_N) // N_SEG
     b_ptr += seg * stride_bs
@@ -114,28 +117,23 @@ def _dora_norm_finish_kernel(
     nrm = tl.where(n_mask, tl.sqrt(tl.maximum(sq, 0.0)), 1.0)  # rows past N: 1, never stored
     m = tl.load(m_ptr + offs_n, mask=n_mask, other=1.0).to(tl.float32)
     g = m / nrm
-    tl.store(n_ptr + offs_n, nrm, mask=n_mask)
-    tl.store(g_ptr + offs_n, g, mask=n_mask)
-    tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_mask)
-    v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
-    tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
-             mask=n_mask[:, None] & r_mask[None, :])
-
-
-@triton.jit
-def _dora_scale_kernel(z_ptr, g_ptr, bias_ptr, y_ptr, M, N, stride_zm, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # y = g ⊙ z + b for a tile of rows × outputs (g float32, b as stored)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0)
-    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = z * g[None, :]
+    if pid_m == 0:
+        tl.store(n_ptr + offs_n, nrm, mask=n_mask)
+        tl.store(g_ptr + offs_n, g, mask=n_mask)
+        tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_mask)
+        v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
+        tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
+                 mask=n_mask[:, None] & r_mask[None, :])
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    for m0 in range(pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M, SUB_M):
+        offs_m = m0 + tl.arange(0, SUB_M)
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
+        z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = z * g[None, :]
+        if HAS_BIAS:
+            y += bias[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -328,9 +326,10 @@ def norm_parts(blocks: int, k: int, bk: int, device: torch.device) -> int:
 
 
 def scale_config(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of y = g ⊙ z + b: 32 rows × 128 outputs a program on a GPU (256-byte rows of a
-    16-bit z), a grid over rows and outputs; 16 × 16 in the interpreter."""
-    return (32, 128) if device.type == "cuda" else (16, 16)
+    """(BLOCK_M, SUB_M) of the norm's second launch, which scales z: 128 rows a program, 64 at a time,
+    on a GPU (960 rows and 768 outputs give 48 × 8 programs); 32 and 16 in the interpreter, so its
+    tests cross blocks of rows and the steps inside one."""
+    return (128, 64) if device.type == "cuda" else (32, 16)
 
 
 def _segments(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -349,7 +348,7 @@ def segments_fit(out: int, device: torch.device) -> bool:
 
 def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, ...]:
-    """(y, n, g, cn, vᵀ) in three launches, for z (M × out, rows contiguous), W (out × in), A (in × r),
+    """(y, n, g, cn, vᵀ) in two launches, for z (M × out, rows contiguous), W (out × in), A (in × r),
     B (r × out), m (out) and the bias (out) or None: y = g ⊙ z + b in z's dtype (computed in float32
     from g and b as they are), and n, g, cn = −m / (2n³) and vᵀ = (2s·(W·A) + 2s²·(Bᵀ·AᵀA))ᵀ (r × out)
     in float32. W in float32, bfloat16 or float16 (fp32 products follow torch's matmul precision, as
@@ -384,14 +383,11 @@ def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torc
     launch(_dora_norm_part_kernel, (blocks, parts, 1), (weight, a, wa, sq, gram),
            (out, k, r, seg_out, k_per, ws[0], ws[1], *as_), (),
            (_precision(weight.dtype), bn, bk, br), tag="dora_fwd", num_warps=warps, num_stages=stages)
-    launch(_dora_norm_finish_kernel, (blocks, 1, 1), (wa, sq, gram, b, m, n, g, cn, vt),
-           (out, r, seg_out, parts, *bs, vs[0], vs[1]), (float(scale),), (bn, br),
-           tag="dora_fwd_finish", num_warps=warps, num_stages=1)
-    if rows:
-        sm, sn = scale_config(z.device)
-        launch(_dora_scale_kernel, (triton.cdiv(out, sn), triton.cdiv(rows, sm), 1),
-               (z, g, bias if bias is not None else g, y), (rows, out, z.stride(0), y.stride(0)), (),
-               (bias is not None, sm, sn), tag="dora_fwd_scale", num_warps=4, num_stages=1)
+    bm, sub = scale_config(z.device)
+    launch(_dora_norm_scale_kernel, (blocks, max(1, triton.cdiv(rows, bm)), 1),
+           (wa, sq, gram, b, m, z, bias if bias is not None else m, y, n, g, cn, vt),
+           (out, r, rows, seg_out, parts, *bs, vs[0], vs[1], z.stride(0), y.stride(0)), (float(scale),),
+           (bias is not None, bn, br, bm, sub), tag="dora_fwd_scale", num_warps=warps, num_stages=2)
     return y, n, g, cn, vt
 
 

@@ -374,10 +374,10 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
         assert err <= bound, (run, name, bound)
 
 
-# a DoRA function's launches: forward the norm's two (the parts of K, then their sum and g) and the
-# scale; backward the scale's two (dz and the blocks of rows' parts of dg, then their sums), and
+# a DoRA function's launches: forward the norm's parts of K, then their sum, g and the scale;
+# backward the scale's two (dz and the blocks of rows' parts of dg, then their sums), and
 # with the exact norm its two
-FWD_TAGS = ["dora_fwd", "dora_fwd_finish", "dora_fwd_scale"]
+FWD_TAGS = ["dora_fwd", "dora_fwd_scale"]
 SCALE_BWD_TAGS = ["dora_scale_bwd", "dora_scale_bwd_finish"]
 EXACT_BWD_TAGS = ["dora_norm_exact_bwd", "dora_norm_exact_bwd_finish"]  # the exact norm's: the parts of the outputs, dA
 
