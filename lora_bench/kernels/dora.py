@@ -155,6 +155,16 @@ class DoRAFunction(torch.autograd.Function):
                                                              need_db=need_bias, n=norm[0], m_dtype=ctx.dtypes[3])
             dz = None if dz is None else dz.view(dy.shape)
             return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None
+        if ctx.path == TRITON and ctx.exact and need_a and not need_w:  # dg's parts added by the norm's kernel
+            weight, A, B, n, cn, vt = norm
+            dz, pg, pb, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+                                                         need_db=need_bias, sums=False)
+            grad_m, grad_b, grad_a, _, db = triton_norm().dora_exact_bwd(
+                pg, n, cn, vt, weight, A, B, ctx.scale, m_dtype=ctx.dtypes[3], need_m=need_m, need_b=need_b,
+                need_cb=False, bias_parts=pb)
+            dz = None if dz is None else dz.view(dy.shape)
+            return (dz, None, None, cast(grad_a, ctx.dtypes[1]), cast(grad_b, ctx.dtypes[2]), grad_m, cast(db, b_dt),
+                    None, None, None)
         dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
         if need_g:
             grad_w, grad_a, grad_b, grad_m = _norm_backward(ctx, norm, dg, need_w=need_w, need_a=need_a,
@@ -197,7 +207,7 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
     if ctx.path == TRITON:
         dg = dg.contiguous()  # the kernels read dg's elements one after the other
         if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in two launches
-            grad_m, grad_b, grad_a, cb = triton_norm().dora_exact_bwd(
+            grad_m, grad_b, grad_a, cb, _ = triton_norm().dora_exact_bwd(
                 dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
         else:  # dm, dB and c ⊙ Bᵀ in one launch
             grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
@@ -270,14 +280,18 @@ class DoRASegmentsFunction(torch.autograd.Function):
         need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
         alone = need_m and not need_ab  # dm alone (the detached norm): in the scale's own launch
         n = norm[3] if ctx.exact else norm[0]
-        dz, dg, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
-                                                          need_db=need_bias, n=n if alone else None,
-                                                          m_dtype=m_dt)
-        grad_a = grad_b = None
-        if need_ab:
+        if need_ab:  # the scale's parts of dg (and db) added where the norm's kernel reads them
             weight, a3, b3, n, cn, vt = norm
-            grad_m, grad_b, grad_a, _ = triton_norm().dora_exact_bwd(
-                dg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False)
+            dz, pg, pb, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+                                                         need_db=need_bias, sums=False)
+            grad_m, grad_b, grad_a, _, db = triton_norm().dora_exact_bwd(
+                pg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False,
+                bias_parts=pb)
+        else:
+            dz, dg, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+                                                              need_db=need_bias, n=n if alone else None,
+                                                              m_dtype=m_dt)
+            grad_a = grad_b = None
         per_m = (None,) * S if grad_m is None else grad_m.view(S, -1).unbind(0)
         per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
         per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)

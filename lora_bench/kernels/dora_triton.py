@@ -22,7 +22,8 @@ A's rows, a part of the outputs) sum Wᵀ·(c ⊙ Bᵀ) for their rows from W's 
 B·diag(c)·Bᵀ (r × r) from the same B tiles, writing dm, dB and c ⊙ Bᵀ on the way (each block of
 outputs by one program of its part); then one program per block of rows adds the parts and forms
 dA. The scale's backward, two launches: tiles of rows × outputs write dz and their rows' parts of
-dg and db; then the parts are added (and dm = dg / n for the detached norm). This module imports
+dg and db; then the parts are added (and dm = dg / n for the detached norm); with the exact norm
+the second is left out and the norm's first launch adds the parts where it reads dg. This module imports
 Triton; import it lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
@@ -164,19 +165,21 @@ def _dora_norm_bwd_kernel(dg_ptr, n_ptr, cn_ptr, vt_ptr, b_ptr, gm_ptr, gb_ptr, 
 
 @triton.jit
 def _dora_exact_bwd_kernel(
-    dg_ptr, n_ptr, cn_ptr, vt_ptr, w_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, pa_ptr, pbcb_ptr,
-    N, K, R, N_PER,
+    dg_ptr, n_ptr, cn_ptr, vt_ptr, w_ptr, b_ptr, gm_ptr, gb_ptr, cb_ptr, pa_ptr, pbcb_ptr, pdb_ptr, db_ptr,
+    N, K, R, N_PER, DG_PARTS, stride_dgp,
     stride_vr, stride_vn, stride_wn, stride_wk, stride_bs, stride_br, stride_bn,
     stride_gs, stride_gr, stride_gn, stride_cn, stride_cr,
     PRECISION: tl.constexpr, PRECISION_F32: tl.constexpr, NEED_M: tl.constexpr, NEED_B: tl.constexpr,
-    NEED_CB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    NEED_CB: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # For a block of A's rows and a part of the outputs: that part's Wᵀ·(c ⊙ Bᵀ) for the rows and its
     # B·diag(c)·Bᵀ (r × r, summed alike by every block of rows, written by the first), c ⊙ Bᵀ rebuilt per
     # block of outputs; each block of outputs also gets dm, dB (and c ⊙ Bᵀ) from one program of its
     # part, the pid ≡ block one. program_id(1) is segment × parts + part: segment seg has N outputs
     # (its own A, B, dA and dB) and its per-output vectors, vᵀ's columns, W's rows and c ⊙ Bᵀ's rows
-    # start at column seg·N.
+    # start at column seg·N. dg comes as DG_PARTS rows (the scale's blocks of rows' parts, added here in
+    # order; one row: dg itself), with the bias's parts beside it where NEED_DB (db written by the owners).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     parts = tl.cdiv(N, N_PER)
@@ -184,6 +187,8 @@ def _dora_exact_bwd_kernel(
     part = tl.program_id(1) % parts
     base = seg * N
     dg_ptr += base
+    pdb_ptr += base
+    db_ptr += base
     n_ptr += base
     cn_ptr += base
     gm_ptr += base
@@ -203,7 +208,9 @@ def _dora_exact_bwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         nr_mask = n_mask[:, None] & r_mask[None, :]
-        dg = tl.load(dg_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        dg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for p in range(0, DG_PARTS):
+            dg += tl.load(dg_ptr + p * stride_dgp + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         c = dg * tl.load(cn_ptr + offs_n, mask=n_mask, other=0.0)  # outputs past N: c = 0, summed
         bt = tl.load(b_ptr + offs_r[None, :] * stride_br + offs_n[:, None] * stride_bn, mask=nr_mask,
                      other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
@@ -223,6 +230,11 @@ def _dora_exact_bwd_kernel(
                      (v * c[:, None]).to(gb_ptr.dtype.element_ty), mask=own_r)
         if NEED_CB:
             tl.store(cb_ptr + offs_n[:, None] * stride_cn + offs_r[None, :] * stride_cr, cb, mask=own_r)
+        if NEED_DB:
+            db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for p in range(0, DG_PARTS):
+                db += tl.load(pdb_ptr + p * stride_dgp + offs_n, mask=own, other=0.0)
+            tl.store(db_ptr + offs_n, db, mask=own)
     slot = tl.program_id(1)  # (segment, part): the parts' sums, added in order by the second launch
     tl.store(pa_ptr + (slot * K + offs_k[:, None]) * BLOCK_R + offs_r[None, :], acc, mask=k_mask[:, None])
     if pid == 0:
@@ -421,7 +433,7 @@ def exact_bwd_config(device: torch.device) -> tuple[int, int, int, int]:
 
 def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
                    a: torch.Tensor, b: torch.Tensor, scale: float, *, m_dtype: torch.dtype, need_m: bool,
-                   need_b: bool, need_cb: bool) -> tuple[torch.Tensor | None, ...]:
+                   need_b: bool, need_cb: bool, bias_parts: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """The exact norm's backward in two launches (S layers side by side as ``dora_forward`` takes
     them: dB (S × r × n) and dA (S × in × r) then), from ``dora_norm``'s outputs and dg (out, float32),
     with W (out × in, as stored), A (in × r) and B (r × out): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c
@@ -430,16 +442,25 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     is multiplied by c ⊙ Bᵀ rounded to W's dtype (as torch's ``W.t() @ cb`` does); fp32 products
     follow torch's matmul precision; all sums in float32. The first launch runs over blocks of A's
     rows × parts of the outputs (``norm_parts``' rule: enough programs for every SM), writing dm, dB
-    and c ⊙ Bᵀ and each part's sums; the second adds the parts in order and forms dA."""
+    and c ⊙ Bᵀ and each part's sums; the second adds the parts in order and forms dA.
+
+    dg may come as the scale's parts (P × out, ``scale_bias_bwd(..., sums=False)``), added in order
+    where it is read, with the bias's parts (``bias_parts``, P × out) beside it: their sum db (out,
+    float32) is then written on the way and returned fifth (else None), so the scale's backward
+    needs no launch to add its parts."""
     out, k = weight.shape
     flat = a.dim() == 2
     a, b, S = _segments(a, b)
     r, seg_out = a.shape[2], b.shape[2]
     assert a.shape[1] == k and b.shape == (S, r, seg_out) and S * seg_out == out and vt.shape == (r, out), (
         weight.shape, a.shape, b.shape)
+    dg_parts = dg if dg.dim() == 2 else dg.unsqueeze(0)
+    assert dg_parts.shape[1] == out and dg_parts.stride(1) == 1 and (bias_parts is None or (
+        bias_parts.shape == dg_parts.shape and bias_parts.stride() == dg_parts.stride())), (dg.shape, out)
     gm = _alloc((out,), dg, m_dtype) if need_m else None
     gb = _alloc((S, r, seg_out), dg, b.dtype) if need_b else None
     cb = _alloc((out, r), dg, torch.float32) if need_cb else None
+    db = _alloc((out,), dg, torch.float32) if bias_parts is not None else None
     ga = _alloc((S, k, r), a)
     bk, bn, warps, stages = exact_bwd_config(weight.device)
     blocks, br = triton.cdiv(k, bk), block_r(r)
@@ -451,16 +472,18 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     gs = gb.stride() if need_b else (0, 0, 0)
     cs = cb.stride() if need_cb else (0, 0)
     launch(_dora_exact_bwd_kernel, (blocks, S * parts, 1),
-           (dg, n, cn, vt, weight, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg, pa, pbcb),
-           (seg_out, k, r, n_per, *vt.stride(), *weight.stride(), *b.stride(), *gs, *cs), (),
-           (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, bk, bn, br),
+           (dg_parts, n, cn, vt, weight, b, gm if need_m else dg, gb if need_b else dg, cb if need_cb else dg, pa,
+            pbcb, bias_parts if db is not None else dg, db if db is not None else dg),
+           (seg_out, k, r, n_per, dg_parts.shape[0], dg_parts.stride(0), *vt.stride(), *weight.stride(),
+            *b.stride(), *gs, *cs), (),
+           (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, db is not None, bk, bn, br),
            tag="dora_norm_exact_bwd", num_warps=warps, num_stages=stages)
     launch(_dora_exact_bwd_finish_kernel, (blocks, S, 1), (pa, pbcb, a, ga),
            (k, r, parts, *a.stride(), *ga.stride()), (float(scale),), (_precision(torch.float32), bk, br),
            tag="dora_norm_exact_bwd_finish", num_warps=4, num_stages=1)
     if flat:  # one layer: its own (in × r) and (r × out)
-        return gm, None if gb is None else gb[0], ga[0], cb
-    return gm, gb, ga, cb
+        return gm, None if gb is None else gb[0], ga[0], cb, db
+    return gm, gb, ga, cb, db
 
 
 def _scale_bwd_config(device: torch.device) -> tuple[int, int]:
@@ -471,12 +494,14 @@ def _scale_bwd_config(device: torch.device) -> tuple[int, int]:
 
 
 def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_dz: bool, need_db: bool,
-                   n: torch.Tensor | None = None,
-                   m_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, ...]:
+                   n: torch.Tensor | None = None, m_dtype: torch.dtype | None = None,
+                   sums: bool = True) -> tuple[torch.Tensor | None, ...]:
     """(dz = dy ⊙ g in z's dtype or None, dg = Σ_rows dy ⊙ z and db = Σ_rows dy in float32 or None,
     dm = dg / n in ``m_dtype`` where the norm n (N, float32) is given, else None) for dy, z (M × N,
     rows contiguous), g (N); two launches: dz and each block of rows' parts of dg and db, then the
-    parts summed in order (with n: the detached norm's backward in the same launch)."""
+    parts summed in order (with n: the detached norm's backward in the same launch). ``sums=False``:
+    the first launch alone, dg's and db's parts (P × N, float32) returned in their places, for
+    ``dora_exact_bwd`` to add where it reads them."""
     M, N = z.shape
     dz = _alloc((M, N), z) if need_dz else None
     dg = _alloc((N,), z, torch.float32)
@@ -494,6 +519,8 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     else:  # no rows: the sums are zero
         pg.zero_()
         pb.zero_()
+    if not sums:
+        return dz, pg, pb if need_db else None, None
     fn = 64 if z.is_cuda else 16
     launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
            (pg, pb, dg, db if need_db else dg, n if n is not None else dg, gm if gm is not None else dg),

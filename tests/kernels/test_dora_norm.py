@@ -126,6 +126,7 @@ BWD_CASES = [
     (70, 45, 16, "fp16w", False),
 ]
 BWD_NEEDS = ((True, True, True), (False, False, False))  # (dm, dB, c ⊙ Bᵀ): all, or dA alone
+BWD_PARTS = 3  # dg (and the bias's gradient) as the scale's parts, added by the kernel where it reads them
 
 
 def _bwd_operands(out: int, k: int, r: int, dt: str, device, s: float, transposed: bool = False):
@@ -137,26 +138,38 @@ def _bwd_operands(out: int, k: int, r: int, dt: str, device, s: float, transpose
                 a=a, b=b), m.dtype
 
 
+def _with_parts(ops: dict, parts: int) -> tuple[dict, torch.Tensor]:
+    """``ops`` with dg given as ``parts`` rows of parts (fresh values: dg is their sum), and the bias's
+    parts (parts × out) beside them."""
+    out, dev = ops["dg"].shape[0], ops["dg"].device
+    return {**ops, "dg": fresh(parts, out, device=dev, dtype=torch.float32)}, fresh(parts, out, device=dev,
+                                                                                 dtype=torch.float32)
+
+
 def _float64_exact_bwd(ops: dict, s: float) -> dict[str, torch.Tensor]:
     DG, N, CN, VT, W, A, B = (ops[k].double() for k in ("dg", "n", "cn", "vt", "weight", "a", "b"))
+    DG = DG.sum(0) if DG.dim() == 2 else DG  # parts: their sum
     c = DG * CN
     cb = c[:, None] * B.t()
     return {"dm": DG / N, "dB": VT * c, "dA": 2 * s * W.t() @ cb + 2 * s * s * A @ (B @ cb), "cb": cb}
 
 
-def _bwd_errors(ops: dict, m_dtype: torch.dtype, s: float, needs: tuple[bool, bool, bool]) -> dict[str, float]:
+def _bwd_errors(ops: dict, m_dtype: torch.dtype, s: float, needs: tuple[bool, bool, bool],
+                bias_parts: torch.Tensor | None = None) -> dict[str, float]:
     """``dora_exact_bwd``'s outputs against float64 on the same values: dm, dB, dA, c ⊙ Bᵀ where asked
-    for (None where not), each in its dtype."""
+    for (None where not), each in its dtype; db where the bias's parts are given."""
     from lora_bench.kernels.dora_triton import dora_exact_bwd
 
     need_m, need_b, need_cb = needs
-    got = dict(zip(("dm", "dB", "dA", "cb"), dora_exact_bwd(
-        *ops.values(), s, m_dtype=m_dtype, need_m=need_m, need_b=need_b, need_cb=need_cb)))
-    asked = {"dm": need_m, "dB": need_b, "dA": True, "cb": need_cb}
+    got = dict(zip(("dm", "dB", "dA", "cb", "db"), dora_exact_bwd(
+        *ops.values(), s, m_dtype=m_dtype, need_m=need_m, need_b=need_b, need_cb=need_cb, bias_parts=bias_parts)))
+    asked = {"dm": need_m, "dB": need_b, "dA": True, "cb": need_cb, "db": bias_parts is not None}
     assert all((got[name] is None) is not asked[name] for name in got), got
-    dtypes = {"dm": m_dtype, "dB": ops["b"].dtype, "dA": ops["a"].dtype, "cb": torch.float32}
+    dtypes = {"dm": m_dtype, "dB": ops["b"].dtype, "dA": ops["a"].dtype, "cb": torch.float32, "db": torch.float32}
     assert all(got[name].dtype is dtypes[name] for name in got if asked[name])
     want = _float64_exact_bwd(ops, s)
+    if bias_parts is not None:
+        want["db"] = bias_parts.double().sum(0)
     return {name: rel_err(got[name], want[name]) for name in got if asked[name]}
 
 
@@ -223,6 +236,9 @@ def _interp_main() -> None:
             ops, m_dtype = _bwd_operands(out, k, r, dt, "cpu", SCALES[1], transposed)
             print(json.dumps(dict(bwd_case=i, needs=needs, errs=_bwd_errors(ops, m_dtype, SCALES[1], needs))),
                   flush=True)
+        ops, bias_parts = _with_parts(_bwd_operands(out, k, r, dt, "cpu", SCALES[1], transposed)[0], BWD_PARTS)
+        print(json.dumps(dict(bwd_parts_case=i, errs=_bwd_errors(ops, m_dtype, SCALES[1], BWD_NEEDS[0], bias_parts))),
+              flush=True)
     for i, case in enumerate(SCALE_CASES):
         print(json.dumps(dict(scale_case=i, errs=_scale_errors(*case))), flush=True)
     for detach in (False, True):
@@ -309,7 +325,7 @@ def interp_runs():
     proc = run_interpreted(["-c", code])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * len(BWD_NEEDS) + len(SCALE_CASES) + 2
+    expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * (len(BWD_NEEDS) + 1) + len(SCALE_CASES) + 2
                 + len(LAYER_CASES) + len(GROUP_CASES))
     assert len(runs) == expected, proc.stdout[-3000:]
     return runs
@@ -331,8 +347,10 @@ def test_forward_kernel_under_the_triton_interpreter(interp_runs, i):
 
 @pytest.mark.parametrize("i", range(len(BWD_CASES)))
 def test_exact_backward_kernel_under_the_triton_interpreter(interp_runs, i):
-    """dm, dB, dA and c ⊙ Bᵀ in one launch against float64 (``_bwd_bounds``), outputs NaN-poisoned:
-    every one written, each exactly once whatever the count of programs; dA alone as well."""
+    """dm, dB, dA and c ⊙ Bᵀ from the exact backward's launches against float64 (``_bwd_bounds``),
+    outputs NaN-poisoned: every one written, each exactly once whatever the count of programs; dA
+    alone as well; and with dg given as the scale's parts, and the bias's parts beside it, added where
+    they are read (their fp32 sum: ``BWD_PARTS`` terms more in every chain, and db itself)."""
     out, k, r, dt, transposed = BWD_CASES[i]
     runs = [run for run in interp_runs if run.get("bwd_case") == i]
     assert sorted(tuple(run["needs"]) for run in runs) == sorted(BWD_NEEDS)
@@ -341,6 +359,12 @@ def test_exact_backward_kernel_under_the_triton_interpreter(interp_runs, i):
         assert set(run["errs"]) == ({"dm", "dB", "dA", "cb"} if run["needs"][0] else {"dA"}), run
         for name, err in run["errs"].items():
             assert err <= bounds[name], (run, name, bounds[name])
+    (run,) = [run for run in interp_runs if run.get("bwd_parts_case") == i]
+    assert set(run["errs"]) == {"dm", "dB", "dA", "cb", "db"}, run
+    summed = {**{name: b + dot_tol(torch.float32, BWD_PARTS) for name, b in bounds.items()},
+              "db": dot_tol(torch.float32, BWD_PARTS)}
+    for name, err in run["errs"].items():
+        assert err <= summed[name], (run, name, summed[name])
 
 
 @pytest.mark.parametrize("i", range(len(SCALE_CASES)))
@@ -398,7 +422,8 @@ def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
     lora_fwd = [t for t in run["forward"] if not t.startswith("dora")]
     if fits:
         assert dora_fwd == FWD_TAGS and len(lora_fwd) == 1, run
-        want_bwd = SCALE_BWD_TAGS + ([] if detach else EXACT_BWD_TAGS)  # detached: dm in the scale's
+        # detached: dm in the scale's second launch; exact: the norm's first adds the scale's parts
+        want_bwd = SCALE_BWD_TAGS if detach else ["dora_scale_bwd", *EXACT_BWD_TAGS]
         assert sorted(dora_bwd) == sorted(want_bwd), run
     else:
         assert dora_fwd == FWD_TAGS * 3, run
@@ -724,7 +749,7 @@ def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     ops, m_dtype = _bwd_operands(out, k, r, dt, "cuda", s)
 
     def call():
-        return dora_exact_bwd(*ops.values(), s, m_dtype=m_dtype, need_m=True, need_b=True, need_cb=True)
+        return dora_exact_bwd(*ops.values(), s, m_dtype=m_dtype, need_m=True, need_b=True, need_cb=True)[:4]
 
     graph, outs = _capture(call)
     bounds = _bwd_bounds(out, r, DTYPE[dt])
