@@ -179,13 +179,24 @@ def _first(g: pd.DataFrame, col: str):
     return g[col].iloc[0] if col in g else None
 
 
+def _variant_name(settings: dict, spec: dict) -> str:
+    """A group's name by the baseline's settings: their values where the baseline names one setting
+    (``all``, ``lora``); where it names several, the settings in which the group differs from it,
+    named (``trainable_layers=lora-kernel, lora_variant=dora``), and the baseline's own group by
+    all of them, named."""
+    if len(spec) == 1:
+        return ", ".join(value_text(settings[k]) for k in spec)
+    differ = [k for k in spec if not same(settings[k], spec[k])] or list(spec)
+    return ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in differ)
+
+
 def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: list[str],
            own: list[str] = ()) -> Group:
     g, est = rg.runs, rg.estimates
     settings = {k: _first(g, k) for k in (*size_keys, *spec, *([MODE] if MODE in g else []), *rest, *own)}
     size = " ".join([value_text(settings.get(SIZE))] + [f"{setting_name(k)}={value_text(settings[k])}"
                                                         for k in size_keys[1:] if not is_blank(settings[k])])
-    variant = ", ".join(value_text(settings[k]) for k in spec) if spec else value_text(_first(g, LAYERS))
+    variant = _variant_name(settings, spec) if spec else value_text(_first(g, LAYERS))
     if same(_first(g, LAYERS), KERNEL) and own:
         variant += " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in own) + ")"
     phases = {}

@@ -68,5 +68,6 @@ def _question(spec: dict, sizes: list[str], layers: list[str], *, modes: int) ->
             where = f"at model sizes from {span}" if len(sizes) > 1 else f"at {span}"
             what = f" ({BASELINE_NAMES[spec[LAYERS]]})" if spec[LAYERS] in BASELINE_NAMES else ""
             return f"Why {verb} {who} faster or slower than {base}{what} {where}{how}?"
-        return f"How do the runs compare with {base}{' from ' + span if len(sizes) > 1 else ''}, and why{how}?"
+        named = ", ".join(f"{setting_name(k)}={value_text(v)}" for k, v in spec.items())  # several settings: named
+        return f"How do the runs compare with {named}{' from ' + span if len(sizes) > 1 else ''}, and why{how}?"
     return f"Where does the step time go{' from ' + span if span else ''}{how}?"

@@ -90,6 +90,24 @@ def test_groups_ratios_ranges_and_lines(tmp_path):
     assert "Why is lora faster or slower than all" in s.header.question
 
 
+def test_a_baseline_of_several_settings_names_each_group_by_what_differs_from_it(tmp_path):
+    """--baseline with several settings (as the variants study's): a group is named by the settings
+    in which it differs from the baseline, each named; the baseline's own group, and the question,
+    by all of them."""
+    rows = []
+    for r in range(2):
+        for z in ("124M", "1558M"):
+            for layers, variant, ms in (("lora", "lora", 6.0), ("lora", "dora", 13.0), ("lora-kernel", "dora", 8.0)):
+                row = _run(100 * r + len(rows), size=z, layers=layers, step=ms + r, graphs=True)
+                row["cfg_lora_variant"] = variant
+                rows.append(row)
+    s = _study(tmp_path, rows, baseline="trainable_layers=lora,lora_variant=lora")
+    names = {g.variant for g in s.groups}
+    assert names == {"trainable_layers=lora, lora_variant=lora", "lora_variant=dora",
+                     "trainable_layers=lora-kernel, lora_variant=dora"}, names
+    assert "compare with trainable_layers=lora, lora_variant=lora" in s.header.question
+
+
 def test_conditions_name_lines_and_redundant_settings_are_dropped(tmp_path):
     rows = [_run(i, size=z, layers=l, step=10, batch=b, epochs=1 if b == 8 else 2)
             for i, (z, l, b) in enumerate((z, l, b) for z in ("124M", "1558M") for l in ("all", "lora") for b in (8, 32))]
