@@ -8,7 +8,7 @@ import pytest
 
 from lora_bench.bench.kernel_bench import (
     COLUMNS,
-    IMPLS,
+    LORA_IMPLS,
     parse_shape,
     render_kernel_table,
     resolve_shapes,
@@ -24,8 +24,8 @@ def test_tiny_cpu_bench_writes_csv(tmp_path):
         reader = csv.DictReader(f)
         assert reader.fieldnames == COLUMNS
         got = list(reader)
-    assert len(got) == len(rows) == len(IMPLS) * 2
-    assert {(r["impl"], r["dtype"]) for r in got} == {(i, d) for i in IMPLS for d in ("fp32", "bf16")}
+    assert len(got) == len(rows) == len(LORA_IMPLS) * 2  # no --impls: the LoRA layers and the frozen one
+    assert {(r["impl"], r["dtype"]) for r in got} == {(i, d) for i in LORA_IMPLS for d in ("fp32", "bf16")}
     for r in got:
         for phase in ("fwd", "bwd", "fwdbwd"):
             assert float(r[f"{phase}_p10_ms"]) <= float(r[f"{phase}_ms"]) <= float(r[f"{phase}_p90_ms"])
