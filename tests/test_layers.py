@@ -37,7 +37,7 @@ LAZY_ALLOWED = ("tensorflow", "triton", "matplotlib", "transformers", "peft", "s
                 "dask", "distributed", "line_profiler", "torchao", "bitsandbytes", "ninja", "torch.utils.cpp_extension",
                 "mlflow", "tensorboard",
                 "lora_bench.kernels.lora_triton", "lora_bench.kernels.adamw_triton", "lora_bench.kernels.triton_launch",
-                "lora_bench.kernels.dora_triton",
+                "lora_bench.kernels.dora_triton", "lora_bench.kernels.dora_triton_bwd",
                 "lora_bench.kernels.lora_cpp",
                 "lora_bench.sweep.dask_runner")
 # A command's body imports what it runs, so that ``lora-bench --help`` and a mistyped flag answer

@@ -1,7 +1,8 @@
 """DoRA in the fused layer: y = g ⊙ z + b, with z = x·Wᵀ + s·(x·A)·B from the LoRA op and the per-output
 scale g = m / n, n_j = ‖W_j + s·(A·B)_j‖ (docs/variants.md#dora-in-the-fused-layer). ``dora_output``
 computes it with ``DoRAFunction``, on the path ``norm_path`` chooses for the call (noted:
-``PlanLog.dora``): ``triton`` on CUDA (:mod:`lora_bench.kernels.dora_triton`), ``torch`` ops elsewhere.
+``PlanLog.dora``): ``triton`` on CUDA (:mod:`lora_bench.kernels.dora_triton` and ``dora_triton_bwd``),
+``torch`` ops elsewhere.
 
 The norm needs no merged weight: ‖W_j‖² (fixed while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩
 from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram matrix. On the Triton path the norm and the
@@ -40,6 +41,14 @@ def triton_norm():
     from lora_bench.kernels import dora_triton
 
     return dora_triton
+
+
+def triton_bwd():
+    """DoRA's backward Triton kernels (``lora_bench.kernels.dora_triton_bwd``): asked for only where
+    ``triton_norm`` ran the forward."""
+    from lora_bench.kernels import dora_triton_bwd
+
+    return dora_triton_bwd
 
 
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
@@ -151,15 +160,15 @@ class DoRAFunction(torch.autograd.Function):
         need_g = need_m or need_w or need_a or need_b
         grad_w = grad_a = grad_b = grad_m = None
         if ctx.path == TRITON and not ctx.exact and need_m:  # dm = dg / n in the scale's own launch
-            dz, _, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+            dz, _, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
                                                              need_db=need_bias, n=norm[0], m_dtype=ctx.dtypes[3])
             dz = None if dz is None else dz.view(dy.shape)
             return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None
         if ctx.path == TRITON and ctx.exact and need_a and not need_w:  # dg's parts added by the norm's kernel
             weight, A, B, n, cn, vt = norm
-            dz, pg, pb, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+            dz, pg, pb, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
                                                          need_db=need_bias, sums=False)
-            grad_m, grad_b, grad_a, _, db = triton_norm().dora_exact_bwd(
+            grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
                 pg, n, cn, vt, weight, A, B, ctx.scale, m_dtype=ctx.dtypes[3], need_m=need_m, need_b=need_b,
                 need_cb=False, bias_parts=pb)
             dz = None if dz is None else dz.view(dy.shape)
@@ -178,7 +187,7 @@ def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tens
     float32 or float64), None where not asked for; ``triton``: two launches (z as rows, g as stored;
     it gives dg always), else four torch ops (``gz``: g in z's dtype)."""
     if path == TRITON:
-        dz, dg, db, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
+        dz, dg, db, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
                                                      need_db=need_bias)
         return None if dz is None else dz.view(dy.shape), dg, db
     dy = cast(dy, z.dtype)
@@ -207,10 +216,10 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
     if ctx.path == TRITON:
         dg = dg.contiguous()  # the kernels read dg's elements one after the other
         if need_a:  # dm, dB, dA (and c ⊙ Bᵀ for dW) in two launches
-            grad_m, grad_b, grad_a, cb, _ = triton_norm().dora_exact_bwd(
+            grad_m, grad_b, grad_a, cb, _ = triton_bwd().dora_exact_bwd(
                 dg, n, cn, vt, weight, A, B, s, m_dtype=m_dt, need_m=need_m, need_b=need_b, need_cb=need_w)
         else:  # dm, dB and c ⊙ Bᵀ in one launch
-            grad_m, grad_b, cb = triton_norm().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
+            grad_m, grad_b, cb = triton_bwd().dora_norm_bwd(dg, n, cn, vt, B, m_dtype=m_dt, need_m=need_m,
                                                              need_b=need_b, need_cb=need_w)
     else:
         if need_m:
@@ -282,13 +291,13 @@ class DoRASegmentsFunction(torch.autograd.Function):
         n = norm[3] if ctx.exact else norm[0]
         if need_ab:  # the scale's parts of dg (and db) added where the norm's kernel reads them
             weight, a3, b3, n, cn, vt = norm
-            dz, pg, pb, _ = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+            dz, pg, pb, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
                                                          need_db=need_bias, sums=False)
-            grad_m, grad_b, grad_a, _, db = triton_norm().dora_exact_bwd(
+            grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
                 pg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False,
                 bias_parts=pb)
         else:
-            dz, dg, db, grad_m = triton_norm().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+            dz, dg, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
                                                               need_db=need_bias, n=n if alone else None,
                                                               m_dtype=m_dt)
             grad_a = grad_b = None
@@ -310,4 +319,4 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
 
 
 __all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
-           "norm_path", "norm_torch", "triton_norm"]
+           "norm_path", "norm_torch", "triton_bwd", "triton_norm"]

@@ -158,7 +158,7 @@ def _bwd_errors(ops: dict, m_dtype: torch.dtype, s: float, needs: tuple[bool, bo
                 bias_parts: torch.Tensor | None = None) -> dict[str, float]:
     """``dora_exact_bwd``'s outputs against float64 on the same values: dm, dB, dA, c ⊙ Bᵀ where asked
     for (None where not), each in its dtype; db where the bias's parts are given."""
-    from lora_bench.kernels.dora_triton import dora_exact_bwd
+    from lora_bench.kernels.dora_triton_bwd import dora_exact_bwd
 
     need_m, need_b, need_cb = needs
     got = dict(zip(("dm", "dB", "dA", "cb", "db"), dora_exact_bwd(
@@ -542,7 +542,7 @@ def _dora_torch_ops():
     forward and backward) runs in the block outside its Triton launches, by name: the list yielded."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lora_bench.kernels import dora, dora_triton
+    from lora_bench.kernels import dora, dora_triton, dora_triton_bwd
 
     aten = torch.ops.aten
     free = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.full, aten.new_full}
@@ -563,7 +563,7 @@ def _dora_torch_ops():
                 state[key] -= 1
         return run
 
-    wrapped = [(dora_triton, "launch", None)] + [(dora.DoRAFunction, name, staticmethod)
+    wrapped = [(dora_triton, "launch", None), (dora_triton_bwd, "launch", None)] + [(dora.DoRAFunction, name, staticmethod)
                                                  for name in ("forward", "_backward")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
     try:
@@ -743,7 +743,7 @@ def test_gpu_exact_backward_kernel_matches_float64(dt, out, k, r, monkeypatch):
 def test_gpu_exact_backward_kernel_replayed_from_a_cuda_graph(dt, out, k, r):
     """``dora_exact_bwd`` captured in a CUDA graph (warm-up on a side stream): replays on fresh operands
     copied into the captured buffers, outputs NaN-filled before each, match float64 every time."""
-    from lora_bench.kernels.dora_triton import dora_exact_bwd
+    from lora_bench.kernels.dora_triton_bwd import dora_exact_bwd
 
     s = SCALES[1]
     ops, m_dtype = _bwd_operands(out, k, r, dt, "cuda", s)
