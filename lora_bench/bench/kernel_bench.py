@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from lora_bench.classifier.book import cast_frozen
 from lora_bench.kernels.policy import (
     Plan,
     PlanLog,
@@ -55,7 +56,11 @@ LORA_IMPLS = ("frozen", "lora", "lora-merged", "lora-kernel")  # what runs when 
 DORA_IMPLS = {"dora": ("lora", False), "dora-merged": ("lora-merged", False), "dora-kernel": ("lora-kernel", False),
               "dora-kernel-detached": ("lora-kernel", True)}
 IMPLS = (*LORA_IMPLS, *DORA_IMPLS)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-autocast": torch.bfloat16}
+# the training precision bf16 (``precision: bf16``): the frozen weight and bias stored in bfloat16,
+# the adapters (and DoRA's m) float32, each call under bfloat16 autocast; input and output gradient
+# in bfloat16 (the dtype below is theirs)
+AUTOCAST = "bf16-autocast"
 ALPHA = 2.0
 L2_FLUSH_BYTES = 256 << 20  # rotate sets until this much data cycles: ~4× the H200's 60 MB L2
 PHASES = ("fwd", "bwd", "fwdbwd")
@@ -111,28 +116,49 @@ def resolve_shapes(shapes: list[str] | None) -> list[Shape]:
     return out
 
 
-def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, list]:
-    """A layer with random weights (B too: a zero B would skip nothing but is not real data)."""
+class _Autocast(nn.Module):
+    """A layer called under bfloat16 autocast, as a step in the training precision bf16 calls it."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, cache_enabled=False):
+            return self.layer(x)
+
+
+def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device, *,
+                autocast: bool = False) -> tuple[nn.Module, list]:
+    """A layer with random weights (B too: a zero B would skip nothing but is not real data);
+    ``autocast``: in the training precision bf16's dtypes, called under autocast (``AUTOCAST``)."""
+    dtype = torch.float32 if autocast else dtype
     lin = nn.Linear(shape.d_in, shape.d_out, device=device, dtype=dtype)  # built where it runs: fast
     nn.init.normal_(lin.weight, std=shape.d_in ** -0.5)
     nn.init.normal_(lin.bias, std=0.02)
     lin.requires_grad_(False)
     if impl == "frozen":
-        return lin.to(device, dtype), []
-    if impl in DORA_IMPLS:
-        name, detach = DORA_IMPLS[impl]
-        layer = lora_class(name, "dora")(lin, shape.rank, ALPHA, detach_norm=detach)
+        layer, params = lin.to(device, dtype), []
     else:
-        layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
-    nn.init.normal_(layer.lora.B, std=0.02)
-    layer = layer.to(device, dtype)
-    return layer, [layer.lora.A, layer.lora.B, *([layer.m] if impl in DORA_IMPLS else [])]
+        if impl in DORA_IMPLS:
+            name, detach = DORA_IMPLS[impl]
+            layer = lora_class(name, "dora")(lin, shape.rank, ALPHA, detach_norm=detach)
+        else:
+            layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
+        nn.init.normal_(layer.lora.B, std=0.02)
+        layer = layer.to(device, dtype)
+        params = [layer.lora.A, layer.lora.B, *([layer.m] if impl in DORA_IMPLS else [])]
+    if autocast:
+        cast_frozen(layer, torch.bfloat16)
+        layer = _Autocast(layer)
+    return layer, params
 
 
-def _make_sets(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device, n_sets: int) -> list[tuple]:
+def _make_sets(impl: str, shape: Shape, dtype: torch.dtype, device: torch.device, n_sets: int, *,
+               autocast: bool = False) -> list[tuple]:
     sets = []
     for _ in range(n_sets):
-        layer, params = _make_layer(impl, shape, dtype, device)
+        layer, params = _make_layer(impl, shape, dtype, device, autocast=autocast)
         x = torch.randn(shape.batch, shape.seq, shape.d_in, device=device, dtype=dtype, requires_grad=True)
         g = torch.randn(shape.batch, shape.seq, shape.d_out, device=device, dtype=dtype)
         sets.append((layer, x, g, [x, *params]))
@@ -250,7 +276,8 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
     sets, rows, eager_plans = {}, {}, {}
     for impl in impls:
         torch.manual_seed(zlib.crc32(f"{impl}|{shape.name}|{dtype_name}".encode()))
-        sets[impl] = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device))
+        sets[impl] = _make_sets(impl, shape, dtype, device, _n_sets(shape, dtype, device),
+                                autocast=dtype_name == AUTOCAST)
         rows[impl] = {"shape": shape.name, "tokens": shape.tokens, "d_in": shape.d_in, "d_out": shape.d_out,
                       "rank": shape.rank, "impl": impl, "dtype": dtype_name, "device": device.type,
                       "backend": "" if _kernel(impl) else ("cublas" if device.type == "cuda" else "torch"),

@@ -29,7 +29,9 @@ def kernel_bench(
                                                       "fused, cublas, torch) (default: these four), and DoRA's "
                                                       "dora, dora-merged, dora-kernel, "
                                                       "dora-kernel-detached.")] = None,
-    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16.")] = "fp32,bf16",
+    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16, and bf16-autocast (the "
+                                              "training precision bf16: the frozen weight stored in bfloat16, "
+                                              "the adapters float32, each call under autocast).")] = "fp32,bf16",
     device: Annotated[str, typer.Option(help="auto (the first GPU if there is one, else the CPU), cuda, cuda:N, "
                                              "or cpu.")] = "auto",
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median, p10, p90).")] = 200,

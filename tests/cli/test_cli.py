@@ -149,6 +149,27 @@ def test_kernel_bench_times_dora_layers_by_name(run_cli, tmp_path):
     assert "dora-norm" not in rows.loc["lora-kernel", "backend"]
 
 
+def test_kernel_bench_times_layers_in_the_training_precision_bf16(run_cli, tmp_path):
+    """--dtypes bf16-autocast: each layer as a bf16 training step holds and calls it (frozen weight
+    and bias bfloat16, adapters and m float32, the call under autocast), timed, its output bfloat16."""
+    import pandas as pd
+    import torch
+
+    from lora_bench.bench import kernel_bench as kb
+
+    shape = kb.parse_shape("2x8:16->24:r2")
+    layer, params = kb._make_layer("dora-kernel", shape, torch.bfloat16, torch.device("cpu"), autocast=True)
+    assert layer.layer.linear.weight.dtype is torch.bfloat16 and layer.layer.linear.bias.dtype is torch.bfloat16
+    assert [p.dtype for p in params] == [torch.float32] * 3
+    assert layer(torch.randn(3, 16, dtype=torch.bfloat16)).dtype is torch.bfloat16
+    code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--impls",
+                         "frozen,lora-kernel,dora-kernel", "--dtypes", "bf16-autocast", "--repeats", "2", "--warmup",
+                         "1", "--results-dir", str(tmp_path), "--no-progress")
+    assert code == 0, text
+    rows = pd.read_csv(tmp_path / "kernel_bench.csv")
+    assert set(rows["dtype"]) == {"bf16-autocast"} and (rows["fwdbwd_ms"] > 0).all()
+
+
 def test_kernel_bench_command_on_cpu(run_cli, tmp_path):
     code, text = run_cli("kernel-bench", "--device", "cpu", "--shapes", "2x8:16->24:r2", "--repeats", "2",
                          "--warmup", "1", "--results-dir", str(tmp_path), "--no-progress")
