@@ -7,8 +7,9 @@ measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the 
 layers (``DORA_IMPLS``: ``dora``, ``dora-merged``, ``dora-kernel``, ``dora-kernel-detached``: the
 book-style pair and the fused layer with the exact or the detached norm; m trains beside A and B).
 The ``backend`` column names the plan(s) the layer's calls ran, eagerly and, where it differs,
-replayed from a CUDA graph ("direct; graph fused"), and where a fused DoRA layer's norm ran. How it times (events back to back, implementations interleaved in rounds, fresh
-inputs beyond the L2): docs/kernel-design.md#how-kernel-bench-times.
+replayed from a CUDA graph ("direct; graph fused"), and where a fused DoRA layer's norm ran. How
+it times (events back to back, implementations interleaved in rounds, fresh inputs beyond the L2):
+docs/kernel-design.md#how-kernel-bench-times.
 """
 
 from __future__ import annotations

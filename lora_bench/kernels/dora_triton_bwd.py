@@ -227,7 +227,8 @@ def exact_bwd_config(device: torch.device) -> tuple[int, int, int, int]:
 
 def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
                    a: torch.Tensor, b: torch.Tensor, scale: float, *, m_dtype: torch.dtype, need_m: bool,
-                   need_b: bool, need_cb: bool, bias_parts: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+                   need_b: bool, need_cb: bool,
+                   bias_parts: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """The exact norm's backward in two launches (S layers side by side as ``dora_forward`` takes
     them: dB (S × r × n) and dA (S × in × r) then), from ``dora_norm``'s outputs and dg (out, float32),
     with W (out × in, as stored), A (in × r) and B (r × out): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c

@@ -563,8 +563,8 @@ def _dora_torch_ops():
                 state[key] -= 1
         return run
 
-    wrapped = [(dora_triton, "launch", None), (dora_triton_bwd, "launch", None)] + [(dora.DoRAFunction, name, staticmethod)
-                                                 for name in ("forward", "_backward")]
+    wrapped = [(dora_triton, "launch", None), (dora_triton_bwd, "launch", None)] + [
+        (dora.DoRAFunction, name, staticmethod) for name in ("forward", "_backward")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
     try:
         for owner, name, wrap in wrapped:
