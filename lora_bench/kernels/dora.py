@@ -164,21 +164,31 @@ class DoRAFunction(torch.autograd.Function):
                                                              need_db=need_bias, n=norm[0], m_dtype=ctx.dtypes[3])
             dz = None if dz is None else dz.view(dy.shape)
             return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None
-        if ctx.path == TRITON and ctx.exact and need_a and not need_w:  # dg's parts added by the norm's kernel
-            weight, A, B, n, cn, vt = norm
-            dz, pg, pb, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
-                                                         need_db=need_bias, sums=False)
-            grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
-                pg, n, cn, vt, weight, A, B, ctx.scale, m_dtype=ctx.dtypes[3], need_m=need_m, need_b=need_b,
-                need_cb=False, bias_parts=pb)
-            dz = None if dz is None else dz.view(dy.shape)
-            return (dz, None, None, cast(grad_a, ctx.dtypes[1]), cast(grad_b, ctx.dtypes[2]), grad_m, cast(db, b_dt),
-                    None, None, None)
+        if ctx.path == TRITON and ctx.exact and need_a and not need_w:
+            dz, grad_m, grad_b, grad_a, db = _exact_backward(dy, z, gz, norm, ctx.scale, m_dtype=ctx.dtypes[3],
+                                                             need_dz=need_z, need_bias=need_bias, need_m=need_m,
+                                                             need_b=need_b)
+            return dz, None, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None
         dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
         if need_g:
             grad_w, grad_a, grad_b, grad_m = _norm_backward(ctx, norm, dg, need_w=need_w, need_a=need_a,
                                                             need_b=need_b, need_m=need_m)
         return dz, grad_w, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None
+
+
+def _exact_backward(dy, z, g, norm, scale: float, *, m_dtype: torch.dtype, need_dz: bool, need_bias: bool,
+                    need_m: bool, need_b: bool) -> tuple[torch.Tensor | None, ...]:
+    """The Triton path's whole backward with the exact norm (no trained W): the scale's first launch
+    (dz and the blocks of rows' parts of dg and db), then the norm's, which adds those parts where it
+    reads them. ``norm``: the saved (W, A, B, n, cn, vᵀ). Returns (dz in dy's shape, dm, dB, dA, db),
+    each in its parameter's dtype, None where not asked for (db: float32)."""
+    weight, a, b, n, cn, vt = norm
+    dz, pg, pb, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need_dz, need_db=need_bias,
+                                                sums=False)
+    grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
+        pg, n, cn, vt, weight, a, b, scale, m_dtype=m_dtype, need_m=need_m, need_b=need_b, need_cb=False,
+        bias_parts=pb)
+    return None if dz is None else dz.view(dy.shape), grad_m, grad_b, grad_a, db
 
 
 def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tensor, *, need_z: bool, need_g: bool,
@@ -289,24 +299,20 @@ class DoRASegmentsFunction(torch.autograd.Function):
         need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
         alone = need_m and not need_ab  # dm alone (the detached norm): in the scale's own launch
         n = norm[3] if ctx.exact else norm[0]
-        if need_ab:  # the scale's parts of dg (and db) added where the norm's kernel reads them
-            weight, a3, b3, n, cn, vt = norm
-            dz, pg, pb, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
-                                                         need_db=need_bias, sums=False)
-            grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
-                pg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False,
-                bias_parts=pb)
+        if need_ab:
+            dz, grad_m, grad_b, grad_a, db = _exact_backward(dy, z, g, norm, s, m_dtype=m_dt, need_dz=need[0],
+                                                             need_bias=need_bias, need_m=need_m, need_b=True)
         else:
-            dz, dg, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
-                                                              need_db=need_bias, n=n if alone else None,
-                                                              m_dtype=m_dt)
+            dz, _, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=need[0],
+                                                             need_db=need_bias, n=n if alone else None,
+                                                             m_dtype=m_dt)
+            dz = None if dz is None else dz.view(dy.shape)
             grad_a = grad_b = None
         per_m = (None,) * S if grad_m is None else grad_m.view(S, -1).unbind(0)
         per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
         per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)
         per_bb = (None,) * S if grad_b is None else cast(grad_b, b_dt).unbind(0)
-        return (None if dz is None else dz.view(dy.shape), None, None, None, None, None, *per_m,
-                *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
+        return (dz, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
