@@ -49,7 +49,8 @@ class LoRALinearBase(nn.Module):
     def __init__(self, linear: nn.Linear, rank: int, alpha: float):
         super().__init__()
         self.linear = linear
-        self.lora = LoRALayer(linear.in_features, linear.out_features, rank, alpha)
+        # A is drawn on the CPU from the global RNG (the reference's sequence), then joins the weight
+        self.lora = LoRALayer(linear.in_features, linear.out_features, rank, alpha).to(linear.weight.device)
 
     @property
     def in_features(self) -> int:
@@ -105,7 +106,8 @@ class DoRALinearBase(LoRALinearBase):
     def __init__(self, linear: nn.Linear, rank: int, alpha: float, *, detach_norm: bool = False):
         super().__init__(linear, rank, alpha)
         self.detach_norm = detach_norm
-        self.m = nn.Parameter(torch.empty(linear.out_features, dtype=linear.weight.dtype))
+        self.m = nn.Parameter(torch.empty(linear.out_features, dtype=linear.weight.dtype,
+                                          device=linear.weight.device))
         self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of a frozen W
         self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_weight_sq())
         self.weight_changed()

@@ -236,3 +236,18 @@ def test_pissa_leaves_a_trained_base_and_refuses_a_rank_beyond_the_weight():
     assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())
     with pytest.raises(ValueError, match="rank 9 needs a weight of at least 9 rows and columns"):
         pissa_init(LinearWithLoRA(nn.Linear(8, 20).requires_grad_(False), 9, 1.0))
+
+
+@pytest.mark.parametrize("cls", [LinearWithLoRA, LinearWithDoRA, LinearWithDoRAMerged, LinearWithLoRAKernel])
+def test_a_layer_wrapping_a_linear_on_another_device_keeps_its_parameters_there(cls):
+    """Wrapping a layer that lives elsewhere (a GPU's; here the meta device stands in) puts A, B and
+    m beside its weight, and draws A from the CPU's generator exactly as wrapping a CPU layer does."""
+    on_cpu, elsewhere = nn.Linear(12, 10), nn.Linear(12, 10, device="meta")
+    torch.manual_seed(0)
+    cls(on_cpu, 4, 2.0)
+    after_cpu = torch.get_rng_state()
+    torch.manual_seed(0)
+    layer = cls(elsewhere, 4, 2.0)
+    assert {p.device.type for p in layer.parameters()} == {"meta"}
+    assert {b.device.type for b in layer.buffers()} <= {"meta"}
+    assert torch.equal(torch.get_rng_state(), after_cpu)
