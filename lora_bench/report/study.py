@@ -19,6 +19,7 @@ import math
 
 import pandas as pd
 
+from lora_bench.config import FROZEN
 from lora_bench.config.declaration import BASE_DTYPE_DEFAULT
 from lora_bench.config.setting_rules import KERNEL_LAYER_SETTINGS, VARIANT_DEFAULTS
 from lora_bench.report.aggregate import (
@@ -81,9 +82,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     size_keys = [k for k in (SIZE, *SHAPE_OVERRIDES) if k in keys]
     rest = [k for k in keys if k not in size_keys and k not in spec and k != MODE]
     rest = _informative(timed, [*size_keys, *spec, *([MODE] if MODE in keys else [])], rest)
-    # a setting of the fused layer alone names a variant of it, not a condition: a baseline of another
-    # choice ran it at its default and is matched without it
-    own = [k for k in rest if k in KERNEL_ONLY] if LAYERS in spec and not same(spec[LAYERS], KERNEL) else []
+    own = _own(rest, spec)
     rest = [k for k in rest if k not in own]
     by = [*size_keys, *spec, *([MODE] if MODE in keys else []), *rest, *own] or ["run_id"]
     run_groups = group_runs(timed, by, metrics=list(dict.fromkeys([*METRICS, *metrics])), baseline=spec,
@@ -158,6 +157,28 @@ def _keys(timed: pd.DataFrame, spec: dict) -> list[str]:
     return keys
 
 
+def _own(rest: list[str], spec: dict) -> list[str]:
+    """The settings of ``rest`` that name a variant rather than a condition, because the baseline's
+    layer choice has no say in them: it ran them at their default (the config refuses others) and
+    is matched without them. A setting of the fused layer alone, against a baseline of another
+    choice; against the floor (``frozen``, no adapter), the adapter's variant settings too, so every
+    variant of LoRA finds the one floor of its size and mode."""
+    if LAYERS not in spec or same(spec[LAYERS], KERNEL):
+        return []
+    theirs = (*KERNEL_ONLY, *ADAPTER_ONLY) if same(spec[LAYERS], FROZEN) else KERNEL_ONLY
+    return [k for k in rest if k in theirs]
+
+
+def _own_text(settings: dict, own: list[str], layers) -> str:
+    """What of ``own`` a group's name shows: the fused layer's own settings on its rows, the
+    adapter's variant settings where they are not the default, on any adapter's rows."""
+    if same(layers, FROZEN):
+        return ""
+    shown = [k for k in own if (k in KERNEL_ONLY and same(layers, KERNEL))
+             or (k in ADAPTER_ONLY and not is_blank(settings[k]) and not same(settings[k], STEP_DEFAULTS[k]))]
+    return " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in shown) + ")" if shown else ""
+
+
 def _informative(df: pd.DataFrame, fixed: list[str], rest: list[str]) -> list[str]:
     """The condition settings that split groups: one whose value follows from the others (e.g.
     num_epochs chosen with batch_size) is left out of the names."""
@@ -197,8 +218,7 @@ def _group(rg: RunGroup, *, size_keys: list[str], spec: dict, mode: bool, rest: 
     size = " ".join([value_text(settings.get(SIZE))] + [f"{setting_name(k)}={value_text(settings[k])}"
                                                         for k in size_keys[1:] if not is_blank(settings[k])])
     variant = _variant_name(settings, spec) if spec else value_text(_first(g, LAYERS))
-    if same(_first(g, LAYERS), KERNEL) and own:
-        variant += " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in own) + ")"
+    variant += _own_text(settings, list(own), _first(g, LAYERS))
     phases = {}
     for ph in PHASES:  # a phase's cause is measured by a profiled repeat (_attach_profiles), never inferred
         phases[ph] = Phase(device=est[f"{ph}_ms_median"], host=est[f"host_{ph}_ms_median"])

@@ -130,3 +130,32 @@ def test_a_setting_of_the_fused_layer_alone_names_a_variant_and_finds_the_baseli
     assert ratios["lora-kernel (adapter_grads=deferred)"] == pytest.approx(2.62 / 2.02)
     assert ratios["lora-kernel (adapter_grads=inline)"] == pytest.approx(3.02 / 2.02)
     assert {g.condition for g in study.groups} == {""}
+
+
+def test_against_the_floor_each_variant_of_lora_names_itself_and_finds_the_one_floor():
+    """The floor (frozen) trains no adapter, so the adapter's variant settings are not conditions
+    against it: it ran them at their default, and every variant is set against it, named by the
+    settings in which it leaves the default (nothing added to the default LoRA's or the floor's name)."""
+    rows = []
+    points = (("frozen", {}, 2.0), ("lora", {}, 6.0), ("lora", {"cfg_lora_variant": "dora", "cfg_dora_norm": "detached"}, 9.0),
+              ("lora", {"cfg_lora_variant": "dora"}, 12.0), ("lora", {"cfg_lora_scaling": "rslora"}, 6.0),
+              ("lora-kernel", {"cfg_lora_scaling": "rslora"}, 4.0))
+    for i in range(5):
+        for layers, settings, step in points:
+            rows.append({"run_id": f"{layers}-{len(settings)}-{step}-r{i}", "status": "done", SIZE: "124M",
+                         LAYERS: layers, "cfg_lora_variant": "lora", "cfg_dora_norm": "exact",
+                         "cfg_lora_scaling": "alpha", "cfg_seed": 123, **settings, STEP: step * (1 + 0.01 * i),
+                         RESULTS_DIR: "r", "sweep_name": "s", "repeat": i, "started_at": f"2026-01-01T00:0{i}:00"})
+    study = build_study(pd.DataFrame(rows), baseline="trainable_layers=frozen")
+    ratios = {g.variant: g.ratio for g in study.groups if not g.is_baseline}
+    assert set(ratios) == {"lora", "lora (lora_variant=dora, dora_norm=detached)", "lora (lora_variant=dora)",
+                           "lora (lora_scaling=rslora)", "lora-kernel (lora_scaling=rslora)"}
+    assert ratios["lora (lora_variant=dora)"] == pytest.approx(6.0)
+    assert ratios["lora (lora_variant=dora, dora_norm=detached)"] == pytest.approx(4.5)
+    assert ratios["lora-kernel (lora_scaling=rslora)"] == pytest.approx(2.0)
+    assert ratios["lora (lora_scaling=rslora)"] == ratios["lora"] == pytest.approx(3.0)
+    assert {g.condition for g in study.groups} == {""}
+    assert [g.variant for g in study.groups if g.is_baseline] == ["frozen"]
+    # against LoRA the same settings stay the variants' own names, as before
+    against_lora = build_study(pd.DataFrame(rows), baseline="trainable_layers=lora,lora_variant=lora,dora_norm=exact")
+    assert any("lora_variant=dora" in g.variant for g in against_lora.groups)
