@@ -73,6 +73,11 @@ COLUMNS = [
     "repeats", "sets",
 ]
 
+# --kernels: each implementation's eager forward and backward under torch.profiler, kernel by kernel
+KERNEL_COLUMNS = ["shape", "dtype", "impl", "backend", "phase", "kernel", "launches_per_call", "us_per_call",
+                  "share_of_phase", "unit", "calls"]
+PROFILED_CALLS = 20  # profiled forward+backward calls per implementation, after the timed ones
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -269,10 +274,51 @@ def _kernel(impl: str) -> bool:
     return impl.startswith("lora-kernel") or DORA_IMPLS.get(impl, ("",))[0] == "lora-kernel"
 
 
+def _profile_kernels(sets: list[tuple], *, calls: int, device: torch.device) -> list[dict]:
+    """The kernels ``calls`` eager forward+backward calls launch, per phase ('fwd', 'bwd'): each
+    kernel's launches and device µs per call (``train.profiling.kernel_summary``: CUDA kernels and
+    copies on a GPU, top-level aten ops and their CPU µs on the CPU). Eager, not replayed: a
+    profiler sees the kernels each call launches, and the fused layer's eager plan is in the
+    ``backend`` column beside them."""
+    from lora_bench.train.profiling import kernel_summary
+
+    cuda = device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    def call(i: int) -> None:
+        layer, x, g, inputs = sets[i % len(sets)]
+        with torch.profiler.record_function("phase:fwd"):
+            y = layer(x)
+        with torch.profiler.record_function("phase:bwd"):
+            torch.autograd.grad(y, inputs, g)
+
+    for i in range(2):  # whatever a first call compiles or caches stays out of the profile
+        call(i)
+    if cuda:
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
+        for i in range(calls):
+            call(i)
+        if cuda:
+            torch.cuda.synchronize(device)
+    phases, top = kernel_summary(prof, steps=calls, cuda=cuda)
+    total = {r["phase"]: r["kernel_ms_per_step"] for r in phases}
+    unit = phases[0]["unit"] if phases else ""
+    order = ("fwd", "bwd")  # forward's kernels, then backward's, each the longest first
+    return [{"phase": t["phase"], "kernel": t["kernel"], "launches_per_call": t["calls_per_step"],
+             "us_per_call": 1e3 * t["ms_per_step"],
+             "share_of_phase": t["ms_per_step"] / total[t["phase"]] if total.get(t["phase"]) else None,
+             "unit": unit, "calls": calls}
+            for t in sorted((t for t in top if t["phase"] in order),
+                            key=lambda t: (order.index(t["phase"]), -t["ms_per_step"]))]
+
+
 def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
-                 warmup: int, cpu: bool, policies: dict[str, PlanPolicy]) -> list[dict]:
+                 warmup: int, cpu: bool, policies: dict[str, PlanPolicy],
+                 kernels: list[dict] | None = None) -> list[dict]:
     """All implementations of one (shape, dtype), interleaved round by round (module docstring).
-    ``policies``: the plan policy of each implementation."""
+    ``policies``: the plan policy of each implementation; ``kernels``: where given, each
+    implementation's profiled kernels (``_profile_kernels``) are appended to it."""
     dtype = DTYPES[dtype_name]
     sets, rows, eager_plans = {}, {}, {}
     for impl in impls:
@@ -329,12 +375,24 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
                         _time_phase(cpu_sets, "fwdbwd", repeats=n, warmup=min(2, warmup), device=cpu_dev))
         ref = REFERENCE_4090_MS.get(shape.name)
         r["ref_4090_cpu_ms"], r["ref_4090_gpu_ms"] = ref if ref else (None, None)
+        if kernels is not None:  # after its timings: the profiler perturbs nothing timed
+            with use_policy(policies[impl]), record_plans() as profiled_plans:
+                found = _profile_kernels(sets[impl], calls=PROFILED_CALLS, device=device)
+            backend = _plans(profiled_plans) if _kernel(impl) else r["backend"]
+            kernels += [{"shape": shape.name, "dtype": dtype_name, "impl": impl, "backend": backend, **k}
+                        for k in found]
     return [rows[i] for i in impls]
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    """The bench table, written atomically through the results module's writer."""
-    store.write_csv(path, ({c: r.get(c) for c in COLUMNS} for r in rows), list(COLUMNS))
+def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
+    """The bench table (or, with ``KERNEL_COLUMNS``, the kernel table), written atomically through
+    the results module's writer."""
+    store.write_csv(path, ({c: r.get(c) for c in columns} for r in rows), list(columns))
+
+
+def kernels_path(out_csv: Path) -> Path:
+    """Where ``--kernels`` writes its table: beside the bench table, ``<name>_kernels.csv``."""
+    return out_csv.with_name(out_csv.stem + "_kernels.csv")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -347,14 +405,16 @@ def _out_of_memory(e: BaseException) -> bool:
 def run_kernel_bench(
     *, shapes: list[str] | None = None, impls: list[str] | None = None, dtypes: list[str] | None = None,
     device: str = "cuda", repeats: int = 200, warmup: int = 20, out_csv: Path | None = None,
-    cpu: bool = False, progress: bool = False,
+    cpu: bool = False, progress: bool = False, kernels: list[dict] | None = None,
 ) -> list[dict]:
     """Time every (shape, impl, dtype); returns rows (keys = ``COLUMNS``) and writes ``out_csv``.
 
     shapes: names, groups ('guide', '124m', '1558m') or 'BxT:IN->OUT:rR' specs; None = all groups.
     impls: subset of ``IMPLS`` (or 'lora-kernel:PLAN'; None: ``LORA_IMPLS``); dtypes: subset of 'fp32', 'bf16', 'fp16'.
     device: where the main columns are timed ('cuda', 'cuda:1' or 'cpu'); cpu=True adds a CPU
-    forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force."""
+    forward+backward column to the fp32 rows. Plain ``lora-kernel`` runs the policy in force.
+    kernels: a list to receive each implementation's profiled kernels (``KERNEL_COLUMNS``), also
+    written to ``kernels_path(out_csv)``; None: no profile."""
     if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ValueError(f"device {device!r}: expected cuda, cuda:N or cpu")
     dev = torch.device(device)
@@ -388,7 +448,7 @@ def run_kernel_bench(
                 raise ValueError(too_big)
             try:
                 group = _bench_group(impls, shape, dtype_name, device=dev, repeats=repeats, warmup=warmup, cpu=cpu,
-                                     policies=policies)
+                                     policies=policies, kernels=kernels)
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 if not _out_of_memory(e):
                     raise
@@ -397,12 +457,16 @@ def run_kernel_bench(
             rows += group
             if out_csv is not None:  # rewritten after every group: an error later loses nothing measured
                 write_csv(rows, out_csv)
+                if kernels is not None:
+                    write_csv(kernels, kernels_path(out_csv), KERNEL_COLUMNS)
             if progress:
                 for r in group:
                     print(f"kernel-bench {shape.name} {dtype_name} {r['impl']}: fwd+bwd {1e3 * r['fwdbwd_ms']:.1f} us",
                           file=sys.stderr, flush=True)
     if out_csv is not None:
         write_csv(rows, out_csv)
+        if kernels is not None:
+            write_csv(kernels, kernels_path(out_csv), KERNEL_COLUMNS)
     return rows
 
 
@@ -430,5 +494,26 @@ def render_kernel_table(rows: list[dict]):
     return t
 
 
-__all__ = ["run_kernel_bench", "render_kernel_table", "write_csv", "parse_shape", "resolve_shapes",
+def render_kernels(kernels: list[dict], *, top: int = 4):
+    """A rich Table of ``--kernels``' profile: per shape, dtype, implementation and phase, the
+    ``top`` kernels by device time per call, with what the phase's kernels come to in all."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=f"Kernels per forward / backward call (eager, profiled; the {top} longest per phase)")
+    for col in ("shape", "dtype", "impl", "phase", "kernel", "launches", "us", "share"):
+        t.add_column(col, justify="right" if col in ("launches", "us", "share") else "left")
+    seen: dict[tuple, int] = {}
+    for k in kernels:
+        key = (k["shape"], k["dtype"], k["impl"], k["phase"])
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > top:
+            continue
+        share = k.get("share_of_phase")
+        t.add_row(*(Text(str(v)) for v in (*key, k["kernel"][:80])), f"{k['launches_per_call']:g}",
+                  f"{k['us_per_call']:.1f}", "" if share is None else f"{100 * share:.0f} %")
+    return t
+
+
+__all__ = ["run_kernel_bench", "render_kernel_table", "render_kernels", "write_csv", "parse_shape", "resolve_shapes",
            "SHAPE_GROUPS", "IMPLS", "COLUMNS"]

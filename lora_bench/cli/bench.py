@@ -11,6 +11,7 @@ from lora_bench.cli.options import NoProgress, console, output_dir, results_dir_
 from lora_bench.errors import UsageError
 
 CSV_NAME = "kernel_bench.csv"
+KERNELS_NAME = "kernel_bench_kernels.csv"  # bench.kernel_bench.kernels_path(CSV_NAME)
 
 HELP = f"""Time one LoRA layer (forward, backward, both) against the frozen layer: the floor.
 
@@ -37,13 +38,17 @@ def kernel_bench(
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median, p10, p90).")] = 200,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls.")] = 20,
     cpu: Annotated[bool, typer.Option("--cpu", help="Add a CPU forward+backward column (fp32 rows).")] = False,
+    kernels: Annotated[bool, typer.Option("--kernels", help="After the timings, profile each implementation's "
+                                                            "eager forward and backward (torch.profiler) and "
+                                                            f"write each kernel's launches and device time per "
+                                                            f"call to {KERNELS_NAME}.")] = False,
     results_dir: Annotated[Path, results_dir_option(f"Folder for {CSV_NAME}.")] = Path("results/kernel-bench"),
     out: Annotated[Optional[Path], typer.Option("--out", hidden=True, help="The CSV file itself.")] = None,
     no_progress: NoProgress = False,
 ) -> None:
     import torch
 
-    from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
+    from lora_bench.bench.kernel_bench import kernels_path, render_kernel_table, render_kernels, run_kernel_bench
     from lora_bench.results.manifest import record_invocation
 
     csv = out if out is not None else results_dir / CSV_NAME
@@ -51,14 +56,19 @@ def kernel_bench(
     output_dir(csv.parent, "--out" if out is not None else "--results-dir")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    found: list[dict] | None = [] if kernels else None
     try:
         rows = run_kernel_bench(shapes=split_list(shapes), impls=split_list(impls), dtypes=split_list(dtypes),
                                 device=device, repeats=repeats, warmup=warmup, out_csv=csv, cpu=cpu,
-                                progress=not no_progress)
+                                progress=not no_progress, kernels=found)
     except (ValueError, UsageError) as e:  # bad names or counts, no GPU for device=cuda, a group too big
         if made and csv.parent.is_dir() and not any(csv.parent.iterdir()):
             csv.parent.rmdir()  # refused: nothing left behind, not even the folder made for it
         raise UsageError(str(e)) from e
-    record_invocation(csv.parent, outputs=[csv.name])
+    written = [csv] + ([kernels_path(csv)] if found is not None else [])
+    record_invocation(csv.parent, outputs=[p.name for p in written])
     console.print(render_kernel_table(rows))
-    console.print(f"written: {csv}")
+    if found is not None:
+        console.print(render_kernels(found))
+    for p in written:
+        console.print(f"written: {p}")

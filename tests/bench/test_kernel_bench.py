@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from lora_bench.bench.kernel_bench import (
     COLUMNS,
@@ -115,3 +116,62 @@ def test_interleaved_rounds_cancel_host_drift(monkeypatch):
     assert by["lora-kernel"]["x_lora"] == pytest.approx(0.5, rel=0.05)
     assert by["lora"]["x_frozen"] == pytest.approx(4.0, rel=0.05)
     assert clock["calls"] == 3 * 3 * 200  # 3 phases × 3 implementations × all repeats, no more
+
+
+def test_kernels_profile_each_implementation_phase_by_phase(tmp_path):
+    """--kernels: after the timings, each implementation's eager forward and backward profiled,
+    kernel by kernel (on the CPU: top-level aten ops), written beside the bench table. DoRA's layer
+    launches what LoRA's does and more; each phase's shares add up to the whole phase."""
+    from lora_bench.bench.kernel_bench import KERNEL_COLUMNS, PROFILED_CALLS, kernels_path, render_kernels
+
+    out = tmp_path / "kb.csv"
+    found: list[dict] = []
+    run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["frozen", "lora-kernel", "dora-kernel"], dtypes=["fp32"],
+                     device="cpu", repeats=2, warmup=1, out_csv=out, kernels=found)
+    with kernels_path(out).open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == KERNEL_COLUMNS
+        rows = list(reader)
+    assert len(rows) == len(found) > 0
+    by = {}
+    for r in rows:
+        by.setdefault((r["impl"], r["phase"]), []).append(r)
+    assert set(by) == {(i, p) for i in ("frozen", "lora-kernel", "dora-kernel") for p in ("fwd", "bwd")}
+    for (impl, phase), ks in by.items():
+        assert sum(float(k["share_of_phase"]) for k in ks) == pytest.approx(1.0)
+        us = [float(k["us_per_call"]) for k in ks]
+        assert us == sorted(us, reverse=True) and min(us) > 0
+        assert all(int(k["calls"]) == PROFILED_CALLS and k["unit"] == "top-level aten ops (CPU)" for k in ks)
+
+    def launches(impl):
+        return sum(float(k["launches_per_call"]) for k in by[(impl, "fwd")] + by[(impl, "bwd")])
+
+    assert launches("frozen") < launches("lora-kernel") < launches("dora-kernel")
+    assert {r["backend"] for r in rows if r["impl"] == "frozen"} == {"torch"}
+    assert all("dora-norm-torch" in r["backend"] for r in rows if r["impl"] == "dora-kernel")
+    table = render_kernels(found, top=2)
+    assert table.row_count == sum(min(2, len(v)) for v in by.values())
+
+
+def test_kernels_from_the_command_line(tmp_path, run_cli):
+    code, out = run_cli("kernel-bench", "--shapes", "2x8:48->40:r4", "--dtypes", "fp32", "--impls", "frozen,lora",
+                  "--device", "cpu", "--repeats", "2", "--warmup", "1", "--kernels", "--results-dir", str(tmp_path),
+                  "--no-progress")
+    assert code == 0, out
+    assert (tmp_path / "kernel_bench_kernels.csv").is_file() and "kernel_bench_kernels.csv" in out
+    assert "Kernels per forward / backward call" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_on_a_gpu_name_the_device_kernels_dora_launches():
+    """On a GPU the profile holds device kernels: the fused DoRA layer's own Triton kernels among
+    them, in the phase that launches them, with device time."""
+    found: list[dict] = []
+    run_kernel_bench(shapes=["960:768->768:r16"], impls=["frozen", "dora-kernel-detached"], dtypes=["bf16-autocast"],
+                     device="cuda", repeats=5, warmup=2, out_csv=None, kernels=found)
+    dora = [k for k in found if k["impl"] == "dora-kernel-detached"]
+    assert {k["unit"] for k in found} == {"cuda kernels+memcpy"}
+    fwd = [k["kernel"] for k in dora if k["phase"] == "fwd"]
+    assert any("_dora_norm_part_kernel" in name for name in fwd) and any("_dora_norm_scale_kernel" in name for name in fwd)
+    assert all(k["us_per_call"] > 0 for k in found)
