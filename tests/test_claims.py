@@ -160,6 +160,52 @@ CLAIMS += [("docs/all-vs-lora.md", claim) for claim in (
 )]
 
 
+@cache
+def _variants() -> tuple[dict, dict]:
+    from lora_bench.publish.docs_variants import _groups
+
+    return _groups("best")
+
+
+def v_step(row: str, size: str) -> str:
+    """A variants-study row's best-mode median step and its interval, 'm ms [lo–hi]'."""
+    e = _variants()[0][(row, size)].estimates["step_ms_median"]
+    return f"{e.value:.2f} ms [{e.lo:.2f}–{e.hi:.2f}]"
+
+
+def v_x(row: str, size: str) -> str:
+    """The row's step ÷ its own implementation's LoRA step (paired by repeat), '1.36×'."""
+    return f"{_variants()[0][(row, size)].ratio.value:.2f}×"
+
+
+def v_med(row: str, size: str) -> float:
+    return _variants()[0][(row, size)].estimates["step_ms_median"].value
+
+
+def v_extra(size: str) -> float:
+    """What the fused layer's detached DoRA adds to the fused LoRA step, ms."""
+    return v_med(DET, size) - v_med("fused LoRA (`lora-kernel`)", size)
+
+
+def v_over(row: str, other: str, size: str) -> float:
+    return v_med(other, size) / v_med(row, size)
+
+
+DET, EXACT, PEFT_DORA = "fused DoRA, detached norm", "fused DoRA, exact norm", "PEFT DoRA (`use_dora`)"
+CLAIMS += [("docs/variants.md", claim) for claim in (
+    lambda: (f"at 124M the detached step is {v_step(DET, '124M')}, {v_x(DET, '124M')} the fused LoRA step, and "
+             f"the exact one {v_step(EXACT, '124M')}, {v_x(EXACT, '124M')},"),
+    lambda: (f"at 1558M {v_step(DET, '1558M')} ({v_x(DET, '1558M')}) and {v_step(EXACT, '1558M')} "
+             f"({v_x(EXACT, '1558M')})"),
+    lambda: (f"The detached norm adds {v_extra('1558M'):.1f} ms to the 1558M step over fused LoRA and "
+             f"{v_extra('124M'):.2f} ms to the 124M one: {1e3 * v_extra('1558M') / 48:.0f} µs a block against "
+             f"{1e3 * v_extra('124M') / 12:.0f} µs"),
+    lambda: (f"fused DoRA is {v_over(EXACT, PEFT_DORA, '124M'):.1f} to {v_over(DET, PEFT_DORA, '124M'):.1f}× faster "
+             f"than PEFT's DoRA at 124M and {v_over(EXACT, PEFT_DORA, '1558M'):.1f} to "
+             f"{v_over(DET, PEFT_DORA, '1558M'):.1f}× at 1558M"),
+)]
+
+
 def _flat(path: str) -> str:
     return " ".join((ROOT / path).read_text(encoding="utf-8").split())
 
