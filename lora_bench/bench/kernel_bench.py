@@ -41,6 +41,7 @@ from lora_bench.results import store
 from lora_bench.results.metrics import median_p10_p90
 from lora_bench.train.graphs import warm_up
 from lora_bench.train.memory import GIB, available_bytes
+from lora_bench.train.profiling import kernel_summary
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -280,8 +281,6 @@ def _profile_kernels(sets: list[tuple], *, calls: int, device: torch.device) -> 
     copies on a GPU, top-level aten ops and their CPU µs on the CPU). Eager, not replayed: a
     profiler sees the kernels each call launches, and the fused layer's eager plan is in the
     ``backend`` column beside them."""
-    from lora_bench.train.profiling import kernel_summary
-
     cuda = device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
