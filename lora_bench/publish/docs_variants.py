@@ -12,7 +12,7 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.publish.source import RESULTS, as_read, md_table, runs
-from lora_bench.report.groups import RunGroup, group_runs, same
+from lora_bench.report.groups import RunGroup, estimate, group_runs, same
 from lora_bench.report.labels import is_blank
 from lora_bench.report.stats import UNCLEAR, interval_text
 from lora_bench.results.runs_csv import text_value
@@ -46,6 +46,8 @@ ROWS = (
     ("PEFT PiSSA", "hf", {"implementation": "hf", "lora_init": "pissa"}),
 )
 NOT_RUN = "not run yet"
+INIT = "adapter_init_s"  # PiSSA's SVDs, timed apart from the steps
+PISSA_ROWS = ("PiSSA", "PEFT PiSSA")
 
 
 def _settings(changes: dict) -> dict[str, str]:
@@ -130,6 +132,31 @@ def table_variants(label: str, folder: str = VARIANTS) -> str:
         rows.append(row)
     return md_table(["variant, batch 8 × 120, r16", *(f"{size} {col}" for size in SIZES for col in (
         "step ms [interval]", "÷ its LoRA", "÷ floor"))], rows, align="---|" + "|".join(["---:"] * 6))
+
+
+def table_pissa_init(label: str = "best", folder: str = VARIANTS) -> str:
+    """PiSSA's one-time cost in one mode: for the book's PiSSA and PEFT's, at each size, the median
+    ``adapter_init_s`` over the repeats [interval], and how many of the row's own median steps it
+    comes to."""
+    by_lora, _ = _groups(label, folder)
+    rows = []
+    for name in PISSA_ROWS:
+        row = [name]
+        for size in SIZES:
+            g = by_lora.get((name, size))
+            init = estimate(g.runs, INIT) if g is not None and INIT in g.runs else None
+            if init is None or not init.known:
+                row += [NOT_RUN, "-"]
+                continue
+            step = g.estimates[STEP]
+            row += [interval_text(init, digits=1), f"{1e3 * init.value / step.value:,.0f}" if step.known else "-"]
+        rows.append(row)
+    return md_table(["PiSSA, r16", *(f"{size} {col}" for size in SIZES for col in (
+        "SVDs s [interval]", "÷ its step"))], rows, align="---|" + "|".join(["---:"] * 4))
+
+
+def table_pissa_init_best() -> str:
+    return table_pissa_init("best")
 
 
 def table_variants_best() -> str:

@@ -76,3 +76,29 @@ def test_without_the_folder_every_row_is_not_run_yet(tmp_path, monkeypatch):
     monkeypatch.setattr(dv, "RESULTS", tmp_path)
     cells = _cells(dv.table_variants_best())
     assert len(cells) == len(dv.ROWS) and all(c[0] == c[3] == dv.NOT_RUN for c in cells.values())
+
+
+def test_pissa_init_is_its_median_svd_time_and_the_steps_it_equals(tmp_path, monkeypatch):
+    """PiSSA's one-time cost: the median adapter_init_s over its repeats with its interval, and that
+    time in the row's own median steps; a row or size the folder lacks reads "not run yet"."""
+    monkeypatch.setattr(source, "RESULTS", tmp_path)
+    monkeypatch.setattr(dv, "RESULTS", tmp_path)
+    rows = []
+    for repeat in range(5):
+        for size, init_s, step_ms in (("124M", 3.0, 6.0), ("1558M", 40.0, 40.0)):
+            rows.append({"run_id": f"pissa-{size}-r{repeat}", "status": "done", "model_size": size,
+                         "sweep_name": "variants-study", "sweep_label": "best", "repeat": repeat,
+                         "trainable_layers": "lora", "cfg_implementation": "book", "cfg_lora_init": "pissa",
+                         "adapter_init_s": init_s + 0.1 * repeat, "step_ms_median": step_ms})
+        rows.append({"run_id": f"peft-124M-r{repeat}", "status": "done", "model_size": "124M",
+                     "sweep_name": "variants-study", "sweep_label": "best", "repeat": repeat,
+                     "trainable_layers": "lora", "cfg_implementation": "hf", "cfg_lora_init": "pissa",
+                     "adapter_init_s": 5.0, "step_ms_median": 20.0})
+    (tmp_path / dv.VARIANTS).mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(tmp_path / dv.VARIANTS / "runs.csv", index=False)
+    cells = _cells(dv.table_pissa_init("best"))
+    assert cells["PiSSA"][0].startswith("3.2 [3.0–3.4]") and cells["PiSSA"][1] == "533"
+    assert cells["PiSSA"][2].startswith("40.2 [40.0–40.4]") and cells["PiSSA"][3] == "1,005"
+    assert cells["PEFT PiSSA"][0].startswith("5.0") and cells["PEFT PiSSA"][1] == "250"
+    assert cells["PEFT PiSSA"][2] == dv.NOT_RUN
+    assert all(c[0] == dv.NOT_RUN for c in _cells(dv.table_pissa_init("reference")).values())
