@@ -41,7 +41,7 @@ from lora_bench.results import store
 from lora_bench.results.metrics import median_p10_p90
 from lora_bench.train.graphs import warm_up
 from lora_bench.train.memory import GIB, available_bytes
-from lora_bench.train.profiling import kernel_summary
+from lora_bench.bench.kernel_profile import KERNEL_COLUMNS, PROFILED_CALLS, kernels_path, profile_kernels
 
 SHAPE_GROUPS: dict[str, list[str]] = {
     "guide": ["4x512:768->768:r16", "8x256:1024->1024:r32", "2x1024:2048->2048:r16"],
@@ -73,11 +73,6 @@ COLUMNS = [
     "graph_fwdbwd_ms", "cpu_fwdbwd_ms", "x_frozen", "x_lora", "ref_4090_cpu_ms", "ref_4090_gpu_ms",
     "repeats", "sets",
 ]
-
-# --kernels: each implementation's eager forward and backward under torch.profiler, kernel by kernel
-KERNEL_COLUMNS = ["shape", "dtype", "impl", "backend", "phase", "kernel", "launches_per_call", "us_per_call",
-                  "share_of_phase", "unit", "calls"]
-PROFILED_CALLS = 20  # profiled forward+backward calls per implementation, after the timed ones
 
 
 @dataclass(frozen=True)
@@ -275,49 +270,12 @@ def _kernel(impl: str) -> bool:
     return impl.startswith("lora-kernel") or DORA_IMPLS.get(impl, ("",))[0] == "lora-kernel"
 
 
-def _profile_kernels(sets: list[tuple], *, calls: int, device: torch.device) -> list[dict]:
-    """The kernels ``calls`` eager forward+backward calls launch, per phase ('fwd', 'bwd'): each
-    kernel's launches and device µs per call (``train.profiling.kernel_summary``: CUDA kernels and
-    copies on a GPU, top-level aten ops and their CPU µs on the CPU). Eager, not replayed: a
-    profiler sees the kernels each call launches, and the fused layer's eager plan is in the
-    ``backend`` column beside them."""
-    cuda = device.type == "cuda"
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-
-    def call(i: int) -> None:
-        layer, x, g, inputs = sets[i % len(sets)]
-        with torch.profiler.record_function("phase:fwd"):
-            y = layer(x)
-        with torch.profiler.record_function("phase:bwd"):
-            torch.autograd.grad(y, inputs, g)
-
-    for i in range(2):  # whatever a first call compiles or caches stays out of the profile
-        call(i)
-    if cuda:
-        torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
-        for i in range(calls):
-            call(i)
-        if cuda:
-            torch.cuda.synchronize(device)
-    phases, top = kernel_summary(prof, steps=calls, cuda=cuda)
-    total = {r["phase"]: r["kernel_ms_per_step"] for r in phases}
-    unit = phases[0]["unit"] if phases else ""
-    order = ("fwd", "bwd")  # forward's kernels, then backward's, each the longest first
-    return [{"phase": t["phase"], "kernel": t["kernel"], "launches_per_call": t["calls_per_step"],
-             "us_per_call": 1e3 * t["ms_per_step"],
-             "share_of_phase": t["ms_per_step"] / total[t["phase"]] if total.get(t["phase"]) else None,
-             "unit": unit, "calls": calls}
-            for t in sorted((t for t in top if t["phase"] in order),
-                            key=lambda t: (order.index(t["phase"]), -t["ms_per_step"]))]
-
-
 def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
                  warmup: int, cpu: bool, policies: dict[str, PlanPolicy],
                  kernels: list[dict] | None = None) -> list[dict]:
     """All implementations of one (shape, dtype), interleaved round by round (module docstring).
     ``policies``: the plan policy of each implementation; ``kernels``: where given, each
-    implementation's profiled kernels (``_profile_kernels``) are appended to it."""
+    implementation's profiled kernels (``kernel_profile.profile_kernels``) are appended to it."""
     dtype = DTYPES[dtype_name]
     sets, rows, eager_plans = {}, {}, {}
     for impl in impls:
@@ -376,7 +334,7 @@ def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: tor
         r["ref_4090_cpu_ms"], r["ref_4090_gpu_ms"] = ref if ref else (None, None)
         if kernels is not None:  # after its timings: the profiler perturbs nothing timed
             with use_policy(policies[impl]), record_plans() as profiled_plans:
-                found = _profile_kernels(sets[impl], calls=PROFILED_CALLS, device=device)
+                found = profile_kernels(sets[impl], calls=PROFILED_CALLS, device=device)
             backend = _plans(profiled_plans) if _kernel(impl) else r["backend"]
             kernels += [{"shape": shape.name, "dtype": dtype_name, "impl": impl, "backend": backend, **k}
                         for k in found]
@@ -387,11 +345,6 @@ def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> Non
     """The bench table (or, with ``KERNEL_COLUMNS``, the kernel table), written atomically through
     the results module's writer."""
     store.write_csv(path, ({c: r.get(c) for c in columns} for r in rows), list(columns))
-
-
-def kernels_path(out_csv: Path) -> Path:
-    """Where ``--kernels`` writes its table: beside the bench table, ``<name>_kernels.csv``."""
-    return out_csv.with_name(out_csv.stem + "_kernels.csv")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -493,26 +446,5 @@ def render_kernel_table(rows: list[dict]):
     return t
 
 
-def render_kernels(kernels: list[dict], *, top: int = 4):
-    """A rich Table of ``--kernels``' profile: per shape, dtype, implementation and phase, the
-    ``top`` kernels by device time per call, with what the phase's kernels come to in all."""
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(title=f"Kernels per forward / backward call (eager, profiled; the {top} longest per phase)")
-    for col in ("shape", "dtype", "impl", "phase", "kernel", "launches", "us", "share"):
-        t.add_column(col, justify="right" if col in ("launches", "us", "share") else "left")
-    seen: dict[tuple, int] = {}
-    for k in kernels:
-        key = (k["shape"], k["dtype"], k["impl"], k["phase"])
-        seen[key] = seen.get(key, 0) + 1
-        if seen[key] > top:
-            continue
-        share = k.get("share_of_phase")
-        t.add_row(*(Text(str(v)) for v in (*key, k["kernel"][:80])), f"{k['launches_per_call']:g}",
-                  f"{k['us_per_call']:.1f}", "" if share is None else f"{100 * share:.0f} %")
-    return t
-
-
-__all__ = ["run_kernel_bench", "render_kernel_table", "render_kernels", "write_csv", "parse_shape", "resolve_shapes",
+__all__ = ["run_kernel_bench", "render_kernel_table", "write_csv", "parse_shape", "resolve_shapes",
            "SHAPE_GROUPS", "IMPLS", "COLUMNS"]

@@ -11,7 +11,7 @@ from lora_bench.cli.options import NoProgress, console, output_dir, results_dir_
 from lora_bench.errors import UsageError
 
 CSV_NAME = "kernel_bench.csv"
-KERNELS_NAME = "kernel_bench_kernels.csv"  # bench.kernel_bench.kernels_path(CSV_NAME)
+KERNELS_NAME = "kernel_bench_kernels.csv"  # bench.kernel_profile.kernels_path(CSV_NAME)
 
 HELP = f"""Time one LoRA layer (forward, backward, both) against the frozen layer: the floor.
 
@@ -48,7 +48,8 @@ def kernel_bench(
 ) -> None:
     import torch
 
-    from lora_bench.bench.kernel_bench import kernels_path, render_kernel_table, render_kernels, run_kernel_bench
+    from lora_bench.bench.kernel_bench import render_kernel_table, run_kernel_bench
+    from lora_bench.bench.kernel_profile import kernels_path, render_kernels
     from lora_bench.results.manifest import record_invocation
 
     csv = out if out is not None else results_dir / CSV_NAME

@@ -122,7 +122,7 @@ def test_kernels_profile_each_implementation_phase_by_phase(tmp_path):
     """--kernels: after the timings, each implementation's eager forward and backward profiled,
     kernel by kernel (on the CPU: top-level aten ops), written beside the bench table. DoRA's layer
     launches what LoRA's does and more; each phase's shares add up to the whole phase."""
-    from lora_bench.bench.kernel_bench import KERNEL_COLUMNS, PROFILED_CALLS, kernels_path, render_kernels
+    from lora_bench.bench.kernel_profile import KERNEL_COLUMNS, PROFILED_CALLS, kernels_path, render_kernels
 
     out = tmp_path / "kb.csv"
     found: list[dict] = []
