@@ -11,12 +11,11 @@ sum goes to a workspace, one slot per part, and the next launch adds the parts i
 no atomics, so a run repeats bit for bit (``norm_parts`` chooses how many parts, here and in the
 backward).
 
-Two launches: programs of (16 outputs, a part of K) accumulate their part of W·A, of ‖W_j‖² from
-the same W tiles (a frozen W needs no stored row norms here) and of A's Gram matrix AᵀA from the
-same A tiles (in × r² multiply-adds per program beside its W·A's rows × in × r), which the first
-block of each segment writes; then programs of (16 outputs, a block of rows) add the parts, form
-Bᵀ·AᵀA, the dots with Bᵀ, the root and g (each block of rows alike, the first storing them), and
-write y = g ⊙ z + b for their rows. W is read once, z once. This module imports Triton; import it
+Two launches: programs of (64 outputs, a part of K) accumulate their part of W·A and of ‖W_j‖² from
+the same W tiles (a frozen W needs no stored row norms here), and the first block of each segment
+its part of A's Gram matrix AᵀA from the same A tiles; then programs of (64 outputs, a block of
+rows) add the parts, form Bᵀ·AᵀA, the dots with Bᵀ, the root and g (each block of rows alike, the
+first storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. This module imports Triton; import it
 lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ def _dora_norm_part_kernel(
     wa = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
     wsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = pid * BLOCK_N == seg * N_SEG
     k_lo = part * K_PER
     for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
         ks = k0 + offs_k
@@ -63,12 +63,13 @@ def _dora_norm_part_kernel(
         at = tl.load(a_ptr + ks[:, None] * stride_ak + offs_r[None, :] * stride_ar,
                      mask=k_mask[:, None] & r_mask[None, :], other=0.0).to(w_ptr.dtype.element_ty)  # (BK, BR)
         wa = tl.dot(wt, at, wa, input_precision=PRECISION)
-        gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
+        if first:  # only the block that writes it sums AᵀA
+            gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
         wf = wt.to(tl.float32)
         wsq += tl.sum(wf * wf, axis=1)
     tl.store(wa_ptr + part * N * BLOCK_R + offs_n[:, None] * BLOCK_R + offs_r[None, :], wa, mask=n_mask[:, None])
     tl.store(sq_ptr + part * N + offs_n, wsq, mask=n_mask)
-    if pid * BLOCK_N == seg * N_SEG:
+    if first:
         nparts = tl.num_programs(1)
         tl.store(gram_ptr + (seg * nparts + part) * BLOCK_R * BLOCK_R + offs_r[:, None] * BLOCK_R + offs_r[None, :],
                  gram)
@@ -131,12 +132,26 @@ def _dora_norm_scale_kernel(
 
 
 def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the norm's two launches in ``dora_forward``: 16
-    outputs per program, the smallest side ``tl.dot`` takes, 128-byte rows of W per K step; the
-    interpreter takes 16 × 16 tiles, so its tests cross every mask."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the norm's first launch in ``dora_forward`` on a
+    GPU: tiles of W of 64 outputs × 128-byte rows per K step. On an H100 the two launches took 28
+    µs at 1600→6400 and 21 at 6400→1600 this way, against 66 and 53 with 16 outputs a program
+    (which also left 128 bytes of A per row of W to read); wider or deeper tiles were no faster
+    (docs/variants.md). The interpreter takes 16 × 16 tiles, so its tests cross every mask."""
     if device.type != "cuda":
         return 16, 16, 4, 1
-    return 16, 32 if dtype == torch.float32 else 64, 4, 3
+    return 64, 32 if dtype == torch.float32 else 64, 4, 3
+
+
+SEGMENT_ALIGN = 16  # layers side by side must each have a multiple of this many outputs (``segments_fit``)
+
+
+def segment_block(want: int, seg_out: int, segments: int) -> int:
+    """A block of outputs of at most ``want`` that lies in one layer's: ``want`` for one layer, else
+    the largest of ``want``, ``want``/2, ... down to ``SEGMENT_ALIGN`` that divides ``seg_out``."""
+    bn = want
+    while segments > 1 and bn > SEGMENT_ALIGN and seg_out % bn:
+        bn //= 2
+    return bn
 
 
 PROGRAMS_PER_SM = 4  # what the norm's first launch aims at: enough programs on every SM to keep loads in flight
@@ -158,11 +173,12 @@ def norm_parts(blocks: int, k: int, bk: int, device: torch.device) -> int:
     return max(1, min(want, triton.cdiv(k, bk), MAX_PARTS))
 
 
-def scale_config(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M, SUB_M) of the norm's second launch, which scales z: 128 rows a program, 64 at a time,
-    on a GPU (960 rows and 768 outputs give 48 × 8 programs); 32 and 16 in the interpreter, so its
-    tests cross blocks of rows and the steps inside one."""
-    return (128, 64) if device.type == "cuda" else (32, 16)
+def scale_config(device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, SUB_M, BLOCK_N) of the norm's second launch, which scales z: 128 rows a program, 64
+    at a time, of 64 outputs (128-byte rows of a 16-bit z) on a GPU (960 rows and 768 outputs give
+    12 × 8 programs); 32, 16 and 16 in the interpreter, so its tests cross blocks of rows and the
+    steps inside one."""
+    return (128, 64, 64) if device.type == "cuda" else (32, 16, 16)
 
 
 def _segments(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -174,9 +190,9 @@ def _segments(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def segments_fit(out: int, device: torch.device) -> bool:
-    """Whether layers of ``out`` outputs each can run side by side in the forward kernel: each block
-    of outputs must lie in one layer's (``fwd_config``'s BLOCK_N divides ``out``)."""
-    return out % fwd_config(torch.float32, device)[0] == 0
+    """Whether layers of ``out`` outputs each can run side by side in the forward kernels: each
+    block of outputs must lie in one layer's (``segment_block``)."""
+    return out % SEGMENT_ALIGN == 0
 
 
 def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
@@ -204,6 +220,7 @@ def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torc
     vt = _alloc((r, out), weight, f32)
     y = _alloc((rows, out), z)
     bn, bk, warps, stages = fwd_config(weight.dtype, weight.device)
+    bn = segment_block(bn, seg_out, S)
     assert S == 1 or seg_out % bn == 0, (seg_out, bn)
     blocks, br = triton.cdiv(out, bn), block_r(r)
     steps = triton.cdiv(k, bk)
@@ -216,13 +233,14 @@ def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torc
     launch(_dora_norm_part_kernel, (blocks, parts, 1), (weight, a, wa, sq, gram),
            (out, k, r, seg_out, k_per, ws[0], ws[1], *as_), (),
            (_precision(weight.dtype), bn, bk, br), tag="dora_fwd", num_warps=warps, num_stages=stages)
-    bm, sub = scale_config(z.device)
-    launch(_dora_norm_scale_kernel, (blocks, max(1, triton.cdiv(rows, bm)), 1),
+    bm, sub, sbn = scale_config(z.device)
+    sbn = segment_block(sbn, seg_out, S)
+    launch(_dora_norm_scale_kernel, (triton.cdiv(out, sbn), max(1, triton.cdiv(rows, bm)), 1),
            (wa, sq, gram, b, m, z, bias if bias is not None else m, y, n, g, cn, vt),
            (out, r, rows, seg_out, parts, *bs, vs[0], vs[1], z.stride(0), y.stride(0)), (float(scale),),
-           (bias is not None, bn, br, bm, sub), tag="dora_fwd_scale", num_warps=warps, num_stages=2)
+           (bias is not None, sbn, br, bm, sub), tag="dora_fwd_scale", num_warps=4, num_stages=2)
     return y, n, g, cn, vt
 
 
-__all__ = ["MAX_PARTS", "PROGRAMS_PER_SM", "dora_forward", "fwd_config", "norm_parts", "scale_config",
-           "segments_fit"]
+__all__ = ["MAX_PARTS", "PROGRAMS_PER_SM", "SEGMENT_ALIGN", "dora_forward", "fwd_config", "norm_parts",
+           "scale_config", "segment_block", "segments_fit"]

@@ -218,11 +218,21 @@ def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch
            (need_m, need_b, need_cb, bn, block_r(r)), tag="dora_norm_bwd", num_warps=4, num_stages=1)
     return gm, gb, cb
 
-def exact_bwd_config(device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_K, BLOCK_N, num_warps, num_stages) of ``dora_exact_bwd``'s first launch: 32 rows of A per
-    program (768 inputs give 24 blocks of rows, 1600 give 50), 64 outputs per step over its part of
-    them; the interpreter takes 16 × 16 tiles, so its tests cross every mask."""
-    return (32, 64, 4, 3) if device.type == "cuda" else (16, 16, 4, 1)
+BIG_SIDE = 4096  # a side of W from which the exact backward's programs take 128 rows of A (``exact_bwd_config``)
+
+
+def exact_bwd_config(device: torch.device, k: int, out: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_N, num_warps, num_stages) of ``dora_exact_bwd``'s first launch for W's ``k``
+    inputs and ``out`` outputs (all segments') on a GPU. Every block of A's rows re-reads dg's parts,
+    c and Bᵀ for every output, so fewer, taller blocks pay off on a large side: 128 rows × 64
+    outputs a step where either side is at least ``BIG_SIDE`` (GPT-2 1558M's MLP and its grouped
+    query, key and value), else 64 rows × 128 outputs. On an H100 these took the exact backward
+    (with the scale's first launch) from 152 to 67 µs at 1600→6400, 122 to 37 at 6400→1600 and 42
+    to 22 at 1600→1600, against 32 rows × 64 outputs (docs/variants.md). The interpreter takes
+    16 × 16 tiles, so its tests cross every mask."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    return (128, 64, 4, 3) if max(k, out) >= BIG_SIDE else (64, 128, 4, 3)
 
 
 def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
@@ -257,7 +267,7 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     cb = _alloc((out, r), dg, torch.float32) if need_cb else None
     db = _alloc((out,), dg, torch.float32) if bias_parts is not None else None
     ga = _alloc((S, k, r), a)
-    bk, bn, warps, stages = exact_bwd_config(weight.device)
+    bk, bn, warps, stages = exact_bwd_config(weight.device, k, out)
     blocks, br = triton.cdiv(k, bk), block_r(r)
     steps = triton.cdiv(seg_out, bn)
     n_per = triton.cdiv(steps, norm_parts(blocks * S, seg_out, bn, weight.device)) * bn
@@ -323,4 +333,4 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     return dz, dg, db, gm
 
 
-__all__ = ["dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd"]
+__all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd"]

@@ -643,6 +643,22 @@ def test_one_layer_launches_what_the_docs_state(interp_runs):
     assert _docs_launch_table() == measured
 
 
+def test_a_block_of_outputs_lies_in_one_layer_of_a_group():
+    """Layers side by side take the widest block of outputs (at most the tile asked for, at least
+    ``SEGMENT_ALIGN``) that divides each layer's outputs, so no program's outputs straddle two
+    layers; one layer takes the tile asked for, its tail masked."""
+    dora_triton = pytest.importorskip("lora_bench.kernels.dora_triton")
+    block = dora_triton.segment_block
+    assert block(64, 1600, 1) == 64 and block(64, 770, 1) == 64
+    assert block(64, 1600, 3) == 64 and block(64, 768, 3) == 64  # GPT-2's widths
+    assert block(64, 720, 3) == 16 and block(64, 96, 2) == 32 and block(128, 1600, 3) == 64
+    for seg in range(16, 1000, 16):
+        bn = block(64, seg, 3)
+        assert seg % bn == 0 and dora_triton.SEGMENT_ALIGN <= bn <= 64
+        assert dora_triton.segments_fit(seg, torch.device("cpu"))
+    assert not dora_triton.segments_fit(100, torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 
@@ -829,10 +845,12 @@ def test_gpu_dora_kernel_layer_replayed_from_a_cuda_graph(mode, detach, rows, k,
 @gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-base", "bf16-true"])
 @pytest.mark.parametrize("detach", [False, True])
-@pytest.mark.parametrize("rows, k, r", [(960, 768, 16), (960, 1600, 16), (333, 640, 32), (333, 640, 64)])
+@pytest.mark.parametrize("rows, k, r", [(960, 768, 16), (960, 1600, 16), (333, 640, 32), (333, 640, 64),
+                                         (333, 720, 16)])
 def test_gpu_grouped_dora_layers_match_float64(mode, detach, rows, k, r):
-    """A block's query, key and value as grouped DoRA layers (k → k each), eager: float32, bfloat16
-    autocast, bf16 mode's layers, bfloat16 parameters; the grouped path ran (one DoRA forward launch
+    """A block's query, key and value as grouped DoRA layers (k → k each; 720 outputs take blocks of
+    16, not the GPU's 64), eager: float32, bfloat16 autocast, bf16 mode's layers, bfloat16
+    parameters; the grouped path ran (one DoRA forward launch
     for the three) where the three ranks fit the fused LoRA kernel, else each layer on its own."""
     from lora_bench.kernels import triton_launch
     from lora_bench.kernels.policy import TRITON_MAX_RANK, Plan, PlanPolicy, use_policy
