@@ -26,11 +26,17 @@ def profile_kernels(sets: list[tuple], *, calls: int, device: torch.device) -> l
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
     def call(i: int) -> None:
+        # each phase waits for the device before its range closes: a kernel the profiler links to
+        # no op counts by where it ran on the device (``kernel_summary``), and it ran inside its phase
         layer, x, g, inputs = sets[i % len(sets)]
         with torch.profiler.record_function("phase:fwd"):
             y = layer(x)
+            if cuda:
+                torch.cuda.synchronize(device)
         with torch.profiler.record_function("phase:bwd"):
             torch.autograd.grad(y, inputs, g)
+            if cuda:
+                torch.cuda.synchronize(device)
 
     for i in range(2):  # whatever a first call compiles or caches stays out of the profile
         call(i)

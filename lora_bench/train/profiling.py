@@ -138,7 +138,11 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
     CPU op that launched it (the profiler links each kernel to its op by correlation id). The
     backward's ops run on autograd's own thread, inside the main thread's backward range. A kernel
     launched where no op is open but the phase's own range (a Triton kernel called from an autograd
-    Function's forward) is linked to that range itself, so the ranges' kernels count too."""
+    Function's forward) is linked to that range itself, so the ranges' kernels count too. A device
+    kernel the profiler links to no CPU event at all (a kernel that C++ code launches through the
+    driver API, as the ``direct`` plan does) counts in the phase whose range contains its start on
+    the device: exact where each phase ends by waiting for the device (``kernel-bench --kernels``),
+    else it may fall in a later phase by as much as the device lags the host."""
     from torch.autograd import DeviceType
 
     events = list(prof.events())
@@ -162,8 +166,12 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
         acc[0] += 1
         acc[1] += us
 
+    cpu_ids = {ev.id for ev in events if ev.device_type == DeviceType.CPU} if cuda else set()
     for ev in events:
         if ev.device_type != DeviceType.CPU:
+            linked = getattr(ev, "linked_correlation_id", 0)
+            if cuda and ev.device_type == DeviceType.CUDA and (not linked or linked not in cpu_ids):
+                add(phase_of(ev.time_range.start), ev.name, ev.time_range.end - ev.time_range.start)
             continue
         if cuda:
             ph = ev.name[6:] if ev.name.startswith("phase:") else phase_of(ev.time_range.start)

@@ -166,13 +166,17 @@ def test_kernels_from_the_command_line(tmp_path, run_cli):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_on_a_gpu_name_the_device_kernels_dora_launches():
     """On a GPU the profile holds device kernels: the fused DoRA layer's own Triton kernels among
-    them, in the phase that launches them, with device time."""
+    them, in the phase that launches them, with device time; and the LoRA op's forward GEMM, which
+    the eager ``direct`` plan launches from C++ through the driver API, in the forward of both fused
+    layers, once a call."""
     found: list[dict] = []
-    run_kernel_bench(shapes=["960:768->768:r16"], impls=["frozen", "dora-kernel-detached"], dtypes=["bf16-autocast"],
-                     device="cuda", repeats=5, warmup=2, out_csv=None, kernels=found)
-    dora = [k for k in found if k["impl"] == "dora-kernel-detached"]
+    run_kernel_bench(shapes=["960:768->768:r16"], impls=["frozen", "lora-kernel", "dora-kernel-detached"],
+                     dtypes=["bf16-autocast"], device="cuda", repeats=5, warmup=2, out_csv=None, kernels=found)
     assert {k["unit"] for k in found} == {"cuda kernels+memcpy"}
-    fwd = [k["kernel"] for k in dora if k["phase"] == "fwd"]
+    for impl in ("lora-kernel", "dora-kernel-detached"):
+        fwd = {k["kernel"]: k["launches_per_call"] for k in found if k["impl"] == impl and k["phase"] == "fwd"}
+        assert fwd.get("_lora_mm_kernel") == 1, (impl, fwd)
+    fwd = [k["kernel"] for k in found if k["impl"] == "dora-kernel-detached" and k["phase"] == "fwd"]
     assert any("_dora_norm_part_kernel" in name for name in fwd)
     assert any("_dora_norm_scale_kernel" in name for name in fwd)
     assert all(k["us_per_call"] > 0 for k in found)

@@ -12,9 +12,16 @@ from torch.autograd import DeviceType
 from lora_bench.train.profiling import kernel_summary
 
 
-def _event(name: str, start: float, end: float, kernels=(), parent=None):
+def _event(name: str, start: float, end: float, kernels=(), parent=None, id=0):
     return SimpleNamespace(name=name, device_type=DeviceType.CPU, time_range=SimpleNamespace(start=start, end=end),
-                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels], cpu_parent=parent)
+                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels], cpu_parent=parent,
+                           id=id)
+
+
+def _device(name: str, start: float, end: float, linked: int = 0):
+    """A device kernel as its own event: ``linked`` is the CPU event it was linked to (0: none)."""
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end),
+                           kernels=[], cpu_parent=None, id=0, linked_correlation_id=linked)
 
 
 class _Prof:
@@ -59,3 +66,18 @@ def test_counts_are_per_step_and_kernels_outside_every_phase_are_other():
     got, _ = _by_phase(events, steps=2)
     assert got["forward"] == (2, pytest.approx(0.008))
     assert got["other"] == (0.5, pytest.approx(0.001))
+
+
+def test_a_kernel_linked_to_no_cpu_event_counts_where_it_ran_on_the_device():
+    """A kernel C++ code launched through the driver API (the ``direct`` plan's forward GEMM) comes
+    as a device event linked to no CPU event: it counts in the phase whose range holds its start on
+    the device. A device event linked to a CPU op counts once, through that op."""
+    events = [_event("phase:forward", 0, 100), _event("phase:backward", 100, 300),
+              _event("aten::mm", 150, 160, [("gemm_bwd", 10.0)], id=7),
+              _device("_lora_mm_kernel", 20, 60), _device("_lora_mm_kernel", 120, 140, linked=99),
+              _device("gemm_bwd", 161, 171, linked=7)]
+    got, top = _by_phase(events)
+    assert got["forward"] == (1, pytest.approx(0.040))
+    assert got["backward"] == (2, pytest.approx(0.030))
+    assert {(t["phase"], t["kernel"]) for t in top} == {("forward", "_lora_mm_kernel"), ("backward", "_lora_mm_kernel"),
+                                                        ("backward", "gemm_bwd")}
