@@ -12,11 +12,11 @@ no atomics, so a run repeats bit for bit (``norm_parts`` chooses how many parts,
 backward).
 
 Two launches: programs of (64 outputs, a part of K) accumulate their part of W·A and of ‖W_j‖² from
-the same W tiles (a frozen W needs no stored row norms here), and the first block of each segment
-its part of A's Gram matrix AᵀA from the same A tiles; then programs of (64 outputs, a block of
+the same W tiles (a frozen W needs no stored row norms here) and of A's Gram matrix AᵀA from the
+same A tiles, which the first block of each segment writes; then programs of (64 outputs, a block of
 rows) add the parts, form Bᵀ·AᵀA, the dots with Bᵀ, the root and g (each block of rows alike, the
-first storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. This module imports Triton; import it
-lazily (``dora.triton_norm``)."""
+first storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. This module
+imports Triton; import it lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def _dora_norm_part_kernel(
         at = tl.load(a_ptr + ks[:, None] * stride_ak + offs_r[None, :] * stride_ar,
                      mask=k_mask[:, None] & r_mask[None, :], other=0.0).to(w_ptr.dtype.element_ty)  # (BK, BR)
         wa = tl.dot(wt, at, wa, input_precision=PRECISION)
-        if first:  # only the block that writes it sums AᵀA
-            gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
+        # every block sums AᵀA (a quarter of W·A's multiply-adds at 64 outputs), the first writes it: a
+        # dot under a branch in this pipelined loop computed wrong sums on a GPU (float32, rank 64)
+        gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
         wf = wt.to(tl.float32)
         wsq += tl.sum(wf * wf, axis=1)
     tl.store(wa_ptr + part * N * BLOCK_R + offs_n[:, None] * BLOCK_R + offs_r[None, :], wa, mask=n_mask[:, None])
@@ -134,9 +135,8 @@ def _dora_norm_scale_kernel(
 def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the norm's first launch in ``dora_forward`` on a
     GPU: tiles of W of 64 outputs × 128-byte rows per K step. On an H100 the two launches took 28
-    µs at 1600→6400 and 21 at 6400→1600 this way, against 66 and 53 with 16 outputs a program
-    (which also left 128 bytes of A per row of W to read); wider or deeper tiles were no faster
-    (docs/variants.md). The interpreter takes 16 × 16 tiles, so its tests cross every mask."""
+    µs at 1600→6400 and 21 at 6400→1600 this way, against 66 and 53 with 16 outputs a program;
+    wider or deeper tiles were no faster (docs/variants.md). The interpreter takes 16 × 16 tiles, so its tests cross every mask."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     return 64, 32 if dtype == torch.float32 else 64, 4, 3
