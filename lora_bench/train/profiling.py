@@ -166,12 +166,20 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
         acc[0] += 1
         acc[1] += us
 
-    cpu_ids = {ev.id for ev in events if ev.device_type == DeviceType.CPU} if cuda else set()
+    # the device kernels linked to CPU events, as (name, µs): a device event that is not one of them
+    # was linked to none (a user range's own device-side span is not a kernel)
+    linked: collections.Counter = collections.Counter(
+        (k.name, k.duration) for ev in events if cuda and ev.device_type == DeviceType.CPU
+        for k in getattr(ev, "kernels", None) or [])
     for ev in events:
         if ev.device_type != DeviceType.CPU:
-            linked = getattr(ev, "linked_correlation_id", 0)
-            if cuda and ev.device_type == DeviceType.CUDA and (not linked or linked not in cpu_ids):
-                add(phase_of(ev.time_range.start), ev.name, ev.time_range.end - ev.time_range.start)
+            if not cuda or ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+                continue
+            key = (ev.name, ev.time_range.end - ev.time_range.start)
+            if linked[key] > 0:
+                linked[key] -= 1
+            else:
+                add(phase_of(ev.time_range.start), *key)
             continue
         if cuda:
             ph = ev.name[6:] if ev.name.startswith("phase:") else phase_of(ev.time_range.start)

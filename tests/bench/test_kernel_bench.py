@@ -176,7 +176,10 @@ def test_kernels_on_a_gpu_name_the_device_kernels_dora_launches():
     for impl in ("lora-kernel", "dora-kernel-detached"):
         fwd = {k["kernel"]: k["launches_per_call"] for k in found if k["impl"] == impl and k["phase"] == "fwd"}
         assert fwd.get("_lora_mm_kernel") == 1, (impl, fwd)
-    fwd = [k["kernel"] for k in found if k["impl"] == "dora-kernel-detached" and k["phase"] == "fwd"]
-    assert any("_dora_norm_part_kernel" in name for name in fwd)
-    assert any("_dora_norm_scale_kernel" in name for name in fwd)
+    fwd = {k["kernel"]: k["launches_per_call"] for k in found if k["impl"] == "dora-kernel-detached"
+           and k["phase"] == "fwd"}
+    assert fwd.get("_dora_norm_part_kernel") == 1 and fwd.get("_dora_norm_scale_kernel") == 1, fwd  # each once
+    bwd = {k["kernel"]: k["launches_per_call"] for k in found if k["impl"] == "lora-kernel" and k["phase"] == "bwd"}
+    assert bwd == {"_lora_mm_kernel": 1, "_lora_grad_ab_kernel": 1}, bwd  # the direct plan's two, once each
+    assert not any(k["kernel"].startswith("phase:") for k in found)  # a range is not a kernel
     assert all(k["us_per_call"] > 0 for k in found)

@@ -12,16 +12,16 @@ from torch.autograd import DeviceType
 from lora_bench.train.profiling import kernel_summary
 
 
-def _event(name: str, start: float, end: float, kernels=(), parent=None, id=0):
+def _event(name: str, start: float, end: float, kernels=(), parent=None):
     return SimpleNamespace(name=name, device_type=DeviceType.CPU, time_range=SimpleNamespace(start=start, end=end),
-                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels], cpu_parent=parent,
-                           id=id)
+                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels], cpu_parent=parent)
 
 
-def _device(name: str, start: float, end: float, linked: int = 0):
-    """A device kernel as its own event: ``linked`` is the CPU event it was linked to (0: none)."""
+def _device(name: str, start: float, end: float, annotation: bool = False):
+    """A device kernel as its own event, as the profiler lists every one beside the CPU events it
+    links them to (``annotation``: a user range's device-side span, not a kernel)."""
     return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end),
-                           kernels=[], cpu_parent=None, id=0, linked_correlation_id=linked)
+                           kernels=[], cpu_parent=None, is_user_annotation=annotation)
 
 
 class _Prof:
@@ -71,11 +71,12 @@ def test_counts_are_per_step_and_kernels_outside_every_phase_are_other():
 def test_a_kernel_linked_to_no_cpu_event_counts_where_it_ran_on_the_device():
     """A kernel C++ code launched through the driver API (the ``direct`` plan's forward GEMM) comes
     as a device event linked to no CPU event: it counts in the phase whose range holds its start on
-    the device. A device event linked to a CPU op counts once, through that op."""
+    the device. A device event linked to a CPU op counts once, through that op; a range's own
+    device-side span counts not at all."""
     events = [_event("phase:forward", 0, 100), _event("phase:backward", 100, 300),
-              _event("aten::mm", 150, 160, [("gemm_bwd", 10.0)], id=7),
-              _device("_lora_mm_kernel", 20, 60), _device("_lora_mm_kernel", 120, 140, linked=99),
-              _device("gemm_bwd", 161, 171, linked=7)]
+              _event("aten::mm", 150, 160, [("gemm_bwd", 10.0)]),
+              _device("_lora_mm_kernel", 20, 60), _device("_lora_mm_kernel", 120, 140),
+              _device("gemm_bwd", 161, 171), _device("phase:forward", 20, 60, annotation=True)]
     got, top = _by_phase(events)
     assert got["forward"] == (1, pytest.approx(0.040))
     assert got["backward"] == (2, pytest.approx(0.030))
