@@ -136,7 +136,8 @@ def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the norm's first launch in ``dora_forward`` on a
     GPU: tiles of W of 64 outputs × 128-byte rows per K step. On an H100 the two launches took 28
     µs at 1600→6400 and 21 at 6400→1600 this way, against 66 and 53 with 16 outputs a program;
-    wider or deeper tiles were no faster (docs/variants.md). The interpreter takes 16 × 16 tiles, so its tests cross every mask."""
+    wider or deeper tiles were no faster (docs/variants.md). The interpreter takes 16 × 16 tiles,
+    so its tests cross every mask."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     return 64, 32 if dtype == torch.float32 else 64, 4, 3
