@@ -167,13 +167,16 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
         acc[1] += us
 
     # the device kernels linked to CPU events, as (name, µs): a device event that is not one of them
-    # was linked to none (a user range's own device-side span is not a kernel)
+    # was linked to none. A range's own device-side span (flagged a user annotation, and named as
+    # its CPU range is) is not a kernel.
+    cpu = [ev for ev in events if ev.device_type == DeviceType.CPU] if cuda else []
     linked: collections.Counter = collections.Counter(
-        (k.name, k.duration) for ev in events if cuda and ev.device_type == DeviceType.CPU
-        for k in getattr(ev, "kernels", None) or [])
+        (k.name, k.duration) for ev in cpu for k in getattr(ev, "kernels", None) or [])
+    ranges_named = {ev.name for ev in cpu}
     for ev in events:
         if ev.device_type != DeviceType.CPU:
-            if not cuda or ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+            if (not cuda or ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False)
+                    or ev.name in ranges_named):
                 continue
             key = (ev.name, ev.time_range.end - ev.time_range.start)
             if linked[key] > 0:

@@ -76,7 +76,8 @@ def test_a_kernel_linked_to_no_cpu_event_counts_where_it_ran_on_the_device():
     events = [_event("phase:forward", 0, 100), _event("phase:backward", 100, 300),
               _event("aten::mm", 150, 160, [("gemm_bwd", 10.0)]),
               _device("_lora_mm_kernel", 20, 60), _device("_lora_mm_kernel", 120, 140),
-              _device("gemm_bwd", 161, 171), _device("phase:forward", 20, 60, annotation=True)]
+              _device("gemm_bwd", 161, 171), _device("phase:forward", 20, 60, annotation=True),
+              _device("phase:backward", 120, 171)]  # a span not flagged, named as its CPU range
     got, top = _by_phase(events)
     assert got["forward"] == (1, pytest.approx(0.040))
     assert got["backward"] == (2, pytest.approx(0.030))
