@@ -197,6 +197,10 @@ LAYER_CASES = ([(37, 53, 7, r, detach, "fp32", False) for r in (1, 16, 64) for d
 GROUP_CASES = [(37, 48, 9, 7, False, "fp32", True), (37, 48, 9, 7, True, "fp32", False),
                (40, 32, 5, 16, False, "fp16", True), (29, 64, 17, 1, False, "fp32", False),
                (37, 53, 9, 7, False, "fp32", True)]
+# grouped cases run again with blocks of WIDE_TILE outputs, as on a GPU: layers of 48, 32 and 64
+# outputs take blocks of 16, 32 and 64 (``segment_block``)
+WIDE_TILE = 64
+WIDE_GROUP_CASES = (0, 2, 3)
 # the scale's backward kernel: (batch shape, out, bias, z's dtype, dy expanded from a sum)
 SCALE_CASES = [((7,), 53, True, "fp32", False), ((3, 11), 37, False, "fp32", False), ((40,), 17, True, "fp16", False),
                ((2, 9), 70, True, "fp32", True), ((5,), 16, True, "fp32", False)]
@@ -253,6 +257,16 @@ def _interp_main() -> None:
                               errs=_float64_errors(layer, x, g, outs))), flush=True)
     for i, case in enumerate(GROUP_CASES):
         print(json.dumps(dict(group_case=i, **_group_run(*case))), flush=True)
+    from lora_bench.kernels import dora_triton
+
+    narrow = dora_triton.fwd_config, dora_triton.scale_config
+    dora_triton.fwd_config = lambda dtype, device: (WIDE_TILE, 16, 4, 1)  # a GPU's width of outputs
+    dora_triton.scale_config = lambda device: (32, 16, WIDE_TILE)
+    try:
+        for i in WIDE_GROUP_CASES:
+            print(json.dumps(dict(wide_group_case=i, **_group_run(*GROUP_CASES[i]))), flush=True)
+    finally:
+        dora_triton.fwd_config, dora_triton.scale_config = narrow
 
 
 def _dora_group(k: int, n: int, r: int, *, dtype: torch.dtype, detach: bool, bias: bool, device: str,
@@ -313,6 +327,7 @@ def _group_run(k: int, n: int, rows: int, r: int, detach: bool, dt: str, bias: b
         with triton_launch.recording() as bwd:
             grads = torch.autograd.grad(loss, [x, *[t for m in layers for t in (m.lora.A, m.lora.B, m.m)]])
     return dict(forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd], dora=sorted(log.dora),
+                fwd_grids={rec[0]: list(rec[1]) for rec in fwd if rec[0].startswith("dora")},
                 errs=_group_errors(layers, x, gs, (*ys, *grads)))
 
 
@@ -326,7 +341,7 @@ def interp_runs():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * (len(BWD_NEEDS) + 1) + len(SCALE_CASES) + 2
-                + len(LAYER_CASES) + len(GROUP_CASES))
+                + len(LAYER_CASES) + len(GROUP_CASES) + len(WIDE_GROUP_CASES))
     assert len(runs) == expected, proc.stdout[-3000:]
     return runs
 
@@ -428,6 +443,25 @@ def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
     else:
         assert dora_fwd == FWD_TAGS * 3, run
     assert run["dora"] == ["triton"], run
+    bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
+             else rounded_input_tol(DTYPE[dt], 8))
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+@pytest.mark.parametrize("i", WIDE_GROUP_CASES)
+def test_grouped_layers_take_the_widest_block_that_fits_under_the_triton_interpreter(interp_runs, i):
+    """With a GPU's 64-output tiles, three grouped layers of 48, 32 or 64 outputs each run the
+    forward's two launches over blocks of 16, 32 or 64 outputs (the grid's first side: 3n / block),
+    none straddling two layers, and match ``LinearWithDoRA`` in float64 within the grouped bound."""
+    from lora_bench.kernels.dora_triton import segment_block
+
+    k, n, rows, r, detach, dt, bias = GROUP_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("wide_group_case") == i]
+    block = segment_block(WIDE_TILE, n, 3)
+    assert block == {48: 16, 32: 32, 64: 64}[n]
+    assert [t for t in run["forward"] if t.startswith("dora")] == FWD_TAGS, run
+    assert {tag: grid[0] for tag, grid in run["fwd_grids"].items()} == {tag: 3 * n // block for tag in FWD_TAGS}
     bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
              else rounded_input_tol(DTYPE[dt], 8))
     for name, err in run["errs"].items():
