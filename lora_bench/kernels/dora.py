@@ -23,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from lora_bench.kernels import available
-from lora_bench.kernels.autograd import cast, outside_autocast
-from lora_bench.kernels.policy import note_dora
+from lora_bench.kernels.autograd import cast, compute_dtype, outside_autocast, plan_for_size
+from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
+from lora_bench.kernels.plan_names import DORA_FORWARD_EPILOGUE
+from lora_bench.kernels.policy import current_policy, note, note_dora
 from lora_bench.kernels.segments import stacked
 
 TRITON = "triton"
@@ -51,21 +53,34 @@ def triton_bwd():
     return dora_triton_bwd
 
 
+def triton_epilogue():
+    """DoRA's forward inside the LoRA kernel (``lora_bench.kernels.dora_triton_epilogue``): asked for
+    only where ``triton_norm`` is there."""
+    from lora_bench.kernels import dora_triton_epilogue
+
+    return dora_triton_epilogue
+
+
+def _triton_why(weight: torch.Tensor, a: torch.Tensor) -> str | None:
+    """Why the norm of a call with this weight and A (one layer's: in × r) cannot run in Triton, or None."""
+    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
+        return f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
+    if a.shape[-1] > TRITON_NORM_MAX_RANK:
+        return f"rank {a.shape[-1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
+    if not (weight.is_cuda or available.interpreting()):
+        return "the CPU"
+    if triton_norm() is None:
+        return "Triton is unavailable"
+    return None
+
+
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
     log: ``triton`` (two launches forward) on CUDA, or under Triton's CPU interpreter, where Triton is
     there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
-    why = None
-    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
-        why = f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
-    elif a.shape[1] > TRITON_NORM_MAX_RANK:
-        why = f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
-    elif not (weight.is_cuda or available.interpreting()):
-        why = "the CPU"
-    elif triton_norm() is None:
-        why = "Triton is unavailable"
+    why = _triton_why(weight, a)
     path = TRITON if why is None else TORCH
     note_dora(path if why is None else f"{TORCH}: {why}")
     return path
@@ -315,6 +330,160 @@ class DoRASegmentsFunction(torch.autograd.Function):
         return (dz, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
 
 
+def _split_params(params, S: int, has_bias: bool):
+    """The S m's, biases (None where the layers have none), A's and B's of a DoRA function's inputs."""
+    ms, bs = params[:S], (params[S:2 * S] if has_bias else None)
+    return ms, bs, params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
+
+
+def _per_layer(t: torch.Tensor | None, S: int, flat: bool = False) -> tuple:
+    """A gradient of S layers side by side as one per layer (``flat``: S·n values, n each)."""
+    if t is None:
+        return (None,) * S
+    if S == 1:
+        return (t,)
+    return (t.view(S, -1) if flat else t).unbind(0)
+
+
+class DoRAEpilogueFunction(torch.autograd.Function):
+    """S DoRA layers on one input x (S = 1: one layer), forward in one launch of the LoRA kernel with
+    the norm and the scale in its loop and epilogue (:mod:`lora_bench.kernels.dora_triton_epilogue`):
+    y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x: the scale, S, whether the
+    layers have biases, exact, W (S·n × in, frozen, in the dtype the call computes in), then the S m's,
+    the S biases (``has_bias``), the S A's and the S B's one by one, read through their stacked views
+    where S > 1 (the caller checked that they lie back to back).
+
+    Autocast as in ``LoRAKernelFunction``: x, A and B cast once to autocast's dtype for the products;
+    the norm reads A in W's dtype (the same values) and B, m and the bias as stored. Backward: the
+    scale's and the norm's launches of ``DoRAFunction`` (``DoRASegmentsFunction``) give dz, dm, db and,
+    with the exact norm, the norm's parts of dA and dB; the LoRA kernels' two launches then give x's
+    gradient and the adapters' (inline: the norm's parts are added to them here, where autograd adds
+    them on the split path)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, scale, segments, has_bias, exact, weight, *params):
+        S = segments
+        ms, bs, As, Bs = _split_params(params, S, has_bias)
+        if S == 1:
+            m3, bias3, a3, b3 = ms[0], (bs[0] if has_bias else None), As[0], Bs[0]
+        else:
+            m3, a3, b3 = stacked(list(ms)).reshape(-1), stacked(list(As)), stacked(list(Bs))
+            bias3 = stacked(list(bs)).reshape(-1) if has_bias else None
+        k = weight.shape[1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        dev = "cuda" if x.is_cuda else x.device.type
+        s = float(scale)
+        if torch.is_autocast_enabled(dev) and x.is_floating_point():
+            cdt = torch.get_autocast_dtype(dev)
+            with torch.autocast(dev, enabled=False):
+                x2, ac, bc = cast(x2, cdt), cast(a3, cdt), cast(b3, cdt)
+                y, z, h, n, g, cn, vt = triton_epilogue().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+        else:
+            ac, bc = a3, b3
+            y, z, h, n, g, cn, vt = triton_epilogue().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+        if exact:
+            ctx.save_for_backward(x2, h, weight, ac, bc, z, g, n, a3, b3, cn, vt)
+        else:
+            ctx.save_for_backward(x2, h, weight, ac, bc, z, g, n)
+        ctx.scale, ctx.exact, ctx.segments, ctx.has_bias, ctx.dev = s, bool(exact), S, has_bias, dev
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.dtypes = (ms[0].dtype, bs[0].dtype if has_bias else None, As[0].dtype, Bs[0].dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        return outside_autocast(DoRAEpilogueFunction._backward, ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
+        S, s = ctx.segments, ctx.scale
+        m_dt, bias_dt, a_dt, b_dt = ctx.dtypes
+        x2, h, weight, ac, bc, z, g, n, *norm = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        first = 6  # x, scale, segments, has_bias, exact, weight
+        need_m = any(need[first:first + S])
+        need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
+        grad_a_norm = grad_b_norm = None
+        if ctx.exact:  # dz, dm, db and the norm's parts of dA and dB: the scale's launch, then the norm's two
+            a3, b3, cn, vt = norm
+            dz, grad_m, grad_b_norm, grad_a_norm, db = _exact_backward(
+                dy, z, g, (weight, a3, b3, n, cn, vt), s, m_dtype=m_dt, need_dz=True, need_bias=need_bias,
+                need_m=need_m, need_b=True)
+            dz = dz.reshape(z.shape)
+        else:  # dz, db and dm = dg / n: the scale's two launches
+            dz, _, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=True,
+                                                             need_db=need_bias, n=n if need_m else None,
+                                                             m_dtype=m_dt)
+        kern = available.triton_kernels()
+        grad_x = None
+        if need[0]:
+            gx, u = (kern.lora_bwd_x(dz, weight, ac, bc, s) if S == 1
+                     else kern.lora_bwd_x_segments(dz, weight, ac, bc, s))
+            x_shape, x_dt = ctx.x_meta
+            grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
+        elif S == 1:  # the input needs no gradient: u alone
+            u = dz @ bc.t()
+        else:
+            n_out = bc.shape[2]
+            u = torch.cat([dz[:, i * n_out:(i + 1) * n_out] @ bc[i].t() for i in range(S)], 1)
+        grad_a, grad_b = kern.lora_grad_ab(x2, u, h, dz, scale=s, grad_dtype=a_dt, segments=S)
+        grad_b = cast(grad_b, b_dt)
+        if grad_a_norm is not None:  # the norm's parts (float32 sums, each stored in its parameter's dtype)
+            grad_a = grad_a + cast(grad_a_norm, a_dt)
+            grad_b = grad_b + cast(grad_b_norm, b_dt)
+        return (grad_x, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),
+                *(_per_layer(cast(db, bias_dt), S, flat=True) if ctx.has_bias else ()),
+                *_per_layer(grad_a, S), *_per_layer(grad_b, S))
+
+
+EPILOGUE = "epilogue"  # the norm's path noted where it runs inside the LoRA kernel (backend: dora-norm-epilogue)
+
+
+def epilogue_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], segments: int) -> str | None:
+    """Why S DoRA layers on x (``epilogue_output``'s operands) cannot run the epilogue forward, or None:
+    it needs the norm's Triton path (``_triton_why``), a frozen W in the dtype the call computes in,
+    the adapters in it too without autocast, ranks within the LoRA kernel's limit, side by side layers
+    of a multiple of ``EPILOGUE_ALIGN`` outputs, and the fused plan for the LoRA op of the S layers."""
+    S = segments
+    a, b = params[-2 * S], params[-1]
+    dev = "cuda" if x.is_cuda else x.device.type
+    cdt = compute_dtype(x, dev)
+    why = _triton_why(weight, a)
+    if why is not None:
+        return why
+    if weight.requires_grad:
+        return "a trained W (its gradient is the split path's)"
+    if weight.dtype is not cdt or not (torch.is_autocast_enabled(dev) or (a.dtype is cdt and b.dtype is cdt)):
+        return f"W and the adapters in the dtype the call computes in ({cdt}), not {weight.dtype} and {a.dtype}"
+    if S * a.shape[1] > TRITON_MAX_RANK:
+        return f"{S} layers of rank {a.shape[1]}: above the LoRA kernel's {TRITON_MAX_RANK} columns"
+    if S > 1 and b.shape[1] % EPILOGUE_ALIGN:
+        return f"layers of {b.shape[1]} outputs side by side (not a multiple of {EPILOGUE_ALIGN})"
+    if plan_for_size(x, weight.numel(), S * a.shape[1]) is not Plan.FUSED:
+        return "a LoRA plan other than fused"
+    return None
+
+
+def epilogue_output(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *, scale: float,
+                    segments: int, has_bias: bool, exact: bool) -> torch.Tensor | None:
+    """y of S DoRA layers on x (``DoRAEpilogueFunction``: W is S·n × in, ``params`` the m's, biases, A's
+    and B's in its order), where the policy in force asks for ``dora_forward: epilogue``, torch.compile
+    is not tracing, and the call can run it (``epilogue_why``); noted as the LoRA plan ``fused`` with
+    the norm's path ``epilogue``. Else None, nothing run or noted: the caller runs the split forward,
+    which notes its own path."""
+    if torch.compiler.is_compiling() or current_policy().dora_forward != DORA_FORWARD_EPILOGUE:
+        return None
+    if epilogue_why(x, weight, params, segments) is not None:
+        return None
+    note(Plan.FUSED)
+    note_dora(EPILOGUE)
+    return DoRAEpilogueFunction.apply(x, scale, segments, has_bias, exact, weight, *params)
+
+
+EPILOGUE_ALIGN = 16  # the narrowest block of outputs the epilogue's LoRA kernel takes (side by side: one layer's)
+
+
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
                 B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
                 exact: bool) -> torch.Tensor:
@@ -324,5 +493,6 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
     return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
-           "norm_path", "norm_torch", "triton_bwd", "triton_norm"]
+__all__ = ["COMPILED", "EPILOGUE", "EPILOGUE_ALIGN", "TRITON_NORM_MAX_RANK", "DoRAEpilogueFunction", "DoRAFunction",
+           "DoRASegmentsFunction", "dora_output", "epilogue_output", "epilogue_why", "norm_dtype", "norm_path",
+           "norm_torch", "triton_bwd", "triton_epilogue", "triton_norm"]

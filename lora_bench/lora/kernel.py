@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_path, triton_norm
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, epilogue_output, norm_path, triton_norm
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
@@ -38,15 +38,20 @@ DORA_INLINE = f"{ADAPTER_GRADS_INLINE}: DoRA's norm adds its own gradients into 
 class LinearWithDoRAKernel(DoRALinearBase):
     """``dora`` with the minimal-work op: z = x·Wᵀ + s·(x·A)·B from the LoRA op (no bias, its plan
     chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
-    output (:mod:`lora_bench.kernels.dora`: the norm and the scale in one Triton launch on CUDA,
-    their backward written out). The adapter gradients run inline: where the policy defers them, the layer runs
-    them inline and notes why (``DORA_INLINE``)."""
+    output (:mod:`lora_bench.kernels.dora`: the norm and the scale in Triton launches on CUDA, their
+    backward written out); with the policy's ``dora_forward: epilogue``, where the fused plan runs,
+    the whole forward in one launch of the LoRA kernel (``epilogue_output``). The adapter gradients run
+    inline: where the policy defers them, the layer runs them inline and notes why (``DORA_INLINE``)."""
 
     variant = "dora-kernel"
 
     def forward(self, x):
-        w, lora = self.linear.weight, self.lora
+        w, lora, bias = self.linear.weight, self.lora, self.linear.bias
         with _inline_adapter_grads():
+            y = epilogue_output(x, w, [self.m, *(() if bias is None else (bias,)), lora.A, lora.B], scale=lora.alpha,
+                                segments=1, has_bias=bias is not None, exact=not self.detach_norm)
+            if y is not None:
+                return y
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
@@ -82,17 +87,27 @@ class SideBySide:
 
 class DoRASideBySide(SideBySide):
     """DoRA layers that share their input, called as one where the Triton kernels run (the LoRA op
-    of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``),
-    else one call each, as ungrouped."""
+    of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``;
+    with ``dora_forward: epilogue`` all of it in one launch, ``epilogue_output``), else one call
+    each, as ungrouped."""
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = self.layers
         first = layers[0]
         w = first.linear.weight
-        if not torch.compiler.is_compiling() and norm_path(w, first.lora.A) == TRITON:
+        weights = params = None
+        if not torch.compiler.is_compiling():
             weights = stacked([m.linear.weight for m in layers])
             params = _dora_params(layers)
-            if weights is not None and params is not None and triton_norm().segments_fit(w.shape[0], w.device):
+        if weights is not None and params is not None:
+            with _inline_adapter_grads():
+                y = epilogue_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
+                                    segments=len(layers), has_bias=first.linear.bias is not None,
+                                    exact=not first.detach_norm)
+            if y is not None:
+                return y.split(w.shape[0], dim=-1)
+            norms = triton_norm()
+            if norms is not None and norms.segments_fit(w.shape[0], w.device) and norm_path(w, first.lora.A) == TRITON:
                 with _inline_adapter_grads():
                     z = fused_segments(x, layers, bias=False, defer=False)
                 if z is not None:

@@ -1,0 +1,450 @@
+"""DoRA's forward inside the LoRA kernel (``dora_forward: epilogue``:
+:mod:`lora_bench.kernels.dora_triton_epilogue`, ``DoRAEpilogueFunction``).
+
+On the CPU, under Triton's interpreter: the kernel (y, z, h, n, g, cn, vᵀ from one launch) for one
+layer and for three side by side, odd shapes and row counts, ranks 1 to 64, float32 and float16
+operands (bfloat16 is left to the GPU: the interpreter gets bf16 dots wrong), B for the norm in
+float32 beside a float16 B for the product (bf16 mode's mix), with a bias and without, outputs
+NaN-poisoned, against float64 evaluated on the same values; the layer and three grouped layers with
+it against ``LinearWithDoRA`` in float64, exact and detached norm, and what they launch (forward:
+the one kernel, for one layer or three). In-process: when the epilogue is taken and why not.
+GPU tests (``-m gpu``): the kernel at GPT-2 shapes, eager and replayed from a CUDA graph; the layer
+and grouped layers in float32, bf16 mode's mix and bfloat16, eager and replayed from a CUDA graph.
+
+Tolerances (tests/numerics.py): every product is exact and summed in float32. h sums k terms; z
+k + r + 1 (h, then h·B added to x·Wᵀ); n, g, cn and vᵀ the split kernel's chains
+(tests/kernels/test_dora_norm.py, ``_chains``); y adds a product and a sum to z and g. A 16-bit x
+rounds h and z once each, and y once more (``rounded_input_tol``). The layer: as
+test_dora_norm.py's (``_layer_bound``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from test_dora_norm import (
+    AUTOCAST_MODES,
+    GROUP_NAMES,
+    SCALES,
+    _assert_float64,
+    _capture,
+    _chains,
+    _dora_group,
+    _dora_layer,
+    _float64_errors,
+    _grads,
+    _group_errors,
+    _group_grads,
+    _layer_bound,
+    _mode_cast,
+)
+
+from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp16w": torch.float16,
+         "bf16w": torch.bfloat16}
+NORM_B_FP32 = ("fp16w", "bf16w")  # B for the norm as stored, float32, beside B rounded for the product
+EPILOGUE = PlanPolicy(forced=Plan.FUSED, dora_forward="epilogue")
+OUTPUTS = ("y", "z", "h", "n", "g", "cn", "vt")
+
+# the kernel: (rows, in, out per layer, r, layers side by side, dtype, bias dtype or None): K tails,
+# rows and outputs past the last tile, ranks 1 to 64, layers of 32 and 48 outputs side by side
+KERNEL_CASES = [
+    (7, 37, 53, 1, 1, "fp32", "fp32"), (33, 40, 70, 16, 1, "fp32", None), (5, 29, 70, 64, 1, "fp32", "fp32"),
+    (17, 100, 33, 7, 1, "fp16", "fp32"), (9, 45, 48, 7, 3, "fp32", "fp32"), (40, 64, 32, 16, 3, "fp16w", None),
+    (3, 37, 48, 5, 3, "fp16", "fp16"), (20, 130, 53, 3, 1, "fp16w", "fp32"),
+]
+
+
+def _kernel_operands(rows, k, n, r, S, dt, bias, device):
+    """x, W (S·n × k), A (k × r, or S × k × r) and B (r × n, or S × r × n) in ``dt``'s dtype, B for the
+    norm (float32 where ``dt`` mixes them, else B), m (float32) and the bias or None."""
+    dtype = DTYPE[dt]
+    x = fresh(rows, k, device=device, dtype=dtype)
+    w = fresh(S * n, k, device=device, dtype=dtype, scale=k ** -0.5)
+    a = fresh(S, k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    b_norm = fresh(S, r, n, device=device, dtype=torch.float32 if dt in NORM_B_FP32 else dtype, scale=r ** -0.5)
+    b = b_norm.to(dtype)
+    if S == 1:
+        a, b, b_norm = a[0], b[0], b_norm[0]
+    m = torch.rand(S * n, device=device) + 0.5
+    bb = None if bias is None else fresh(S * n, device=device, dtype=DTYPE[bias])
+    return x, w, a, b, b_norm, m, bb
+
+
+def _float64_forward(x, w, a, b, b_norm, m, bias, s) -> dict[str, torch.Tensor]:
+    """The kernel's outputs in float64 on the same values: z from B (the product's), the norm from
+    ``b_norm``."""
+    a3, b3, bn3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (a, b, b_norm))
+    S, n = a3.shape[0], b3.shape[2]
+    X, W, M = x.double(), w.double(), m.double()
+    out = {key: [] for key in ("z", "h", "n", "vt")}
+    for i in range(S):
+        A, B, BN, Wi = a3[i].double(), b3[i].double(), bn3[i].double(), W[i * n:(i + 1) * n]
+        h = X @ A
+        out["h"].append(h)
+        out["z"].append(X @ Wi.t() + s * h @ B)
+        out["n"].append((Wi + s * (A @ BN).t()).norm(dim=1))
+        out["vt"].append((2 * s * (Wi @ A) + 2 * s * s * (BN.t() @ (A.t() @ A))).t())
+    want = {key: torch.cat(v, 1 if key != "n" else 0) for key, v in out.items()}
+    want["g"] = M / want["n"]
+    want["cn"] = -M / (2 * want["n"] ** 3)
+    want["y"] = want["z"] * want["g"] + (0 if bias is None else bias.double())
+    return want
+
+
+def _kernel_bounds(k: int, r: int, dt: str) -> dict[str, float]:
+    """Module docstring: float32 chains, and a 16-bit x's roundings of h, z and y."""
+    chains = _chains(k, r)
+    f32 = torch.float32
+    bounds = {name: dot_tol(f32, chains[name]) for name in ("n", "g", "cn", "vt")}
+    bounds["h"] = dot_tol(f32, k)
+    bounds["z"] = dot_tol(f32, k + r + 1)
+    bounds["y"] = bounds["z"] + bounds["g"] + dot_tol(f32, 2)
+    dtype = DTYPE[dt]
+    if dtype is not f32:
+        bounds["h"] += rounded_input_tol(dtype, 1)
+        bounds["z"] += rounded_input_tol(dtype, 2)  # h, then z
+        bounds["y"] += rounded_input_tol(dtype, 3)
+    return bounds
+
+
+def _kernel_errors(ops, s) -> dict[str, float]:
+    """The kernel's outputs, their dtypes checked, against float64 on the same values."""
+    from lora_bench.kernels.dora_triton_epilogue import lora_dora_forward
+
+    got = dict(zip(OUTPUTS, lora_dora_forward(*ops, s)))
+    x = ops[0]
+    assert all(got[name].dtype is x.dtype for name in ("y", "z", "h")), {k: v.dtype for k, v in got.items()}
+    assert all(got[name].dtype is torch.float32 for name in ("n", "g", "cn", "vt"))
+    want = _float64_forward(*ops, s)
+    return {name: rel_err(got[name], want[name]) for name in OUTPUTS}
+
+
+# the layer (in, out, rows, r, detached norm, dtype) and three grouped ones (in, out, rows, r, detached
+# norm, dtype, bias): out a multiple of 16 (one launch for the three) or not (one each)
+LAYER_CASES = [(37, 53, 7, 1, False, "fp32"), (37, 53, 7, 16, True, "fp32"), (96, 80, 15, 64, False, "fp32"),
+               (40, 24, 9, 5, False, "fp16"), (40, 24, 9, 5, True, "fp16")]
+GROUP_CASES = [(37, 48, 9, 7, False, "fp32", True), (37, 48, 9, 7, True, "fp32", False),
+               (40, 32, 5, 16, False, "fp16", True), (37, 53, 9, 7, False, "fp32", True)]
+# the launches after the forward's one: the scale's (and with the exact norm the norm's), then the LoRA
+# kernels' two (grad_x with u, then grad_A with grad_B)
+BWD_TAGS = {False: ["dora_scale_bwd", "dora_norm_exact_bwd", "dora_norm_exact_bwd_finish", "mm", "ab"],
+            True: ["dora_scale_bwd", "dora_scale_bwd_finish", "mm", "ab"]}
+
+
+def _layer_run(k, n, rows, r, detach, dt) -> dict:
+    from lora_bench.kernels import triton_launch
+
+    layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
+    x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+    g = fresh(rows, n, device="cpu", dtype=torch.float32)
+    with use_policy(EPILOGUE), record_plans() as log:
+        with triton_launch.recording() as fwd:
+            y = layer(x)
+        wrt = [x, layer.lora.A, layer.lora.B, layer.m]
+        with triton_launch.recording() as bwd:
+            grads = torch.autograd.grad((y.float() * g).sum(), wrt)
+    return dict(backend=log.backend(), forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd],
+                errs=_float64_errors(layer, x, g, (y, *grads)))
+
+
+def _group_run(k, n, rows, r, detach, dt, bias) -> dict:
+    from lora_bench.kernels import triton_launch
+
+    caller, layers = _dora_group(k, n, r, dtype=DTYPE[dt], detach=detach, bias=bias, device="cpu")
+    x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_()
+    gs = [fresh(rows, n, device="cpu", dtype=torch.float32) for _ in layers]
+    with use_policy(EPILOGUE), record_plans() as log:
+        with triton_launch.recording() as fwd:
+            ys = caller(x)
+        loss = sum((y.float() * g).sum() for y, g in zip(ys, gs))
+        with triton_launch.recording() as bwd:
+            grads = torch.autograd.grad(loss, [x, *[t for m in layers for t in (m.lora.A, m.lora.B, m.m)]])
+    return dict(backend=log.backend(), forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd],
+                errs=_group_errors(layers, x, gs, (*ys, *grads)))
+
+
+def _interp_main() -> None:
+    """Run with TRITON_INTERPRET=1: every KERNEL_CASES case at both scales, every LAYER_CASES and
+    GROUP_CASES case, outputs NaN-poisoned: one JSON line each."""
+    from lora_bench.kernels import lora_triton
+
+    lora_triton.POISON_OUTPUTS = True
+    for i, case in enumerate(KERNEL_CASES):
+        for s in SCALES:
+            ops = _kernel_operands(*case, device="cpu")
+            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(ops, s))), flush=True)
+    for i, case in enumerate(LAYER_CASES):
+        print(json.dumps(dict(layer_case=i, **_layer_run(*case))), flush=True)
+    for i, case in enumerate(GROUP_CASES):
+        print(json.dumps(dict(group_case=i, **_group_run(*case))), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_runs():
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
+            "import test_dora_epilogue as t; t._interp_main()")
+    proc = run_interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == len(KERNEL_CASES) * len(SCALES) + len(LAYER_CASES) + len(GROUP_CASES), proc.stdout[-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
+def test_epilogue_kernel_under_the_triton_interpreter(interp_runs, i):
+    """y, z, h, n, g, cn and vᵀ from one launch against float64 (``_kernel_bounds``), outputs
+    NaN-poisoned: every one written, for one layer and for three side by side."""
+    rows, k, n, r, S, dt, bias = KERNEL_CASES[i]
+    runs = [run for run in interp_runs if run.get("case") == i]
+    assert len(runs) == len(SCALES)
+    bounds = _kernel_bounds(k, r, dt)
+    for run in runs:
+        assert set(run["errs"]) == set(OUTPUTS), run
+        for name, err in run["errs"].items():
+            assert err <= bounds[name], (run, name, bounds[name])
+
+
+@pytest.mark.parametrize("i", range(len(LAYER_CASES)))
+def test_epilogue_layer_under_the_triton_interpreter(interp_runs, i):
+    """The fused DoRA layer with ``dora_forward: epilogue`` against ``LinearWithDoRA`` in float64 (the
+    bound of test_dora_norm.py's layer); its forward is the one launch, its backward the split
+    forward's backward and the LoRA kernels' two; the run notes it (``dora-norm-epilogue``)."""
+    k, n, rows, r, detach, dt = LAYER_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("layer_case") == i]
+    assert run["backend"] == "dora-norm-epilogue+fused", run
+    assert run["forward"] == ["dora_epilogue"] and run["backward"] == BWD_TAGS[detach], run
+    bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
+    assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+@pytest.mark.parametrize("i", range(len(GROUP_CASES)))
+def test_grouped_epilogue_layers_under_the_triton_interpreter(interp_runs, i):
+    """Three grouped DoRA layers with the epilogue: one launch forward for the three where their
+    outputs are a multiple of 16, else one each; each layer's output and gradients, and x's summed
+    over the three, against the three as ``LinearWithDoRA`` in float64."""
+    k, n, rows, r, detach, dt, bias = GROUP_CASES[i]
+    (run,) = [run for run in interp_runs if run.get("group_case") == i]
+    assert run["backend"] == "dora-norm-epilogue+fused", run
+    grouped = n % 16 == 0
+    assert run["forward"] == ["dora_epilogue"] * (1 if grouped else 3), run
+    assert run["backward"] == BWD_TAGS[detach] * (1 if grouped else 3), run
+    bound = dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
+    assert set(run["errs"]) == set(GROUP_NAMES), run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+# ------------------------------------------------------------------------ when it is taken
+
+
+def _why(layer, x, policy=EPILOGUE):
+    from lora_bench.kernels.dora import epilogue_why
+
+    with use_policy(policy):
+        bias = layer.linear.bias
+        return epilogue_why(x, layer.linear.weight, [layer.m, *(() if bias is None else (bias,)), layer.lora.A,
+                                                     layer.lora.B], 1)
+
+
+def test_the_cpu_runs_the_split_forward_with_its_reason():
+    """Off the interpreter the CPU takes torch's path, split, whatever the policy asks for: the
+    epilogue's reason names the CPU, the run notes the torch path and nothing of the epilogue."""
+    layer = _dora_layer(37, 53, 7, dtype=torch.float32, detach=False, device="cpu")
+    x = fresh(5, 37, device="cpu", dtype=torch.float32)
+    assert _why(layer, x) == "the CPU"
+    with use_policy(EPILOGUE), record_plans() as log:
+        layer(x.requires_grad_()).sum().backward()
+    assert log.backend() == "dora-norm-torch+torch", log.backend()
+
+
+def test_the_epilogue_is_off_by_default_and_a_setting_turns_it_on():
+    """``dora_forward`` defaults to split (the policy and the setting); a run's setting reaches its
+    policy; an unknown value is refused with the allowed ones."""
+    from lora_bench.config import TrainConfig
+    from lora_bench.kernels.policy import KernelPlanError, policy_for
+
+    assert PlanPolicy().dora_forward == "split" and TrainConfig().dora_forward == "split"
+    assert policy_for("auto", PlanPolicy(), dora_forward="epilogue").dora_forward == "epilogue"
+    with pytest.raises(KernelPlanError, match="split, epilogue"):
+        PlanPolicy(dora_forward="fused")
+
+
+def test_a_trained_weight_and_a_non_fused_plan_keep_the_split_forward(monkeypatch):
+    """Where Triton's path is open (as on a GPU), the epilogue still needs a frozen W (the head's is
+    trained) and the fused plan (an eager 16-bit call takes the C++ op's); each refusal is named."""
+    from lora_bench.kernels import dora
+
+    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
+    layer = _dora_layer(37, 53, 7, dtype=torch.float32, detach=False, device="cpu")
+    x = fresh(5, 37, device="cpu", dtype=torch.float32)
+    assert _why(layer, x, PlanPolicy(forced=Plan.TORCH, dora_forward="epilogue")) == "a LoRA plan other than fused"
+    layer.linear.weight.requires_grad_(True)
+    assert "trained W" in _why(layer, x)
+    layer.linear.weight.requires_grad_(False)
+    half = _dora_layer(37, 53, 7, dtype=torch.float16, detach=False, device="cpu")
+    assert "dtype the call computes in" in _why(half, x.half().float())
+
+
+def test_layers_side_by_side_need_outputs_in_blocks_of_sixteen(monkeypatch):
+    """Side by side, every block of outputs must lie in one layer's: 53 outputs are refused, 48 taken."""
+    from lora_bench.kernels import dora
+
+    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
+    monkeypatch.setattr(dora, "plan_for_size", lambda x, numel, rank: Plan.FUSED)  # as captured on a GPU
+    for n, want in ((53, "outputs side by side"), (48, None)):
+        layers = [_dora_layer(37, n, 7, dtype=torch.float32, detach=False, device="cpu") for _ in range(3)]
+        params = [*(m.m for m in layers), *(m.linear.bias for m in layers), *(m.lora.A for m in layers),
+                  *(m.lora.B for m in layers)]
+        weight = torch.cat([m.linear.weight for m in layers])
+        with use_policy(EPILOGUE):
+            why = dora.epilogue_why(fresh(5, 37, device="cpu", dtype=torch.float32), weight, params, 3)
+        assert (why is None) if want is None else (want in why), why
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+# (rows, in, out per layer, r, layers side by side, bias): GPT-2 124M's and 1558M's shapes, a block's
+# query, key and value side by side, and odd ones
+GPU_KERNEL_SHAPES = [(960, 768, 768, 16, 3, "fp32"), (960, 768, 3072, 16, 1, None), (960, 3072, 768, 16, 1, "fp32"),
+                     (960, 1600, 1600, 16, 3, "fp32"), (960, 1600, 6400, 16, 1, None),
+                     (333, 640, 770, 64, 1, "fp32"), (129, 720, 720, 1, 3, None)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16", "bf16w"])
+@pytest.mark.parametrize("rows, k, n, r, S, bias", GPU_KERNEL_SHAPES)
+def test_gpu_epilogue_kernel_matches_float64(dt, rows, k, n, r, S, bias, monkeypatch):
+    """y, z, h, n, g, cn and vᵀ of the one launch at GPT-2's shapes, outputs NaN-poisoned."""
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    bounds = _kernel_bounds(k, r, dt)
+    for s in SCALES:
+        errs = _kernel_errors(_kernel_operands(rows, k, n, r, S, dt, bias, "cuda"), s)
+        for name, err in errs.items():
+            assert err <= bounds[name], (name, errs, s)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows, k, n, r, S, bias", GPU_KERNEL_SHAPES[:2] + GPU_KERNEL_SHAPES[3:5])
+def test_gpu_epilogue_kernel_replayed_from_a_cuda_graph(dt, rows, k, n, r, S, bias):
+    """The launch captured in a CUDA graph: replays on fresh operands copied into the captured
+    buffers, outputs NaN-filled before each, match float64 every time."""
+    from lora_bench.kernels.dora_triton_epilogue import lora_dora_forward
+
+    s = SCALES[1]
+    ops = _kernel_operands(rows, k, n, r, S, dt, bias, "cuda")
+    graph, outs = _capture(lambda: lora_dora_forward(*ops, s))
+    bounds = _kernel_bounds(k, r, dt)
+    for i in range(3):
+        with torch.no_grad():
+            for t, new in zip(ops, _kernel_operands(rows, k, n, r, S, dt, bias, "cuda")):
+                if t is not None:
+                    t.copy_(new)
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        want = _float64_forward(*ops, s)
+        for name, got in zip(OUTPUTS, outs):
+            assert rel_err(got, want[name]) <= bounds[name], (name, rel_err(got, want[name]), f"replay {i}")
+
+
+# bf16 autocast over float32 parameters is left out: a float32 W is not the dtype the call computes in
+GPU_MODES = ("fp32", "bf16-base", "bf16-true")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", GPU_MODES)
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, n, r", [(960, 1600, 6400, 16), (960, 768, 768, 16), (333, 768, 770, 1),
+                                         (129, 640, 384, 64)])
+def test_gpu_epilogue_layer_matches_float64(mode, detach, rows, k, n, r):
+    """The layer with the epilogue under the fused plan (as captured), eager: float32, bf16 mode's
+    layer (a bfloat16 frozen W beside float32 adapters, under autocast), bfloat16 parameters."""
+    layer = _mode_cast(_dora_layer(k, n, r, dtype=torch.float32, detach=detach), mode)
+    pdt = layer.m.dtype
+    x = fresh(rows, k, device="cuda", dtype=pdt).requires_grad_()
+    g = fresh(rows, n, device="cuda", dtype=pdt)
+    with use_policy(EPILOGUE), record_plans() as log, \
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode in AUTOCAST_MODES):
+        outs = _grads(layer, x, g)
+    assert log.dora == {"epilogue"}, log.dora
+    _assert_float64(layer, x, g, outs, _layer_bound(mode, k, n, r, rows), f"{mode} detach={detach}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", GPU_MODES)
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rows, k, r", [(960, 768, 16), (960, 1600, 16), (333, 720, 16)])
+def test_gpu_grouped_epilogue_layers_replayed_from_a_cuda_graph(mode, detach, rows, k, r):
+    """A block's query, key and value grouped, with the epilogue, forward and backward captured in a
+    CUDA graph under the run's own capture policy (the fused plan forced for float32, which captures
+    cuBLAS's GEMMs otherwise): one forward launch for the three; replays on fresh x, A's, B's, m's
+    and output gradients match float64 every time."""
+    from lora_bench.kernels import triton_launch
+    from lora_bench.train.graphs import warm_up
+
+    caller, layers = _dora_group(k, k, r, dtype=torch.float32, detach=detach, bias=True, device="cuda", mode=mode)
+    pdt = layers[0].m.dtype
+    x = fresh(rows, k, device="cuda", dtype=pdt).requires_grad_()
+    gs = [fresh(rows, k, device="cuda", dtype=pdt) for _ in layers]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode in AUTOCAST_MODES, cache_enabled=False):
+            return _group_grads(caller, layers, x, gs)
+
+    policy = EPILOGUE if mode == "fp32" else PlanPolicy(dora_forward="epilogue")
+    with use_policy(policy), record_plans() as log:
+        warm_up(step, 2)
+        graph = torch.cuda.CUDAGraph()
+        with triton_launch.recording() as rec, torch.cuda.graph(graph):
+            outs = step()
+    assert log.dora == {"epilogue"} and [t for t, *_ in rec].count("dora_epilogue") == 1, (log.dora, rec)
+    bound = _layer_bound(mode, k, 3 * k, r, rows)
+    for i in range(3):
+        with torch.no_grad():
+            for t in (x, *gs, *[p for m in layers for p in (m.lora.A, m.lora.B)]):
+                t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.float().std())))
+            for m in layers:
+                m.m.copy_(m.m * (1 + 0.1 * torch.rand_like(m.m)))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, err in _group_errors(layers, x, gs, outs).items():
+            assert err <= bound, (mode, detach, name, err, bound, f"replay {i}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_epilogue_and_split_forwards_agree_on_one_layer():
+    """The same bf16-mode layer, split and epilogue forward, under the fused plan: outputs and every
+    gradient within the two paths' float64 bounds of each other."""
+    layer = _mode_cast(_dora_layer(768, 2304, 16, dtype=torch.float32, detach=False), "bf16-base")
+    x = fresh(960, 768, device="cuda", dtype=torch.float32).requires_grad_()
+    g = fresh(960, 2304, device="cuda", dtype=torch.float32)
+    runs = {}
+    for forward in ("split", "epilogue"):
+        with use_policy(PlanPolicy(forced=Plan.FUSED, dora_forward=forward)), record_plans() as log, \
+                torch.autocast("cuda", dtype=torch.bfloat16):
+            runs[forward] = _grads(layer, x, g)
+        assert log.dora == ({"triton"} if forward == "split" else {"epilogue"}), log.dora
+    bound = 2 * _layer_bound("bf16-base", 768, 2304, 16, 960)
+    for a, b in zip(runs["split"], runs["epilogue"]):
+        assert rel_err(b, a.double()) <= bound
+
