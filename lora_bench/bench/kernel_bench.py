@@ -6,8 +6,8 @@ measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the 
 (:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct``; and, asked for by name, DoRA's
 layers (``DORA_IMPLS``: ``dora``, ``dora-merged``, ``dora-kernel``, ``dora-kernel-detached``: the
 book-style pair and the fused layer with the exact or the detached norm; m trains beside A and B),
-the fused ones with ``:split`` or ``:epilogue`` for where their forward's norm and scale run (the
-``dora_forward`` setting; plain: the policy in force).
+the fused ones with ``:split`` or ``:fused`` for where their norm and scale run (the
+``dora_fusion`` setting; plain: the policy in force).
 The ``backend`` column names the plan(s) the layer's calls ran, eagerly and, where it differs,
 replayed from a CUDA graph ("direct; graph fused"), and where a fused DoRA layer's norm ran. How
 it times (events back to back, implementations interleaved in rounds, fresh inputs beyond the L2):
@@ -29,13 +29,13 @@ import torch
 import torch.nn as nn
 
 from lora_bench.classifier.book import cast_frozen
-from lora_bench.kernels.plan_names import DORA_FORWARDS
+from lora_bench.kernels.plan_names import DORA_FUSIONS
 from lora_bench.kernels.policy import (
     Plan,
     PlanLog,
     PlanPolicy,
     current_policy,
-    parse_dora_forward,
+    parse_dora_fusion,
     parse_plan,
     record_plans,
     use_policy,
@@ -263,12 +263,12 @@ DORA_KERNEL_IMPLS = tuple(name for name, (layers, _) in DORA_IMPLS.items() if la
 
 def _policy(impl: str, base: PlanPolicy) -> PlanPolicy:
     """The plan policy an implementation runs under: ``base``, with ``lora-kernel:PLAN``'s plan forced
-    or a fused DoRA layer's ``:split`` or ``:epilogue`` forward."""
+    or a fused DoRA layer's ``:split`` or ``:fused`` (``dora_fusion``)."""
     base_impl, _, mode = impl.partition(":")
     if base_impl == "lora-kernel" and mode:
         return dataclasses.replace(base, forced=parse_plan(mode))
     if base_impl in DORA_KERNEL_IMPLS and mode:
-        return dataclasses.replace(base, dora_forward=parse_dora_forward(mode))
+        return dataclasses.replace(base, dora_fusion=parse_dora_fusion(mode))
     return base
 
 
@@ -395,12 +395,12 @@ def run_kernel_bench(
             raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:PLAN)")
         if mode and base != "lora-kernel" and base not in DORA_KERNEL_IMPLS:
             raise ValueError(f"impl {impl!r}: only lora-kernel (:PLAN) and {', '.join(DORA_KERNEL_IMPLS)} "
-                             f"(:{', :'.join(DORA_FORWARDS)}) take a suffix")
+                             f"(:{', :'.join(DORA_FUSIONS)}) take a suffix")
         try:
             policies[impl] = _policy(impl, base_policy)
         except ValueError:
             allowed = (f"lora-kernel's plans are {', '.join(p.value for p in Plan)}" if base == "lora-kernel"
-                       else f"a fused DoRA layer's forwards are {', '.join(DORA_FORWARDS)}")
+                       else f"a fused DoRA layer's dora_fusion is one of {', '.join(DORA_FUSIONS)}")
             raise ValueError(f"impl {impl!r}: {allowed}") from None
     dtypes = dtypes or ["fp32", "bf16"]
     for d in dtypes:

@@ -25,7 +25,7 @@ import torch
 from lora_bench.kernels import available
 from lora_bench.kernels.autograd import cast, compute_dtype, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
-from lora_bench.kernels.plan_names import DORA_FORWARD_EPILOGUE
+from lora_bench.kernels.plan_names import DORA_FUSION_FUSED
 from lora_bench.kernels.policy import current_policy, note, note_dora
 from lora_bench.kernels.segments import stacked
 
@@ -53,12 +53,12 @@ def triton_bwd():
     return dora_triton_bwd
 
 
-def triton_epilogue():
-    """DoRA's forward inside the LoRA kernel (``lora_bench.kernels.dora_triton_epilogue``): asked for
+def triton_fused():
+    """DoRA's forward inside the LoRA kernel (``lora_bench.kernels.dora_triton_fused``): asked for
     only where ``triton_norm`` is there."""
-    from lora_bench.kernels import dora_triton_epilogue
+    from lora_bench.kernels import dora_triton_fused
 
-    return dora_triton_epilogue
+    return dora_triton_fused
 
 
 def _triton_why(weight: torch.Tensor, a: torch.Tensor) -> str | None:
@@ -345,9 +345,10 @@ def _per_layer(t: torch.Tensor | None, S: int, flat: bool = False) -> tuple:
     return (t.view(S, -1) if flat else t).unbind(0)
 
 
-class DoRAEpilogueFunction(torch.autograd.Function):
-    """S DoRA layers on one input x (S = 1: one layer), forward in one launch of the LoRA kernel with
-    the norm and the scale in its loop and epilogue (:mod:`lora_bench.kernels.dora_triton_epilogue`):
+class DoRAFusedFunction(torch.autograd.Function):
+    """S DoRA layers on one input x (S = 1: one layer), their norms and scales inside the LoRA op's
+    kernels (:mod:`lora_bench.kernels.dora_triton_fused`): forward one launch, the norm and the scale in
+    the LoRA kernel's loop and epilogue;
     y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x: the scale, S, whether the
     layers have biases, exact, W (S·n × in, frozen, in the dtype the call computes in), then the S m's,
     the S biases (``has_bias``), the S A's and the S B's one by one, read through their stacked views
@@ -355,10 +356,11 @@ class DoRAEpilogueFunction(torch.autograd.Function):
 
     Autocast as in ``LoRAKernelFunction``: x, A and B cast once to autocast's dtype for the products;
     the norm reads A in W's dtype (the same values) and B, m and the bias as stored. Backward: the
-    scale's and the norm's launches of ``DoRAFunction`` (``DoRASegmentsFunction``) give dz, dm, db and,
-    with the exact norm, the norm's parts of dA and dB; the LoRA kernels' two launches then give x's
-    gradient and the adapters' (inline: the norm's parts are added to them here, where autograd adds
-    them on the split path)."""
+    LoRA kernels' two launches with dz = dy ⊙ g formed where dy is read (dz is never written), the
+    second also summing the scale's parts of dg = Σ dy ⊙ z and db = Σ dy; then dm and db from the
+    parts in one launch (detached norm), or the exact norm's two launches, which add the parts where
+    they read them and give the norm's parts of dA and dB, added here to the LoRA kernels' (autograd's
+    two sums on the split path)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -378,10 +380,10 @@ class DoRAEpilogueFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, ac, bc = cast(x2, cdt), cast(a3, cdt), cast(b3, cdt)
-                y, z, h, n, g, cn, vt = triton_epilogue().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+                y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
         else:
             ac, bc = a3, b3
-            y, z, h, n, g, cn, vt = triton_epilogue().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+            y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
         if exact:
             ctx.save_for_backward(x2, h, weight, ac, bc, z, g, n, a3, b3, cn, vt)
         else:
@@ -393,7 +395,7 @@ class DoRAEpilogueFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return outside_autocast(DoRAEpilogueFunction._backward, ctx, dy)
+        return outside_autocast(DoRAFusedFunction._backward, ctx, dy)
 
     @staticmethod
     def _backward(ctx, dy):
@@ -404,47 +406,43 @@ class DoRAEpilogueFunction(torch.autograd.Function):
         first = 6  # x, scale, segments, has_bias, exact, weight
         need_m = any(need[first:first + S])
         need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
-        grad_a_norm = grad_b_norm = None
-        if ctx.exact:  # dz, dm, db and the norm's parts of dA and dB: the scale's launch, then the norm's two
-            a3, b3, cn, vt = norm
-            dz, grad_m, grad_b_norm, grad_a_norm, db = _exact_backward(
-                dy, z, g, (weight, a3, b3, n, cn, vt), s, m_dtype=m_dt, need_dz=True, need_bias=need_bias,
-                need_m=need_m, need_b=True)
-            dz = dz.reshape(z.shape)
-        else:  # dz, db and dm = dg / n: the scale's two launches
-            dz, _, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, g, need_dz=True,
-                                                             need_db=need_bias, n=n if need_m else None,
-                                                             m_dtype=m_dt)
-        kern = available.triton_kernels()
+        kern = triton_fused()
+        rows = _rows(cast(dy, z.dtype))
         grad_x = None
-        if need[0]:
-            gx, u = (kern.lora_bwd_x(dz, weight, ac, bc, s) if S == 1
-                     else kern.lora_bwd_x_segments(dz, weight, ac, bc, s))
+        if need[0]:  # grad_x and u, dz = dy ⊙ g formed where dy is read
+            gx, u = kern.lora_dora_bwd_x(rows, g, weight, ac, bc, s)
             x_shape, x_dt = ctx.x_meta
             grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
-        elif S == 1:  # the input needs no gradient: u alone
-            u = dz @ bc.t()
-        else:
-            n_out = bc.shape[2]
-            u = torch.cat([dz[:, i * n_out:(i + 1) * n_out] @ bc[i].t() for i in range(S)], 1)
-        grad_a, grad_b = kern.lora_grad_ab(x2, u, h, dz, scale=s, grad_dtype=a_dt, segments=S)
+        else:  # the input needs no gradient (the first block): u alone, from dz formed here
+            dz = (rows.float() * g).to(rows.dtype)
+            n_out = z.shape[1] // S
+            u = dz @ bc.t() if S == 1 else torch.cat([dz[:, i * n_out:(i + 1) * n_out] @ bc[i].t() for i in range(S)], 1)
+        # the adapters' gradients, and the scale's parts of dg and db, in one launch
+        grad_a, grad_b, pg, pb = kern.lora_dora_grad_ab(x2, u, h, rows, z, g, scale=s, segments=S, grad_dtype=a_dt,
+                                                        need_db=need_bias)
         grad_b = cast(grad_b, b_dt)
-        if grad_a_norm is not None:  # the norm's parts (float32 sums, each stored in its parameter's dtype)
-            grad_a = grad_a + cast(grad_a_norm, a_dt)
+        if ctx.exact:  # dm, db and the norm's parts of dA and dB, adding dg's and db's parts where read
+            a3, b3, cn, vt = norm
+            grad_m, grad_b_norm, grad_a_norm, _, db = triton_bwd().dora_exact_bwd(
+                pg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False,
+                bias_parts=pb)
+            grad_a = grad_a + cast(grad_a_norm, a_dt)  # autograd's two sums on the split path
             grad_b = grad_b + cast(grad_b_norm, b_dt)
+        else:  # dg, db and dm = dg / n from the parts
+            _, db, grad_m = triton_bwd().sum_parts(pg, pb, n=n if need_m else None, m_dtype=m_dt)
         return (grad_x, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),
                 *(_per_layer(cast(db, bias_dt), S, flat=True) if ctx.has_bias else ()),
                 *_per_layer(grad_a, S), *_per_layer(grad_b, S))
 
 
-EPILOGUE = "epilogue"  # the norm's path noted where it runs inside the LoRA kernel (backend: dora-norm-epilogue)
+FUSED = "fused"  # the norm's path noted where it runs inside the LoRA kernels (backend: dora-norm-fused)
 
 
-def epilogue_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], segments: int) -> str | None:
-    """Why S DoRA layers on x (``epilogue_output``'s operands) cannot run the epilogue forward, or None:
+def fused_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], segments: int) -> str | None:
+    """Why S DoRA layers on x (``fused_output``'s operands) cannot run fused into the LoRA kernels, or None:
     it needs the norm's Triton path (``_triton_why``), a frozen W in the dtype the call computes in,
     the adapters in it too without autocast, ranks within the LoRA kernel's limit, side by side layers
-    of a multiple of ``EPILOGUE_ALIGN`` outputs, and the fused plan for the LoRA op of the S layers."""
+    of a multiple of ``FUSED_ALIGN`` outputs, and the fused plan for the LoRA op of the S layers."""
     S = segments
     a, b = params[-2 * S], params[-1]
     dev = "cuda" if x.is_cuda else x.device.type
@@ -458,30 +456,30 @@ def epilogue_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tenso
         return f"W and the adapters in the dtype the call computes in ({cdt}), not {weight.dtype} and {a.dtype}"
     if S * a.shape[1] > TRITON_MAX_RANK:
         return f"{S} layers of rank {a.shape[1]}: above the LoRA kernel's {TRITON_MAX_RANK} columns"
-    if S > 1 and b.shape[1] % EPILOGUE_ALIGN:
-        return f"layers of {b.shape[1]} outputs side by side (not a multiple of {EPILOGUE_ALIGN})"
+    if S > 1 and b.shape[1] % FUSED_ALIGN:
+        return f"layers of {b.shape[1]} outputs side by side (not a multiple of {FUSED_ALIGN})"
     if plan_for_size(x, weight.numel(), S * a.shape[1]) is not Plan.FUSED:
         return "a LoRA plan other than fused"
     return None
 
 
-def epilogue_output(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *, scale: float,
+def fused_output(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *, scale: float,
                     segments: int, has_bias: bool, exact: bool) -> torch.Tensor | None:
-    """y of S DoRA layers on x (``DoRAEpilogueFunction``: W is S·n × in, ``params`` the m's, biases, A's
-    and B's in its order), where the policy in force asks for ``dora_forward: epilogue``, torch.compile
-    is not tracing, and the call can run it (``epilogue_why``); noted as the LoRA plan ``fused`` with
-    the norm's path ``epilogue``. Else None, nothing run or noted: the caller runs the split forward,
-    which notes its own path."""
-    if torch.compiler.is_compiling() or current_policy().dora_forward != DORA_FORWARD_EPILOGUE:
+    """y of S DoRA layers on x (``DoRAFusedFunction``: W is S·n × in, ``params`` the m's, biases, A's
+    and B's in its order), where the policy in force asks for ``dora_fusion: fused``, torch.compile
+    is not tracing, and the call can run it (``fused_why``); noted as the LoRA plan ``fused`` with
+    the norm's path ``fused``. Else None, nothing run or noted: the caller runs the split path, which
+    notes its own."""
+    if torch.compiler.is_compiling() or current_policy().dora_fusion != DORA_FUSION_FUSED:
         return None
-    if epilogue_why(x, weight, params, segments) is not None:
+    if fused_why(x, weight, params, segments) is not None:
         return None
     note(Plan.FUSED)
-    note_dora(EPILOGUE)
-    return DoRAEpilogueFunction.apply(x, scale, segments, has_bias, exact, weight, *params)
+    note_dora(FUSED)
+    return DoRAFusedFunction.apply(x, scale, segments, has_bias, exact, weight, *params)
 
 
-EPILOGUE_ALIGN = 16  # the narrowest block of outputs the epilogue's LoRA kernel takes (side by side: one layer's)
+FUSED_ALIGN = 16  # the narrowest block of outputs the fused forward takes (side by side: one layer's)
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
@@ -493,6 +491,6 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
     return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "EPILOGUE", "EPILOGUE_ALIGN", "TRITON_NORM_MAX_RANK", "DoRAEpilogueFunction", "DoRAFunction",
-           "DoRASegmentsFunction", "dora_output", "epilogue_output", "epilogue_why", "norm_dtype", "norm_path",
-           "norm_torch", "triton_bwd", "triton_epilogue", "triton_norm"]
+__all__ = ["COMPILED", "FUSED", "FUSED_ALIGN", "TRITON_NORM_MAX_RANK", "DoRAFusedFunction", "DoRAFunction",
+           "DoRASegmentsFunction", "dora_output", "fused_output", "fused_why", "norm_dtype", "norm_path",
+           "norm_torch", "triton_bwd", "triton_fused", "triton_norm"]

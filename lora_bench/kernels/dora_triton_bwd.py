@@ -326,11 +326,30 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
         pb.zero_()
     if not sums:
         return dz, pg, pb if need_db else None, None
-    fn = 64 if z.is_cuda else 16
-    launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
-           (pg, pb, dg, db if need_db else dg, n if n is not None else dg, gm if gm is not None else dg),
-           (N, parts), (), (need_db, gm is not None, fn), tag="dora_scale_bwd_finish", num_warps=4, num_stages=1)
+    _finish(pg, pb, dg, db, n, gm)
     return dz, dg, db, gm
 
 
-__all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd"]
+def _finish(pg, pb, dg, db, n, gm) -> None:
+    """dg (and db) from their parts (P × N) summed in order, and dm = dg / n into ``gm`` where given."""
+    parts, N = pg.shape
+    fn = 64 if pg.is_cuda else 16
+    launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
+           (pg, pb, dg, db if db is not None else dg, n if n is not None else dg, gm if gm is not None else dg),
+           (N, parts), (), (db is not None, gm is not None, fn), tag="dora_scale_bwd_finish", num_warps=4,
+           num_stages=1)
+
+
+def sum_parts(pg: torch.Tensor, pb: torch.Tensor | None, *, n: torch.Tensor | None = None,
+              m_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dg, db, dm) from the scale's parts of dg and db (P × N, float32; db's or None) in one launch:
+    each summed in order, and dm = dg / n in ``m_dtype`` where the norm n is given (else None)."""
+    N = pg.shape[1]
+    dg = _alloc((N,), pg, torch.float32)
+    db = _alloc((N,), pg, torch.float32) if pb is not None else None
+    gm = _alloc((N,), pg, m_dtype) if n is not None else None
+    _finish(pg, pb if pb is not None else pg, dg, db, n, gm)
+    return dg, db, gm
+
+
+__all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd", "sum_parts"]

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, epilogue_output, norm_path, triton_norm
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, fused_output, norm_path, triton_norm
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
@@ -39,8 +39,8 @@ class LinearWithDoRAKernel(DoRALinearBase):
     """``dora`` with the minimal-work op: z = x·Wᵀ + s·(x·A)·B from the LoRA op (no bias, its plan
     chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
     output (:mod:`lora_bench.kernels.dora`: the norm and the scale in Triton launches on CUDA, their
-    backward written out); with the policy's ``dora_forward: epilogue``, where the fused plan runs,
-    the whole forward in one launch of the LoRA kernel (``epilogue_output``). The adapter gradients run
+    backward written out); with the policy's ``dora_fusion: fused``, where the fused plan runs, the
+    norm and the scale inside the LoRA kernels (``fused_output``: forward one launch). The adapter gradients run
     inline: where the policy defers them, the layer runs them inline and notes why (``DORA_INLINE``)."""
 
     variant = "dora-kernel"
@@ -48,7 +48,7 @@ class LinearWithDoRAKernel(DoRALinearBase):
     def forward(self, x):
         w, lora, bias = self.linear.weight, self.lora, self.linear.bias
         with _inline_adapter_grads():
-            y = epilogue_output(x, w, [self.m, *(() if bias is None else (bias,)), lora.A, lora.B], scale=lora.alpha,
+            y = fused_output(x, w, [self.m, *(() if bias is None else (bias,)), lora.A, lora.B], scale=lora.alpha,
                                 segments=1, has_bias=bias is not None, exact=not self.detach_norm)
             if y is not None:
                 return y
@@ -88,7 +88,7 @@ class SideBySide:
 class DoRASideBySide(SideBySide):
     """DoRA layers that share their input, called as one where the Triton kernels run (the LoRA op
     of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``;
-    with ``dora_forward: epilogue`` all of it in one launch, ``epilogue_output``), else one call
+    with ``dora_fusion: fused`` all of it inside the LoRA kernels, ``fused_output``), else one call
     each, as ungrouped."""
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -101,7 +101,7 @@ class DoRASideBySide(SideBySide):
             params = _dora_params(layers)
         if weights is not None and params is not None:
             with _inline_adapter_grads():
-                y = epilogue_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
+                y = fused_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
                                     segments=len(layers), has_bias=first.linear.bias is not None,
                                     exact=not first.detach_norm)
             if y is not None:

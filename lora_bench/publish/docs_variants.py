@@ -22,10 +22,10 @@ STEP = "step_ms_median"
 SIZES = ("124M", "1558M")
 # the settings that tell the study's rows apart, with the column each is read from
 KEYS = {"implementation": "cfg_implementation", "trainable_layers": "trainable_layers",
-        "lora_variant": "cfg_lora_variant", "dora_norm": "cfg_dora_norm", "dora_forward": "cfg_dora_forward",
+        "lora_variant": "cfg_lora_variant", "dora_norm": "cfg_dora_norm", "dora_fusion": "cfg_dora_fusion",
         "lora_scaling": "cfg_lora_scaling",
         "loraplus_lr_ratio": "cfg_loraplus_lr_ratio", "lora_init": "cfg_lora_init"}
-DORA_ONLY = ("dora_norm", "dora_forward")  # settings that count only for DoRA's rows
+DORA_ONLY = ("dora_norm", "dora_fusion")  # settings that count only for DoRA's rows
 FLOOR = "the floor (`frozen`)"
 # (row, family, what sets it apart from the defaults); a family's first row is its baseline
 ROWS = (
@@ -42,10 +42,10 @@ ROWS = (
     ("fused DoRA, exact norm", "kernel", {"trainable_layers": "lora-kernel", "lora_variant": "dora"}),
     ("fused DoRA, detached norm", "kernel",
      {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached"}),
-    ("fused DoRA, exact norm, forward in the LoRA kernel", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_forward": "epilogue"}),
-    ("fused DoRA, detached norm, forward in the LoRA kernel", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached", "dora_forward": "epilogue"}),
+    ("fused DoRA, exact norm, in the LoRA kernels", "kernel",
+     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_fusion": "fused"}),
+    ("fused DoRA, detached norm, in the LoRA kernels", "kernel",
+     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached", "dora_fusion": "fused"}),
     ("PEFT LoRA", "hf", {"implementation": "hf"}),
     ("PEFT DoRA (`use_dora`)", "hf", {"implementation": "hf", "lora_variant": "dora", "dora_norm": "detached"}),
     ("PEFT rsLoRA (`use_rslora`)", "hf", {"implementation": "hf", "lora_scaling": "rslora"}),

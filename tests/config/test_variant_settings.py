@@ -35,7 +35,7 @@ def test_every_variant_composes_with_the_lora_choices(layers):
     assert _problems(**ok, lora_variant="dora", dora_norm="detached") == []
     assert _problems(**ok, lora_variant="dora") == []
     if layers == "lora-kernel":
-        assert _problems(**ok, lora_variant="dora", dora_forward="epilogue") == []
+        assert _problems(**ok, lora_variant="dora", dora_fusion="fused") == []
     for precision in ("tf32", "bf16", "bf16-true"):
         assert _problems(**ok, precision=precision) == []
 
@@ -54,10 +54,10 @@ def test_a_variant_without_lora_is_refused(name, value):
     (dict(LORA, lora_variant="dora", base_dtype="int8"),
      "lora_variant=dora with base_dtype=int8 is refused: DoRA's norm reads the frozen weight itself"),
     (dict(LORA, lora_init="pissa", lora_alpha=0.0), "lora_init=pissa with lora_alpha=0 is refused"),
-    (dict(trainable_layers="lora-kernel", dora_forward="epilogue"),
-     "dora_forward=epilogue is only used with lora_variant=dora"),
-    (dict(LORA, lora_variant="dora", dora_forward="epilogue"),
-     "dora_forward='epilogue' is only used with trainable_layers=lora-kernel"),
+    (dict(trainable_layers="lora-kernel", dora_fusion="fused"),
+     "dora_fusion=fused is only used with lora_variant=dora"),
+    (dict(LORA, lora_variant="dora", dora_fusion="fused"),
+     "dora_fusion='fused' is only used with trainable_layers=lora-kernel"),
 ])
 def test_what_a_variant_rules_out_says_why(values, needle):
     problems = _problems(**values)
