@@ -176,28 +176,30 @@ BWD_KERNEL_CASES = [
 ]
 
 
-def _bwd_kernel_errors(rows, k, n, r, S, dt, bias, splits) -> dict[str, float]:
+def _bwd_kernel_errors(rows, k, n, r, S, dt, bias, splits, device="cpu") -> dict[str, float]:
     """``lora_dora_bwd_x`` and ``lora_dora_grad_ab`` against float64 on the same values: grad_x, u,
-    grad_A, grad_B, and the sums of dg's and db's parts."""
+    grad_A, grad_B, and the sums of dg's and db's parts. ``splits`` None: the launch's own choice
+    (float32 gradients, as bf16 mode's adapters have), else forced (the interpreter's small tiles)."""
     from lora_bench.kernels.dora_triton_fused import lora_dora_bwd_x, lora_dora_grad_ab
     from lora_bench.kernels.lora_triton import ABConfig
 
     dtype = DTYPE[dt]
     out = S * n
-    dy, z = fresh(rows, out, device="cpu", dtype=dtype), fresh(rows, out, device="cpu", dtype=dtype)
-    g = torch.rand(out) + 0.5
-    x, h = fresh(rows, k, device="cpu", dtype=dtype), fresh(rows, S * r, device="cpu", dtype=dtype)
-    w = fresh(out, k, device="cpu", dtype=dtype, scale=k ** -0.5)
-    a = fresh(S, k, r, device="cpu", dtype=dtype, scale=k ** -0.5)
-    b = fresh(S, r, n, device="cpu", dtype=dtype, scale=r ** -0.5)
+    dy, z = fresh(rows, out, device=device, dtype=dtype), fresh(rows, out, device=device, dtype=dtype)
+    g = torch.rand(out, device=device) + 0.5
+    x, h = fresh(rows, k, device=device, dtype=dtype), fresh(rows, S * r, device=device, dtype=dtype)
+    w = fresh(out, k, device=device, dtype=dtype, scale=k ** -0.5)
+    a = fresh(S, k, r, device=device, dtype=dtype, scale=k ** -0.5)
+    b = fresh(S, r, n, device=device, dtype=dtype, scale=r ** -0.5)
     if S == 1:
         a, b = a[0], b[0]
     s = SCALES[1]
     gx, u = lora_dora_bwd_x(dy, g, w, a, b, s)
-    grad_dt = torch.float32 if splits > 1 else dtype  # atomics add float32
+    grad_dt = torch.float32 if splits is None or splits > 1 else dtype  # atomics add float32
     ga, gb, pg, pb = lora_dora_grad_ab(x, u, h, dy, z, g, scale=s, segments=S, grad_dtype=grad_dt, need_db=bias,
-                                       config=ABConfig(32, 16, 4, 1, splits))
-    assert pg.shape == (splits, out) and (pb is None) is not bias and u.dtype is dtype and gx.dtype is dtype
+                                       config=None if splits is None else ABConfig(32, 16, 4, 1, splits))
+    assert (splits is None or pg.shape == (splits, out)) and pg.shape[1] == out
+    assert (pb is None) is not bias and u.dtype is dtype and gx.dtype is dtype
     a3, b3 = (a, b) if S > 1 else (a.unsqueeze(0), b.unsqueeze(0))
     DZ = (dy.float() * g).to(dtype).double()  # dz as the kernels round it
     U = torch.cat([DZ[:, i * n:(i + 1) * n] @ b3[i].double().t() for i in range(S)], 1)
@@ -208,7 +210,7 @@ def _bwd_kernel_errors(rows, k, n, r, S, dt, bias, splits) -> dict[str, float]:
     if S == 1:
         GA, GB = GA[0], GB[0]
     errs = {"gx": rel_err(gx, GX), "u": rel_err(u, U), "ga": rel_err(ga, GA), "gb": rel_err(gb, GB),
-            "dg": rel_err(pg.double().sum(0), (dy.double() * z.double()).sum(0))}
+            "dg": rel_err(pg.double().sum(0), (dy.double() * z.double()).sum(0)), "parts": pg.shape[0]}
     if bias:
         errs["db"] = rel_err(pb.double().sum(0), dy.double().sum(0))
     return errs
@@ -299,6 +301,7 @@ def test_fused_backward_kernels_under_the_triton_interpreter(interp_runs, i):
     rows, k, n, r, S, dt, bias, splits = BWD_KERNEL_CASES[i]
     (run,) = [run for run in interp_runs if run.get("bwd_case") == i]
     bounds = _bwd_kernel_bounds(rows, n, r, S, dt, splits)
+    assert run["errs"].pop("parts") == splits
     assert set(run["errs"]) == {"gx", "u", "ga", "gb", "dg"} | ({"db"} if bias else set()), run
     for name, err in run["errs"].items():
         assert err <= bounds[name], (run, name, bounds[name])
@@ -465,6 +468,24 @@ def test_gpu_fused_forward_kernel_replayed_from_a_cuda_graph(dt, rows, k, n, r, 
         want = _float64_forward(*ops, s)
         for name, got in zip(OUTPUTS, outs):
             assert rel_err(got, want[name]) <= bounds[name], (name, rel_err(got, want[name]), f"replay {i}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows, k, n, r, S, bias", GPU_KERNEL_SHAPES)
+def test_gpu_fused_backward_kernels_match_float64(dt, rows, k, n, r, S, bias, monkeypatch):
+    """grad_x, u, grad_A, grad_B and the parts of dg and db from the backward's two launches at
+    GPT-2's shapes, with the splits of the rows the launch chooses (float32 gradients), outputs
+    NaN-poisoned."""
+    from lora_bench.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
+    errs = _bwd_kernel_errors(rows, k, n, r, S, dt, bias is not None, None, device="cuda")
+    parts = errs.pop("parts")
+    bounds = _bwd_kernel_bounds(rows, n, r, S, dt, parts)
+    for name, err in errs.items():
+        assert err <= bounds[name], (name, errs, parts)
 
 
 # bf16 autocast over float32 parameters is left out: a float32 W is not the dtype the call computes in
