@@ -442,7 +442,9 @@ def fused_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor],
     """Why S DoRA layers on x (``fused_output``'s operands) cannot run fused into the LoRA kernels, or None:
     it needs the norm's Triton path (``_triton_why``), a frozen W in the dtype the call computes in,
     the adapters in it too without autocast, ranks within the LoRA kernel's limit, side by side layers
-    of a multiple of ``FUSED_ALIGN`` outputs, and the fused plan for the LoRA op of the S layers."""
+    of a multiple of ``FUSED_ALIGN`` outputs, and the fused plan for the LoRA op of the S layers, or
+    the C++ op's cuBLAS GEMMs that the size rule gives a captured call: for a DoRA layer the Triton
+    kernels run there too."""
     S = segments
     a, b = params[-2 * S], params[-1]
     dev = "cuda" if x.is_cuda else x.device.type
@@ -458,7 +460,15 @@ def fused_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor],
         return f"{S} layers of rank {a.shape[1]}: above the LoRA kernel's {TRITON_MAX_RANK} columns"
     if S > 1 and b.shape[1] % FUSED_ALIGN:
         return f"layers of {b.shape[1]} outputs side by side (not a multiple of {FUSED_ALIGN})"
-    if plan_for_size(x, weight.numel(), S * a.shape[1]) is not Plan.FUSED:
+    plan = plan_for_size(x, weight.numel(), S * a.shape[1])
+    # A captured call with a weight of the size rule's threshold (1558M's MLP) takes the C++ op's
+    # cuBLAS GEMMs as a LoRA layer, which beat the Triton GEMM there by 9 to 19 µs a layer; a DoRA
+    # layer takes the Triton kernels with its norm and scale inside instead, since its split path
+    # costs more beside cuBLAS (the norm's two launches forward and the scale's two backward: about
+    # 50 and 20 µs at 1558M's MLP shapes). docs/variants.md's prediction says what to measure.
+    if plan is Plan.CPP and (current_policy().capture or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    if plan is not Plan.FUSED:
         return "a LoRA plan other than fused"
     return None
 

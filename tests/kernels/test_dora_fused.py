@@ -403,6 +403,20 @@ def test_a_trained_weight_and_a_non_fused_plan_keep_the_split_forward(monkeypatc
     assert "dtype the call computes in" in _why(half, x.half().float())
 
 
+def test_a_captured_call_takes_the_fused_kernels_where_a_lora_layer_takes_cublas(monkeypatch):
+    """The size rule gives a captured LoRA layer of 1558M's MLP size the C++ op's cuBLAS GEMMs; a DoRA
+    layer with ``dora_fusion: fused`` takes the fused kernels there (under capture only: an eager
+    call the C++ op gets stays split)."""
+    from lora_bench.kernels import dora
+
+    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
+    monkeypatch.setattr(dora, "plan_for_size", lambda x, numel, rank: Plan.CPP)
+    layer = _dora_layer(37, 53, 7, dtype=torch.float32, detach=False, device="cpu")
+    x = fresh(5, 37, device="cpu", dtype=torch.float32)
+    assert _why(layer, x, PlanPolicy(capture=True, dora_fusion="fused")) is None
+    assert _why(layer, x, PlanPolicy(dora_fusion="fused")) == "a LoRA plan other than fused"
+
+
 def test_layers_side_by_side_need_outputs_in_blocks_of_sixteen(monkeypatch):
     """Side by side, every block of outputs must lie in one layer's: 53 outputs are refused, 48 taken."""
     from lora_bench.kernels import dora
@@ -554,6 +568,44 @@ def test_gpu_grouped_fused_layers_replayed_from_a_cuda_graph(mode, detach, rows,
         torch.cuda.synchronize()
         for name, err in _group_errors(layers, x, gs, outs).items():
             assert err <= bound, (mode, detach, name, err, bound, f"replay {i}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("k, n", [(1600, 6400), (6400, 1600)])
+def test_gpu_fused_layer_of_cublas_size_replayed_from_a_cuda_graph(detach, k, n):
+    """A bf16-mode layer of 1558M's MLP size captured under the run's own policy: the fused kernels
+    run (not the C++ op's cuBLAS GEMMs a LoRA layer of this size takes), and replays on fresh x, A, B,
+    m and output gradient match float64 every time."""
+    from lora_bench.kernels.policy import Plan
+    from lora_bench.train.graphs import warm_up
+
+    layer = _mode_cast(_dora_layer(k, n, 16, dtype=torch.float32, detach=detach), "bf16-base")
+    x = fresh(960, k, device="cuda", dtype=torch.float32).requires_grad_()
+    g = fresh(960, n, device="cuda", dtype=torch.float32)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            return _grads(layer, x, g)
+
+    with use_policy(PlanPolicy(dora_fusion="fused")), record_plans() as log:
+        warm_up(step, 2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+    assert log.dora == {"fused"} and Plan.CPP not in log.plans, (log.dora, log.plans)
+    bound = _layer_bound("bf16-base", k, n, 16, 960)
+    for i in range(2):
+        with torch.no_grad():
+            for t in (x, layer.lora.A, layer.lora.B, g):
+                t.copy_(fresh(*t.shape, device="cuda", dtype=t.dtype, scale=float(t.float().std())))
+            layer.m.copy_(layer.m * (1 + 0.1 * torch.rand_like(layer.m)))
+            for t in outs:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_float64(layer, x, g, outs, bound, f"detach={detach} replay {i}")
 
 
 @pytest.mark.gpu
