@@ -416,7 +416,8 @@ class DoRAFusedFunction(torch.autograd.Function):
         else:  # the input needs no gradient (the first block): u alone, from dz formed here
             dz = (rows.float() * g).to(rows.dtype)
             n_out = z.shape[1] // S
-            u = dz @ bc.t() if S == 1 else torch.cat([dz[:, i * n_out:(i + 1) * n_out] @ bc[i].t() for i in range(S)], 1)
+            u = (dz @ bc.t() if S == 1
+                 else torch.cat([dz[:, i * n_out:(i + 1) * n_out] @ bc[i].t() for i in range(S)], 1))
         # the adapters' gradients, and the scale's parts of dg and db, in one launch
         grad_a, grad_b, pg, pb = kern.lora_dora_grad_ab(x2, u, h, rows, z, g, scale=s, segments=S, grad_dtype=a_dt,
                                                         need_db=need_bias)

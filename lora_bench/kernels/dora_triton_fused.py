@@ -26,32 +26,26 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.lora_triton import (AB_PICKED, MMConfig, _alloc, _mm_config, _precision, _sm_count, ab_split,
-                                            block_r, pick_ab_config)
+                                            adapter_offsets, block_r, grad_a_tile, pick_ab_config, split_rows,
+                                            store_grad, tile_of)
 from lora_bench.kernels.triton_launch import launch
 
 
 @triton.jit
 def _lora_dora_mm_kernel(
     x_ptr, w_ptr, p_ptr, q_ptr, bq_ptr, m_ptr, bias_ptr, y_ptr, z_ptr, h_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
-    M, N, K, R, RS, N_SEG,
+    M, N, K, R, N_SEG,
     stride_xm, stride_xk, stride_wn, stride_wk, P_SS, stride_pk, stride_pr,
     Q_SS, stride_qr, stride_qn, BQ_SS, stride_bqr, stride_bqn, stride_ym, stride_zm, stride_hm, stride_vr,
     scale,
-    HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    RS: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_RS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # S layers with one input side by side (SEGMENTED): R = S·RS adapter columns, layer j // RS's;
     # N = S·N_SEG outputs, a block of outputs inside one layer's (the host makes N_SEG a multiple of
     # BLOCK_N). One layer: RS = R, N_SEG = N.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % group_size)
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,13 +55,9 @@ def _lora_dora_mm_kernel(
     r_mask = offs_r < R
     s_mask = offs_s < RS
     seg = (pid_n * BLOCK_N) // N_SEG  # this block's layer
+    p_cols, q_rows = adapter_offsets(offs_r, RS * SEGMENTED, P_SS, stride_pr, Q_SS, stride_qr)
     if SEGMENTED:
-        seg_r = offs_r // RS
-        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
-        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
-    else:
-        p_cols = offs_r * stride_pr
-        q_rows = offs_r * stride_qr
+        seg_r = offs_r // RS  # each adapter column's layer
     # rows and outputs past the edge wrap onto valid ones (computed, never stored): no masks in the loop
     rm = offs_m % M
     rn = offs_n % N
@@ -151,38 +141,27 @@ def _lora_dora_mm_kernel(
 @triton.jit
 def _lora_dora_bwd_x_kernel(
     dy_ptr, gs_ptr, w_ptr, p_ptr, q_ptr, out_ptr, u_ptr,
-    M, N, K, R, RS, K_SEG,
+    M, N, K, R, K_SEG,
     stride_dym, stride_wk, stride_wn, P_SS, stride_pk, stride_pr, Q_SS, stride_qr, stride_qn,
     stride_om, stride_um,
     scale,
-    SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    RS: tl.constexpr, SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # The LoRA kernel's backward (grad_x = dz·W + s·u·Aᵀ, u = dz·Bᵀ; K = the layers' outputs, N = in)
     # with dz = dy ⊙ g formed as each tile of dy is loaded (rounded to dy's dtype, as the scale's
     # backward stores it): dz is never written. P is Bᵀ (K × R; side by side, layer j // RS's rows of
     # K only: K_SEG each), Q is Aᵀ (R × N).
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % group_size)
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    p_cols, q_rows = adapter_offsets(offs_r, RS * SEGMENTED, P_SS, stride_pr, Q_SS, stride_qr)
     if SEGMENTED:
-        seg_r = offs_r // RS
-        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
-        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
-    else:
-        p_cols = offs_r * stride_pr
-        q_rows = offs_r * stride_qr
+        seg_r = offs_r // RS  # each adapter column's layer
     rm = offs_m % M
     rn = offs_n % N
     dy_ptrs = dy_ptr + rm[:, None] * stride_dym + offs_k[None, :]  # (BM, BK): dy's rows are contiguous
@@ -239,38 +218,14 @@ def _lora_dora_grad_ab_kernel(
     # parts of dg = Σ dy ⊙ z and db = Σ dy (one row of parts per split of the rows). Segments as in
     # lora_triton's kernel (RS > 0).
     pid = tl.program_id(0)
-    blocks = tl.cdiv(M, BLOCK_M)
-    sid, splits = tl.program_id(1), tl.num_programs(1)
-    m_lo = (sid * blocks // splits) * BLOCK_M
-    m_hi = min(((sid + 1) * blocks // splits) * BLOCK_M, M)
+    sid, m_lo, m_hi = split_rows(M, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    if RS > 0:
-        seg_r = offs_r // RS
-        ga_cols = seg_r * GA_SS + (offs_r % RS) * stride_gar
-        gb_rows = seg_r * GB_SS + (offs_r % RS) * stride_gbr
-    else:
-        ga_cols = offs_r * stride_gar
-        gb_rows = offs_r * stride_gbr
+    ga_cols, gb_rows = adapter_offsets(offs_r, RS, GA_SS, stride_gar, GB_SS, stride_gbr)
     if pid < NUM_A:
-        offs_d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < K
-        acc_a = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + offs_m
-            row_ok = rows < M  # padded rows must be zero: they are summed
-            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_d[None, :] * stride_xk,
-                         mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
-            ut = tl.load(u_ptr + rows[:, None] * stride_um + offs_r[None, :], mask=row_ok[:, None] & r_mask[None, :],
-                         other=0.0)  # (BM, BR)
-            acc_a = tl.dot(tl.trans(xt), ut, acc_a, input_precision=PRECISION)
-        ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + ga_cols[None, :]
-        ga_mask = d_mask[:, None] & r_mask[None, :]
-        if ATOMIC:  # partial sum over this split's rows; relaxed: only the final sum is read
-            tl.atomic_add(ga_ptrs, acc_a * scale, mask=ga_mask, sem="relaxed")
-        else:
-            tl.store(ga_ptrs, (acc_a * scale).to(ga_ptr.dtype.element_ty), mask=ga_mask)
+        grad_a_tile(x_ptr, u_ptr, ga_ptr, pid, m_lo, m_hi, M, K, stride_xm, stride_xk, stride_um, 1, stride_gak,
+                    ga_cols, offs_r, r_mask, scale, PRECISION, BLOCK_M, BLOCK_D, BLOCK_R, ATOMIC)
     else:
         offs_d = (pid - NUM_A) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < N
@@ -296,12 +251,9 @@ def _lora_dora_grad_ab_kernel(
             tl.store(pb_ptr + sid * N + offs_d, acc_bias, mask=d_mask)
         gb_ptrs = gb_ptr + gb_rows[:, None] + offs_d[None, :] * stride_gbn
         gb_mask = r_mask[:, None] & d_mask[None, :]
-        if GB_SEG > 0:
-            gb_mask = gb_mask & (offs_d[None, :] // GB_SEG == seg_r[:, None])
-        if ATOMIC:
-            tl.atomic_add(gb_ptrs, acc_b * scale, mask=gb_mask, sem="relaxed")
-        else:
-            tl.store(gb_ptrs, (acc_b * scale).to(gb_ptr.dtype.element_ty), mask=gb_mask)
+        if GB_SEG > 0:  # (segments: RS > 0)
+            gb_mask = gb_mask & (offs_d[None, :] // GB_SEG == (offs_r // RS)[:, None])
+        store_grad(gb_ptrs, acc_b * scale, gb_mask, ATOMIC)
 
 
 BLOCK_N_CHOICES = (128, 64, 32, 16)  # the widths a block of outputs may take, widest first
@@ -339,10 +291,10 @@ def lora_dora_bwd_x(dy: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, a: 
     launch(
         _lora_dora_bwd_x_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(k, c.block_n), 1, 1),
         (dy, g, weight, b, a, gx, u),
-        (M, k, out, S * r, r, seg_out, dy.stride(0), ws[0], ws[1], bs[0] - seg_out * bs[2], bs[2], bs[1],
+        (M, k, out, S * r, seg_out, dy.stride(0), ws[0], ws[1], bs[0] - seg_out * bs[2], bs[2], bs[1],
          as_[0], as_[2], as_[1], gx.stride(0), u.stride(0)),
         (float(scale),),
-        (S > 1, out % c.block_k == 0, _precision(dy.dtype), c.block_m, c.block_n, c.block_k, block_r(S * r), 8),
+        (r, S > 1, out % c.block_k == 0, _precision(dy.dtype), c.block_m, c.block_n, c.block_k, block_r(S * r), 8),
         tag="dora_bwd_x", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return gx, u
@@ -438,10 +390,10 @@ def lora_dora_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
     launch(
         _lora_dora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(out, c.block_n), 1, 1),
         (x, weight, a, b, b_norm, m, bias if bias is not None else m, y, z, h, n, g, cn, vt),
-        (M, out, k, S * r, r, seg_out, *x.stride(), *ws, as_[0], as_[1], as_[2], q_ss, bs[1], bs[2],
+        (M, out, k, S * r, seg_out, *x.stride(), *ws, as_[0], as_[1], as_[2], q_ss, bs[1], bs[2],
          bq_ss, bns[1], bns[2], y.stride(0), z.stride(0), h.stride(0), vt.stride(0)),
         (float(scale),),
-        (bias is not None, S > 1, k % c.block_k == 0, _precision(x.dtype), c.block_m, c.block_n, c.block_k,
+        (r, bias is not None, S > 1, k % c.block_k == 0, _precision(x.dtype), c.block_m, c.block_n, c.block_k,
          block_r(S * r), block_r(r), 8),
         tag="dora_fused_fwd", num_warps=c.num_warps, num_stages=c.num_stages,
     )
