@@ -57,7 +57,7 @@ def test_a_variant_without_lora_is_refused(name, value):
     (dict(trainable_layers="lora-kernel", dora_fusion="fused"),
      "dora_fusion=fused is only used with lora_variant=dora"),
     (dict(LORA, lora_variant="dora", dora_fusion="fused"),
-     "dora_fusion='fused' is only used with trainable_layers=lora-kernel"),
+     "dora_fusion=fused is only used with trainable_layers=lora-kernel"),
 ])
 def test_what_a_variant_rules_out_says_why(values, needle):
     problems = _problems(**values)
