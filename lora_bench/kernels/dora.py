@@ -348,9 +348,9 @@ def _per_layer(t: torch.Tensor | None, S: int, flat: bool = False) -> tuple:
 class DoRAFusedFunction(torch.autograd.Function):
     """S DoRA layers on one input x (S = 1: one layer), their norms and scales inside the LoRA op's
     kernels (:mod:`lora_bench.kernels.dora_triton_fused`): forward one launch, the norm and the scale in
-    the LoRA kernel's loop and epilogue;
-    y (..., S·n), layer i's output in columns [i·n, (i+1)·n). Inputs after x: the scale, S, whether the
-    layers have biases, exact, W (S·n × in, frozen, in the dtype the call computes in), then the S m's,
+    the LoRA kernel's loop and epilogue; y (..., S·n), layer i's output in columns [i·n, (i+1)·n).
+    Inputs after x: the scale, S, whether the layers have biases, exact, W (S·n × in, frozen, in the
+    dtype the call computes in), its ‖W_j‖² (S·n, float32) or None (summed in the kernel), the S m's,
     the S biases (``has_bias``), the S A's and the S B's one by one, read through their stacked views
     where S > 1 (the caller checked that they lie back to back).
 
@@ -364,7 +364,7 @@ class DoRAFusedFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, scale, segments, has_bias, exact, weight, *params):
+    def forward(ctx, x, scale, segments, has_bias, exact, weight, weight_sq, *params):
         S = segments
         ms, bs, As, Bs = _split_params(params, S, has_bias)
         if S == 1:
@@ -380,10 +380,11 @@ class DoRAFusedFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, ac, bc = cast(x2, cdt), cast(a3, cdt), cast(b3, cdt)
-                y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+                y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s,
+                                                                         weight_sq)
         else:
             ac, bc = a3, b3
-            y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s)
+            y, z, h, n, g, cn, vt = triton_fused().lora_dora_forward(x2, weight, ac, bc, b3, m3, bias3, s, weight_sq)
         if exact:
             ctx.save_for_backward(x2, h, weight, ac, bc, z, g, n, a3, b3, cn, vt)
         else:
@@ -403,7 +404,7 @@ class DoRAFusedFunction(torch.autograd.Function):
         m_dt, bias_dt, a_dt, b_dt = ctx.dtypes
         x2, h, weight, ac, bc, z, g, n, *norm = ctx.saved_tensors
         need = ctx.needs_input_grad
-        first = 6  # x, scale, segments, has_bias, exact, weight
+        first = 7  # x, scale, segments, has_bias, exact, weight, weight_sq
         need_m = any(need[first:first + S])
         need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
         kern = triton_fused()
@@ -431,7 +432,7 @@ class DoRAFusedFunction(torch.autograd.Function):
             grad_b = grad_b + cast(grad_b_norm, b_dt)
         else:  # dg, db and dm = dg / n from the parts
             _, db, grad_m = triton_bwd().sum_parts(pg, pb, n=n if need_m else None, m_dtype=m_dt)
-        return (grad_x, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),
+        return (grad_x, None, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),
                 *(_per_layer(cast(db, bias_dt), S, flat=True) if ctx.has_bias else ()),
                 *_per_layer(grad_a, S), *_per_layer(grad_b, S))
 
@@ -475,19 +476,22 @@ def fused_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor],
 
 
 def fused_output(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *, scale: float,
-                    segments: int, has_bias: bool, exact: bool) -> torch.Tensor | None:
+                 segments: int, has_bias: bool, exact: bool,
+                 weight_sq: torch.Tensor | None = None) -> torch.Tensor | None:
     """y of S DoRA layers on x (``DoRAFusedFunction``: W is S·n × in, ``params`` the m's, biases, A's
-    and B's in its order), where the policy in force asks for ``dora_fusion: fused``, torch.compile
-    is not tracing, and the call can run it (``fused_why``); noted as the LoRA plan ``fused`` with
-    the norm's path ``fused``. Else None, nothing run or noted: the caller runs the split path, which
-    notes its own."""
+    and B's in its order, ``weight_sq`` W's ‖W_j‖² in float32 or None), where the policy in force
+    asks for ``dora_fusion: fused``, torch.compile is not tracing, and the call can run it
+    (``fused_why``); noted as the LoRA plan ``fused`` with the norm's path ``fused``. Else None,
+    nothing run or noted: the caller runs the split path, which notes its own."""
     if torch.compiler.is_compiling() or current_policy().dora_fusion != DORA_FUSION_FUSED:
         return None
     if fused_why(x, weight, params, segments) is not None:
         return None
     note(Plan.FUSED)
     note_dora(FUSED)
-    return DoRAFusedFunction.apply(x, scale, segments, has_bias, exact, weight, *params)
+    if weight_sq is not None and weight_sq.dtype is not torch.float32:
+        weight_sq = None  # (a float64 W's: the kernel sums ‖W_j‖² itself)
+    return DoRAFusedFunction.apply(x, scale, segments, has_bias, exact, weight, weight_sq, *params)
 
 
 FUSED_ALIGN = 16  # the narrowest block of outputs the fused forward takes (side by side: one layer's)

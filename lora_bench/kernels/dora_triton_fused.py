@@ -5,13 +5,13 @@ op's (:mod:`lora_bench.kernels.dora_triton`, ``dora_triton_bwd``).
 Forward, ``lora_dora_forward``: one launch gives z = x·Wᵀ + s·(x·A)·B, h = x·A, the norm
 n_j = ‖W_j + s·(A·B)_j‖, g = m / n and y = g ⊙ z + b. Each program of the LoRA kernel (a tile of
 rows × a block of outputs) already reads, over all of K, the tiles of W its outputs need. Its main
-loop adds, beside x·Wᵀ and x·A, its outputs' part of W·A (r × block, from the same W tiles), of
-‖W_j‖² and of A's Gram matrix AᵀA (from the A tiles); its epilogue forms the norm from them (the
-expansion of docs/variants.md#the-norm-without-the-merged-weight, in float32, as the split kernels
-form it) and scales its tile. Every tile of rows forms the norm of its outputs anew (the redundant
-work: r + r²/out multiply-adds per element of W per tile of rows, on the tensor cores, and a square
-per element of W); the first stores n, g, −m/(2n³) and vᵀ for the backward. No sum crosses
-programs: no workspace, no second launch.
+loop adds, beside x·Wᵀ and x·A, its outputs' part of W·A (r × block, from the same W tiles) and of
+A's Gram matrix AᵀA (from the A tiles), and ‖W_j‖² where the layer does not hold it (a frozen W's is
+summed once, in float32); its epilogue forms the norm from them (the expansion of
+docs/variants.md#the-norm-without-the-merged-weight, in float32, as the split kernels form it) and
+scales its tile. Every tile of rows forms the norm of its outputs anew (the redundant work: r + r²/out
+multiply-adds per element of W per tile of rows, on the tensor cores); the first stores n, g,
+−m/(2n³) and vᵀ for the backward. No sum crosses programs: no workspace, no second launch.
 
 Backward: the LoRA kernel's two launches with dz = dy ⊙ g formed as each tile of dy is loaded, so dz
 is never written: ``lora_dora_bwd_x`` (grad_x and u = dz·Bᵀ) and ``lora_dora_grad_ab`` (grad_A,
@@ -33,12 +33,13 @@ from lora_bench.kernels.triton_launch import launch
 
 @triton.jit
 def _lora_dora_mm_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bq_ptr, m_ptr, bias_ptr, y_ptr, z_ptr, h_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
+    x_ptr, w_ptr, p_ptr, q_ptr, bq_ptr, m_ptr, bias_ptr, wsq_ptr, y_ptr, z_ptr, h_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
     M, N, K, R, N_SEG,
     stride_xm, stride_xk, stride_wn, stride_wk, P_SS, stride_pk, stride_pr,
     Q_SS, stride_qr, stride_qn, BQ_SS, stride_bqr, stride_bqn, stride_ym, stride_zm, stride_hm, stride_vr,
     scale,
-    RS: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    RS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WSQ: tl.constexpr, SEGMENTED: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_RS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -89,13 +90,15 @@ def _lora_dora_mm_kernel(
             at = pt
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
-        # the norm's sums: W·A and AᵀA with A read in W's dtype, ‖W_j‖² in float32. Every tile of rows
-        # sums them unconditionally (a dot under a branch in a pipelined loop summed wrong on a GPU)
+        # the norm's sums: W·A and AᵀA with A read in W's dtype, and ‖W_j‖² in float32 where it is not
+        # given. Every tile of rows sums them unconditionally (a dot under a branch in a pipelined loop
+        # summed wrong on a GPU)
         at = at.to(wt.dtype)
         wa = tl.dot(tl.trans(at), wt, wa, input_precision=PRECISION)
         gram = tl.dot(tl.trans(at), at, gram, input_precision=PRECISION)
-        wf = wt.to(tl.float32)
-        wsq += tl.sum(wf * wf, axis=0)
+        if not HAS_WSQ:
+            wf = wt.to(tl.float32)
+            wsq += tl.sum(wf * wf, axis=0)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
         p_ptrs += BLOCK_K * stride_pk
@@ -117,6 +120,8 @@ def _lora_dora_mm_kernel(
 
     # the norm, as the split kernels form it: ‖W_j‖² + 2s·⟨(W·A)_j, B_j⟩ + s²·B_jᵀ·AᵀA·B_j, with B
     # as stored
+    if HAS_WSQ:  # a frozen W's, summed once in float32
+        wsq = tl.load(wsq_ptr + rn)
     bq = tl.load(bq_ptr + seg * BQ_SS + offs_s[:, None] * stride_bqr + rn[None, :] * stride_bqn,
                  mask=s_mask[:, None], other=0.0).to(tl.float32)  # (BRS, BN): B's columns
     gb = tl.dot(gram, bq, input_precision="ieee")  # (BRS, BN): (Bᵀ·AᵀA)ᵀ
@@ -360,6 +365,7 @@ def _segments(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def lora_dora_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       b_norm: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                      weight_sq: torch.Tensor | None = None,
                       config: MMConfig | None = None) -> tuple[torch.Tensor, ...]:
     """(y, z, h, n, g, cn, vᵀ) in one launch for x (M × in), W (out × in), A (in × r), B (r × out) in
     x's dtype (the LoRA op's operands), ``b_norm`` (B as stored: the norm reads it, in float32), m (out)
@@ -369,7 +375,8 @@ def lora_dora_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
 
     S layers side by side: A (S × in × r), B and ``b_norm`` (S × r × n), W (S·n × in), m and the bias
     (S·n); layer i's columns of y, z, n, g, cn and vᵀ are [i·n, (i+1)·n), h's [i·r, (i+1)·r).
-    ``config``: the tile (``fused_config``; chosen here when None, asserted to fit)."""
+    ``weight_sq``: ‖W_j‖² (out, float32) of a frozen W, read instead of summed in the main loop (None:
+    summed there). ``config``: the tile (``fused_config``; chosen here when None, asserted to fit)."""
     M, k = x.shape
     out = weight.shape[0]
     a, b, S = _segments(a, b)
@@ -378,6 +385,8 @@ def lora_dora_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
     assert weight.shape == (S * seg_out, k) and a.shape[1] == k and b.shape == (S, r, seg_out) \
         and b_norm.shape == b.shape and m.shape == (out,), (x.shape, weight.shape, a.shape, b.shape, m.shape)
     assert weight.dtype is x.dtype and a.dtype is x.dtype and b.dtype is x.dtype, (x.dtype, weight.dtype, a.dtype)
+    assert weight_sq is None or (weight_sq.shape == (out,) and weight_sq.dtype is torch.float32
+                                 and weight_sq.stride(0) == 1), None if weight_sq is None else weight_sq.shape
     c = config or fused_config(M, out, k, x, seg_out, S)
     assert c is not None and (S == 1 or seg_out % c.block_n == 0), (seg_out, c)
     f32 = torch.float32
@@ -389,12 +398,13 @@ def lora_dora_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
     q_ss, bq_ss = bs[0] - seg_out * bs[2], bns[0] - seg_out * bns[2]
     launch(
         _lora_dora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(out, c.block_n), 1, 1),
-        (x, weight, a, b, b_norm, m, bias if bias is not None else m, y, z, h, n, g, cn, vt),
+        (x, weight, a, b, b_norm, m, bias if bias is not None else m, weight_sq if weight_sq is not None else m,
+         y, z, h, n, g, cn, vt),
         (M, out, k, S * r, seg_out, *x.stride(), *ws, as_[0], as_[1], as_[2], q_ss, bs[1], bs[2],
          bq_ss, bns[1], bns[2], y.stride(0), z.stride(0), h.stride(0), vt.stride(0)),
         (float(scale),),
-        (r, bias is not None, S > 1, k % c.block_k == 0, _precision(x.dtype), c.block_m, c.block_n, c.block_k,
-         block_r(S * r), block_r(r), 8),
+        (r, bias is not None, weight_sq is not None, S > 1, k % c.block_k == 0, _precision(x.dtype), c.block_m,
+         c.block_n, c.block_k, block_r(S * r), block_r(r), 8),
         tag="dora_fused_fwd", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return y, z, h, n, g, cn, vt

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, fused_output, norm_path, triton_norm
+from lora_bench.kernels.dora import (TRITON, DoRASegmentsFunction, dora_output, fused_output, norm_dtype, norm_path,
+                                     triton_norm)
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
@@ -45,11 +46,19 @@ class LinearWithDoRAKernel(DoRALinearBase):
 
     variant = "dora-kernel"
 
+    @torch.no_grad()
+    def refresh_weight_sq(self) -> None:
+        """‖W_j‖² from the weight as it is held now, summed in the norm's dtype (float32; float64 for a
+        float64 W), as the kernels sum it: the torch path and the fused forward read it."""
+        w = self.linear.weight.detach()
+        self.weight_sq = w.to(norm_dtype(w)).pow(2).sum(1)
+
     def forward(self, x):
         w, lora, bias = self.linear.weight, self.lora, self.linear.bias
         with _inline_adapter_grads():
             y = fused_output(x, w, [self.m, *(() if bias is None else (bias,)), lora.A, lora.B], scale=lora.alpha,
-                                segments=1, has_bias=bias is not None, exact=not self.detach_norm)
+                             segments=1, has_bias=bias is not None, exact=not self.detach_norm,
+                             weight_sq=self.weight_sq)
             if y is not None:
                 return y
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
@@ -101,9 +110,10 @@ class DoRASideBySide(SideBySide):
             params = _dora_params(layers)
         if weights is not None and params is not None:
             with _inline_adapter_grads():
+                sq = stacked([m.weight_sq for m in layers])
                 y = fused_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
-                                    segments=len(layers), has_bias=first.linear.bias is not None,
-                                    exact=not first.detach_norm)
+                                 segments=len(layers), has_bias=first.linear.bias is not None,
+                                 exact=not first.detach_norm, weight_sq=None if sq is None else sq.reshape(-1))
             if y is not None:
                 return y.split(w.shape[0], dim=-1)
             norms = triton_norm()
@@ -135,7 +145,7 @@ def _dora_params(layers) -> list[torch.Tensor] | None:
 def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     """Lay the parameters of lora-kernel ``layers`` (same shapes, dtypes, device and alpha, frozen
     bases; DoRA layers alike, with one kind of norm) side by side: each weight, bias, A and B (and
-    DoRA's m) becomes a view of one buffer per kind, holding the same values, so the fused kernels
+    DoRA's m and ‖W_j‖²) becomes a view of one buffer per kind, holding the same values, so the fused kernels
     read all the layers at once. Returns the caller for the group, or None when the layers cannot
     be grouped (nothing is changed then).
 
@@ -150,7 +160,7 @@ def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     if dora and kinds is not None:
         if len({m.detach_norm for m in layers}) != 1:
             return None
-        kinds.append([m.m for m in layers])
+        kinds += [[m.m for m in layers], [m.weight_sq for m in layers]]  # ‖W_j‖²: the fused forward reads it
     if kinds is None or any(len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1 for group in kinds):
         return None
     with torch.no_grad():

@@ -118,11 +118,13 @@ def _kernel_bounds(k: int, r: int, dt: str) -> dict[str, float]:
     return bounds
 
 
-def _kernel_errors(ops, s) -> dict[str, float]:
-    """The kernel's outputs, their dtypes checked, against float64 on the same values."""
+def _kernel_errors(ops, s, given_sq: bool = False) -> dict[str, float]:
+    """The kernel's outputs, their dtypes checked, against float64 on the same values; ``given_sq``:
+    ‖W_j‖² given (summed once in float32, as a frozen W's), else summed in the kernel's loop."""
     from lora_bench.kernels.dora_triton_fused import lora_dora_forward
 
-    got = dict(zip(OUTPUTS, lora_dora_forward(*ops, s)))
+    sq = ops[1].float().pow(2).sum(1) if given_sq else None
+    got = dict(zip(OUTPUTS, lora_dora_forward(*ops, s, sq)))
     x = ops[0]
     assert all(got[name].dtype is x.dtype for name in ("y", "z", "h")), {k: v.dtype for k, v in got.items()}
     assert all(got[name].dtype is torch.float32 for name in ("n", "g", "cn", "vt"))
@@ -253,9 +255,9 @@ def _interp_main() -> None:
 
     lora_triton.POISON_OUTPUTS = True
     for i, case in enumerate(KERNEL_CASES):
-        for s in SCALES:
+        for s in SCALES:  # ‖W_j‖² summed in the kernel at one scale, given at the other
             ops = _kernel_operands(*case, device="cpu")
-            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(ops, s))), flush=True)
+            print(json.dumps(dict(case=i, scale=s, errs=_kernel_errors(ops, s, given_sq=s == SCALES[1]))), flush=True)
     for i, case in enumerate(BWD_KERNEL_CASES):
         print(json.dumps(dict(bwd_case=i, errs=_bwd_kernel_errors(*case))), flush=True)
     for i, case in enumerate(LAYER_CASES):
@@ -283,7 +285,8 @@ def interp_runs():
 @pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
 def test_fused_forward_kernel_under_the_triton_interpreter(interp_runs, i):
     """y, z, h, n, g, cn and vᵀ from one launch against float64 (``_kernel_bounds``), outputs
-    NaN-poisoned: every one written, for one layer and for three side by side."""
+    NaN-poisoned: every one written, for one layer and for three side by side, ‖W_j‖² summed in the
+    kernel or given."""
     rows, k, n, r, S, dt, bias = KERNEL_CASES[i]
     runs = [run for run in interp_runs if run.get("case") == i]
     assert len(runs) == len(SCALES)
@@ -453,7 +456,7 @@ def test_gpu_fused_forward_kernel_matches_float64(dt, rows, k, n, r, S, bias, mo
     monkeypatch.setattr(lora_triton, "POISON_OUTPUTS", True)
     bounds = _kernel_bounds(k, r, dt)
     for s in SCALES:
-        errs = _kernel_errors(_kernel_operands(rows, k, n, r, S, dt, bias, "cuda"), s)
+        errs = _kernel_errors(_kernel_operands(rows, k, n, r, S, dt, bias, "cuda"), s, given_sq=s == SCALES[1])
         for name, err in errs.items():
             assert err <= bounds[name], (name, errs, s)
 
