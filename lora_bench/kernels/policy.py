@@ -138,7 +138,7 @@ def parse_dora_fusion(text: str) -> str:
 def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None,
                dora_fusion: str | None = None) -> PlanPolicy:
     """``base`` (default: the policy in force) with the plan a run's ``kernel_plan`` setting forces
-    (``auto``: none) and, where given, where the adapter gradients and DoRA's forward run."""
+    (``auto``: none) and, where given, where the adapter gradients and DoRA's norm and scale run."""
     base = current_policy() if base is None else base
     if adapter_grads is not None:
         base = dataclasses.replace(base, adapter_grads=adapter_grads)

@@ -41,8 +41,9 @@ class LinearWithDoRAKernel(DoRALinearBase):
     chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
     output (:mod:`lora_bench.kernels.dora`: the norm and the scale in Triton launches on CUDA, their
     backward written out); with the policy's ``dora_fusion: fused``, where the fused plan runs, the
-    norm and the scale inside the LoRA kernels (``fused_output``: forward one launch). The adapter gradients run
-    inline: where the policy defers them, the layer runs them inline and notes why (``DORA_INLINE``)."""
+    norm and the scale inside the LoRA kernels (``fused_output``: forward one launch). The adapter
+    gradients run inline: where the policy defers them, the layer runs them inline and notes why
+    (``DORA_INLINE``)."""
 
     variant = "dora-kernel"
 
