@@ -16,6 +16,10 @@ constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are r
 stored, their products accumulated in float32; a float64 W in float64). A is read in W's dtype: in
 bf16 mode (a bfloat16 W, a float32 A under autocast) it is rounded to bfloat16 for W·A and its Gram
 matrix, as the LoRA op under autocast rounds it for x·A. z (N × out) is kept for dg.
+
+With ``dora_fusion: fused`` (``fused_output``, ``DoRAFusedFunction``) the same math runs inside the
+LoRA op's kernels (:mod:`lora_bench.kernels.dora_triton_fused`), where the call can take them
+(``fused_why``); noted as the path ``fused``.
 """
 
 from __future__ import annotations
