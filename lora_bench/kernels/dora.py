@@ -363,8 +363,8 @@ class DoRAFusedFunction(torch.autograd.Function):
     LoRA kernels' two launches with dz = dy ⊙ g formed where dy is read (dz is never written), the
     second also summing the scale's parts of dg = Σ dy ⊙ z and db = Σ dy; then dm and db from the
     parts in one launch (detached norm), or the exact norm's two launches, which add the parts where
-    they read them and give the norm's parts of dA and dB, added here to the LoRA kernels' (autograd's
-    two sums on the split path)."""
+    they read them and add the norm's dA and dB onto the LoRA kernels' (where autograd sums the two on
+    the split path)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -427,13 +427,11 @@ class DoRAFusedFunction(torch.autograd.Function):
         grad_a, grad_b, pg, pb = kern.lora_dora_grad_ab(x2, u, h, rows, z, g, scale=s, segments=S, grad_dtype=a_dt,
                                                         need_db=need_bias)
         grad_b = cast(grad_b, b_dt)
-        if ctx.exact:  # dm, db and the norm's parts of dA and dB, adding dg's and db's parts where read
+        if ctx.exact:  # dm, db and the norm's dA and dB added onto the LoRA kernels', from dg's and db's parts
             a3, b3, cn, vt = norm
-            grad_m, grad_b_norm, grad_a_norm, _, db = triton_bwd().dora_exact_bwd(
+            grad_m, grad_b, grad_a, _, db = triton_bwd().dora_exact_bwd(
                 pg, n, cn, vt, weight, a3, b3, s, m_dtype=m_dt, need_m=need_m, need_b=True, need_cb=False,
-                bias_parts=pb)
-            grad_a = grad_a + cast(grad_a_norm, a_dt)  # autograd's two sums on the split path
-            grad_b = grad_b + cast(grad_b_norm, b_dt)
+                bias_parts=pb, add_to=(grad_a, grad_b))
         else:  # dg, db and dm = dg / n from the parts
             _, db, grad_m = triton_bwd().sum_parts(pg, pb, n=n if need_m else None, m_dtype=m_dt)
         return (grad_x, None, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),

@@ -36,6 +36,7 @@ from test_dora_norm import (
     _assert_float64,
     _capture,
     _chains,
+    _dora_torch_ops,
     _dora_group,
     _dora_layer,
     _float64_errors,
@@ -147,16 +148,17 @@ NO_X_CASES = [(37, 53, 7, 7, False), (37, 53, 7, 7, True)]
 
 
 def _layer_run(k, n, rows, r, detach, dt, need_x: bool = True) -> dict:
-    from lora_bench.kernels import triton_launch
+    from lora_bench.kernels import dora, dora_triton_bwd, dora_triton_fused, triton_launch
 
     layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
     x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_(need_x)
     g = fresh(rows, n, device="cpu", dtype=torch.float32)
+    ops = dict(function=dora.DoRAFusedFunction, kernel_modules=(dora_triton_fused, dora_triton_bwd))
     with use_policy(FUSED_POLICY), record_plans() as log:
-        with triton_launch.recording() as fwd:
+        with triton_launch.recording() as fwd, _dora_torch_ops(**ops) as fwd_ops:
             y = layer(x)
         wrt = [x, layer.lora.A, layer.lora.B, layer.m][0 if need_x else 1:]
-        with triton_launch.recording() as bwd:
+        with triton_launch.recording() as bwd, _dora_torch_ops(**ops) as bwd_ops:
             grads = torch.autograd.grad((y.float() * g).sum(), wrt)
     if need_x:
         errs = _float64_errors(layer, x, g, (y, *grads))
@@ -167,7 +169,7 @@ def _layer_run(k, n, rows, r, detach, dt, need_x: bool = True) -> dict:
         errs = {name: rel_err(got, w) for name, got, w in zip(("y", "A", "B", "m"), (y, *grads),
                                                                  (want[0], *want[2:5]))}
     return dict(backend=log.backend(), forward=[rec[0] for rec in fwd], backward=[rec[0] for rec in bwd],
-                errs=errs)
+                torch_ops=dict(forward=fwd_ops, backward=bwd_ops), errs=errs)
 
 
 # the backward's kernels: (rows, in, out per layer, r, layers side by side, dtype, bias, splits of the
@@ -319,6 +321,7 @@ def test_fused_layer_under_the_triton_interpreter(interp_runs, i):
     (run,) = [run for run in interp_runs if run.get("layer_case") == i]
     assert run["backend"] == "dora-norm-fused+fused", run
     assert run["forward"] == ["dora_fused_fwd"] and run["backward"] == BWD_TAGS[detach], run
+    assert run["torch_ops"] == {"forward": [], "backward": []}, run  # no sums or casts beside the kernels
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
     for name, err in run["errs"].items():
