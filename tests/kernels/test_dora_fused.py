@@ -145,6 +145,26 @@ BWD_TAGS = {False: ["dora_bwd_x", "dora_ab", "dora_norm_exact_bwd", "dora_norm_e
             True: ["dora_bwd_x", "dora_ab", "dora_scale_bwd_finish"]}
 # a layer whose input needs no gradient (a first block's): (in, out, rows, r, detached norm)
 NO_X_CASES = [(37, 53, 7, 7, False), (37, 53, 7, 7, True)]
+# bf16 mode's layer with float16 in bfloat16's place (the interpreter gets bf16 dots wrong): the frozen W
+# and bias stored in float16, A, B and m float32, called under the CPU's float16 autocast: (in, out,
+# rows, r, detached norm)
+AUTOCAST_CASES = [(37, 53, 9, 7, False), (40, 48, 9, 16, True)]
+
+
+def _autocast_run(k, n, rows, r, detach) -> dict:
+    """The fused layer in bf16 mode's dtypes under autocast (``AUTOCAST_CASES``): its path, its output's
+    and gradients' dtypes, and their errors against ``LinearWithDoRA`` in float64."""
+    from lora_bench.classifier.book import cast_frozen
+
+    layer = _dora_layer(k, n, r, dtype=torch.float32, detach=detach, device="cpu")
+    assert cast_frozen(layer, torch.float16) > 0
+    x = fresh(rows, k, device="cpu", dtype=torch.float32).requires_grad_()
+    g = fresh(rows, n, device="cpu", dtype=torch.float32)
+    with use_policy(FUSED_POLICY), record_plans() as log, torch.autocast("cpu", dtype=torch.float16):
+        if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.float16):
+            return dict(skip="this torch's CPU autocast does not take float16")
+        outs = _grads(layer, x, g)
+    return dict(backend=log.backend(), dtypes=[str(o.dtype) for o in outs], errs=_float64_errors(layer, x, g, outs))
 
 
 def _layer_run(k, n, rows, r, detach, dt, need_x: bool = True) -> dict:
@@ -266,6 +286,8 @@ def _interp_main() -> None:
         print(json.dumps(dict(layer_case=i, **_layer_run(*case))), flush=True)
     for i, (k, n, rows, r, detach) in enumerate(NO_X_CASES):
         print(json.dumps(dict(no_x_case=i, **_layer_run(k, n, rows, r, detach, "fp32", need_x=False))), flush=True)
+    for i, case in enumerate(AUTOCAST_CASES):
+        print(json.dumps(dict(autocast_case=i, **_autocast_run(*case))), flush=True)
     for i, case in enumerate(GROUP_CASES):
         print(json.dumps(dict(group_case=i, **_group_run(*case))), flush=True)
 
@@ -280,7 +302,7 @@ def interp_runs():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(runs) == (len(KERNEL_CASES) * len(SCALES) + len(BWD_KERNEL_CASES) + len(LAYER_CASES) + len(NO_X_CASES)
-                         + len(GROUP_CASES)), proc.stdout[-3000:]
+                         + len(AUTOCAST_CASES) + len(GROUP_CASES)), proc.stdout[-3000:]
     return runs
 
 
@@ -337,6 +359,23 @@ def test_fused_layer_whose_input_needs_no_gradient_under_the_triton_interpreter(
     assert run["forward"] == ["dora_fused_fwd"] and run["backward"] == BWD_TAGS[detach][1:], run
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
     assert set(run["errs"]) == {"y", "A", "B", "m"}, run
+    for name, err in run["errs"].items():
+        assert err <= bound, (run, name, bound)
+
+
+@pytest.mark.parametrize("i", range(len(AUTOCAST_CASES)))
+def test_fused_layer_in_bf16_modes_dtypes_under_autocast_under_the_triton_interpreter(interp_runs, i):
+    """A 16-bit frozen W beside float32 adapters under autocast (bf16 mode's layer, float16 standing in
+    for bfloat16) takes the fused path: x, A and B cast for the products, the norm from A in W's dtype
+    and B as stored; y in the 16-bit dtype, the gradients in their parameters' (float32); against
+    float64 within ``rounded_input_tol(float16, 8)``, the bound of the 16-bit layers."""
+    (run,) = [run for run in interp_runs if run.get("autocast_case") == i]
+    if "skip" in run:
+        pytest.skip(run["skip"])
+    assert run["backend"] == "dora-norm-fused+fused", run
+    assert run["dtypes"] == ["torch.float16"] + ["torch.float32"] * 4, run
+    bound = rounded_input_tol(torch.float16, 8)
+    assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
     for name, err in run["errs"].items():
         assert err <= bound, (run, name, bound)
 
