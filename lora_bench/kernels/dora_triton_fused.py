@@ -1,5 +1,5 @@
 """DoRA's norm and scale inside the LoRA op's Triton kernels (``dora_fusion: fused``;
-:mod:`lora_bench.kernels.dora`), where the split path launches kernels of their own beside the LoRA
+:mod:`lora_bench.kernels.dora_fused`), where the split path launches kernels of their own beside the LoRA
 op's (:mod:`lora_bench.kernels.dora_triton`, ``dora_triton_bwd``).
 
 Forward, ``lora_dora_forward``: one launch gives z = x·Wᵀ + s·(x·A)·B, h = x·A, the norm
@@ -17,7 +17,7 @@ Backward: the LoRA kernel's two launches with dz = dy ⊙ g formed as each tile 
 is never written: ``lora_dora_bwd_x`` (grad_x and u = dz·Bᵀ) and ``lora_dora_grad_ab`` (grad_A,
 grad_B, and beside grad_B the scale's parts of dg = Σ dy ⊙ z and db = Σ dy, one row of parts per
 split of the rows, which the norm's backward adds in order). This module imports Triton; import it
-lazily (``dora.triton_fused``)."""
+lazily (``dora_fused.triton_fused``)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.lora_triton import (AB_PICKED, MMConfig, _alloc, _mm_config, _precision, _sm_count, ab_split,
-                                            adapter_offsets, block_r, grad_a_tile, pick_ab_config, split_rows,
-                                            store_grad, tile_of)
+                                            block_r, pick_ab_config)
 from lora_bench.kernels.triton_launch import launch
+from lora_bench.kernels.triton_tiles import adapter_offsets, grad_a_tile, split_rows, store_grad, tile_of
 
 
 @triton.jit

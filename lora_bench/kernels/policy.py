@@ -44,8 +44,8 @@ class PlanPolicy:
     the layer's backward, ``deferred`` on a side stream joined once per backward pass
     (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline).
     ``dora_fusion``: where a DoRA layer's norm and scale run: ``split``, in launches of their own
-    beside the LoRA op's; ``fused``, inside the fused plan's LoRA kernels (:mod:`lora_bench.kernels.dora`,
-    ``fused_output``), elsewhere split."""
+    beside the LoRA op's; ``fused``, inside the fused plan's LoRA kernels
+    (:mod:`lora_bench.kernels.dora_fused`), elsewhere split."""
 
     forced: Plan | None = None
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT

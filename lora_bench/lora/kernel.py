@@ -14,8 +14,8 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import (TRITON, DoRASegmentsFunction, dora_output, fused_output, norm_dtype, norm_path,
-                                     triton_norm)
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_dtype, norm_path, triton_norm
+from lora_bench.kernels.dora_fused import fused_output
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked

@@ -168,12 +168,12 @@ def _autocast_run(k, n, rows, r, detach) -> dict:
 
 
 def _layer_run(k, n, rows, r, detach, dt, need_x: bool = True) -> dict:
-    from lora_bench.kernels import dora, dora_triton_bwd, dora_triton_fused, triton_launch
+    from lora_bench.kernels import dora_fused, dora_triton_bwd, dora_triton_fused, triton_launch
 
     layer = _dora_layer(k, n, r, dtype=DTYPE[dt], detach=detach, device="cpu")
     x = fresh(rows, k, device="cpu", dtype=DTYPE[dt]).requires_grad_(need_x)
     g = fresh(rows, n, device="cpu", dtype=torch.float32)
-    ops = dict(function=dora.DoRAFusedFunction, kernel_modules=(dora_triton_fused, dora_triton_bwd))
+    ops = dict(function=dora_fused.DoRAFusedFunction, kernel_modules=(dora_triton_fused, dora_triton_bwd))
     with use_policy(FUSED_POLICY), record_plans() as log:
         with triton_launch.recording() as fwd, _dora_torch_ops(**ops) as fwd_ops:
             y = layer(x)
@@ -401,7 +401,7 @@ def test_grouped_fused_layers_under_the_triton_interpreter(interp_runs, i):
 
 
 def _why(layer, x, policy=FUSED_POLICY):
-    from lora_bench.kernels.dora import fused_why
+    from lora_bench.kernels.dora_fused import fused_why
 
     with use_policy(policy):
         bias = layer.linear.bias
@@ -435,9 +435,9 @@ def test_the_fused_path_is_off_by_default_and_a_setting_turns_it_on():
 def test_a_trained_weight_and_a_non_fused_plan_keep_the_split_forward(monkeypatch):
     """Where Triton's path is open (as on a GPU), the fused path still needs a frozen W (the head's is
     trained) and the fused plan (an eager 16-bit call takes the C++ op's); each refusal is named."""
-    from lora_bench.kernels import dora
+    from lora_bench.kernels import dora_fused
 
-    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
+    monkeypatch.setattr(dora_fused, "_triton_why", lambda weight, a: None)
     layer = _dora_layer(37, 53, 7, dtype=torch.float32, detach=False, device="cpu")
     x = fresh(5, 37, device="cpu", dtype=torch.float32)
     assert _why(layer, x, PlanPolicy(forced=Plan.TORCH, dora_fusion="fused")) == "a LoRA plan other than fused"
@@ -452,10 +452,10 @@ def test_a_captured_call_takes_the_fused_kernels_where_a_lora_layer_takes_cublas
     """The size rule gives a captured LoRA layer of 1558M's MLP size the C++ op's cuBLAS GEMMs; a DoRA
     layer with ``dora_fusion: fused`` takes the fused kernels there (under capture only: an eager
     call the C++ op gets stays split)."""
-    from lora_bench.kernels import dora
+    from lora_bench.kernels import dora_fused
 
-    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
-    monkeypatch.setattr(dora, "plan_for_size", lambda x, numel, rank: Plan.CPP)
+    monkeypatch.setattr(dora_fused, "_triton_why", lambda weight, a: None)
+    monkeypatch.setattr(dora_fused, "plan_for_size", lambda x, numel, rank: Plan.CPP)
     layer = _dora_layer(37, 53, 7, dtype=torch.float32, detach=False, device="cpu")
     x = fresh(5, 37, device="cpu", dtype=torch.float32)
     assert _why(layer, x, PlanPolicy(capture=True, dora_fusion="fused")) is None
@@ -464,17 +464,17 @@ def test_a_captured_call_takes_the_fused_kernels_where_a_lora_layer_takes_cublas
 
 def test_layers_side_by_side_need_outputs_in_blocks_of_sixteen(monkeypatch):
     """Side by side, every block of outputs must lie in one layer's: 53 outputs are refused, 48 taken."""
-    from lora_bench.kernels import dora
+    from lora_bench.kernels import dora_fused
 
-    monkeypatch.setattr(dora, "_triton_why", lambda weight, a: None)
-    monkeypatch.setattr(dora, "plan_for_size", lambda x, numel, rank: Plan.FUSED)  # as captured on a GPU
+    monkeypatch.setattr(dora_fused, "_triton_why", lambda weight, a: None)
+    monkeypatch.setattr(dora_fused, "plan_for_size", lambda x, numel, rank: Plan.FUSED)  # as captured on a GPU
     for n, want in ((53, "outputs side by side"), (48, None)):
         layers = [_dora_layer(37, n, 7, dtype=torch.float32, detach=False, device="cpu") for _ in range(3)]
         params = [*(m.m for m in layers), *(m.linear.bias for m in layers), *(m.lora.A for m in layers),
                   *(m.lora.B for m in layers)]
         weight = torch.cat([m.linear.weight for m in layers])
         with use_policy(FUSED_POLICY):
-            why = dora.fused_why(fresh(5, 37, device="cpu", dtype=torch.float32), weight, params, 3)
+            why = dora_fused.fused_why(fresh(5, 37, device="cpu", dtype=torch.float32), weight, params, 3)
         assert (why is None) if want is None else (want in why), why
 
 
