@@ -63,6 +63,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
+def assert_within(errs: dict[str, float], bounds: dict[str, float] | float, context=None) -> None:
+    """Each error of ``errs`` (by name) at most its bound: ``bounds`` by name, or one for all;
+    ``context`` shown beside a failure."""
+    for name, err in errs.items():
+        bound = bounds[name] if isinstance(bounds, dict) else bounds
+        assert err <= bound, (context, name, err, bound)
+
+
 # half an ulp at 1: the relative size of one rounding to nearest
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from numerics import dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from numerics import assert_within, dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
 from test_dora_norm import (
     AUTOCAST_MODES,
     GROUP_NAMES,
@@ -317,8 +317,7 @@ def test_fused_forward_kernel_under_the_triton_interpreter(interp_runs, i):
     bounds = _kernel_bounds(k, r, dt)
     for run in runs:
         assert set(run["errs"]) == set(OUTPUTS), run
-        for name, err in run["errs"].items():
-            assert err <= bounds[name], (run, name, bounds[name])
+        assert_within(run["errs"], bounds, run)
 
 
 @pytest.mark.parametrize("i", range(len(BWD_KERNEL_CASES)))
@@ -330,8 +329,7 @@ def test_fused_backward_kernels_under_the_triton_interpreter(interp_runs, i):
     bounds = _bwd_kernel_bounds(rows, n, r, S, dt, splits)
     assert run["errs"].pop("parts") == splits
     assert set(run["errs"]) == {"gx", "u", "ga", "gb", "dg"} | ({"db"} if bias else set()), run
-    for name, err in run["errs"].items():
-        assert err <= bounds[name], (run, name, bounds[name])
+    assert_within(run["errs"], bounds, run)
 
 
 @pytest.mark.parametrize("i", range(len(LAYER_CASES)))
@@ -346,8 +344,7 @@ def test_fused_layer_under_the_triton_interpreter(interp_runs, i):
     assert run["torch_ops"] == {"forward": [], "backward": []}, run  # no sums or casts beside the kernels
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 @pytest.mark.parametrize("i", range(len(NO_X_CASES)))
@@ -359,8 +356,7 @@ def test_fused_layer_whose_input_needs_no_gradient_under_the_triton_interpreter(
     assert run["forward"] == ["dora_fused_fwd"] and run["backward"] == BWD_TAGS[detach][1:], run
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows))
     assert set(run["errs"]) == {"y", "A", "B", "m"}, run
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 @pytest.mark.parametrize("i", range(len(AUTOCAST_CASES)))
@@ -376,8 +372,7 @@ def test_fused_layer_in_bf16_modes_dtypes_under_autocast_under_the_triton_interp
     assert run["dtypes"] == ["torch.float16"] + ["torch.float32"] * 4, run
     bound = rounded_input_tol(torch.float16, 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"}, run
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 @pytest.mark.parametrize("i", range(len(GROUP_CASES)))
@@ -393,8 +388,7 @@ def test_grouped_fused_layers_under_the_triton_interpreter(interp_runs, i):
     assert run["backward"] == BWD_TAGS[detach] * (1 if grouped else 3), run
     bound = dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == set(GROUP_NAMES), run
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 # ------------------------------------------------------------------------ when it is taken

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from numerics import ROOT, dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from numerics import ROOT, assert_within, dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
 
 from lora_bench.kernels.policy import record_plans
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
@@ -356,8 +356,7 @@ def test_forward_kernel_under_the_triton_interpreter(interp_runs, i):
     bounds = _fwd_bounds(k, r, dt)
     for run in runs:
         assert set(run["errs"]) == set(bounds), run
-        for name, err in run["errs"].items():
-            assert err <= bounds[name], (run, name, bounds[name])
+        assert_within(run["errs"], bounds, run)
 
 
 @pytest.mark.parametrize("i", range(len(BWD_CASES)))
@@ -372,8 +371,7 @@ def test_exact_backward_kernel_under_the_triton_interpreter(interp_runs, i):
     bounds = _bwd_bounds(out, r, DTYPE[dt])
     for run in runs:
         assert set(run["errs"]) == ({"dm", "dB", "dA", "cb"} if run["needs"][0] else {"dA"}), run
-        for name, err in run["errs"].items():
-            assert err <= bounds[name], (run, name, bounds[name])
+        assert_within(run["errs"], bounds, run)
     (run,) = [run for run in interp_runs if run.get("bwd_parts_case") == i]
     assert set(run["errs"]) == {"dm", "dB", "dA", "cb", "db"}, run
     summed = {**{name: b + dot_tol(torch.float32, BWD_PARTS) for name, b in bounds.items()},
@@ -395,8 +393,7 @@ def test_scale_backward_kernel_under_the_triton_interpreter(interp_runs, i):
     bounds = {"dz": rounded_input_tol(DTYPE[dt], 1), "dg": dot_tol(torch.float32, rows + 1),
               "db": dot_tol(torch.float32, rows)}
     assert set(run["errs"]) == ({"dz", "dg", "db"} if bias else {"dz", "dg"}), run
-    for name, err in run["errs"].items():
-        assert err <= bounds[name], (run, name, bounds[name])
+    assert_within(run["errs"], bounds, run)
 
 
 @pytest.mark.parametrize("i", range(len(LAYER_CASES)))
@@ -409,8 +406,7 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
     assert run["dora"] == ["triton"] and run["backend"] == "dora-norm-triton+torch", run
     bound = dot_tol(torch.float32, dora_chain(k, n, r, rows)) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 8)
     assert set(run["errs"]) == {"y", "x", "A", "B", "m"} | ({"W", "b"} if trained else set()), run
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 # a DoRA function's launches: forward the norm's parts of K, then their sum, g and the scale;
@@ -445,8 +441,7 @@ def test_grouped_dora_layers_under_the_triton_interpreter(interp_runs, i):
     assert run["dora"] == ["triton"], run
     bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
              else rounded_input_tol(DTYPE[dt], 8))
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 @pytest.mark.parametrize("i", WIDE_GROUP_CASES)
@@ -464,8 +459,7 @@ def test_grouped_layers_take_the_widest_block_that_fits_under_the_triton_interpr
     assert {tag: grid[0] for tag, grid in run["fwd_grids"].items()} == {tag: 3 * n // block for tag in FWD_TAGS}
     bound = (dot_tol(torch.float32, dora_chain(k, 3 * n, r, rows)) if dt == "fp32"
              else rounded_input_tol(DTYPE[dt], 8))
-    for name, err in run["errs"].items():
-        assert err <= bound, (run, name, bound)
+    assert_within(run["errs"], bound, run)
 
 
 # ------------------------------------------------------------------ the layer (interpreter and GPU)
