@@ -153,20 +153,25 @@ def fused_why(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor],
 
 def fused_output(x: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *, scale: float,
                  segments: int, has_bias: bool, exact: bool,
-                 weight_sq: torch.Tensor | None = None) -> torch.Tensor | None:
+                 weight_sq: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """y of S DoRA layers on x (``DoRAFusedFunction``: W is S·n × in, ``params`` the m's, biases, A's
-    and B's in its order, ``weight_sq`` W's ‖W_j‖² in float32 or None), where the policy in force
-    asks for ``dora_fusion: fused``, torch.compile is not tracing, and the call can run it
-    (``fused_why``); noted as the LoRA plan ``fused`` with the norm's path ``fused``. Else None,
-    nothing run or noted: the caller runs the split path, which notes its own."""
+    and B's in its order, ``weight_sq`` W's ‖W_j‖² in float32, the S layers' one by one (read as one
+    where they lie back to back), or None), where the policy in force asks for ``dora_fusion:
+    fused``, torch.compile is not tracing, and the call can run it (``fused_why``); noted as the LoRA
+    plan ``fused`` with the norm's path ``fused``. Else None, nothing run or noted: the caller runs
+    the split path, which notes its own. Where no float32 ‖W_j‖² lies in one buffer (a float64 W's,
+    layers' not back to back), the kernel sums it itself."""
     if torch.compiler.is_compiling() or current_policy().dora_fusion != DORA_FUSION_FUSED:
         return None
     if fused_why(x, weight, params, segments) is not None:
         return None
     note(Plan.FUSED)
     note_dora(FUSED)
+    if isinstance(weight_sq, list):  # (read as one only here: the split path never pays for it)
+        weight_sq = stacked(weight_sq)
+        weight_sq = None if weight_sq is None else weight_sq.reshape(-1)
     if weight_sq is not None and weight_sq.dtype is not torch.float32:
-        weight_sq = None  # (a float64 W's: the kernel sums ‖W_j‖² itself)
+        weight_sq = None
     return DoRAFusedFunction.apply(x, scale, segments, has_bias, exact, weight, weight_sq, *params)
 
 

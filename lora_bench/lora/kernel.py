@@ -111,10 +111,9 @@ class DoRASideBySide(SideBySide):
             params = _dora_params(layers)
         if weights is not None and params is not None:
             with _inline_adapter_grads():
-                sq = stacked([m.weight_sq for m in layers])
                 y = fused_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
                                  segments=len(layers), has_bias=first.linear.bias is not None,
-                                 exact=not first.detach_norm, weight_sq=None if sq is None else sq.reshape(-1))
+                                 exact=not first.detach_norm, weight_sq=[m.weight_sq for m in layers])
             if y is not None:
                 return y.split(w.shape[0], dim=-1)
             norms = triton_norm()
