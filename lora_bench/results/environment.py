@@ -39,7 +39,7 @@ class SourceCommit:
 def source_commit() -> SourceCommit:
     """The commit of the lora-bench source, read once per process: ``LORA_BENCH_GIT_COMMIT`` when
     set (the tree is a copy without git history), else ``git rev-parse`` of the checkout the package
-    is imported from, dirty when tracked files differ from it."""
+    is imported from, dirty when tracked files outside its results folder differ from it."""
     passed = os.environ.get(COMMIT_ENV, "").strip()
     if passed and passed.lower() != "unknown":
         return SourceCommit(passed.removesuffix(DIRTY), passed.endswith(DIRTY), COMMIT_ENV)
@@ -50,13 +50,25 @@ def source_commit() -> SourceCommit:
         sha = proc.stdout.strip() if proc.returncode == 0 else ""
         if not sha:
             return SourceCommit("", None, "unknown")
-        # no optional locks: asking must not write .git/index.lock, which a process killed meanwhile
-        # (or past its file-size limit) would leave behind, blocking the user's next git command
-        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = source_modified(root)
     except (OSError, subprocess.SubprocessError):
         return SourceCommit("", None, "unknown")
-    return SourceCommit(sha, bool(dirty), "git")
+    return SourceCommit(sha, dirty, "git")
+
+
+# The checkout's own results folder: runs write there, so a run that follows another in the same
+# checkout finds its tracked result files modified. That is output, not a change to the source.
+RESULTS_PATHSPEC = ":(exclude)results"
+
+
+def source_modified(root: Path) -> bool:
+    """Whether tracked files of the checkout at ``root`` differ from its commit, leaving out its
+    ``results/`` folder (the harness's output)."""
+    # no optional locks: asking must not write .git/index.lock, which a process killed meanwhile
+    # (or past its file-size limit) would leave behind, blocking the user's next git command
+    out = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                          RESULTS_PATHSPEC], cwd=root, capture_output=True, text=True, timeout=5, check=True).stdout
+    return bool(out.strip())
 
 
 def git_commit() -> str:

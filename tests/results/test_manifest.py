@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -300,3 +301,29 @@ def test_index_shows_a_rows_device_as_text(tmp_path):
     # folder, what, command, commit, device, dates, runs: seven cells, the device's pipe escaped once
     assert len(table) == 1 and table[0].count(" | ") == 6 and "\\\\|" not in table[0], table
     assert "- device: &lt;script&gt;x&lt;/script&gt; \\| \\[a\\](javascript:y)" in text.splitlines(), text
+
+
+def test_results_written_into_the_checkout_do_not_mark_the_source_modified(tmp_path):
+    # a sweep's second shard finds the first's rows in the checkout's tracked results folder: that is
+    # output, and the commit it ran is still the commit as checked out; a changed source file is not
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("needs git")
+
+    def run(*args):
+        subprocess.run([git, *args], cwd=tmp_path, check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                            "GIT_COMMITTER_EMAIL": "t@t"})
+
+    (tmp_path / "results" / "study").mkdir(parents=True)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "results" / "study" / "runs.csv").write_text("run_id\na\n")
+    (tmp_path / "pkg" / "step.py").write_text("x = 1\n")
+    run("init", "-q")
+    run("add", ".")
+    run("commit", "-q", "-m", "c")
+    assert env_mod.source_modified(tmp_path) is False
+    (tmp_path / "results" / "study" / "runs.csv").write_text("run_id\na\nb\n")
+    assert env_mod.source_modified(tmp_path) is False
+    (tmp_path / "pkg" / "step.py").write_text("x = 2\n")
+    assert env_mod.source_modified(tmp_path) is True
