@@ -5,9 +5,7 @@ gradient, the floor any LoRA layer sits on), ``lora``, ``lora-merged``, ``lora-k
 measurements ``lora-kernel:PLAN`` forces one of lora-kernel's plans through the plan policy
 (:mod:`lora_bench.kernels.policy`), e.g. ``lora-kernel:direct``; and, asked for by name, DoRA's
 layers (``DORA_IMPLS``: ``dora``, ``dora-merged``, ``dora-kernel``, ``dora-kernel-detached``: the
-book-style pair and the fused layer with the exact or the detached norm; m trains beside A and B),
-the fused ones with ``:split`` or ``:fused`` for where their norm and scale run (the
-``dora_fusion`` setting; plain: the policy in force).
+book-style pair and the fused layer with the exact or the detached norm; m trains beside A and B).
 The ``backend`` column names the plan(s) the layer's calls ran, eagerly and, where it differs,
 replayed from a CUDA graph ("direct; graph fused"), and where a fused DoRA layer's norm ran. How
 it times (events back to back, implementations interleaved in rounds, fresh inputs beyond the L2):
@@ -29,13 +27,11 @@ import torch
 import torch.nn as nn
 
 from lora_bench.classifier.book import cast_frozen
-from lora_bench.kernels.plan_names import DORA_FUSIONS
 from lora_bench.kernels.policy import (
     Plan,
     PlanLog,
     PlanPolicy,
     current_policy,
-    parse_dora_fusion,
     parse_plan,
     record_plans,
     use_policy,
@@ -146,14 +142,14 @@ def _make_layer(impl: str, shape: Shape, dtype: torch.dtype, device: torch.devic
     if impl == "frozen":
         layer, params = lin.to(device, dtype), []
     else:
-        if (base := impl.partition(":")[0]) in DORA_IMPLS:
-            name, detach = DORA_IMPLS[base]
+        if impl in DORA_IMPLS:
+            name, detach = DORA_IMPLS[impl]
             layer = lora_class(name, "dora")(lin, shape.rank, ALPHA, detach_norm=detach)
         else:
             layer = lora_class(impl.split(":")[0])(lin, shape.rank, ALPHA)
         nn.init.normal_(layer.lora.B, std=0.02)
         layer = layer.to(device, dtype)
-        params = [layer.lora.A, layer.lora.B, *([layer.m] if base in DORA_IMPLS else [])]
+        params = [layer.lora.A, layer.lora.B, *([layer.m] if impl in DORA_IMPLS else [])]
     if autocast:
         cast_frozen(layer, torch.bfloat16)
         layer = _Autocast(layer)
@@ -258,18 +254,10 @@ def _time_graph(sets: list[tuple], *, repeats: int, device: torch.device) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in spans)
 
 
-DORA_KERNEL_IMPLS = tuple(name for name, (layers, _) in DORA_IMPLS.items() if layers == "lora-kernel")
-
-
 def _policy(impl: str, base: PlanPolicy) -> PlanPolicy:
-    """The plan policy an implementation runs under: ``base``, with ``lora-kernel:PLAN``'s plan forced
-    or a fused DoRA layer's ``:split`` or ``:fused`` (``dora_fusion``)."""
-    base_impl, _, mode = impl.partition(":")
-    if base_impl == "lora-kernel" and mode:
-        return dataclasses.replace(base, forced=parse_plan(mode))
-    if base_impl in DORA_KERNEL_IMPLS and mode:
-        return dataclasses.replace(base, dora_fusion=parse_dora_fusion(mode))
-    return base
+    """The plan policy an implementation runs under: ``base``, with ``lora-kernel:PLAN``'s plan forced."""
+    base_impl, _, plan = impl.partition(":")
+    return dataclasses.replace(base, forced=parse_plan(plan)) if base_impl == "lora-kernel" and plan else base
 
 
 def _plans(log: PlanLog) -> str:
@@ -279,7 +267,7 @@ def _plans(log: PlanLog) -> str:
 
 def _kernel(impl: str) -> bool:
     """Whether the implementation is a fused layer (its plans are noted)."""
-    return impl.startswith("lora-kernel") or impl.partition(":")[0] in DORA_KERNEL_IMPLS
+    return impl.startswith("lora-kernel") or DORA_IMPLS.get(impl, ("",))[0] == "lora-kernel"
 
 
 def _bench_group(impls: list[str], shape: Shape, dtype_name: str, *, device: torch.device, repeats: int,
@@ -393,15 +381,12 @@ def run_kernel_bench(
         base, _, mode = impl.partition(":")
         if base not in IMPLS:
             raise ValueError(f"impl {impl!r} is not one of {IMPLS} (or lora-kernel:PLAN)")
-        if mode and base != "lora-kernel" and base not in DORA_KERNEL_IMPLS:
-            raise ValueError(f"impl {impl!r}: only lora-kernel (:PLAN) and {', '.join(DORA_KERNEL_IMPLS)} "
-                             f"(:{', :'.join(DORA_FUSIONS)}) take a suffix")
+        if mode and base != "lora-kernel":
+            raise ValueError(f"impl {impl!r}: only lora-kernel takes a :PLAN suffix")
         try:
             policies[impl] = _policy(impl, base_policy)
         except ValueError:
-            allowed = (f"lora-kernel's plans are {', '.join(p.value for p in Plan)}" if base == "lora-kernel"
-                       else f"a fused DoRA layer's dora_fusion is one of {', '.join(DORA_FUSIONS)}")
-            raise ValueError(f"impl {impl!r}: {allowed}") from None
+            raise ValueError(f"impl {impl!r}: lora-kernel's plans are {', '.join(p.value for p in Plan)}") from None
     dtypes = dtypes or ["fp32", "bf16"]
     for d in dtypes:
         if d not in DTYPES:

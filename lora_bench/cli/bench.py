@@ -29,8 +29,7 @@ def kernel_bench(
                                                       "lora-kernel (lora-kernel:MODE forces a plan: direct, cpp, "
                                                       "fused, cublas, torch) (default: these four), and DoRA's "
                                                       "dora, dora-merged, dora-kernel, "
-                                                      "dora-kernel-detached (the last two with :split or "
-                                                      ":fused: where the norm and the scale run).")] = None,
+                                                      "dora-kernel-detached.")] = None,
     dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, fp16, and bf16-autocast (the "
                                               "training precision bf16: the frozen weight stored in bfloat16, "
                                               "the adapters float32, each call under autocast).")] = "fp32,bf16",

@@ -9,8 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, DORA_FUSION_SPLIT, DORA_FUSIONS,
-                                          PLAN_NAMES)
+from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, PLAN_NAMES
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
@@ -140,14 +139,6 @@ class SettingFields:
     dora_norm: str = _s("exact", "lora_variant=dora: the norm's gradient. exact: the full gradient; detached: the "
                         "norm treated as a constant in backward, as DoRA's paper trains it (and PEFT's DoRA "
                         "always does).", LORA, choices=DORA_NORMS)
-    dora_fusion: str = _s(DORA_FUSION_SPLIT, "lora_variant=dora with trainable_layers=lora-kernel: where the norm "
-                           "and the scale run. split: Triton launches of their own beside the LoRA op's; fused: "
-                           "inside the LoRA op's Triton kernels (the fused plan: CUDA graphs): forward one launch "
-                           "(W @ A and A's Gram matrix summed beside x @ W^T, the norm and the scale in its "
-                           "epilogue), backward dz = dy * g formed where dy is read and the scale's sums beside "
-                           "the adapters' gradients; calls the fused plan does not run stay split "
-                           "(docs/variants.md).", LORA,
-                           choices=DORA_FUSIONS)
     lora_init: str = _s("kaiming", "How the adapters start. kaiming: A kaiming-uniform, B zeros (the reference's); "
                         "pissa: PiSSA, A and B from the frozen weight's top lora_rank singular vectors and values, "
                         "the weight replaced by its residual, so the model starts as the base model (a one-time "

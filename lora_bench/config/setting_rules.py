@@ -21,7 +21,7 @@ from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
 # settings of the fused LoRA layer alone: any other trainable-layer choice runs them at their default
-KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads", "dora_fusion")
+KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads")
 
 
 # -- problems ---------------------------------------------------------------------------------
@@ -172,17 +172,6 @@ def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *nam
     dora = ok("lora_variant") and v["lora_variant"] == "dora"
     if ok("dora_norm", "lora_variant") and v["dora_norm"] != "exact" and v["lora_variant"] != "dora":
         out.append(problem("dora_norm", "{dora_norm}={p} is only used with {lora_variant}=dora", p=raw(v["dora_norm"])))
-    if ok("dora_fusion", "lora_variant") and v["dora_fusion"] != "split" and v["lora_variant"] != "dora":
-        out.append(problem("dora_fusion", "{dora_fusion}={p} is only used with {lora_variant}=dora",
-                           p=raw(v["dora_fusion"])))
-    if dora and ok("dora_fusion", "compile", "cuda_graphs", "kernel_plan") and v["dora_fusion"] == "fused":
-        if v["compile"]:
-            out.append(problem("dora_fusion", "{dora_fusion}=fused with {compile} is refused: torch.compile traces "
-                                              "DoRA's norm as torch ops, so the fused kernels would not run"))
-        elif not v["cuda_graphs"] and v["kernel_plan"] != "fused":
-            out.append(problem("dora_fusion", "{dora_fusion}=fused needs {cuda_graphs} or {kernel_plan}=fused: the "
-                                              "fused kernels run in the LoRA op's fused plan, which an eager step "
-                                              "does not take"))
     if dora and ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
         out.append(problem("lora_variant", "{lora_variant}=dora with {base_dtype}={b} is refused: DoRA's norm reads "
                                            "the frozen weight itself (its row norms and W @ A), which a stored base "

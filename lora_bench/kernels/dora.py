@@ -16,9 +16,6 @@ constant in backward (dm only). The norm runs in float32 (a 16-bit W and A are r
 stored, their products accumulated in float32; a float64 W in float64). A is read in W's dtype: in
 bf16 mode (a bfloat16 W, a float32 A under autocast) it is rounded to bfloat16 for W·A and its Gram
 matrix, as the LoRA op under autocast rounds it for x·A. z (N × out) is kept for dg.
-
-With ``dora_fusion: fused`` the same math runs inside the LoRA op's kernels instead
-(:mod:`lora_bench.kernels.dora_fused`).
 """
 
 from __future__ import annotations
@@ -54,26 +51,21 @@ def triton_bwd():
     return dora_triton_bwd
 
 
-def _triton_why(weight: torch.Tensor, a: torch.Tensor) -> str | None:
-    """Why the norm of a call with this weight and A (one layer's: in × r) cannot run in Triton, or None."""
-    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
-        return f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
-    if a.shape[-1] > TRITON_NORM_MAX_RANK:
-        return f"rank {a.shape[-1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
-    if not (weight.is_cuda or available.interpreting()):
-        return "the CPU"
-    if triton_norm() is None:
-        return "Triton is unavailable"
-    return None
-
-
 def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     """Where the norm (and the scale) of a layer call with this weight and A runs, noted in the plan
     log: ``triton`` (two launches forward) on CUDA, or under Triton's CPU interpreter, where Triton is
     there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
-    why = _triton_why(weight, a)
+    why = None
+    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
+        why = f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
+    elif a.shape[1] > TRITON_NORM_MAX_RANK:
+        why = f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
+    elif not (weight.is_cuda or available.interpreting()):
+        why = "the CPU"
+    elif triton_norm() is None:
+        why = "Triton is unavailable"
     path = TRITON if why is None else TORCH
     note_dora(path if why is None else f"{TORCH}: {why}")
     return path
@@ -261,21 +253,6 @@ def _norm_backward(ctx, saved: list[torch.Tensor], grad_g: torch.Tensor, *, need
     return grad_w, grad_a, grad_b, grad_m
 
 
-def _split_params(params, S: int, has_bias: bool):
-    """The S m's, biases (None where the layers have none), A's and B's of a DoRA function's inputs."""
-    ms, bs = params[:S], (params[S:2 * S] if has_bias else None)
-    return ms, bs, params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
-
-
-def _per_layer(t: torch.Tensor | None, S: int, flat: bool = False) -> tuple:
-    """A gradient of S layers side by side as one per layer (``flat``: S·n values, n each)."""
-    if t is None:
-        return (None,) * S
-    if S == 1:
-        return (t,)
-    return (t.view(S, -1) if flat else t).unbind(0)
-
-
 class DoRASegmentsFunction(torch.autograd.Function):
     """S DoRA layers side by side (one input, so one z): y (..., S·n) = g ⊙ z + b over all S·n outputs,
     layer i's in columns [i·n, (i+1)·n), each layer's g from its own W rows, A, B and m. The Triton
@@ -289,7 +266,8 @@ class DoRASegmentsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, scale, segments, has_bias, exact, weight, *params):
         S = segments
-        ms, bs, As, Bs = _split_params(params, S, has_bias)
+        ms, bs = params[:S], (params[S:2 * S] if has_bias else None)
+        As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
         m3 = stacked(list(ms)).reshape(-1)
         bias3 = stacked(list(bs)).reshape(-1) if has_bias else None
         a3, b3 = stacked(list(As)), stacked(list(Bs))
@@ -330,9 +308,11 @@ class DoRASegmentsFunction(torch.autograd.Function):
                                                              m_dtype=m_dt)
             dz = None if dz is None else dz.view(dy.shape)
             grad_a = grad_b = None
-        return (dz, None, None, None, None, None, *_per_layer(grad_m, S, flat=True),
-                *(_per_layer(cast(db, bias_dt), S, flat=True) if ctx.has_bias else ()),
-                *_per_layer(cast(grad_a, a_dt), S), *_per_layer(cast(grad_b, b_dt), S))
+        per_m = (None,) * S if grad_m is None else grad_m.view(S, -1).unbind(0)
+        per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
+        per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)
+        per_bb = (None,) * S if grad_b is None else cast(grad_b, b_dt).unbind(0)
+        return (dz, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
@@ -344,5 +324,5 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
     return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
 
 
-__all__ = ["COMPILED", "TRITON_NORM_MAX_RANK", "DoRAFunction", "DoRASegmentsFunction", "dora_output", "norm_dtype",
+__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
            "norm_path", "norm_torch", "triton_bwd", "triton_norm"]

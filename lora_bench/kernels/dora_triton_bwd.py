@@ -59,7 +59,7 @@ def _dora_exact_bwd_kernel(
     stride_gs, stride_gr, stride_gn, stride_cn, stride_cr,
     PRECISION: tl.constexpr, PRECISION_F32: tl.constexpr, NEED_M: tl.constexpr, NEED_B: tl.constexpr,
     NEED_CB: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, ADD_B: tl.constexpr = False,
+    BLOCK_R: tl.constexpr,
 ):
     # For a block of A's rows and a part of the outputs: that part's Wᵀ·(c ⊙ Bᵀ) for the rows and its
     # B·diag(c)·Bᵀ (r × r, summed alike by every block of rows, written by the first), c ⊙ Bᵀ rebuilt per
@@ -114,11 +114,8 @@ def _dora_exact_bwd_kernel(
             tl.store(gm_ptr + offs_n, (dg / nrm).to(gm_ptr.dtype.element_ty), mask=own)
         if NEED_B:
             v = tl.load(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, mask=own_r, other=0.0)
-            gb_ptrs = gb_ptr + offs_r[None, :] * stride_gr + offs_n[:, None] * stride_gn
-            dbn = v * c[:, None]
-            if ADD_B:  # onto the gradient already there (the LoRA kernels'), one rounding
-                dbn += tl.load(gb_ptrs, mask=own_r, other=0.0).to(tl.float32)
-            tl.store(gb_ptrs, dbn.to(gb_ptr.dtype.element_ty), mask=own_r)
+            tl.store(gb_ptr + offs_r[None, :] * stride_gr + offs_n[:, None] * stride_gn,
+                     (v * c[:, None]).to(gb_ptr.dtype.element_ty), mask=own_r)
         if NEED_CB:
             tl.store(cb_ptr + offs_n[:, None] * stride_cn + offs_r[None, :] * stride_cr, cb, mask=own_r)
         if NEED_DB:
@@ -135,7 +132,7 @@ def _dora_exact_bwd_kernel(
 @triton.jit
 def _dora_exact_bwd_finish_kernel(pa_ptr, pbcb_ptr, a_ptr, ga_ptr, K, R, PARTS, stride_as, stride_ak, stride_ar,
                                   stride_gas, stride_gak, stride_gar, scale, PRECISION_F32: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ADD_A: tl.constexpr = False):
+                                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     # dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) for a block of A's rows of segment program_id(1), the
     # parts of the outputs summed in order
     pid = tl.program_id(0)
@@ -154,10 +151,8 @@ def _dora_exact_bwd_finish_kernel(pa_ptr, pbcb_ptr, a_ptr, ga_ptr, K, R, PARTS, 
     a = tl.load(a_ptr + seg * stride_as + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar, mask=kr_mask,
                 other=0.0).to(tl.float32)
     ga = (2.0 * scale) * acc + (2.0 * scale * scale) * tl.dot(a, bcb, input_precision=PRECISION_F32)
-    ga_ptrs = ga_ptr + seg * stride_gas + offs_k[:, None] * stride_gak + offs_r[None, :] * stride_gar
-    if ADD_A:  # onto the gradient already there (the LoRA kernels'), one rounding
-        ga += tl.load(ga_ptrs, mask=kr_mask, other=0.0).to(tl.float32)
-    tl.store(ga_ptrs, ga.to(ga_ptr.dtype.element_ty), mask=kr_mask)
+    tl.store(ga_ptr + seg * stride_gas + offs_k[:, None] * stride_gak + offs_r[None, :] * stride_gar,
+             ga.to(ga_ptr.dtype.element_ty), mask=kr_mask)
 
 
 @triton.jit
@@ -242,8 +237,8 @@ def exact_bwd_config(device: torch.device, k: int, out: int) -> tuple[int, int, 
 
 def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, weight: torch.Tensor,
                    a: torch.Tensor, b: torch.Tensor, scale: float, *, m_dtype: torch.dtype, need_m: bool,
-                   need_b: bool, need_cb: bool, bias_parts: torch.Tensor | None = None,
-                   add_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, ...]:
+                   need_b: bool, need_cb: bool,
+                   bias_parts: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """The exact norm's backward in two launches (S layers side by side as ``dora_forward`` takes
     them: dB (S × r × n) and dA (S × in × r) then), from ``dora_norm``'s outputs and dg (out, float32),
     with W (out × in, as stored), A (in × r) and B (r × out): (dm = dg / n in ``m_dtype``, dB = vᵀ ⊙ c
@@ -257,11 +252,7 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     dg may come as the scale's parts (P × out, ``scale_bias_bwd(..., sums=False)``), added in order
     where it is read, with the bias's parts (``bias_parts``, P × out) beside it: their sum db (out,
     float32) is then written on the way and returned fifth (else None), so the scale's backward
-    needs no launch to add its parts.
-
-    ``add_to`` (dA's and dB's tensors, A's and B's shapes): dA and dB are added onto what they hold
-    (the LoRA kernels' gradients of the same A and B), in float32 and rounded once, and returned in
-    them (dB is then always written)."""
+    needs no launch to add its parts."""
     out, k = weight.shape
     flat = a.dim() == 2
     a, b, S = _segments(a, b)
@@ -272,15 +263,10 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
     assert dg_parts.shape[1] == out and dg_parts.stride(1) == 1 and (bias_parts is None or (
         bias_parts.shape == dg_parts.shape and bias_parts.stride() == dg_parts.stride())), (dg.shape, out)
     gm = _alloc((out,), dg, m_dtype) if need_m else None
-    if add_to is not None:
-        ga, gb = (t.view(S, *t.shape[-2:]) for t in add_to)
-        assert ga.shape == (S, k, r) and gb.shape == (S, r, seg_out), (ga.shape, gb.shape)
-        need_b = True
-    else:
-        ga = _alloc((S, k, r), a)
-        gb = _alloc((S, r, seg_out), dg, b.dtype) if need_b else None
+    gb = _alloc((S, r, seg_out), dg, b.dtype) if need_b else None
     cb = _alloc((out, r), dg, torch.float32) if need_cb else None
     db = _alloc((out,), dg, torch.float32) if bias_parts is not None else None
+    ga = _alloc((S, k, r), a)
     bk, bn, warps, stages = exact_bwd_config(weight.device, k, out)
     blocks, br = triton.cdiv(k, bk), block_r(r)
     steps = triton.cdiv(seg_out, bn)
@@ -295,12 +281,10 @@ def dora_exact_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torc
             pbcb, bias_parts if db is not None else dg, db if db is not None else dg),
            (seg_out, k, r, n_per, dg_parts.shape[0], dg_parts.stride(0), *vt.stride(), *weight.stride(),
             *b.stride(), *gs, *cs), (),
-           (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, db is not None, bk, bn, br,
-            add_to is not None),
+           (_precision(weight.dtype), _precision(torch.float32), need_m, need_b, need_cb, db is not None, bk, bn, br),
            tag="dora_norm_exact_bwd", num_warps=warps, num_stages=stages)
     launch(_dora_exact_bwd_finish_kernel, (blocks, S, 1), (pa, pbcb, a, ga),
-           (k, r, parts, *a.stride(), *ga.stride()), (float(scale),),
-           (_precision(torch.float32), bk, br, add_to is not None),
+           (k, r, parts, *a.stride(), *ga.stride()), (float(scale),), (_precision(torch.float32), bk, br),
            tag="dora_norm_exact_bwd_finish", num_warps=4, num_stages=1)
     if flat:  # one layer: its own (in × r) and (r × out)
         return gm, None if gb is None else gb[0], ga[0], cb, db
@@ -342,30 +326,11 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
         pb.zero_()
     if not sums:
         return dz, pg, pb if need_db else None, None
-    _finish(pg, pb, dg, db, n, gm)
+    fn = 64 if z.is_cuda else 16
+    launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
+           (pg, pb, dg, db if need_db else dg, n if n is not None else dg, gm if gm is not None else dg),
+           (N, parts), (), (need_db, gm is not None, fn), tag="dora_scale_bwd_finish", num_warps=4, num_stages=1)
     return dz, dg, db, gm
 
 
-def _finish(pg, pb, dg, db, n, gm) -> None:
-    """dg (and db) from their parts (P × N) summed in order, and dm = dg / n into ``gm`` where given."""
-    parts, N = pg.shape
-    fn = 64 if pg.is_cuda else 16
-    launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
-           (pg, pb, dg, db if db is not None else dg, n if n is not None else dg, gm if gm is not None else dg),
-           (N, parts), (), (db is not None, gm is not None, fn), tag="dora_scale_bwd_finish", num_warps=4,
-           num_stages=1)
-
-
-def sum_parts(pg: torch.Tensor, pb: torch.Tensor | None, *, n: torch.Tensor | None = None,
-              m_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dg, db, dm) from the scale's parts of dg and db (P × N, float32; db's or None) in one launch:
-    each summed in order, and dm = dg / n in ``m_dtype`` where the norm n is given (else None)."""
-    N = pg.shape[1]
-    dg = _alloc((N,), pg, torch.float32)
-    db = _alloc((N,), pg, torch.float32) if pb is not None else None
-    gm = _alloc((N,), pg, m_dtype) if n is not None else None
-    _finish(pg, pb if pb is not None else pg, dg, db, n, gm)
-    return dg, db, gm
-
-
-__all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd", "sum_parts"]
+__all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd"]

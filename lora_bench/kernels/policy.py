@@ -25,7 +25,7 @@ import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, DORA_FUSION_SPLIT, DORA_FUSIONS
+from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.plan_rules import RULES
 
@@ -42,22 +42,17 @@ class PlanPolicy:
     GEMMs. ``capture``: choose as under CUDA-graph capture (graph warm-ups, ``graph_plan``).
     ``adapter_grads``: where the Python plans' backward runs the adapter gradients: ``inline`` in
     the layer's backward, ``deferred`` on a side stream joined once per backward pass
-    (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline).
-    ``dora_fusion``: where a DoRA layer's norm and scale run: ``split``, in launches of their own
-    beside the LoRA op's; ``fused``, inside the fused plan's LoRA kernels
-    (:mod:`lora_bench.kernels.dora_fused`), elsewhere split."""
+    (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline)."""
 
     forced: Plan | None = None
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT
     capture: bool = False
     adapter_grads: str = ADAPTER_GRADS_INLINE
-    dora_fusion: str = DORA_FUSION_SPLIT
 
     def __post_init__(self) -> None:
         if self.forced is not None and not isinstance(self.forced, Plan):  # a plan's name
             object.__setattr__(self, "forced", parse_plan(str(self.forced)))
         object.__setattr__(self, "adapter_grads", parse_adapter_grads(self.adapter_grads))
-        object.__setattr__(self, "dora_fusion", parse_dora_fusion(self.dora_fusion))
 
 
 def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bool, compiling: bool,
@@ -127,23 +122,12 @@ def parse_adapter_grads(text: str) -> str:
     return name
 
 
-def parse_dora_fusion(text: str) -> str:
-    """One of ``DORA_FUSIONS`` from its name (KernelPlanError naming the allowed ones otherwise)."""
-    name = str(text).strip().lower()
-    if name not in DORA_FUSIONS:
-        raise KernelPlanError(f"DoRA fusion {text!r}: expected one of {', '.join(DORA_FUSIONS)}")
-    return name
-
-
-def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None,
-               dora_fusion: str | None = None) -> PlanPolicy:
+def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None) -> PlanPolicy:
     """``base`` (default: the policy in force) with the plan a run's ``kernel_plan`` setting forces
-    (``auto``: none) and, where given, where the adapter gradients and DoRA's norm and scale run."""
+    (``auto``: none) and, where given, where the adapter gradients run."""
     base = current_policy() if base is None else base
     if adapter_grads is not None:
         base = dataclasses.replace(base, adapter_grads=adapter_grads)
-    if dora_fusion is not None:
-        base = dataclasses.replace(base, dora_fusion=dora_fusion)
     if kernel_plan == AUTO:
         return base
     return dataclasses.replace(base, forced=parse_plan(kernel_plan))
@@ -246,5 +230,4 @@ def note_dora(where: str) -> None:
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "note_dora", "parse_adapter_grads", "parse_dora_fusion", "parse_plan", "policy_for", "record_plans",
-           "use_policy"]
+           "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

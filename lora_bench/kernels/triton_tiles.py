@@ -1,7 +1,7 @@
-"""Pieces of Triton kernels shared by the LoRA kernels (:mod:`lora_bench.kernels.lora_triton`) and the
-fused DoRA ones (:mod:`lora_bench.kernels.dora_triton_fused`): the grouped tile order of a GEMM's grid,
-where each adapter column lies (one layer, or layers side by side), the split of a reduction's rows
-over grid axis 1, grad_A's tile and a gradient's store. Each is a ``@triton.jit`` function, inlined
+"""Pieces of the LoRA kernels (:mod:`lora_bench.kernels.lora_triton`) that more than one kernel or
+branch uses: the grouped tile order of a GEMM's grid, where each adapter column lies (one layer, or
+layers side by side), the split of a reduction's rows over grid axis 1, grad_A's tile and a
+gradient's store. Each is a ``@triton.jit`` function, inlined
 where it is called. This module imports Triton; import it lazily (the kernel modules do)."""
 
 from __future__ import annotations

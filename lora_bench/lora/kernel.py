@@ -14,8 +14,7 @@ import torch.nn as nn
 
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_dtype, norm_path, triton_norm
-from lora_bench.kernels.dora_fused import fused_output
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_path, triton_norm
 from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
@@ -39,29 +38,15 @@ DORA_INLINE = f"{ADAPTER_GRADS_INLINE}: DoRA's norm adds its own gradients into 
 class LinearWithDoRAKernel(DoRALinearBase):
     """``dora`` with the minimal-work op: z = x·Wᵀ + s·(x·A)·B from the LoRA op (no bias, its plan
     chosen and noted as ``lora-kernel``'s), then y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per
-    output (:mod:`lora_bench.kernels.dora`: the norm and the scale in Triton launches on CUDA, their
-    backward written out); with the policy's ``dora_fusion: fused``, where the fused plan runs, the
-    norm and the scale inside the LoRA kernels (``fused_output``: forward one launch). The adapter
-    gradients run inline: where the policy defers them, the layer runs them inline and notes why
-    (``DORA_INLINE``)."""
+    output (:mod:`lora_bench.kernels.dora`: the norm and the scale in one Triton launch on CUDA,
+    their backward written out). The adapter gradients run inline: where the policy defers them, the layer runs
+    them inline and notes why (``DORA_INLINE``)."""
 
     variant = "dora-kernel"
 
-    @torch.no_grad()
-    def refresh_weight_sq(self) -> None:
-        """‖W_j‖² from the weight as it is held now, summed in the norm's dtype (float32; float64 for a
-        float64 W), as the kernels sum it: the torch path and the fused forward read it."""
-        w = self.linear.weight.detach()
-        self.weight_sq = w.to(norm_dtype(w)).pow(2).sum(1)
-
     def forward(self, x):
-        w, lora, bias = self.linear.weight, self.lora, self.linear.bias
+        w, lora = self.linear.weight, self.lora
         with _inline_adapter_grads():
-            y = fused_output(x, w, [self.m, *(() if bias is None else (bias,)), lora.A, lora.B], scale=lora.alpha,
-                             segments=1, has_bias=bias is not None, exact=not self.detach_norm,
-                             weight_sq=self.weight_sq)
-            if y is not None:
-                return y
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
@@ -97,27 +82,17 @@ class SideBySide:
 
 class DoRASideBySide(SideBySide):
     """DoRA layers that share their input, called as one where the Triton kernels run (the LoRA op
-    of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``;
-    with ``dora_fusion: fused`` all of it inside the LoRA kernels, ``fused_output``), else one call
-    each, as ungrouped."""
+    of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``),
+    else one call each, as ungrouped."""
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = self.layers
         first = layers[0]
         w = first.linear.weight
-        weights = params = None
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and norm_path(w, first.lora.A) == TRITON:
             weights = stacked([m.linear.weight for m in layers])
             params = _dora_params(layers)
-        if weights is not None and params is not None:
-            with _inline_adapter_grads():
-                y = fused_output(x, weights.reshape(-1, w.shape[1]), params, scale=first.lora.alpha,
-                                 segments=len(layers), has_bias=first.linear.bias is not None,
-                                 exact=not first.detach_norm, weight_sq=[m.weight_sq for m in layers])
-            if y is not None:
-                return y.split(w.shape[0], dim=-1)
-            norms = triton_norm()
-            if norms is not None and norms.segments_fit(w.shape[0], w.device) and norm_path(w, first.lora.A) == TRITON:
+            if weights is not None and params is not None and triton_norm().segments_fit(w.shape[0], w.device):
                 with _inline_adapter_grads():
                     z = fused_segments(x, layers, bias=False, defer=False)
                 if z is not None:
@@ -145,7 +120,7 @@ def _dora_params(layers) -> list[torch.Tensor] | None:
 def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     """Lay the parameters of lora-kernel ``layers`` (same shapes, dtypes, device and alpha, frozen
     bases; DoRA layers alike, with one kind of norm) side by side: each weight, bias, A and B (and
-    DoRA's m and ‖W_j‖²) becomes a view of one buffer per kind, holding the same values, so the fused kernels
+    DoRA's m) becomes a view of one buffer per kind, holding the same values, so the fused kernels
     read all the layers at once. Returns the caller for the group, or None when the layers cannot
     be grouped (nothing is changed then).
 
@@ -160,7 +135,7 @@ def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     if dora and kinds is not None:
         if len({m.detach_norm for m in layers}) != 1:
             return None
-        kinds += [[m.m for m in layers], [m.weight_sq for m in layers]]  # ‖W_j‖²: the fused forward reads it
+        kinds.append([m.m for m in layers])
     if kinds is None or any(len({(tuple(t.shape), t.dtype, t.device) for t in group}) != 1 for group in kinds):
         return None
     with torch.no_grad():

@@ -22,10 +22,8 @@ STEP = "step_ms_median"
 SIZES = ("124M", "1558M")
 # the settings that tell the study's rows apart, with the column each is read from
 KEYS = {"implementation": "cfg_implementation", "trainable_layers": "trainable_layers",
-        "lora_variant": "cfg_lora_variant", "dora_norm": "cfg_dora_norm", "dora_fusion": "cfg_dora_fusion",
-        "lora_scaling": "cfg_lora_scaling",
+        "lora_variant": "cfg_lora_variant", "dora_norm": "cfg_dora_norm", "lora_scaling": "cfg_lora_scaling",
         "loraplus_lr_ratio": "cfg_loraplus_lr_ratio", "lora_init": "cfg_lora_init"}
-DORA_ONLY = ("dora_norm", "dora_fusion")  # settings that count only for DoRA's rows
 FLOOR = "the floor (`frozen`)"
 # (row, family, what sets it apart from the defaults); a family's first row is its baseline
 ROWS = (
@@ -42,10 +40,6 @@ ROWS = (
     ("fused DoRA, exact norm", "kernel", {"trainable_layers": "lora-kernel", "lora_variant": "dora"}),
     ("fused DoRA, detached norm", "kernel",
      {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached"}),
-    ("fused DoRA, exact norm, in the LoRA kernels", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_fusion": "fused"}),
-    ("fused DoRA, detached norm, in the LoRA kernels", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached", "dora_fusion": "fused"}),
     ("PEFT LoRA", "hf", {"implementation": "hf"}),
     ("PEFT DoRA (`use_dora`)", "hf", {"implementation": "hf", "lora_variant": "dora", "dora_norm": "detached"}),
     ("PEFT rsLoRA (`use_rslora`)", "hf", {"implementation": "hf", "lora_scaling": "rslora"}),
@@ -67,14 +61,14 @@ def _settings(changes: dict) -> dict[str, str]:
 
 def _row_name(run: pd.Series) -> str | None:
     """The run's row of ``ROWS``: its settings equal to the row's (``groups.same``; a missing or blank
-    cell read as the default), or None. The DoRA norm and forward count only for DoRA, the floor only
-    by its layers."""
+    cell read as the default), or None. The DoRA norm counts only for DoRA, the floor only by its
+    layers."""
     defaults = _settings({})
     got = {k: defaults[k] if is_blank(run.get(col)) else run[col] for k, col in KEYS.items()}
     for name, _family, changes in ROWS:
         want = _settings(changes)
         keys = ["trainable_layers"] if name == FLOOR else [
-            k for k in KEYS if k not in DORA_ONLY or want["lora_variant"] == "dora"]
+            k for k in KEYS if k != "dora_norm" or want["lora_variant"] == "dora"]
         if all(same(got[k], want[k]) for k in keys):
             return name
     return None

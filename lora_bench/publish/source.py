@@ -42,9 +42,6 @@ def md_table(header: list[str], rows: list[list], *, align: str | None = None) -
 
 KERNEL_NAMES = [  # (pattern in the profiler's kernel name, what it is), first match wins
     ("_lora_mm_kernel", "LoRA GEMM, rank-r work folded in (Triton)"),
-    ("_lora_dora_mm_kernel", "DoRA: LoRA GEMM with the norm and the scale folded in (Triton)"),
-    ("_lora_dora_bwd_x_kernel", "DoRA: input gradient, dz formed from dy (Triton)"),
-    ("_lora_dora_grad_ab_kernel", "DoRA: adapter gradients and the scale's sums (Triton)"),
     ("_lora_grad_ab_kernel", "adapter gradients (Triton)"),
     ("bfloat16_copy", "cast to bf16"),
     ("direct_copy", "copy"),

@@ -56,10 +56,10 @@ class Summary:
 
 def variant_text(row: dict) -> str:
     """The run's LoRA variant settings that differ from the reference's LoRA ("lora_variant=dora,
-    dora_norm=detached", "dora_fusion=fused"), or "" for plain LoRA and for rows that predate them."""
-    defaults = {**VARIANT_DEFAULTS, "dora_norm": "exact", "dora_fusion": "split"}
+    dora_norm=detached"), or "" for plain LoRA and for rows that predate them."""
+    defaults = {**VARIANT_DEFAULTS, "dora_norm": "exact"}
     out = []
-    for name in ("lora_variant", "dora_norm", "dora_fusion", *(k for k in VARIANT_DEFAULTS if k != "lora_variant")):
+    for name in ("lora_variant", "dora_norm", *(k for k in VARIANT_DEFAULTS if k != "lora_variant")):
         plain = defaults[name]
         value = row.get(SETTING_PREFIX + name)
         if value is None or str(value) in ("", "nan"):

@@ -46,8 +46,7 @@ SHAPE_OVERRIDES = tuple(SETTING_PREFIX + k for k in ("emb_dim", "n_layers", "n_h
 # The adapter's variant and the model's code change the kernels too; a row that predates a setting
 # (a blank cell) holds its default, which left the step as it was.
 STEP_DEFAULTS = {SETTING_PREFIX + k: v for k, v in {
-    **VARIANT_DEFAULTS, "dora_norm": "exact", "dora_fusion": "split", "implementation": "book",
-    "base_dtype": BASE_DTYPE_DEFAULT}.items()}
+    **VARIANT_DEFAULTS, "dora_norm": "exact", "implementation": "book", "base_dtype": BASE_DTYPE_DEFAULT}.items()}
 ADAPTER_ONLY = tuple(SETTING_PREFIX + k for k in (*VARIANT_DEFAULTS, "dora_norm"))  # what a floor has no say in
 STEP_SHAPE = (SIZE, *SHAPE_OVERRIDES, LAYERS, *(SETTING_PREFIX + k for k in (
     "lora_rank", "batch_size", "context_length", "no_padding", "accumulation_steps", "trainable_token_pos",

@@ -76,30 +76,11 @@ def test_forced_cpp_impl_runs_the_cpp_op():
 
 
 @pytest.mark.parametrize("impl,needle", [("lora-kernel:foo", "lora-kernel's plans are direct, cpp, fused, cublas, torch"),
-                                         ("lora-kernel:fused:torch", "lora-kernel's plans are"),
-                                         ("dora-kernel:merged", "a fused DoRA layer's dora_fusion is one of split, fused"),
-                                         ("dora:fused", "only lora-kernel .* and dora-kernel, dora-kernel-detached")])
+                                         ("lora-kernel:fused:torch", "lora-kernel's plans are")])
 def test_bad_plan_names_are_refused_before_anything_runs(impl, needle):
     with pytest.raises(ValueError, match=needle):
         run_kernel_bench(shapes=["2x8:48->40:r4"], impls=[impl], dtypes=["fp32"], device="cpu", repeats=1,
                          warmup=0, out_csv=None, cpu=False, progress=False)
-
-
-def test_a_fused_dora_layer_runs_the_dora_fusion_its_suffix_names():
-    """``dora-kernel:fused`` and ``dora-kernel-detached:split`` set where the norm and the scale run,
-    for that implementation only (plain ``dora-kernel``: the policy in force); each builds its
-    layer (with the right norm) and times it. On the CPU both take torch's path (no Triton there)."""
-    from lora_bench.bench.kernel_bench import _policy
-    from lora_bench.kernels.policy import PlanPolicy
-
-    base = PlanPolicy()
-    assert _policy("dora-kernel:fused", base).dora_fusion == "fused"
-    assert _policy("dora-kernel-detached:split", base).dora_fusion == "split"
-    assert _policy("dora-kernel", base) is base
-    rows = run_kernel_bench(shapes=["2x8:48->40:r4"], impls=["dora-kernel:fused", "dora-kernel-detached:split"],
-                            dtypes=["fp32"], device="cpu", repeats=2, warmup=1, out_csv=None, cpu=False, progress=False)
-    assert [r["impl"] for r in rows] == ["dora-kernel:fused", "dora-kernel-detached:split"]
-    assert all(r["backend"] == "dora-norm-torch+torch" and r["fwdbwd_ms"] > 0 for r in rows), rows
 
 
 def test_interleaved_rounds_cancel_host_drift(monkeypatch):

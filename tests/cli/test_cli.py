@@ -216,7 +216,7 @@ def test_output_paths_and_run_ids_are_checked_before_any_work(run_cli, tmp_path,
 
 @pytest.mark.parametrize("args,needle", [
     (["--shapes", "2x8:48->40:r0"], "positive sizes"),
-    (["--impls", "lora:cpp"], "only lora-kernel (:PLAN) and dora-kernel, dora-kernel-detached (:split, :fused) take a suffix"),
+    (["--impls", "lora:cpp"], "only lora-kernel takes a :PLAN suffix"),
     (["--impls", "lora-kernel:foo"], "lora-kernel's plans are direct, cpp, fused, cublas, torch"),
     (["--repeats", "0"], "need repeats >= 1"),
     (["--device", "tpu"], "expected cuda, cuda:N or cpu"),

@@ -34,9 +34,6 @@ def test_every_variant_composes_with_the_lora_choices(layers):
     assert _problems(**ok) == []
     assert _problems(**ok, lora_variant="dora", dora_norm="detached") == []
     assert _problems(**ok, lora_variant="dora") == []
-    if layers == "lora-kernel":
-        assert _problems(**ok, lora_variant="dora", dora_fusion="fused", cuda_graphs=True) == []
-        assert _problems(**ok, lora_variant="dora", dora_fusion="fused", kernel_plan="fused") == []
     for precision in ("tf32", "bf16", "bf16-true"):
         assert _problems(**ok, precision=precision) == []
 
@@ -55,14 +52,7 @@ def test_a_variant_without_lora_is_refused(name, value):
     (dict(LORA, lora_variant="dora", base_dtype="int8"),
      "lora_variant=dora with base_dtype=int8 is refused: DoRA's norm reads the frozen weight itself"),
     (dict(LORA, lora_init="pissa", lora_alpha=0.0), "lora_init=pissa with lora_alpha=0 is refused"),
-    (dict(trainable_layers="lora-kernel", dora_fusion="fused"),
-     "dora_fusion=fused is only used with lora_variant=dora"),
-    (dict(LORA, lora_variant="dora", dora_fusion="fused", cuda_graphs=True),
-     "dora_fusion=fused is only used with trainable_layers=lora-kernel"),
-    (dict(trainable_layers="lora-kernel", lora_variant="dora", dora_fusion="fused"),
-     "dora_fusion=fused needs cuda_graphs or kernel_plan=fused"),
-    (dict(trainable_layers="lora-kernel", lora_variant="dora", dora_fusion="fused", cuda_graphs=True, compile=True),
-     "dora_fusion=fused with compile is refused: torch.compile traces DoRA's norm as torch ops"),
+    (dict(LORA, kernel_plan="fused"), "kernel_plan=fused is only used with trainable_layers=lora-kernel"),
 ])
 def test_what_a_variant_rules_out_says_why(values, needle):
     problems = _problems(**values)

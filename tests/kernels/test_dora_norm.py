@@ -565,16 +565,12 @@ def _gradient_counter(y: torch.Tensor) -> tuple[dict, list]:
 
 
 @contextlib.contextmanager
-def _dora_torch_ops(function=None, kernel_modules=None):
-    """The aten ops that compute (no views, no allocations) DoRA's own function (``function``, by
-    default ``DoRAFunction``: forward and backward) runs in the block outside its Triton launches (those
-    of ``kernel_modules``, by default the split path's), by name: the list yielded."""
+def _dora_torch_ops():
+    """The aten ops that compute (no views, no allocations) DoRA's own function (``DoRAFunction``,
+    forward and backward) runs in the block outside its Triton launches, by name: the list yielded."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lora_bench.kernels import dora, dora_triton, dora_triton_bwd
-
-    function = dora.DoRAFunction if function is None else function
-    kernel_modules = (dora_triton, dora_triton_bwd) if kernel_modules is None else kernel_modules
 
     aten = torch.ops.aten
     free = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.full, aten.new_full}
@@ -595,8 +591,8 @@ def _dora_torch_ops(function=None, kernel_modules=None):
                 state[key] -= 1
         return run
 
-    wrapped = [(module, "launch", None) for module in kernel_modules] + [
-        (function, name, staticmethod) for name in ("forward", "_backward")]
+    wrapped = [(dora_triton, "launch", None), (dora_triton_bwd, "launch", None)] + [
+        (dora.DoRAFunction, name, staticmethod) for name in ("forward", "_backward")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in wrapped]
     try:
         for owner, name, wrap in wrapped:

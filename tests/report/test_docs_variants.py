@@ -102,15 +102,3 @@ def test_pissa_init_is_its_median_svd_time_and_the_steps_it_equals(tmp_path, mon
     assert cells["PEFT PiSSA"][0].startswith("5.0") and cells["PEFT PiSSA"][1] == "250"
     assert cells["PEFT PiSSA"][2] == dv.NOT_RUN
     assert all(c[0] == dv.NOT_RUN for c in _cells(dv.table_pissa_init("reference")).values())
-
-
-def test_profiled_kernels_are_named_by_what_they_do():
-    """The fused DoRA kernels get their own names in profile tables; the LoRA kernels' names are not
-    taken for them (their names hold neither pattern), and an unknown kernel keeps its own name."""
-    from lora_bench.publish.source import kernel_name
-
-    assert kernel_name("_lora_dora_mm_kernel") == "DoRA: LoRA GEMM with the norm and the scale folded in (Triton)"
-    assert kernel_name("_lora_dora_grad_ab_kernel") == "DoRA: adapter gradients and the scale's sums (Triton)"
-    assert kernel_name("_lora_dora_bwd_x_kernel") == "DoRA: input gradient, dz formed from dy (Triton)"
-    assert kernel_name("_lora_grad_ab_kernel") == "adapter gradients (Triton)"
-    assert kernel_name("_dora_norm_part_kernel(float*)") == "_dora_norm_part_kernel"
