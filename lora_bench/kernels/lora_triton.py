@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.triton_launch import launch
-from lora_bench.kernels.triton_tiles import adapter_offsets, grad_a_tile, split_rows, store_grad, tile_of
 from lora_bench.kernels.call import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
@@ -55,16 +54,28 @@ def _lora_mm_kernel(
     # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
     # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
     # or Q_SEG is that stretch's width and the rest reads as zero.
-    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # grouped tile order: neighbouring programs share X rows and Wt columns in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_size)
+    pid_n = (pid % per_group) // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    p_cols, q_rows = adapter_offsets(offs_r, RS, P_SS, stride_pr, Q_SS, stride_qr)
     if RS > 0:
-        seg_r = offs_r // RS  # each adapter column's layer
+        seg_r = offs_r // RS
+        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
+        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
+    else:
+        p_cols = offs_r * stride_pr
+        q_rows = offs_r * stride_qr
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
@@ -136,14 +147,41 @@ def _lora_grad_ab_kernel(
     # (j // RS)·GA_SS (GB_SS) + (j % RS)·stride, and grad_B keeps only the block of its own layer
     # (columns d with d // GB_SEG == j // RS): S layers' gradients in one launch.
     pid = tl.program_id(0)
-    _sid, m_lo, m_hi = split_rows(M, BLOCK_M)
+    # this program's rows [m_lo, m_hi): whole blocks, shared out as evenly as they go (counts
+    # differ by at most one, none empty), so only the last block of all needs the row mask
+    blocks = tl.cdiv(M, BLOCK_M)
+    sid, splits = tl.program_id(1), tl.num_programs(1)
+    m_lo = (sid * blocks // splits) * BLOCK_M
+    m_hi = min(((sid + 1) * blocks // splits) * BLOCK_M, M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    ga_cols, gb_rows = adapter_offsets(offs_r, RS, GA_SS, stride_gar, GB_SS, stride_gbr)
+    if RS > 0:
+        seg_r = offs_r // RS
+        ga_cols = seg_r * GA_SS + (offs_r % RS) * stride_gar
+        gb_rows = seg_r * GB_SS + (offs_r % RS) * stride_gbr
+    else:
+        ga_cols = offs_r * stride_gar
+        gb_rows = offs_r * stride_gbr
     if pid < NUM_A:
-        grad_a_tile(x_ptr, u_ptr, ga_ptr, pid, m_lo, m_hi, M, K, stride_xm, stride_xk, stride_um, stride_ur,
-                    stride_gak, ga_cols, offs_r, r_mask, scale, PRECISION, BLOCK_M, BLOCK_D, BLOCK_R, ATOMIC)
+        # grad_A[d, :] = s · Σ_m x[m, d] · u[m, :]   -> (BD, BR)
+        offs_d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < K
+        acc_a = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < M  # padded rows must be zero: they are summed
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_d[None, :] * stride_xk,
+                         mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, BD)
+            ut = tl.load(u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur,
+                         mask=row_ok[:, None] & r_mask[None, :], other=0.0)  # (BM, BR)
+            acc_a = tl.dot(tl.trans(xt), ut, acc_a, input_precision=PRECISION)
+        ga_ptrs = ga_ptr + offs_d[:, None] * stride_gak + ga_cols[None, :]
+        ga_mask = d_mask[:, None] & r_mask[None, :]
+        if ATOMIC:  # partial sum over this split's rows; relaxed: only the final sum is read
+            tl.atomic_add(ga_ptrs, acc_a * scale, mask=ga_mask, sem="relaxed")
+        else:
+            tl.store(ga_ptrs, (acc_a * scale).to(ga_ptr.dtype.element_ty), mask=ga_mask)
     else:
         # grad_B[:, d] = s · Σ_m h[m, :]ᵀ · g[m, d]   -> (BR, BD)
         offs_d = (pid - NUM_A) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -159,9 +197,12 @@ def _lora_grad_ab_kernel(
             acc_b = tl.dot(tl.trans(ht), gt, acc_b, input_precision=PRECISION)
         gb_ptrs = gb_ptr + gb_rows[:, None] + offs_d[None, :] * stride_gbn
         gb_mask = r_mask[:, None] & d_mask[None, :]
-        if GB_SEG > 0:  # (segments: RS > 0)
-            gb_mask = gb_mask & (offs_d[None, :] // GB_SEG == (offs_r // RS)[:, None])
-        store_grad(gb_ptrs, acc_b * scale, gb_mask, ATOMIC)
+        if GB_SEG > 0:
+            gb_mask = gb_mask & (offs_d[None, :] // GB_SEG == seg_r[:, None])
+        if ATOMIC:
+            tl.atomic_add(gb_ptrs, acc_b * scale, mask=gb_mask, sem="relaxed")
+        else:
+            tl.store(gb_ptrs, (acc_b * scale).to(gb_ptr.dtype.element_ty), mask=gb_mask)
 
 
 # ---------------------------------------------------------------------------------- host side
