@@ -99,6 +99,11 @@ def sweep(
     isolation: Annotated[str, typer.Option(help="process (each run in a child process) or inline.")] = "process",
     fresh: Annotated[bool, typer.Option("--fresh", help="Forget earlier results of these runs and start over.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and list the runs; run nothing.")] = False,
+    machine: Annotated[bool, typer.Option(
+        "--machine/--no-machine", help="With --dry-run: also check the runs on this machine as the sweep does "
+                                       "(device, packages, memory) and estimate their time here; --no-machine: "
+                                       "list the plan for another machine (a GPU's sweep, listed on a laptop).")
+    ] = True,
     shard: Annotated[Optional[str], typer.Option(help="Run only shard I of N (I/N, 1-based), e.g. 2/4.")] = None,
     only: Annotated[Optional[list[str]], typer.Option(
         metavar="KEY=VALUE", help="Run only the runs whose setting KEY (or label) is VALUE, e.g. --only label=best "
@@ -124,6 +129,9 @@ def sweep(
     from lora_bench.sweep.spec import pack_size_problem
     from lora_bench.train.preflight import input_problems
 
+    if not machine and not dry_run:
+        raise UsageError("--no-machine lists a plan for another machine: it needs --dry-run (a sweep that runs, "
+                         "runs here and is checked here)")
     if isolation not in ISOLATION:
         raise UsageError(f"--isolation {isolation!r} is not allowed; choose one of: {', '.join(ISOLATION)}")
     if pack is not None and pack_size_problem(pack):
@@ -149,7 +157,7 @@ def sweep(
     code = sweep_command(file, overrides=values, results_dir=results_dir, cache_dir=cache_dir,
                                    isolation=isolation, fresh=fresh, dry_run=dry_run, shard=shard,
                                    progress=not no_progress, console=console, workers=workers,
-                                   scheduler=scheduler, pack=pack, only=only)
+                                   scheduler=scheduler, pack=pack, only=only, machine=machine)
     if logger is not None and not dry_run:
         from lora_bench.escaping import markup
         from lora_bench.sweep.spec import load_sweep

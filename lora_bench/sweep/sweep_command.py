@@ -83,11 +83,12 @@ def print_summary(sweep: Sweep, result, *, results_dir: Path, console) -> None:
 def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cache_dir: Path | None,
                   isolation: str, fresh: bool, dry_run: bool, shard: str | None, progress: bool, console,
                   workers: int | None = None, scheduler: str | None = None, pack: int | None = None,
-                  only: list[str] | None = None) -> int:
+                  only: list[str] | None = None, machine: bool = True) -> int:
     """What ``lora-bench sweep`` does: validate, then list (dry run) or run, here or on a Dask
     cluster (see ``use_dask``); returns the exit code. ``pack``: --pack, over the file's key.
     ``only``: --only KEY=VALUE items; the shard is taken first, then the filter (so the shards of
-    the whole plan stay what they are), and the runners get the runs that are left."""
+    the whole plan stay what they are), and the runners get the runs that are left. ``machine``
+    False (a dry run's --no-machine): the plan is listed without asking this machine about it."""
     sw = load_sweep(file, overrides=overrides)
     results_dir = Path(results_dir) if results_dir else Path("results") / sw.name
     selected = parse_shard(shard)
@@ -102,7 +103,7 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
                          f"in this sweep's own process, not on a Dask cluster; drop {where}, or pack 1")
     if dry_run:
         runs = select_shard(sw.runs, selected)
-        if scheduler is None:  # a cluster's workers are asked by the sweep itself, on their machines
+        if scheduler is None and machine:  # a cluster's workers are asked by the sweep itself, on their machines
             preflight_runs(runs, console)
         print_plan(sw, runs, results_dir=results_dir, console=console)
         status = resume_statuses(results_dir, runs, sw.name)
@@ -110,7 +111,10 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
         units, alone = plan_packs(todo, size)
         for line in describe_plan(units, alone, size):
             console.print(markup(line), highlight=False)
-        for line in plan_estimate(todo, process_each=isolation == "process"):
+        if not machine:
+            console.print("not checked on this machine (--no-machine): the sweep checks device, packages and "
+                          "memory where it runs", highlight=False)
+        for line in plan_estimate(todo, process_each=isolation == "process") if machine else ():
             console.print(markup(line), highlight=False)
         return 0
     dask = size <= 1 and use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)

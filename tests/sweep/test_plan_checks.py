@@ -86,3 +86,22 @@ def test_the_estimate_reads_the_splits_the_run_trains_on(cache_dir, changes):
     got = splits_of(cfg, {})
     assert (got.train_batches, got.val_batches, got.test_batches, got.length) == (
         len(context.loaders.train), len(context.loaders.val), len(context.loaders.test), context.loaders.max_length)
+
+
+@NO_CUDA
+def test_a_dry_run_without_the_machine_lists_a_plan_for_another_machine(tmp_path, run_cli):
+    """A GPU's sweep listed where there is no GPU: --no-machine shows the plan (the shard and --only
+    taken as the sweep takes them) and says this machine was not asked; without --dry-run it is refused."""
+    path = sweep_file(tmp_path, "  cuda_graphs: true\n")
+    path.write_text(path.read_text().replace("device: cpu", "device: auto"))
+    results = tmp_path / "results"
+    code, out = run_cli("sweep", path, "--dry-run", "--results-dir", results)
+    assert code == 2 and "cuda_graphs needs a CUDA device" in out, out
+    code, out = run_cli("sweep", path, "--dry-run", "--no-machine", "--only", "lora_rank=4", "--results-dir", results)
+    text = " ".join(out.split())
+    assert code == 0 and "Traceback" not in out, out
+    assert "1 runs: 1 to run" in text and "not checked on this machine (--no-machine)" in text, out
+    assert "lora_rank=4" in text and "lora_rank=2" not in text and "estimate" not in text, out
+    code, out = run_cli("sweep", path, "--no-machine", "--results-dir", results)
+    assert code == 2 and "it needs --dry-run" in " ".join(out.split()), out
+    assert not (results / "runs.csv").exists()
