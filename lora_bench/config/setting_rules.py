@@ -135,7 +135,8 @@ def rule_problems(v: Mapping[str, Any], *, bad: set[str] | frozenset[str] = froz
                                                  "exclude each other"))
     for name in KERNEL_LAYER_SETTINGS:
         if ok(name, "trainable_layers") and v[name] != DEFAULTS[name] and v["trainable_layers"] != "lora-kernel":
-            out.append(problem(name, "{%s}={p} is only used with {trainable_layers}=lora-kernel" % name, p=raw(v[name])))
+            out.append(problem(name, "{%s}={p} is only used with {trainable_layers}=lora-kernel" % name,
+                               p=raw(v[name])))
     out += variant_problems(v, ok)
     if ok("weights_dir", "weights") and v["weights_dir"] and v["weights"] != "pretrained":
         out.append(problem("weights_dir", "{weights_dir} is only used with {weights}=pretrained"))

@@ -114,7 +114,8 @@ def sweep_command(file: Path, *, overrides: dict, results_dir: Path | None, cach
         if not machine:
             console.print("not checked on this machine (--no-machine): the sweep checks device, packages and "
                           "memory where it runs", highlight=False)
-        for line in plan_estimate(todo, process_each=isolation == "process") if machine else ():
+            return 0
+        for line in plan_estimate(todo, process_each=isolation == "process"):
             console.print(markup(line), highlight=False)
         return 0
     dask = size <= 1 and use_dask(sw, workers=workers, scheduler=scheduler, isolation=isolation, console=console)
