@@ -61,14 +61,14 @@ def source_commit() -> SourceCommit:
 RESULTS_PATHSPEC = ":(exclude)results"
 
 
-def source_modified(root: Path) -> bool:
+def source_modified(root: Path) -> bool | None:
     """Whether tracked files of the checkout at ``root`` differ from its commit, leaving out its
-    ``results/`` folder (the harness's output)."""
+    ``results/`` folder (the harness's output); None where git cannot tell (the commit still counts)."""
     # no optional locks: asking must not write .git/index.lock, which a process killed meanwhile
     # (or past its file-size limit) would leave behind, blocking the user's next git command
-    out = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                          RESULTS_PATHSPEC], cwd=root, capture_output=True, text=True, timeout=5, check=True).stdout
-    return bool(out.strip())
+    proc = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                           RESULTS_PATHSPEC], cwd=root, capture_output=True, text=True, timeout=5)
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
 
 
 def git_commit() -> str:

@@ -327,3 +327,11 @@ def test_results_written_into_the_checkout_do_not_mark_the_source_modified(tmp_p
     assert env_mod.source_modified(tmp_path) is False
     (tmp_path / "pkg" / "step.py").write_text("x = 2\n")
     assert env_mod.source_modified(tmp_path) is True
+
+
+def test_where_git_cannot_tell_the_source_is_neither_clean_nor_modified(tmp_path, monkeypatch):
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    (tmp_path / "not-a-checkout").mkdir()
+    assert env_mod.source_modified(tmp_path / "not-a-checkout") is None
