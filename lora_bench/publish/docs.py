@@ -57,6 +57,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "variants-best": variants.table_variants_best,
     "variants-pissa-init": variants.table_pissa_init_best,
     "variants-reference": variants.table_variants_reference,
+    "variants-accuracy": variants.table_variants_accuracy,
 }
 
 

@@ -3,8 +3,9 @@
 each variant's median step over its repeats, its ratio to its own implementation's LoRA (the
 book's unmerged layer for the book's variants and DoRA merged, the fused layer for the fused ones,
 PEFT's LoRA for PEFT's) and to the floor, with intervals and verdicts as the study's report gives
-them (lora_bench.report.groups). Where the folder holds no run of a row, its cells say "not run
-yet"."""
+them (lora_bench.report.groups); and from the accuracy sweep's folder
+(``configs/variants-accuracy.yaml``) each variant's accuracies over its seeds against LoRA's.
+Where a folder holds no run of a row, its cells say "not run yet"."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pandas as pd
 
 from lora_bench.config import TrainConfig
 from lora_bench.publish.source import RESULTS, as_read, md_table, runs
-from lora_bench.report.groups import RunGroup, estimate, group_runs, same
+from lora_bench.report.groups import RunGroup, difference, estimate, group_runs, same
 from lora_bench.report.labels import is_blank
+from lora_bench.report.samples import sample
 from lora_bench.report.stats import UNCLEAR, interval_text
 from lora_bench.results.runs_csv import text_value
 
@@ -165,3 +167,43 @@ def table_variants_best() -> str:
 
 def table_variants_reference() -> str:
     return table_variants("reference")
+
+
+VARIANTS_ACCURACY = "answer/variants-accuracy"
+ACCURACY = ("val_acc", "test_acc")
+# (row, the accuracy sweep's label for it); the first row is the baseline
+ACCURACY_ROWS = (("LoRA", "lora"), ("rsLoRA (α/√r)", "rslora"), ("LoRA+ (B's rate 16×)", "loraplus"),
+                 ("DoRA, exact norm", "dora-exact"), ("DoRA, detached norm", "dora-detached"), ("PiSSA", "pissa"))
+
+
+def table_variants_accuracy(folder: str = VARIANTS_ACCURACY) -> str:
+    """configs/variants-accuracy.yaml as far as it ran: each variant's validation and test accuracy
+    over its seeds (median and the seeds' range) and its difference from LoRA's in points with its
+    interval, seeds paired (seed r of every variant starts from the same model)."""
+    path = RESULTS / folder / "runs.csv"
+    df = runs(folder) if path.is_file() else pd.DataFrame(columns=["status", "sweep_label", "run_id"])
+    done = as_read(df[df["status"] == "done"], folder)
+    found = {label: done[done["sweep_label"] == label] for _, label in ACCURACY_ROWS}
+    base = found[ACCURACY_ROWS[0][1]]
+    rows = []
+    for name, label in ACCURACY_ROWS:
+        part = found[label]
+        n_all = int((df["sweep_label"] == label).sum())
+        if part.empty:
+            rows.append([name, f"0 of {n_all}", NOT_RUN, NOT_RUN, "-", "-"])
+            continue
+        cells = [name, f"{len(part)} of {n_all}"]
+        samples = [sample(part, m) for m in ACCURACY]
+        cells += [f"{s.point:.1f} ({s.values.min():.1f}–{s.values.max():.1f})" for s in samples]
+        for metric, s in zip(ACCURACY, samples):
+            if label == ACCURACY_ROWS[0][1]:
+                cells.append("(baseline)")
+            elif base.empty:
+                cells.append("-")
+            else:
+                d, _ = difference(s, sample(base, metric))
+                cells.append(interval_text(d, digits=1, unit=" pt"))
+        rows.append(cells)
+    return md_table(["124M, r16, 5 epochs, random weights, best mode", "seeds done", "val % median (seeds' range)",
+                     "test % median (seeds' range)", "val − LoRA [interval]", "test − LoRA [interval]"], rows,
+                    align="---|---|---:|---:|---:|---:")

@@ -102,3 +102,37 @@ def test_pissa_init_is_its_median_svd_time_and_the_steps_it_equals(tmp_path, mon
     assert cells["PEFT PiSSA"][0].startswith("5.0") and cells["PEFT PiSSA"][1] == "250"
     assert cells["PEFT PiSSA"][2] == dv.NOT_RUN
     assert all(c[0] == dv.NOT_RUN for c in _cells(dv.table_pissa_init("reference")).values())
+
+
+def test_accuracy_each_variant_over_its_seeds_against_lora_paired_by_seed(tmp_path, monkeypatch):
+    """The accuracy table: each variant's median val and test accuracy over its seeds with the seeds'
+    range, and its difference from LoRA's in points, paired by seed (a difference the same at every
+    seed has a zero-width interval); a variant without finished runs reads "not run yet", and its
+    count of seeds done says how many of its runs the folder holds."""
+    monkeypatch.setattr(source, "RESULTS", tmp_path)
+    monkeypatch.setattr(dv, "RESULTS", tmp_path)
+    rows = []
+    for repeat in range(5):
+        for label, shift in (("lora", 0.0), ("dora-exact", 1.5), ("rslora", -2.0)):
+            rows.append({"run_id": f"{label}-r{repeat}", "status": "done", "model_size": "124M",
+                         "sweep_name": "variants-accuracy", "sweep_label": label, "repeat": repeat,
+                         "val_acc": 90.0 + repeat + shift, "test_acc": 80.0 + 2 * repeat + shift})
+    rows.append({"run_id": "pissa-r0", "status": "failed", "model_size": "124M", "sweep_name": "variants-accuracy",
+                 "sweep_label": "pissa", "repeat": 0, "val_acc": None, "test_acc": None})
+    (tmp_path / dv.VARIANTS_ACCURACY).mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(tmp_path / dv.VARIANTS_ACCURACY / "runs.csv", index=False)
+    cells = _cells(dv.table_variants_accuracy())
+    assert list(cells) == [name for name, _ in dv.ACCURACY_ROWS]
+    assert cells["LoRA"][:3] == ["5 of 5", "92.0 (90.0–94.0)", "84.0 (80.0–88.0)"]
+    assert cells["LoRA"][3:] == ["(baseline)", "(baseline)"]
+    assert cells["DoRA, exact norm"][1:3] == ["93.5 (91.5–95.5)", "85.5 (81.5–89.5)"]
+    assert cells["DoRA, exact norm"][3].startswith("1.5 pt [1.5–1.5] (n = 5")
+    assert cells["rsLoRA (α/√r)"][4].startswith("-2.0 pt [-2.0 to -2.0] (n = 5")
+    assert cells["PiSSA"] == ["0 of 1", dv.NOT_RUN, dv.NOT_RUN, "-", "-"]
+    assert cells["LoRA+ (B's rate 16×)"][0] == "0 of 0"
+
+
+def test_accuracy_without_the_folder_every_row_is_not_run_yet(tmp_path, monkeypatch):
+    monkeypatch.setattr(dv, "RESULTS", tmp_path)
+    cells = _cells(dv.table_variants_accuracy())
+    assert len(cells) == len(dv.ACCURACY_ROWS) and all(c[1] == c[2] == dv.NOT_RUN for c in cells.values())
