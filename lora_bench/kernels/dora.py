@@ -7,7 +7,7 @@ computes it with ``DoRAFunction``, on the path ``norm_path`` chooses for the cal
 The norm needs no merged weight: ‖W_j‖² (fixed while W is frozen, else read anew), ⟨W_j, (A·B)_j⟩
 from W·A (out × r) and ‖(A·B)_j‖² from A's r × r Gram matrix. On the Triton path the norm and the
 scale are two launches forward. Backward, written out: the scale's dz = dy ⊙ g, dg = Σ_rows dy ⊙ z,
-db = Σ_rows dy (two Triton launches, four torch ops), then the norm's (one or two Triton launches, a
+db = Σ_rows dy (one Triton launch, four torch ops), then the norm's (one or two Triton launches, a
 trained W's dW aside): dm = dg / n and, with the exact norm, c = dn / (2n), dn = −dg·m / n²,
 dBᵀ_j = 2s·c_j·(W·A)_j + 2s²·c_j·(AᵀA·B)_j, dA = 2s·Wᵀ·(c ⊙ Bᵀ) + 2s²·A·(B·diag(c)·Bᵀ) and, for a
 trained W, dW = 2·c ⊙ W + 2s·(c ⊙ Bᵀ)·Aᵀ: a frozen W is read once forward (W·A) and once backward
@@ -116,7 +116,7 @@ class DoRAFunction(torch.autograd.Function):
     exact (differentiate through the norm), path (``norm_path``). y in z's dtype.
 
     Triton path: forward ``dora_forward``'s two launches (the norm's parts, then the norm and
-    g ⊙ z + b, g and b read as they are); backward the scale's two (dz, dg, db; with the detached norm dm too), then
+    g ⊙ z + b, g and b read as they are); backward the scale's one (dz, dg, db; with the detached norm dm too), then
     with the exact norm dm, dB and dA in ``dora_exact_bwd``'s two (it gives c ⊙ Bᵀ too where a
     trained W needs dW, which torch ops take from it). Torch ops: the norm four products and a few
     elementwise ops, the scale one ``addcmul`` (and casts of g and b to z's dtype where they
@@ -194,7 +194,7 @@ def _exact_backward(dy, z, g, norm, scale: float, *, m_dtype: torch.dtype, need_
 def _scale_backward(path: str, dy: torch.Tensor, z: torch.Tensor, gz: torch.Tensor, *, need_z: bool, need_g: bool,
                     need_bias: bool) -> tuple[torch.Tensor | None, ...]:
     """y = g ⊙ z + b's backward: (dz = dy ⊙ g in z's dtype, dg = Σ_rows dy ⊙ z, db = Σ_rows dy, summed in
-    float32 or float64), None where not asked for; ``triton``: two launches (z as rows, g as stored;
+    float32 or float64), None where not asked for; ``triton``: one launch (z as rows, g as stored;
     it gives dg always), else four torch ops (``gz``: g in z's dtype)."""
     if path == TRITON:
         dz, dg, db, _ = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,

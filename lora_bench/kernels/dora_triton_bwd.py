@@ -1,6 +1,7 @@
 """The Triton kernels of DoRA's backward in the fused layer (:mod:`lora_bench.kernels.dora`; the
 forward's are :mod:`lora_bench.kernels.dora_triton`, whose grid rules these follow: every long loop
-split across the grid, every split sum added in a fixed order, no atomics). ``dora_exact_bwd``:
+split across the grid, every split sum added in a fixed order; no atomic adds: an atomic count
+only says which program adds the parts). ``dora_exact_bwd``:
 the exact norm's backward (dm, dB and dA, and c ⊙ Bᵀ for a trained W's dW); ``dora_norm_bwd``: its
 elementwise part alone (dm; dB and c ⊙ Bᵀ where dA is not asked for) in one launch;
 ``scale_bias_bwd``: the scale's backward, dz = dy ⊙ g, dg = Σ_rows dy ⊙ z, db = Σ_rows dy.
@@ -9,9 +10,11 @@ The exact backward turns the forward round, two launches: programs of (a block o
 of the outputs) sum Wᵀ·(c ⊙ Bᵀ) for their rows from W's tiles as stored and B·diag(c)·Bᵀ (r × r)
 from the same B tiles, writing dm, dB and c ⊙ Bᵀ on the way (each block of outputs by one program
 of its part); then one program per block of rows adds the parts and forms dA. The scale's
-backward, two launches: tiles of rows × outputs write dz and their rows' parts of dg and db; then
-the parts are added (and dm = dg / n for the detached norm); with the exact norm the second is
-left out and the norm's first launch adds the parts where it reads dg. This module imports Triton;
+backward, one launch: tiles of rows × outputs write dz and their rows' parts of dg and db; the
+last of a block of outputs' programs to finish (an atomic count per block, which it sets back to
+0) adds that block's parts in order (and dm = dg / n for the detached norm), so no second launch
+waits on the first; with the exact norm the parts alone are written and the norm's first launch
+adds them where it reads dg. This module imports Triton;
 import it lazily (``dora.triton_bwd``)."""
 
 from __future__ import annotations
@@ -178,23 +181,43 @@ def _scale_bwd_part_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, M, N, s
 
 
 @triton.jit
-def _scale_bwd_finish_kernel(pg_ptr, pb_ptr, dg_ptr, db_ptr, n_ptr, gm_ptr, N, PARTS, HAS_BIAS: tl.constexpr,
-                             NEED_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # dg and db: the blocks of rows' parts summed in order; dm = dg / n, the detached norm's whole backward
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _scale_bwd_sum_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, dg_ptr, db_ptr, n_ptr, gm_ptr, cnt_ptr,
+                          M, N, PARTS, stride_dym, stride_zm, stride_dzm, WRITE_DZ: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NEED_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    # _scale_bwd_part_kernel's tile, then the last of a block of outputs' programs to finish (counted
+    # in cnt, which it sets back to 0) sums that block's parts in order: dg, db and dm = dg / n
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for part in range(0, PARTS):
-        acc_g += tl.load(pg_ptr + part * N + offs_n, mask=n_mask, other=0.0)
-        if HAS_BIAS:
-            acc_b += tl.load(pb_ptr + part * N + offs_n, mask=n_mask, other=0.0)
-    tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if WRITE_DZ:
+        g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(dz_ptr + offs_m[:, None] * stride_dzm + offs_n[None, :],
+                 (dy * g[None, :]).to(dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(pg_ptr + pid_m * N + offs_n, tl.sum(dy * z, axis=0), mask=n_mask)
     if HAS_BIAS:
-        tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
-    if NEED_M:
-        nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
-        tl.store(gm_ptr + offs_n, (acc_g / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(pb_ptr + pid_m * N + offs_n, tl.sum(dy, axis=0), mask=n_mask)
+    tl.debug_barrier()  # every thread's parts stored before the count (released with it, device-wide)
+    count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if count == PARTS - 1:
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for part in range(0, PARTS):  # read from L2, past this SM's cache: the others' parts
+            acc_g += tl.load(pg_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc_b += tl.load(pb_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
+        if HAS_BIAS:
+            tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
+        if NEED_M:
+            nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
+            tl.store(gm_ptr + offs_n, (acc_g / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, b: torch.Tensor, *,
@@ -303,34 +326,57 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
                    sums: bool = True) -> tuple[torch.Tensor | None, ...]:
     """(dz = dy ⊙ g in z's dtype or None, dg = Σ_rows dy ⊙ z and db = Σ_rows dy in float32 or None,
     dm = dg / n in ``m_dtype`` where the norm n (N, float32) is given, else None) for dy, z (M × N,
-    rows contiguous), g (N); two launches: dz and each block of rows' parts of dg and db, then the
-    parts summed in order (with n: the detached norm's backward in the same launch). ``sums=False``:
-    the first launch alone, dg's and db's parts (P × N, float32) returned in their places, for
-    ``dora_exact_bwd`` to add where it reads them."""
+    rows contiguous), g (N); one launch: dz and each block of rows' parts of dg and db, the last
+    program of each block of outputs then summing that block's parts in order (with n: the detached
+    norm's backward in the same launch). ``sums=False``: the parts alone (P × N, float32) returned
+    in dg's and db's places, for ``dora_exact_bwd`` to add where it reads them."""
     M, N = z.shape
     dz = _alloc((M, N), z) if need_dz else None
-    dg = _alloc((N,), z, torch.float32)
-    db = _alloc((N,), z, torch.float32) if need_db else None
-    gm = _alloc((N,), z, m_dtype) if n is not None else None
     bm, bn = _scale_bwd_config(z.device)
     parts = max(1, triton.cdiv(M, bm))
     pg = _alloc((parts, N), z, torch.float32)
     pb = _alloc((parts, N), z, torch.float32) if need_db else pg
-    if M:
-        launch(_scale_bwd_part_kernel, (triton.cdiv(N, bn), parts, 1),
-               (dy, z, g, dz if need_dz else dy, pg, pb), (M, N, dy.stride(0), z.stride(0),
-                                                          dz.stride(0) if need_dz else 0), (),
-               (need_dz, need_db, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
-    else:  # no rows: the sums are zero
-        pg.zero_()
-        pb.zero_()
     if not sums:
+        if M:
+            launch(_scale_bwd_part_kernel, (triton.cdiv(N, bn), parts, 1),
+                   (dy, z, g, dz if need_dz else dy, pg, pb), (M, N, dy.stride(0), z.stride(0),
+                                                              dz.stride(0) if need_dz else 0), (),
+                   (need_dz, need_db, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
+        else:  # no rows: the sums are zero
+            pg.zero_()
+            pb.zero_()
         return dz, pg, pb if need_db else None, None
-    fn = 64 if z.is_cuda else 16
-    launch(_scale_bwd_finish_kernel, (triton.cdiv(N, fn), 1, 1),
-           (pg, pb, dg, db if need_db else dg, n if n is not None else dg, gm if gm is not None else dg),
-           (N, parts), (), (need_db, gm is not None, fn), tag="dora_scale_bwd_finish", num_warps=4, num_stages=1)
+    if not M:  # no rows: the sums are zero
+        dg = torch.zeros((N,), dtype=torch.float32, device=z.device)
+        db = torch.zeros((N,), dtype=torch.float32, device=z.device) if need_db else None
+        gm = torch.zeros((N,), dtype=m_dtype, device=z.device) if n is not None else None
+        return dz, dg, db, gm
+    dg = _alloc((N,), z, torch.float32)
+    db = _alloc((N,), z, torch.float32) if need_db else None
+    gm = _alloc((N,), z, m_dtype) if n is not None else None
+    grid_n = triton.cdiv(N, bn)
+    launch(_scale_bwd_sum_kernel, (grid_n, parts, 1),
+           (dy, z, g, dz if need_dz else dy, pg, pb, dg, db if need_db else dg, n if n is not None else dg,
+            gm if gm is not None else dg, _counters(z.device, grid_n)),
+           (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
+           (need_dz, need_db, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
     return dz, dg, db, gm
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream) -> int32 counts, all 0 between launches
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 counters at 0 for ``_scale_bwd_sum_kernel`` on the current stream of
+    ``device``: one buffer per stream, made once (grown where a launch needs more), each launch
+    leaving its counters at 0 again. Launches on one stream run one after the other, so they share
+    it; each stream has its own, so launches on two streams never count in one."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = _COUNTERS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 __all__ = ["BIG_SIDE", "dora_exact_bwd", "dora_norm_bwd", "exact_bwd_config", "scale_bias_bwd"]

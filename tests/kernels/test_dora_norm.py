@@ -410,10 +410,10 @@ def test_dora_kernel_layer_under_the_triton_interpreter(interp_runs, i):
 
 
 # a DoRA function's launches: forward the norm's parts of K, then their sum, g and the scale;
-# backward the scale's two (dz and the blocks of rows' parts of dg, then their sums), and
-# with the exact norm its two
+# backward the scale's one (dz and the blocks of rows' parts of dg, summed by each block of
+# outputs' last program), and with the exact norm its two
 FWD_TAGS = ["dora_fwd", "dora_fwd_scale"]
-SCALE_BWD_TAGS = ["dora_scale_bwd", "dora_scale_bwd_finish"]
+SCALE_BWD_TAGS = ["dora_scale_bwd"]
 EXACT_BWD_TAGS = ["dora_norm_exact_bwd", "dora_norm_exact_bwd_finish"]  # the exact norm's: the parts of the outputs, dA
 
 
@@ -756,6 +756,85 @@ def test_gpu_forward_kernel_replayed_from_a_cuda_graph(dt, out, k, r, rows, bias
         want = _fwd_want(z, w, a, b, m, bb, s)
         for name, got in outs.items():
             assert rel_err(got, want[name]) <= bounds[name], (name, rel_err(got, want[name]), f"replay {i}")
+
+
+def _scale_sum_want(dy, z, n):
+    DY, Z = dy.double(), z.double()
+    dg = (DY * Z).sum(0)
+    return {"dg": dg, "db": DY.sum(0), "dm": dg / n.double()}
+
+
+def _scale_sum_check(rows: int, out: int, dt: str, outs: dict, dy, z, n) -> None:
+    """dg, db and dm of the one-launch scale backward against float64: float32 sums of ``rows``
+    exact products (``dot_tol(float32, rows + 1)``), dm one more rounding, to m's float32."""
+    want = _scale_sum_want(dy, z, n)
+    bound = dot_tol(torch.float32, rows + 2)
+    for name in ("dg", "db", "dm"):
+        assert rel_err(outs[name], want[name]) <= bound, (name, rel_err(outs[name], want[name]), rows, out, dt)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+def test_gpu_scale_backward_sums_in_its_one_launch(dt):
+    """The scale's backward in one launch, each block of outputs' last program to finish summing its
+    parts: on fresh inputs launch after launch (shapes of 1 to 63 blocks of rows, outputs not a
+    multiple of the tile), dg, db and dm match float64; the same inputs give the same bits (the parts
+    are summed in order whichever program comes last); every counter is back at 0 after each
+    launch, so the next one counts from 0."""
+    from lora_bench.kernels import dora_triton_bwd as bwd
+
+    dtype = DTYPE[dt]
+    for rows, out in [(960, 2304), (4000, 770), (1, 64), (333, 6400), (960, 768), (64, 1600)]:
+        dy = fresh(rows, out, device="cuda", dtype=dtype)
+        z = fresh(rows, out, device="cuda", dtype=dtype)
+        g = torch.rand(out, device="cuda") + 0.5
+        n = torch.rand(out, device="cuda") + 0.5
+        first = None
+        for _ in range(3):
+            dz, dg, db, dm = bwd.scale_bias_bwd(dy, z, g, need_dz=True, need_db=True, n=n, m_dtype=torch.float32)
+            torch.cuda.synchronize()
+            counters = bwd._counters(z.device, 1)
+            assert int(counters.abs().sum()) == 0, (rows, out)
+            _scale_sum_check(rows, out, dt, {"dg": dg, "db": db, "dm": dm}, dy, z, n)
+            assert rel_err(dz, dy.double() * g.double()) <= rounded_input_tol(dtype, 1)
+            if first is None:
+                first = (dg.clone(), db.clone(), dm.clone())
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(first, (dg, db, dm))), (rows, out)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows, out", [(960, 2304), (960, 6400), (333, 770)])
+def test_gpu_scale_backward_one_launch_replayed_from_a_cuda_graph(dt, rows, out):
+    """The one-launch scale backward captured in a CUDA graph: replays on fresh dy, z, g and n copied
+    into the captured buffers, outputs NaN-filled before each, match float64 every time (the counters
+    the graph baked in are back at 0 after each replay)."""
+    from lora_bench.kernels import dora_triton_bwd as bwd
+
+    dtype = DTYPE[dt]
+    dy, z = fresh(rows, out, device="cuda", dtype=dtype), fresh(rows, out, device="cuda", dtype=dtype)
+    g, n = torch.rand(out, device="cuda") + 0.5, torch.rand(out, device="cuda") + 0.5
+
+    def call():
+        dz, dg, db, dm = bwd.scale_bias_bwd(dy, z, g, need_dz=True, need_db=True, n=n, m_dtype=torch.float32)
+        return {"dz": dz, "dg": dg, "db": db, "dm": dm}
+
+    graph, outs = _capture(call)
+    for i in range(4):
+        with torch.no_grad():
+            dy.copy_(fresh(rows, out, device="cuda", dtype=dtype))
+            z.copy_(fresh(rows, out, device="cuda", dtype=dtype))
+            g.copy_(torch.rand(out, device="cuda") + 0.5)
+            n.copy_(torch.rand(out, device="cuda") + 0.5)
+            for t in outs.values():
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _scale_sum_check(rows, out, dt, outs, dy, z, n)
+        assert rel_err(outs["dz"], dy.double() * g.double()) <= rounded_input_tol(dtype, 1), f"replay {i}"
 
 
 # GPT-2's adapted layers (out, in): 124M's attention, its projection and MLP; 1558M's MLP both ways
