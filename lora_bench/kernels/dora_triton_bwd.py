@@ -159,10 +159,13 @@ def _dora_exact_bwd_finish_kernel(pa_ptr, pbcb_ptr, a_ptr, ga_ptr, K, R, PARTS, 
 
 
 @triton.jit
-def _scale_bwd_part_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, M, N, stride_dym, stride_zm, stride_dzm,
-                           WRITE_DZ: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    # a tile of rows × outputs: dz = dy ⊙ g, and this block of rows' parts of dg = Σ dy ⊙ z and db = Σ dy
+def _scale_bwd_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, dg_ptr, db_ptr, n_ptr, gm_ptr, cnt_ptr,
+                      M, N, PARTS, stride_dym, stride_zm, stride_dzm, WRITE_DZ: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SUMS: tl.constexpr, NEED_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    # a tile of rows × outputs: dz = dy ⊙ g, and this block of rows' parts of dg = Σ dy ⊙ z and db = Σ dy;
+    # with SUMS the last of a block of outputs' programs to finish (counted in cnt, which it sets back
+    # to 0) then sums that block's parts in order: dg, db and dm = dg / n
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,46 +181,23 @@ def _scale_bwd_part_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, M, N, s
     tl.store(pg_ptr + pid_m * N + offs_n, tl.sum(dy * z, axis=0), mask=n_mask)
     if HAS_BIAS:
         tl.store(pb_ptr + pid_m * N + offs_n, tl.sum(dy, axis=0), mask=n_mask)
-
-
-@triton.jit
-def _scale_bwd_sum_kernel(dy_ptr, z_ptr, g_ptr, dz_ptr, pg_ptr, pb_ptr, dg_ptr, db_ptr, n_ptr, gm_ptr, cnt_ptr,
-                          M, N, PARTS, stride_dym, stride_zm, stride_dzm, WRITE_DZ: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, NEED_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    # _scale_bwd_part_kernel's tile, then the last of a block of outputs' programs to finish (counted
-    # in cnt, which it sets back to 0) sums that block's parts in order: dg, db and dm = dg / n
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if WRITE_DZ:
-        g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(dz_ptr + offs_m[:, None] * stride_dzm + offs_n[None, :],
-                 (dy * g[None, :]).to(dz_ptr.dtype.element_ty), mask=mask)
-    tl.store(pg_ptr + pid_m * N + offs_n, tl.sum(dy * z, axis=0), mask=n_mask)
-    if HAS_BIAS:
-        tl.store(pb_ptr + pid_m * N + offs_n, tl.sum(dy, axis=0), mask=n_mask)
-    tl.debug_barrier()  # every thread's parts stored before the count (released with it, device-wide)
-    count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if count == PARTS - 1:
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for part in range(0, PARTS):  # read from L2, past this SM's cache: the others' parts
-            acc_g += tl.load(pg_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+    if SUMS:
+        tl.debug_barrier()  # every thread's parts stored before the count (released with it, device-wide)
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if count == PARTS - 1:
+            acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for part in range(0, PARTS):  # read from L2, past this SM's cache: the others' parts
+                acc_g += tl.load(pg_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc_b += tl.load(pb_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
             if HAS_BIAS:
-                acc_b += tl.load(pb_ptr + part * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-        tl.store(dg_ptr + offs_n, acc_g, mask=n_mask)
-        if HAS_BIAS:
-            tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
-        if NEED_M:
-            nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
-            tl.store(gm_ptr + offs_n, (acc_g / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
-        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                tl.store(db_ptr + offs_n, acc_b, mask=n_mask)
+            if NEED_M:
+                nrm = tl.load(n_ptr + offs_n, mask=n_mask, other=1.0)
+                tl.store(gm_ptr + offs_n, (acc_g / nrm).to(gm_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def dora_norm_bwd(dg: torch.Tensor, n: torch.Tensor, cn: torch.Tensor, vt: torch.Tensor, b: torch.Tensor, *,
@@ -338,10 +318,10 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     pb = _alloc((parts, N), z, torch.float32) if need_db else pg
     if not sums:
         if M:
-            launch(_scale_bwd_part_kernel, (triton.cdiv(N, bn), parts, 1),
-                   (dy, z, g, dz if need_dz else dy, pg, pb), (M, N, dy.stride(0), z.stride(0),
-                                                              dz.stride(0) if need_dz else 0), (),
-                   (need_dz, need_db, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
+            launch(_scale_bwd_kernel, (triton.cdiv(N, bn), parts, 1),
+                   (dy, z, g, dz if need_dz else dy, pg, pb, pg, pg, pg, pg, pg),
+                   (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
+                   (need_dz, need_db, False, False, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
         else:  # no rows: the sums are zero
             pg.zero_()
             pb.zero_()
@@ -355,11 +335,11 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     db = _alloc((N,), z, torch.float32) if need_db else None
     gm = _alloc((N,), z, m_dtype) if n is not None else None
     grid_n = triton.cdiv(N, bn)
-    launch(_scale_bwd_sum_kernel, (grid_n, parts, 1),
+    launch(_scale_bwd_kernel, (grid_n, parts, 1),
            (dy, z, g, dz if need_dz else dy, pg, pb, dg, db if need_db else dg, n if n is not None else dg,
             gm if gm is not None else dg, _counters(z.device, grid_n)),
            (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
-           (need_dz, need_db, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
+           (need_dz, need_db, True, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
     return dz, dg, db, gm
 
 
@@ -367,7 +347,7 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream) -> int32 counts, a
 
 
 def _counters(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` int32 counters at 0 for ``_scale_bwd_sum_kernel`` on the current stream of
+    """``count`` int32 counters at 0 for ``_scale_bwd_kernel``'s sums on the current stream of
     ``device``: one buffer per stream, made once (grown where a launch needs more), each launch
     leaving its counters at 0 again. Launches on one stream run one after the other, so they share
     it; each stream has its own, so launches on two streams never count in one."""
