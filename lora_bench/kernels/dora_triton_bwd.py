@@ -316,21 +316,25 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     parts = max(1, triton.cdiv(M, bm))
     pg = _alloc((parts, N), z, torch.float32)
     pb = _alloc((parts, N), z, torch.float32) if need_db else pg
-    if not sums:
-        if M:
-            launch(_scale_bwd_kernel, (triton.cdiv(N, bn), parts, 1),
-                   (dy, z, g, dz if need_dz else dy, pg, pb, pg, pg, pg, pg, pg),
-                   (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
-                   (need_dz, need_db, False, False, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
-        else:  # no rows: the sums are zero
-            pg.zero_()
-            pb.zero_()
-        return dz, pg, pb if need_db else None, None
     if not M:  # no rows: the sums are zero
-        dg = torch.zeros((N,), dtype=torch.float32, device=z.device)
-        db = torch.zeros((N,), dtype=torch.float32, device=z.device) if need_db else None
+        pg.zero_()
+        pb.zero_()
+        if not sums:
+            return dz, pg, pb if need_db else None, None
         gm = torch.zeros((N,), dtype=m_dtype, device=z.device) if n is not None else None
-        return dz, dg, db, gm
+        return dz, pg[0], pb[0] if need_db else None, gm
+    dg = _alloc((N,), z, torch.float32) if sums else pg
+    db = _alloc((N,), z, torch.float32) if sums and need_db else None
+    gm = _alloc((N,), z, m_dtype) if sums and n is not None else None
+    grid_n = triton.cdiv(N, bn)
+    launch(_scale_bwd_kernel, (grid_n, parts, 1),
+           (dy, z, g, dz if need_dz else dy, pg, pb, dg, db if db is not None else dg, n if n is not None else dg,
+            gm if gm is not None else dg, _counters(z.device, grid_n) if sums else pg),
+           (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
+           (need_dz, need_db, sums, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
+    if not sums:
+        return dz, pg, pb if need_db else None, None
+    return dz, dg, db, gm
     dg = _alloc((N,), z, torch.float32)
     db = _alloc((N,), z, torch.float32) if need_db else None
     gm = _alloc((N,), z, m_dtype) if n is not None else None
