@@ -1,7 +1,9 @@
 """The answer at a glance: at most three lines, first on a report, one per execution mode and
-condition (as the answer's bullets), each naming every variant's crossover against the baseline
+condition (as the answer's bullets), each naming each variant's crossover against the baseline
 (``answer.crossover``, else its verdict at each size) with its ratio at the smallest and the
-largest size and that ratio's interval. The full answer, with n and confidence, follows below."""
+largest size and that ratio's interval; a line of many variants names the VARIANTS that differ
+most from the baseline (in the line's order) and counts the rest. The full answer, with n and
+confidence, follows below."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from lora_bench.report.stats import span_text
 from lora_bench.report.study_model import Group, Study
 
 LINES = 3  # a glance, not a list: the rest is in the answer below
+VARIANTS = 5  # named on one line; the rest counted
 
 
 def glance(study: Study) -> list[str]:
@@ -21,15 +24,26 @@ def glance(study: Study) -> list[str]:
     for cond in study.conditions():
         for mode in study.modes():
             lines = [ln for ln in study.lines if ln.condition == cond and ln.mode == mode]
-            parts = [_variant(ln.variant, [g for g in ln.groups if not math.isnan(g.ratio)]) for ln in lines]
-            parts = [p for p in parts if p]
-            if parts:
-                where = " · ".join(p for p in (mode, cond) if p)
-                out.append(f"**{where}**, step time against {base}: " + "; ".join(parts) + ".")
+            shown = [(ln.variant, gs) for ln in lines if (gs := [g for g in ln.groups if not math.isnan(g.ratio)])]
+            if not shown:
+                continue
+            rest = len(shown) - VARIANTS
+            if rest > 0:  # the VARIANTS farthest from the baseline, in the line's order
+                far = sorted(range(len(shown)), key=lambda i: -_distance(shown[i][1]))[:VARIANTS]
+                shown = [shown[i] for i in sorted(far)]
+            where = " · ".join(p for p in (mode, cond) if p)
+            more = f"; {rest} more in the answer below" if rest > 0 else ""
+            out.append(f"**{where}**, step time against {base}: "
+                       + "; ".join(_variant(name, gs) for name, gs in shown) + more + ".")
     if len(out) > LINES:
         shown = out[:LINES - 1]
         return shown + [f"… and {len(out) - len(shown)} more settings: see the answer below."]
     return out
+
+
+def _distance(groups: list[Group]) -> float:
+    """How far a variant's step lies from the baseline's: the largest |log ratio| at its sizes."""
+    return max(abs(math.log(g.ratio)) for g in groups)
 
 
 def _variant(name: str, groups: list[Group]) -> str:

@@ -350,3 +350,25 @@ def test_the_fastest_lora_step_per_size_is_named_with_its_configuration(tmp_path
     assert table.rows[0][-1].startswith("6.20 [") and table.rows[1][-1].startswith("240.00")
     only_all = [_run(0, size="124M", layers="all", step=50), _run(1, size="124M", layers="last_block", step=40)]
     assert fastest_lora_table(_study(tmp_path, only_all, baseline="trainable_layers=all")) is None
+
+
+def test_a_glance_of_many_variants_names_those_farthest_from_the_baseline_and_counts_the_rest(tmp_path):
+    """Eight variants against `all`: the glance names the five whose step lies farthest from the
+    baseline's (either way), in the line's order, and says how many more the answer holds; with five
+    or fewer it names them all."""
+    from lora_bench.report.glance import VARIANTS, glance
+
+    steps = {"all": 50.0, "last_block": 51.0, "last_layer": 52.0, "lora": 100.0, "lora-kernel": 25.0,
+             "lora-merged": 80.0, "frozen": 20.0, "last_two_blocks": 50.5, "peft": 70.0}
+    rows = []
+    for r in range(5):
+        for j, (layers, step) in enumerate(steps.items()):
+            rows.append(_run(20 * r + j, size="124M", layers=layers, step=step * (1 + 0.001 * r)))
+    s = _study(tmp_path, rows)
+    (line,) = glance(s)
+    named = {v for v in steps if f" {v} " in f" {line}" or f"; {v} " in line or f": {v} " in line}
+    assert named == {"lora", "lora-kernel", "lora-merged", "frozen", "peft"} and VARIANTS == 5, line
+    assert line.rstrip(".").endswith("; 3 more in the answer below"), line
+    few = _study(tmp_path, [row for row in rows if row["cfg_trainable_layers"] in ("all", "lora", "frozen")])
+    (line,) = glance(few)
+    assert "more in the answer below" not in line and "lora" in line and "frozen" in line
