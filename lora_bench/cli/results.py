@@ -105,14 +105,27 @@ def reconstruct(
 
 @results_app.command("describe")
 def describe(folder: Folder,
-             text: Annotated[str, typer.Argument(help="What the folder holds, in a sentence or two.",
-                                                 show_default=False)],
+             text: Annotated[Optional[str], typer.Argument(help="What the folder holds, in a sentence or two.",
+                                                           show_default=False)] = None,
              question: Annotated[bool, typer.Option("--question", help="The folder groups results folders by "
-                                                    "the question they answer; TEXT is the question.")] = False) -> None:
-    """Set the folder's description (the 'what' column of the index), or a group's question."""
-    from lora_bench.results.manifest import set_description
+                                                    "the question they answer; TEXT is the question.")] = False,
+             timings: Annotated[Optional[str], typer.Option(
+                 metavar="measured|shared", help="shared: the folder's runs ran side by side on one GPU (seeds of an "
+                 "accuracy sweep, say), so their times are not a measurement and reports leave them out; "
+                 "measured (the default) undoes it.", show_default=False)] = None) -> None:
+    """Set the folder's description (the 'what' column of the index), or a group's question, and
+    whether its runs' times are a measurement."""
+    from lora_bench.errors import UsageError
+    from lora_bench.results.manifest import TIMINGS_CHOICES, set_description, set_timings
 
-    set_description(_folder(folder), text, question=question)
+    if text is None and timings is None:
+        raise UsageError("nothing to set: give TEXT (the description), --timings, or both")
+    if timings is not None and timings not in TIMINGS_CHOICES:  # before anything is written
+        raise UsageError(f"--timings {timings!r}: use one of {', '.join(TIMINGS_CHOICES)}")
+    if text is not None:
+        set_description(_folder(folder), text, question=question)
+    if timings is not None:
+        set_timings(_folder(folder), timings)
     console.print(f"described: {folder}", highlight=False)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from lora_bench.config import TrainConfig
 from lora_bench.publish.source import md_table
-from lora_bench.results.schema import ENV_COLUMNS, RETIRED_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES, STEP_COLUMNS
+from lora_bench.results.schema import (ENV_COLUMNS, RETIRED_COLUMNS, RUN_COLUMNS, SETTING_PREFIX, STATUSES,
+                                       STEP_COLUMNS, TIMED_DERIVED, TIMED_UNITS)
 from lora_bench.timing import PHASES
 
 
@@ -77,7 +78,11 @@ def results_schema() -> str:
         "",
         "`{\"description\": str, \"invocations\": [entry, ...]}`, one entry per command that wrote into the folder",
         "(`lora-bench train`, `sweep`, `kernel-bench`, the `benchmarks/` scripts); a sweep's runs in child",
-        "processes join their sweep's entry.",
+        "processes join their sweep's entry. `\"timings\": \"shared\"` (set by `lora-bench results describe",
+        "DIR --timings shared`) says that the folder's runs ran side by side on one GPU, as the seeds of an",
+        "accuracy sweep may: each run's clock measured the others too, so reports read the folder's timed",
+        "columns (those in " + ", ".join(f"`{u}`" for u in TIMED_UNITS) + ", and "
+        + ", ".join(f"`{c}`" for c in TIMED_DERIVED) + ") as blank and say so; `--timings measured` undoes it.",
         "",
         md_table(["field", "meaning"], [
             ["`id`", "launch time, host, process id and a random suffix"],

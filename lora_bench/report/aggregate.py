@@ -18,7 +18,7 @@ from lora_bench.errors import UsageError
 from lora_bench.report import stats
 from lora_bench.report.empty import is_empty, why_empty
 from lora_bench.report.groups import group_runs, metric_sense, same
-from lora_bench.report.load import MODE, RUN_DIR, shared_ids_note
+from lora_bench.report.load import MODE, RUN_DIR, shared_gpu_note, shared_ids_note
 from lora_bench.report.labels import MODE_FIELDS, is_blank
 from lora_bench.report.samples import pack_count, refused_steps
 from lora_bench.results.schema import RETIRED_COLUMNS, SETTING_PREFIX, column_index, run_column_names
@@ -91,7 +91,7 @@ def plan_report(df: pd.DataFrame, *, group_by: list[str] | None = None, baseline
                          "their errors are in the error column of runs.csv")
     # a key or metric named twice (or by two of its names: label, sweep_label) counts once
     keys = list(dict.fromkeys(resolve_column(done, k) for k in group_by)) if group_by else default_keys(done)
-    notes = [n for n in (shared_ids_note(df),) if n] + diverged_notes(df)
+    notes = [n for n in (shared_ids_note(df), shared_gpu_note(df)) if n] + diverged_notes(df)
     if metrics:
         metrics = list(dict.fromkeys(resolve_column(done, m, metric=True) for m in metrics))
         for m in metrics:

@@ -2,14 +2,15 @@
 condition (as the answer's bullets), each naming each variant's crossover against the baseline
 (``answer.crossover``, else its verdict at each size) with its ratio at the smallest and the
 largest size and that ratio's interval; a line of many variants names the VARIANTS that differ
-most from the baseline (in the line's order) and counts the rest. The full answer, with n and
+most from the baseline (in the line's order) and counts the rest. Where no step time is compared
+(timing off, or runs that shared their GPU), the accuracy's sentence. The full answer, with n and
 confidence, follows below."""
 
 from __future__ import annotations
 
 import math
 
-from lora_bench.report.answer import crossover, verdict
+from lora_bench.report.answer import accuracy_sentence, crossover, verdict
 from lora_bench.report.stats import span_text
 from lora_bench.report.study_model import Group, Study
 
@@ -35,6 +36,8 @@ def glance(study: Study) -> list[str]:
             more = f"; {rest} more in the answer below" if rest > 0 else ""
             out.append(f"**{where}**, step time against {base}: "
                        + "; ".join(_variant(name, gs) for name, gs in shown) + more + ".")
+    if not out and (acc := accuracy_sentence(study)):  # no step times to compare (timing off, or shared)
+        out.append(f"**Accuracy**: {acc}")
     if len(out) > LINES:
         shown = out[:LINES - 1]
         return shown + [f"… and {len(out) - len(shown)} more settings: see the answer below."]

@@ -1,8 +1,9 @@
 """Reading results for a report: every run under the given folders (results folders found at any
 depth below each, ``find_results_folders``), one row per (folder, run id),
-with three derived columns — ``results_dir`` (the folder the row came from), ``run_dir`` (the folder
-holding the run's own files) and ``mode`` (the human name of its execution mode) — and the kernel
-counts a profiled run wrote.
+with four derived columns — ``results_dir`` (the folder the row came from), ``run_dir`` (the folder
+holding the run's own files), ``mode`` (the human name of its execution mode) and ``shared_gpu``
+(its folder's runs shared their GPU: their timed columns are read blank, ``shared_gpu_note``) —
+and the kernel counts a profiled run wrote.
 
 Within one folder (reached twice, e.g. as a folder and as its runs.csv) a run id keeps one row: a
 done row beats a failed one, otherwise the later start wins. Rows of one run id from different
@@ -26,13 +27,15 @@ from lora_bench.escaping import SHOWN_CHARS, clip
 from lora_bench.report.labels import is_blank, mode_name
 from lora_bench.results.folder_files import RUN_RECORD, RUNS_CSV
 from lora_bench.results.guarded_read import read_results_file
+from lora_bench.results.manifest import timings_shared
 from lora_bench.results.prune import SUPERSEDED
-from lora_bench.results.schema import SETTING_PREFIX
+from lora_bench.results.schema import SETTING_PREFIX, timed_columns
 from lora_bench.results.store import read_run_table, read_runs, result_rows, text_value
 
 RUN_DIR = "run_dir"
 RESULTS_DIR = "results_dir"
 MODE = "mode"
+SHARED_GPU = "shared_gpu"  # True for a row whose folder's manifest says its runs shared their GPU
 KERNELS_FILE = "kernels_by_phase.csv"  # written by ``--profile torch``: launches and kernel ms per phase
 KERNELS_MAX_BYTES = 1 << 20  # one row per phase
 
@@ -72,15 +75,19 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     per (folder, run id) (see the module), schema dtypes."""
     merged: dict[tuple[str, str], dict] = {}
     header: dict[str, None] = {}  # every column the folders' runs.csv files write
+    timed = timed_columns()
     for path in paths:
         for d in result_dirs(Path(path)):
             if (d / "runs.csv").is_file():  # an unreadable runs.csv is one clear error
                 header.update(dict.fromkeys(read_run_table(d / "runs.csv").header))
+            shared = timings_shared(d)
             for row in result_rows(d):
                 key = (str(d.resolve()), row["run_id"])
                 old = merged.get(key)
                 if old is None or _rank(row) >= _rank(old):
-                    merged[key] = row | {RESULTS_DIR: str(d), RUN_DIR: str(d / row["run_id"])}
+                    if shared:  # its clocks measured the other runs on its GPU too: not a measurement
+                        row = row | dict.fromkeys((c for c in timed if c in row), "")
+                    merged[key] = row | {RESULTS_DIR: str(d), RUN_DIR: str(d / row["run_id"]), SHARED_GPU: shared}
     if not merged:
         shown = " ".join(str(p) for p in paths)
         raise UsageError(f"nothing to report: no results under {shown} "
@@ -96,6 +103,7 @@ def load_results(paths: list[Path]) -> pd.DataFrame:
     buf.seek(0)
     df = read_runs(buf)
     df[MODE] = [mode_name(r) for r in df.to_dict("records")]
+    df[SHARED_GPU] = df[SHARED_GPU].astype(str) == "True"  # read back from the text above
     return clipped(df)
 
 
@@ -138,6 +146,16 @@ def shared_ids_note(df: pd.DataFrame) -> str:
     where = sorted(set(df.loc[df["run_id"].isin(shared.index), RESULTS_DIR]))
     return (f"{len(shared)} run id(s) appear in more than one folder ({', '.join(where)}): every folder's row is "
             "kept and counts as a repeat of its settings; `lora-bench compare` sets two folders side by side")
+
+
+def shared_gpu_note(df: pd.DataFrame) -> str:
+    """A note naming the folders whose runs shared their GPU, so that their times are left out; ''
+    where there are none."""
+    if SHARED_GPU not in df or not df[SHARED_GPU].any():
+        return ""
+    where = sorted(set(df.loc[df[SHARED_GPU], RESULTS_DIR]))
+    return (f"times left out for {', '.join(where)}: its runs ran side by side on one GPU (its manifest.json: "
+            "timings shared), so each run's clock measured the others too")
 
 
 def _rank(row: dict) -> tuple:

@@ -31,7 +31,7 @@ from lora_bench.report.aggregate import (
 )
 from lora_bench.report.empty import why_empty
 from lora_bench.report.groups import RunGroup, group_runs, same
-from lora_bench.report.load import MODE, RUN_DIR, kernel_counts, shared_ids_note
+from lora_bench.report.load import MODE, RUN_DIR, kernel_counts, shared_gpu_note, shared_ids_note
 from lora_bench.report.labels import MODE_FIELDS, condition_text, is_blank, setting_name, value_text
 from lora_bench.report.stats import THRESHOLD
 from lora_bench.report.study_header import LAYERS, SIZE, header
@@ -70,7 +70,7 @@ def build_study(df: pd.DataFrame, *, baseline: str | None = None, title: str = "
     of ``metrics`` (what the report's table of every group shows beside them)."""
     done = df[df["status"] == "done"]
     profiled, timed = _split(done)
-    notes = [n for n in (shared_ids_note(df),) if n]
+    notes = [n for n in (shared_ids_note(df), shared_gpu_note(df)) if n]
     if timed is done:  # nothing but profiled runs: their times are all there is
         notes.append("every run had a profiler attached: its step times are perturbed by it")
     elif len(profiled):

@@ -35,6 +35,11 @@ UNKNOWN = "unknown"
 # read only up to this size: a manifest holds an entry per command and the run ids each wrote (a
 # 100,000-run sweep's ids are about 3 MB)
 MAX_MANIFEST_BYTES = 64 << 20
+# Whether the folder's runs had their GPU to themselves: "shared" where they ran side by side on one
+# GPU (an accuracy sweep's seeds, say), so that their clocks measured each other too; reports then
+# leave their timed columns out (lora_bench.report.load).
+TIMINGS, TIMINGS_MEASURED, TIMINGS_SHARED = "timings", "measured", "shared"
+TIMINGS_CHOICES = (TIMINGS_MEASURED, TIMINGS_SHARED)
 MAX_DESCRIPTION = 4000  # characters: what a folder holds, in a sentence or two (or a short paragraph)
 
 
@@ -138,6 +143,8 @@ def read_manifest(results_dir: Path) -> dict:
         raise refuse("its description is not text")
     if len(data["description"]) > MAX_DESCRIPTION:  # shown in the index: its control characters are escaped there
         raise refuse(f"its description {description_problem(data['description'])}")
+    if data.get(TIMINGS, TIMINGS_MEASURED) not in TIMINGS_CHOICES:
+        raise refuse(f"its {TIMINGS} is {str(data[TIMINGS])[:40]!r}, not one of {', '.join(TIMINGS_CHOICES)}")
     if not isinstance(data["invocations"], list) or not all(isinstance(e, dict) for e in data["invocations"]):
         raise refuse("its invocations are not a list of objects")
     for i, entry in enumerate(data["invocations"]):
@@ -219,6 +226,29 @@ def set_description(results_dir: Path, text: str, *, question: bool = False) -> 
             data["question"] = True
 
     update_manifest(results_dir, change)
+
+
+def set_timings(results_dir: Path, timings: str) -> None:
+    """Say whether the folder's runs had their GPU to themselves (``TIMINGS_CHOICES``); "measured",
+    the default, is stored as the key's absence. Any other value is refused (UsageError)."""
+    if timings not in TIMINGS_CHOICES:
+        raise UsageError(f"--timings {timings!r}: use one of {', '.join(TIMINGS_CHOICES)}")
+
+    def change(data: dict) -> None:
+        data.pop(TIMINGS, None)
+        if timings != TIMINGS_MEASURED:
+            data[TIMINGS] = timings
+
+    update_manifest(results_dir, change)
+
+
+def timings_shared(results_dir: Path) -> bool:
+    """Whether the folder's manifest says its runs shared their GPU (a manifest that cannot be read
+    says nothing here: the commands that write it name it)."""
+    try:
+        return read_manifest(results_dir).get(TIMINGS) == TIMINGS_SHARED
+    except ResultsError:
+        return False
 
 
 # Row columns that describe where a run ran; a reconstructed entry takes them from the rows.

@@ -173,6 +173,17 @@ STEP_COLUMNS: list[Column] = [
 ]
 
 
+# What a run's clock measured: times (and rates and shares of them) of its steps, evaluations and
+# set-up, which hold only where the run had its GPU and host to itself.
+TIMED_UNITS = ("ms", "s", "min", "µs", "tokens/s")
+TIMED_DERIVED = ("achieved_tflops", "mfu", "phase_sum_pct", "rank_step_spread_pct")
+
+
+def timed_columns() -> list[str]:
+    """The ``runs.csv`` columns that a run's clock measured (``TIMED_UNITS``, ``TIMED_DERIVED``)."""
+    return [c.name for c in RUN_COLUMNS if c.unit in TIMED_UNITS or c.name in TIMED_DERIVED]
+
+
 def run_column_names() -> list[str]:
     return [c.name for c in RUN_COLUMNS + ENV_COLUMNS + SETTING_COLUMNS]
 

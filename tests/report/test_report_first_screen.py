@@ -86,8 +86,8 @@ def test_every_committed_report_has_an_answer(report):
     text = report.read_text()
     assert re.search(r"^## Answer$|<h2>Answer</h2>", text, re.M), report
     before = text.split("## Answer")[0] if report.suffix == ".md" else text.split("<h2>Answer</h2>")[0]
-    if "No comparison:" not in text:  # an answer to glance at, before the details
-        assert "step time against" in before, report
+    if "No comparison:" not in text:  # an answer to glance at, before the details: steps, else accuracy
+        assert "step time against" in before or "**Accuracy**: " in before, report
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.parent.relative_to(RESULTS)) for p in PAGES])

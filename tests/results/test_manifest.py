@@ -335,3 +335,53 @@ def test_where_git_cannot_tell_the_source_is_neither_clean_nor_modified(tmp_path
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     (tmp_path / "not-a-checkout").mkdir()
     assert env_mod.source_modified(tmp_path / "not-a-checkout") is None
+
+
+def _timed_rows(folder: Path, n: int = 2) -> None:
+    """n finished runs with a step time, a throughput and an accuracy, written as a sweep writes them."""
+    rows = [{"run_id": f"r{i}", "status": "done", "model_size": "124M", "trainable_layers": "lora",
+             "step_ms_median": 5.0 + i, "forward_ms_median": 2.0, "tokens_per_s": 1000.0, "eval_s": 1.5,
+             "training_time_s": 30.0, "val_acc": 90.0 + i, "peak_mem_allocated_mib": 100.0} for i in range(n)]
+    folder.mkdir(parents=True)
+    write_csv(folder / "runs.csv", rows, run_column_names())
+
+
+def test_a_folder_whose_runs_shared_their_gpu_is_read_without_its_times(tmp_path, run_cli):
+    """`results describe --timings shared`: the folder's rows read with every timed column blank
+    (steps, phases, rates, evaluation and training times) and the rest kept (accuracy, memory), the
+    report's note naming the folder; another folder read beside it keeps its times; `--timings
+    measured` undoes it. A bad value is a usage error that writes nothing, and so is a call with
+    nothing to set."""
+    from lora_bench.report.load import SHARED_GPU, load_results, shared_gpu_note
+    from lora_bench.results.schema import timed_columns
+
+    shared, alone = tmp_path / "accuracy", tmp_path / "timing"
+    _timed_rows(shared)
+    _timed_rows(alone)
+    code, out = run_cli("results", "describe", shared, "--timings", "shared")
+    assert code == 0 and man.read_manifest(shared)[man.TIMINGS] == man.TIMINGS_SHARED, out
+    df = load_results([tmp_path])
+    mine, other = df[df["results_dir"] == str(shared)], df[df["results_dir"] == str(alone)]
+    for col in ("step_ms_median", "forward_ms_median", "tokens_per_s", "eval_s", "training_time_s"):
+        assert col in timed_columns() and mine[col].isna().all() and other[col].notna().all(), col
+    assert list(mine["val_acc"]) == [90.0, 91.0] and mine["peak_mem_allocated_mib"].notna().all()
+    assert list(mine[SHARED_GPU]) == [True, True] and not other[SHARED_GPU].any()
+    assert str(shared) in shared_gpu_note(df) and str(alone) not in shared_gpu_note(df)
+    code, _ = run_cli("results", "describe", shared, "--timings", "measured")
+    assert code == 0 and man.TIMINGS not in man.read_manifest(shared)
+    assert load_results([shared])["step_ms_median"].notna().all() and shared_gpu_note(load_results([shared])) == ""
+    before = (shared / "manifest.json").read_text()
+    code, out = run_cli("results", "describe", shared, "now described", "--timings", "sometimes")
+    assert code == 2 and "sometimes" in out and "measured, shared" in out, out
+    code, out = run_cli("results", "describe", shared)
+    assert code == 2 and "nothing to set" in out, out
+    assert (shared / "manifest.json").read_text() == before
+
+
+def test_a_manifest_with_an_unknown_timings_value_is_refused_by_name(tmp_path):
+    _timed_rows(tmp_path / "f")
+    (tmp_path / "f" / "manifest.json").write_text(json.dumps({"description": "", "invocations": [],
+                                                              "timings": "sometimes"}))
+    with pytest.raises(Exception, match="timings is 'sometimes', not one of measured, shared"):
+        man.read_manifest(tmp_path / "f")
+    assert not man.timings_shared(tmp_path / "f")  # the report reads its times; the writers name the file
