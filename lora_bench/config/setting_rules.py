@@ -21,7 +21,7 @@ from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
 # settings of the fused LoRA layer alone: any other trainable-layer choice runs them at their default
-KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads")
+KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads", "dora_norm_launch")
 
 
 # -- problems ---------------------------------------------------------------------------------
@@ -173,6 +173,14 @@ def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *nam
     dora = ok("lora_variant") and v["lora_variant"] == "dora"
     if ok("dora_norm", "lora_variant") and v["dora_norm"] != "exact" and v["lora_variant"] != "dora":
         out.append(problem("dora_norm", "{dora_norm}={p} is only used with {lora_variant}=dora", p=raw(v["dora_norm"])))
+    if ok("dora_norm_launch", "lora_variant") and v["dora_norm_launch"] != DEFAULTS["dora_norm_launch"] \
+            and v["lora_variant"] != "dora":
+        out.append(problem("dora_norm_launch", "{dora_norm_launch}={p} is only used with {lora_variant}=dora",
+                           p=raw(v["dora_norm_launch"])))
+    if ok("dora_norm_launch", "compile") and v["dora_norm_launch"] == "ahead" and v["compile"]:
+        out.append(problem("dora_norm_launch", "{dora_norm_launch}=ahead with {compile} is refused: a compiled layer "
+                                               "forms its norm with torch ops, inside what torch.compile traces, and "
+                                               "would not use one formed ahead"))
     if dora and ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
         out.append(problem("lora_variant", "{lora_variant}=dora with {base_dtype}={b} is refused: DoRA's norm reads "
                                            "the frozen weight itself (its row norms and W @ A), which a stored base "

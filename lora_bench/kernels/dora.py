@@ -125,12 +125,16 @@ class DoRAFunction(torch.autograd.Function):
     trained W. Sums in float32 (or float64)."""
 
     @staticmethod
-    def forward(ctx, z, weight, weight_sq, A, B, m, bias, scale, exact, path):
+    def forward(ctx, z, weight, weight_sq, A, B, m, bias, scale, exact, path, ahead=None):
         s = float(scale)
         dev = weight.device.type
         if path == TRITON:
             z2 = _rows(z)
-            y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, A, B, m, bias, s)
+            if ahead is None:
+                y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, A, B, m, bias, s)
+            else:  # the norm formed before the call (lora_bench.kernels.dora_ahead): the scale alone
+                n, g, cn, vt = ahead
+                y = triton_norm().dora_scale(z2, g, bias)
             y, zs, gs = y.view(z.shape), z2, g
         else:
             with torch.autocast(dev, enabled=False):
@@ -163,17 +167,17 @@ class DoRAFunction(torch.autograd.Function):
             dz, _, db, grad_m = triton_bwd().scale_bias_bwd(_rows(cast(dy, z.dtype)), z, gz, need_dz=need_z,
                                                              need_db=need_bias, n=norm[0], m_dtype=ctx.dtypes[3])
             dz = None if dz is None else dz.view(dy.shape)
-            return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None
+            return dz, None, None, None, None, grad_m, cast(db, b_dt), None, None, None, None
         if ctx.path == TRITON and ctx.exact and need_a and not need_w:
             dz, grad_m, grad_b, grad_a, db = _exact_backward(dy, z, gz, norm, ctx.scale, m_dtype=ctx.dtypes[3],
                                                              need_dz=need_z, need_bias=need_bias, need_m=need_m,
                                                              need_b=need_b)
-            return dz, None, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None
+            return dz, None, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None, None
         dz, dg, db = _scale_backward(ctx.path, dy, z, gz, need_z=need_z, need_g=need_g, need_bias=need_bias)
         if need_g:
             grad_w, grad_a, grad_b, grad_m = _norm_backward(ctx, norm, dg, need_w=need_w, need_a=need_a,
                                                             need_b=need_b, need_m=need_m)
-        return dz, grad_w, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None
+        return dz, grad_w, None, grad_a, grad_b, grad_m, cast(db, b_dt), None, None, None, None
 
 
 def _exact_backward(dy, z, g, norm, scale: float, *, m_dtype: torch.dtype, need_dz: bool, need_bias: bool,
@@ -264,7 +268,7 @@ class DoRASegmentsFunction(torch.autograd.Function):
     checked that they lie back to back)."""
 
     @staticmethod
-    def forward(ctx, z, scale, segments, has_bias, exact, weight, *params):
+    def forward(ctx, z, scale, segments, has_bias, exact, ahead, weight, *params):
         S = segments
         ms, bs = params[:S], (params[S:2 * S] if has_bias else None)
         As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
@@ -273,7 +277,11 @@ class DoRASegmentsFunction(torch.autograd.Function):
         a3, b3 = stacked(list(As)), stacked(list(Bs))
         s = float(scale)
         z2 = _rows(z)
-        y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, a3, b3, m3, bias3, s)
+        if ahead is None:
+            y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, a3, b3, m3, bias3, s)
+        else:  # the S norms formed before the call (lora_bench.kernels.dora_ahead): the scale alone
+            n, g, cn, vt = ahead
+            y = triton_norm().dora_scale(z2, g, bias3)
         if exact:
             ctx.save_for_backward(z2, g, weight, a3, b3, n, cn, vt)
         else:
@@ -293,7 +301,7 @@ class DoRASegmentsFunction(torch.autograd.Function):
         m_dt, bias_dt, a_dt, b_dt = ctx.dtypes
         z, g, *norm = ctx.saved_tensors
         need = ctx.needs_input_grad
-        first = 6  # z, scale, segments, has_bias, exact, weight
+        first = 7  # z, scale, segments, has_bias, exact, ahead, weight
         need_m = any(need[first:first + S])
         need_ab = ctx.exact and any(need[first + S * (1 + ctx.has_bias):])
         need_bias = ctx.has_bias and any(need[first + S:first + 2 * S])
@@ -312,16 +320,18 @@ class DoRASegmentsFunction(torch.autograd.Function):
         per_b = (None,) * S if db is None else cast(db, bias_dt).view(S, -1).unbind(0)
         per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)
         per_bb = (None,) * S if grad_b is None else cast(grad_b, b_dt).unbind(0)
-        return (dz, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
+        return (dz, None, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
                 B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
-                exact: bool) -> torch.Tensor:
+                exact: bool, ahead: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ (``DoRAFunction``) on the path ``norm_path`` chooses
-    (noted). ``weight_sq``: ‖W_j‖² of a frozen W (None: read from W)."""
+    (noted). ``weight_sq``: ‖W_j‖² of a frozen W (None: read from W). ``ahead``: the norm's (n, g, cn,
+    vᵀ) formed before the call (:mod:`lora_bench.kernels.dora_ahead`), used on the Triton path."""
     path = norm_path(weight, A)
-    return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path)
+    return DoRAFunction.apply(z, weight, weight_sq, A, B, m, bias, scale, exact, path,
+                              ahead if path == TRITON else None)
 
 
 __all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",

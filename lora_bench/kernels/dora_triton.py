@@ -83,53 +83,58 @@ def _dora_norm_scale_kernel(
     stride_bs, stride_br, stride_bn, stride_vr, stride_vn, stride_zm, stride_ym,
     scale,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-    SUB_M: tl.constexpr,
+    SUB_M: tl.constexpr, NORM: tl.constexpr = True, SCALE: tl.constexpr = True,
 ):
     # program (block of outputs, block of rows): the parts of K summed in order, then Bᵀ·AᵀA, the dots
     # with Bᵀ, n and g (every block of rows forms them alike: a few loads and an r-wide product; the
-    # first stores them and what the backward reads); then y = g ⊙ z + b for its rows, SUB_M at a time
+    # first stores them and what the backward reads); then y = g ⊙ z + b for its rows, SUB_M at a time.
+    # NORM off: g is read from g_ptr (a norm formed before); SCALE off: the norm alone (one block of rows)
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    seg = (pid * BLOCK_N) // N_SEG
-    b_ptr += seg * stride_bs
-    local_n = offs_n - seg * N_SEG
-    offs_r = tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
-    r_mask = offs_r < R
-    wa = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
-    wsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for part in range(0, PARTS):
-        wa += tl.load(wa_ptr + part * N * BLOCK_R + offs_n[:, None] * BLOCK_R + offs_r[None, :],
-                      mask=n_mask[:, None], other=0.0)
-        wsq += tl.load(sq_ptr + part * N + offs_n, mask=n_mask, other=0.0)
-        gram += tl.load(gram_ptr + (seg * PARTS + part) * BLOCK_R * BLOCK_R + offs_r[:, None] * BLOCK_R
-                        + offs_r[None, :])
-    bt = tl.load(b_ptr + offs_r[None, :] * stride_br + local_n[:, None] * stride_bn,
-                 mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
-    btg = tl.dot(bt, gram, input_precision="ieee")
-    sq = wsq + (2.0 * scale) * tl.sum(wa * bt, axis=1) + (scale * scale) * tl.sum(btg * bt, axis=1)
-    nrm = tl.where(n_mask, tl.sqrt(tl.maximum(sq, 0.0)), 1.0)  # rows past N: 1, never stored
-    m = tl.load(m_ptr + offs_n, mask=n_mask, other=1.0).to(tl.float32)
-    g = m / nrm
-    if pid_m == 0:
-        tl.store(n_ptr + offs_n, nrm, mask=n_mask)
-        tl.store(g_ptr + offs_n, g, mask=n_mask)
-        tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_mask)
-        v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
-        tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
-                 mask=n_mask[:, None] & r_mask[None, :])
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    for m0 in range(pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M, SUB_M):
-        offs_m = m0 + tl.arange(0, SUB_M)
-        mask = (offs_m < M)[:, None] & n_mask[None, :]
-        z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = z * g[None, :]
+    if NORM:
+        seg = (pid * BLOCK_N) // N_SEG
+        b_ptr += seg * stride_bs
+        local_n = offs_n - seg * N_SEG
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        wa = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
+        wsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for part in range(0, PARTS):
+            wa += tl.load(wa_ptr + part * N * BLOCK_R + offs_n[:, None] * BLOCK_R + offs_r[None, :],
+                          mask=n_mask[:, None], other=0.0)
+            wsq += tl.load(sq_ptr + part * N + offs_n, mask=n_mask, other=0.0)
+            gram += tl.load(gram_ptr + (seg * PARTS + part) * BLOCK_R * BLOCK_R + offs_r[:, None] * BLOCK_R
+                            + offs_r[None, :])
+        bt = tl.load(b_ptr + offs_r[None, :] * stride_br + local_n[:, None] * stride_bn,
+                     mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (BN, BR): Bᵀ's rows
+        btg = tl.dot(bt, gram, input_precision="ieee")
+        sq = wsq + (2.0 * scale) * tl.sum(wa * bt, axis=1) + (scale * scale) * tl.sum(btg * bt, axis=1)
+        nrm = tl.where(n_mask, tl.sqrt(tl.maximum(sq, 0.0)), 1.0)  # rows past N: 1, never stored
+        m = tl.load(m_ptr + offs_n, mask=n_mask, other=1.0).to(tl.float32)
+        g = m / nrm
+        if pid_m == 0:
+            tl.store(n_ptr + offs_n, nrm, mask=n_mask)
+            tl.store(g_ptr + offs_n, g, mask=n_mask)
+            tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_mask)
+            v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
+            tl.store(vt_ptr + offs_r[None, :] * stride_vr + offs_n[:, None] * stride_vn, v,
+                     mask=n_mask[:, None] & r_mask[None, :])
+    else:
+        g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0)
+    if SCALE:
         if HAS_BIAS:
-            y += bias[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        for m0 in range(pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M, SUB_M):
+            offs_m = m0 + tl.arange(0, SUB_M)
+            mask = (offs_m < M)[:, None] & n_mask[None, :]
+            z = tl.load(z_ptr + offs_m[:, None] * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = z * g[None, :]
+            if HAS_BIAS:
+                y += bias[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def fwd_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
@@ -196,6 +201,38 @@ def segments_fit(out: int, device: torch.device) -> bool:
     return out % SEGMENT_ALIGN == 0
 
 
+def _norm_parts(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """The norm's first launch (module docstring) for W (out × in), A and B (one layer's, or S layers'
+    stacked): returns what the second reads, (A and B as (S, ...), S, r, the outputs per layer, the parts
+    of W·A, ‖W_j‖² and AᵀA, how many parts)."""
+    out, k = weight.shape
+    a, b, S = _segments(a, b)
+    r, seg_out = a.shape[2], b.shape[2]
+    assert a.shape[1] == k and b.shape == (S, r, seg_out) and S * seg_out == out, (weight.shape, a.shape, b.shape)
+    f32 = torch.float32
+    bn, bk, warps, stages = fwd_config(weight.dtype, weight.device)
+    bn = segment_block(bn, seg_out, S)
+    assert S == 1 or seg_out % bn == 0, (seg_out, bn)
+    blocks, br = triton.cdiv(out, bn), block_r(r)
+    steps = triton.cdiv(k, bk)
+    k_per = triton.cdiv(steps, norm_parts(blocks, k, bk, weight.device)) * bk
+    parts = triton.cdiv(k, k_per)  # no part without a step of K
+    wa = _alloc((parts, out, br), weight, f32)  # the parts' sums, added in order by the second launch
+    sq = _alloc((parts, out), weight, f32)
+    gram = _alloc((S, parts, br, br), weight, f32)
+    ws, as_ = weight.stride(), a.stride()
+    launch(_dora_norm_part_kernel, (blocks, parts, 1), (weight, a, wa, sq, gram),
+           (out, k, r, seg_out, k_per, ws[0], ws[1], *as_), (),
+           (_precision(weight.dtype), bn, bk, br), tag="dora_fwd", num_warps=warps, num_stages=stages)
+    return a, b, S, r, seg_out, wa, sq, gram, parts
+
+
+def norm_outputs(weight: torch.Tensor, r: int) -> tuple[torch.Tensor, ...]:
+    """Room for what the norm gives for W (out × in) and rank r: n, g, cn (out) and vᵀ (r × out), float32."""
+    out = weight.shape[0]
+    return (*(_alloc((out,), weight, torch.float32) for _ in range(3)), _alloc((r, out), weight, torch.float32))
+
+
 def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, ...]:
     """(y, n, g, cn, vᵀ) in two launches, for z (M × out, rows contiguous), W (out × in), A (in × r),
@@ -209,39 +246,60 @@ def dora_forward(z: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torc
     S layers side by side (one input, their outputs side by side in z's columns): A (S × in × r) and
     B (S × r × n) stacked, W (S·n × in), m and the bias (S·n), out = S·n; layer i's columns are
     [i·n, (i+1)·n) of y, n, g, cn and vᵀ (``segments_fit`` n)."""
-    out, k = weight.shape
-    a, b, S = _segments(a, b)
-    r, seg_out = a.shape[2], b.shape[2]
+    out = weight.shape[0]
     rows = z.shape[0]
-    assert a.shape[1] == k and b.shape == (S, r, seg_out) and S * seg_out == out and m.shape == (out,) \
-        and z.shape == (rows, out), (weight.shape, a.shape, b.shape, m.shape, z.shape)
+    assert m.shape == (out,) and z.shape == (rows, out), (weight.shape, m.shape, z.shape)
     assert z.stride(1) == 1 or rows <= 1, z.stride()
-    f32 = torch.float32
-    n, g, cn = (_alloc((out,), weight, f32) for _ in range(3))
-    vt = _alloc((r, out), weight, f32)
     y = _alloc((rows, out), z)
-    bn, bk, warps, stages = fwd_config(weight.dtype, weight.device)
-    bn = segment_block(bn, seg_out, S)
-    assert S == 1 or seg_out % bn == 0, (seg_out, bn)
-    blocks, br = triton.cdiv(out, bn), block_r(r)
-    steps = triton.cdiv(k, bk)
-    k_per = triton.cdiv(steps, norm_parts(blocks, k, bk, weight.device)) * bk
-    parts = triton.cdiv(k, k_per)  # no part without a step of K
-    wa = _alloc((parts, out, br), weight, f32)  # the parts' sums, added in order by the second launch
-    sq = _alloc((parts, out), weight, f32)
-    gram = _alloc((S, parts, br, br), weight, f32)
-    ws, as_, bs, vs = weight.stride(), a.stride(), b.stride(), vt.stride()
-    launch(_dora_norm_part_kernel, (blocks, parts, 1), (weight, a, wa, sq, gram),
-           (out, k, r, seg_out, k_per, ws[0], ws[1], *as_), (),
-           (_precision(weight.dtype), bn, bk, br), tag="dora_fwd", num_warps=warps, num_stages=stages)
-    bm, sub, sbn = scale_config(z.device)
-    sbn = segment_block(sbn, seg_out, S)
-    launch(_dora_norm_scale_kernel, (triton.cdiv(out, sbn), max(1, triton.cdiv(rows, bm)), 1),
-           (wa, sq, gram, b, m, z, bias if bias is not None else m, y, n, g, cn, vt),
-           (out, r, rows, seg_out, parts, *bs, vs[0], vs[1], z.stride(0), y.stride(0)), (float(scale),),
-           (bias is not None, sbn, br, bm, sub), tag="dora_fwd_scale", num_warps=4, num_stages=2)
+    a, b, S, r, seg_out, wa, sq, gram, parts = _norm_parts(weight, a, b)
+    n, g, cn, vt = norm_outputs(weight, r)
+    _finish(wa, sq, gram, b, m, n, g, cn, vt, parts, seg_out, S, scale, z=z, bias=bias, y=y)
     return y, n, g, cn, vt
 
 
-__all__ = ["MAX_PARTS", "PROGRAMS_PER_SM", "SEGMENT_ALIGN", "dora_forward", "fwd_config", "norm_parts",
+def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor, scale: float,
+              outputs: tuple[torch.Tensor, ...]) -> None:
+    """``dora_forward``'s norm alone, into ``outputs`` (n, g, cn, vᵀ from ``norm_outputs``), in two
+    launches: the norm of a layer (or of S side by side) formed before its input is known, for
+    ``dora_scale`` to apply."""
+    a, b, S, r, seg_out, wa, sq, gram, parts = _norm_parts(weight, a, b)
+    assert m.shape == (weight.shape[0],), (weight.shape, m.shape)
+    _finish(wa, sq, gram, b, m, *outputs, parts, seg_out, S, scale)
+
+
+def dora_scale(z: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = g ⊙ z + b for z (M × out, rows contiguous) and g (out, float32, from ``dora_norm``) in one
+    launch: ``dora_forward``'s second launch with g read, not formed. y in z's dtype."""
+    rows, out = z.shape
+    assert g.shape == (out,) and g.dtype == torch.float32 and (z.stride(1) == 1 or rows <= 1), (z.shape, g.shape)
+    y = _alloc((rows, out), z)
+    bm, sub, sbn = scale_config(z.device)
+    launch(_dora_norm_scale_kernel, (triton.cdiv(out, sbn), max(1, triton.cdiv(rows, bm)), 1),
+           (g, g, g, g, g, z, bias if bias is not None else g, y, g, g, g, g),
+           (out, 1, rows, out, 1, 0, 0, 0, 0, 0, z.stride(0), y.stride(0)), (1.0,),
+           (bias is not None, sbn, 16, bm, sub, False, True), tag="dora_scale", num_warps=4, num_stages=2)
+    return y
+
+
+def _finish(wa, sq, gram, b, m, n, g, cn, vt, parts: int, seg_out: int, S: int, scale: float, *,
+            z: torch.Tensor | None = None, bias: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
+    """The norm's second launch: the parts added, n, g, cn and vᵀ stored, and, where z is given,
+    y = g ⊙ z + b for its rows."""
+    out = n.shape[0]
+    r, br = vt.shape[0], wa.shape[2]
+    bm, sub, sbn = scale_config(n.device)
+    sbn = segment_block(sbn, seg_out, S)
+    rows = 0 if z is None else z.shape[0]
+    bs, vs = b.stride(), vt.stride()
+    zs = (z, y, bias if bias is not None else m) if z is not None else (m, m, m)
+    launch(_dora_norm_scale_kernel, (triton.cdiv(out, sbn), max(1, triton.cdiv(rows, bm)), 1),
+           (wa, sq, gram, b, m, zs[0], zs[2], zs[1], n, g, cn, vt),
+           (out, r, rows, seg_out, parts, *bs, vs[0], vs[1], z.stride(0) if z is not None else 0,
+            y.stride(0) if y is not None else 0), (float(scale),),
+           (bias is not None, sbn, br, bm, sub, True, z is not None),
+           tag="dora_fwd_scale" if z is not None else "dora_norm_end", num_warps=4, num_stages=2)
+
+
+__all__ = ["MAX_PARTS", "PROGRAMS_PER_SM", "SEGMENT_ALIGN", "dora_forward", "dora_norm", "dora_scale", "fwd_config",
+           "norm_outputs", "norm_parts",
            "scale_config", "segment_block", "segments_fit"]

@@ -1,5 +1,6 @@
-"""The names of lora-kernel's plans (:class:`lora_bench.kernels.call.Plan`) and of where its adapter
-gradients run, without importing torch: the settings' choices are declared from them."""
+"""The names of lora-kernel's plans (:class:`lora_bench.kernels.call.Plan`), of where its adapter
+gradients run and of when its DoRA norms are launched, without importing torch: the settings'
+choices are declared from them."""
 
 PLAN_NAMES = ("direct", "cpp", "fused", "cublas", "torch")
 AUTO = "auto"  # the kernel_plan setting's default: the rules choose per call
@@ -8,3 +9,8 @@ AUTO = "auto"  # the kernel_plan setting's default: the rules choose per call
 ADAPTER_GRADS_INLINE = "inline"
 ADAPTER_GRADS_DEFERRED = "deferred"
 ADAPTER_GRADS = (ADAPTER_GRADS_INLINE, ADAPTER_GRADS_DEFERRED)
+# when a fused DoRA layer's norm is launched: inline, in the layer's call; ahead, every layer's at the
+# start of the model's forward on a side stream (kernels.dora_ahead)
+DORA_NORM_INLINE = "inline"
+DORA_NORM_AHEAD = "ahead"
+DORA_NORM_LAUNCHES = (DORA_NORM_INLINE, DORA_NORM_AHEAD)

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from lora_bench.kernels import dora_ahead
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
 from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_path, triton_norm
@@ -50,7 +51,7 @@ class LinearWithDoRAKernel(DoRALinearBase):
             z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
-                           exact=not self.detach_norm)
+                           exact=not self.detach_norm, ahead=dora_ahead.take(self))
 
 
 @contextlib.contextmanager
@@ -97,7 +98,8 @@ class DoRASideBySide(SideBySide):
                     z = fused_segments(x, layers, bias=False, defer=False)
                 if z is not None:
                     y = DoRASegmentsFunction.apply(z, first.lora.alpha, len(layers), first.linear.bias is not None,
-                                                   not first.detach_norm, weights.reshape(-1, w.shape[1]), *params)
+                                                   not first.detach_norm, dora_ahead.take(self),
+                                                   weights.reshape(-1, w.shape[1]), *params)
                     return y.split(w.shape[0], dim=-1)
         return tuple(m(x) for m in layers)
 
