@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
 import subprocess
@@ -259,3 +260,15 @@ def run_interpreted(args: list[str]) -> subprocess.CompletedProcess:
         pytest.skip(INTERP_SKIP)
     return proc
 
+
+def interpreted_runs(test_file: str, main: str = "_interp_main") -> list[dict]:
+    """Run ``main()`` of the test module ``test_file`` (a path) under Triton's CPU interpreter
+    (``run_interpreted``; skipped where Triton is missing or its interpreter cannot run) and return
+    the JSON objects it printed, one per line; the run must exit 0."""
+    pytest.importorskip("triton")
+    here = Path(test_file).resolve()
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(here.parent)!r}]; "
+            f"import {here.stem} as t; t.{main}()")
+    proc = run_interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -113,7 +113,9 @@ class DoRAFunction(torch.autograd.Function):
     """y = g ⊙ z + b with g = m / ‖W + s·(A·B)ᵀ‖ per output, its backward written out (module
     docstring). Inputs: z (..., out) from the LoRA op, weight (out × in), weight_sq (‖W_j‖², float32)
     or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
-    exact (differentiate through the norm), path (``norm_path``). y in z's dtype.
+    exact (differentiate through the norm), path (``norm_path``), and on the Triton path the norm's
+    (n, g, cn, vᵀ) formed before the call or None (``dora_ahead``: then the forward launches the
+    scale alone). y in z's dtype.
 
     Triton path: forward ``dora_forward``'s two launches (the norm's parts, then the norm and
     g ⊙ z + b, g and b read as they are); backward the scale's one (dz, dg, db; with the detached norm dm too), then
@@ -262,7 +264,7 @@ class DoRASegmentsFunction(torch.autograd.Function):
     layer i's in columns [i·n, (i+1)·n), each layer's g from its own W rows, A, B and m. The Triton
     path only (``DoRAFunction``'s kernels over S segments: the launches of one layer, forward and
     backward). Inputs after z: the scale, S, whether the layers
-    have biases, exact, W (S·n × in, the layers' frozen weights side by side), then the S m's, the S
+    have biases, exact, the S norms formed before the call or None (``DoRAFunction``'s), W (S·n × in, the layers' frozen weights side by side), then the S m's, the S
     biases (``has_bias``), the S A's and the S B's one by one, so that autograd hands each its own
     gradient; the kernels read them through their stacked views (``segments.stacked``: the caller
     checked that they lie back to back)."""

@@ -17,12 +17,11 @@ norm formed ahead."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from numerics import dot_tol, fresh, rel_err, run_interpreted
+from numerics import dot_tol, fresh, interpreted_runs, rel_err
 
 # (out per layer, in, r, layers side by side, rows, dtype, bias)
 SPLIT_CASES = [(53, 37, 7, 1, 9, "fp32", True), (48, 40, 16, 3, 17, "fp32", False), (33, 100, 3, 1, 5, "fp16", True),
@@ -125,14 +124,8 @@ def _interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def interp_runs():
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
-            "import test_dora_ahead as t; t._interp_main()")
-    proc = run_interpreted(["-c", code])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == len(SPLIT_CASES) + 4, proc.stdout[-3000:]
+    runs = interpreted_runs(__file__)
+    assert len(runs) == len(SPLIT_CASES) + 4, runs
     return runs
 
 

@@ -25,12 +25,11 @@ import contextlib
 import copy
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from numerics import ROOT, assert_within, dora_chain, dot_tol, fresh, rel_err, rounded_input_tol, run_interpreted
+from numerics import ROOT, assert_within, dora_chain, dot_tol, fresh, interpreted_runs, rel_err, rounded_input_tol
 
 from lora_bench.kernels.policy import record_plans
 from lora_bench.lora import LinearWithDoRA, LinearWithDoRAKernel
@@ -333,16 +332,10 @@ def _group_run(k: int, n: int, rows: int, r: int, detach: bool, dt: str, bias: b
 
 @pytest.fixture(scope="module")
 def interp_runs():
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    code = (f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
-            "import test_dora_norm as t; t._interp_main()")
-    proc = run_interpreted(["-c", code])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    runs = interpreted_runs(__file__)
     expected = (len(KERNEL_CASES) * len(SCALES) + len(BWD_CASES) * (len(BWD_NEEDS) + 1) + len(SCALE_CASES) + 2
                 + len(LAYER_CASES) + len(GROUP_CASES) + len(WIDE_GROUP_CASES))
-    assert len(runs) == expected, proc.stdout[-3000:]
+    assert len(runs) == expected, runs[-3:]
     return runs
 
 
