@@ -2,7 +2,8 @@
 results folder the test writes: rows of the variants study's shape (its settings in ``cfg_``
 columns, some left out as runs.csv leaves them for older rows), five repeats each. Each row's
 median, its ratio to its own implementation's LoRA (paired by repeat) and to the floor; a row the
-folder lacks reads "not run yet"; runs of the other mode do not count."""
+folder lacks reads "not run yet"; runs of the other mode do not count; the rows of norms formed ahead
+stand apart from the inline ones, in the best mode's table alone."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ RUNS = [
     ("LoRA+ (B's rate 16×)", {"trainable_layers": "lora", "cfg_loraplus_lr_ratio": "16.0"}, 6.0),
     ("fused LoRA (`lora-kernel`)", {"trainable_layers": "lora-kernel"}, 4.0),
     ("fused DoRA, exact norm", {"trainable_layers": "lora-kernel", "cfg_lora_variant": "dora"}, 5.0),
+    ("fused DoRA, detached norm, norms ahead", {"trainable_layers": "lora-kernel", "cfg_lora_variant": "dora",
+                                               "cfg_dora_norm": "detached", "cfg_dora_norm_launch": "ahead"}, 4.6),
     ("PEFT LoRA", {"trainable_layers": "lora", "cfg_implementation": "hf"}, 16.0),
     ("PEFT DoRA (`use_dora`)", {"trainable_layers": "lora", "cfg_implementation": "hf", "cfg_lora_variant": "dora",
                                 "cfg_dora_norm": "detached"}, 24.0),
@@ -61,6 +64,9 @@ def test_each_row_against_its_own_lora_and_the_floor(folder):
     assert cells["DoRA, exact norm"][2].startswith("6.00")
     assert cells["DoRA, detached norm"][1].startswith("1.50")
     assert cells["fused DoRA, exact norm"][1].startswith("1.25")  # against the fused LoRA, not the book's
+    # the norms formed ahead: a row of their own, not pooled with the inline rows of the same norm
+    assert cells["fused DoRA, detached norm, norms ahead"][1].startswith("1.15")
+    assert cells["fused DoRA, detached norm"][0] == dv.NOT_RUN
     assert cells["PEFT DoRA (`use_dora`)"][1].startswith("1.50")  # against PEFT's LoRA
     assert cells["LoRA (`lora`)"][1] == "1" and cells["fused LoRA (`lora-kernel`)"][1] == "1"
     assert cells["rsLoRA (α/√r)"][1].startswith("1.00") and cells["LoRA+ (B's rate 16×)"][1].startswith("1.00")
@@ -70,6 +76,7 @@ def test_each_row_against_its_own_lora_and_the_floor(folder):
     # the other mode: its own numbers, ten times these
     ref = _cells(dv.table_variants("reference"))
     assert ref["LoRA (`lora`)"][0].startswith("61.2") and ref["DoRA, exact norm"][1].startswith("2.00")
+    assert [name for name in dv.BEST_ONLY if name in ref] == []  # run in the best mode alone
 
 
 def test_without_the_folder_every_row_is_not_run_yet(tmp_path, monkeypatch):
