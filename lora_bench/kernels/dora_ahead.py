@@ -26,6 +26,7 @@ import dataclasses
 import torch
 
 from lora_bench.kernels import available
+from lora_bench.kernels.dora import TRITON_DTYPES, TRITON_NORM_MAX_RANK, triton_norm
 from lora_bench.kernels.plan_names import DORA_NORM_AHEAD as AHEAD
 from lora_bench.kernels.policy import note_dora
 from lora_bench.kernels.segments import stacked
@@ -56,7 +57,6 @@ class _Unit:
     def operands(self):
         """(W, A, B, m, scale) as ``dora_norm`` takes them, or None where this call cannot form its
         norm on the Triton path (it then forms it itself, or runs torch ops)."""
-        from lora_bench.kernels.dora import TRITON_DTYPES, TRITON_NORM_MAX_RANK
         first = self.layers[0]
         w, a = first.linear.weight, first.lora.A
         if (w.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES or a.shape[1] > TRITON_NORM_MAX_RANK
@@ -64,11 +64,10 @@ class _Unit:
             return None
         if len(self.layers) == 1:
             return w, a, first.lora.B, first.m, first.lora.alpha
-        from lora_bench.kernels import dora_triton
         ws = stacked([m.linear.weight for m in self.layers])
         a3, b3 = stacked([m.lora.A for m in self.layers]), stacked([m.lora.B for m in self.layers])
         m3 = stacked([m.m for m in self.layers])
-        if ws is None or a3 is None or b3 is None or m3 is None or not dora_triton.segments_fit(w.shape[0], w.device):
+        if ws is None or a3 is None or b3 is None or m3 is None or not triton_norm().segments_fit(w.shape[0], w.device):
             return None
         return ws.reshape(-1, w.shape[1]), a3, b3, m3.reshape(-1), first.lora.alpha
 
@@ -78,26 +77,12 @@ class _Unit:
         return tuple(t for m in self.layers for t in (m.linear.weight, m.lora.A, m.lora.B, m.m))
 
 
-def units(model: torch.nn.Module) -> list[_Unit]:
-    """The fused DoRA layers of ``model`` as their norms form: each group of layers side by side
-    (an attention block's ``qkv`` caller) as one, every other layer on its own."""
-    from lora_bench.lora.kernel import DoRASideBySide, LinearWithDoRAKernel
-    found, grouped = [], set()
-    for module in model.modules():
-        caller = getattr(module, "qkv", None)
-        if isinstance(caller, DoRASideBySide):
-            found.append(_Unit(caller, tuple(caller.layers)))
-            grouped.update(id(m) for m in caller.layers)
-    for module in model.modules():
-        if isinstance(module, LinearWithDoRAKernel) and id(module) not in grouped:
-            found.append(_Unit(module, (module,)))
-    return found
-
-
-def install(model: torch.nn.Module) -> int:
+def install(model: torch.nn.Module, owners: list[tuple[object, tuple]]) -> int:
     """Form the norms of ``model``'s fused DoRA layers ahead at each forward (module docstring):
-    hooks on ``model`` itself. Returns how many norms form per forward (0: nothing installed)."""
-    found = units(model)
+    hooks on ``model`` itself. ``owners``: (the layer or group whose call takes the norm, its
+    layers), one per norm (``lora.kernel.install_norms_ahead`` finds them). Returns how many norms
+    form per forward (0: nothing installed)."""
+    found = [_Unit(owner, tuple(layers)) for owner, layers in owners]
     if not found:
         return 0
     model.register_forward_pre_hook(lambda mod, args: _launch(found))
@@ -118,7 +103,7 @@ def _launch(found: list[_Unit]) -> None:
     _join(found)  # a forward that raised left its norms behind
     if torch.compiler.is_compiling():
         return
-    from lora_bench.kernels import dora_triton
+    dora_triton = triton_norm()
     work = [(u, ops) for u in found if (ops := u.operands()) is not None]
     if not work:
         return
@@ -168,4 +153,4 @@ def _join(found: list[_Unit]) -> None:
         torch.cuda.current_stream(dev).wait_stream(_side(dev))
 
 
-__all__ = ["AHEAD", "COUNTS", "install", "take", "units"]
+__all__ = ["AHEAD", "COUNTS", "install", "take"]

@@ -148,6 +148,23 @@ def group_layers(layers: list[nn.Module]) -> SideBySide | None:
     return DoRASideBySide(list(layers)) if dora else SideBySide(list(layers))
 
 
+def install_norms_ahead(model: nn.Module) -> int:
+    """Form the norms of ``model``'s fused DoRA layers ahead at each forward
+    (:mod:`lora_bench.kernels.dora_ahead`): each group of layers side by side (an attention block's
+    ``qkv`` caller, grouped before this call) as one norm, every other layer on its own. Returns how
+    many norms form per forward."""
+    owners, grouped = [], set()
+    for module in model.modules():
+        caller = getattr(module, "qkv", None)
+        if isinstance(caller, DoRASideBySide):
+            owners.append((caller, tuple(caller.layers)))
+            grouped.update(id(m) for m in caller.layers)
+    for module in model.modules():
+        if isinstance(module, LinearWithDoRAKernel) and id(module) not in grouped:
+            owners.append((module, (module,)))
+    return dora_ahead.install(model, owners)
+
+
 def group_qkv(model: nn.Module) -> int:
     """Group the query, key and value layers of every attention block of ``model`` (their
     ``qkv`` caller is set); returns how many blocks were grouped."""

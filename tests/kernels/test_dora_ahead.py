@@ -52,11 +52,10 @@ def _split_case(out: int, k: int, r: int, S: int, rows: int, dt: str, bias: bool
 def _classifier(norm: str, ahead: bool, seed: int):
     """The tiny classifier of fused DoRA layers (``norm``), query, key and value grouped, its adapters
     and magnitudes moved off their start by the same draws for every ``ahead``; ahead: its norms formed
-    ahead (``dora_ahead.install``). Returns (model, how many norms form per forward)."""
+    ahead (``install_norms_ahead``). Returns (model, how many norms form per forward)."""
     from lora_bench.classifier.book import build_classifier
     from lora_bench.config import TrainConfig
-    from lora_bench.kernels import dora_ahead
-    from lora_bench.lora.kernel import group_qkv
+    from lora_bench.lora.kernel import group_qkv, install_norms_ahead
 
     cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers="lora-kernel", lora_variant="dora",
                       dora_norm=norm, device="cpu")
@@ -68,7 +67,7 @@ def _classifier(norm: str, ahead: bool, seed: int):
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    units = dora_ahead.install(model) if ahead else 0
+    units = install_norms_ahead(model) if ahead else 0
     return model, units
 
 
@@ -198,8 +197,7 @@ def _gpu_model(norm: str, ahead: bool, size: str):
     them; adapters and magnitudes moved off their start by the same draws; ahead: norms formed ahead."""
     from lora_bench.classifier.book import build_classifier
     from lora_bench.config import TrainConfig
-    from lora_bench.kernels import dora_ahead
-    from lora_bench.lora.kernel import group_qkv
+    from lora_bench.lora.kernel import group_qkv, install_norms_ahead
 
     extra = {} if size == "tiny" else {"n_layers": 2}
     cfg = TrainConfig(model_size=size, weights="random", trainable_layers="lora-kernel", lora_variant="dora",
@@ -217,7 +215,7 @@ def _gpu_model(norm: str, ahead: bool, size: str):
             if p.requires_grad:
                 p.add_(0.05 * torch.randn(p.shape, generator=gen, device="cuda", dtype=p.dtype))
     if ahead:
-        assert dora_ahead.install(model) > 0
+        assert install_norms_ahead(model) > 0
     return model
 
 
