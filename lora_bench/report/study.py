@@ -41,6 +41,7 @@ from lora_bench.timing import PHASES
 
 KERNEL = "lora-kernel"
 KERNEL_ONLY = tuple(SETTING_PREFIX + k for k in KERNEL_LAYER_SETTINGS)
+KERNEL_DORA_ONLY = (SETTING_PREFIX + "dora_norm_launch",)  # of the fused layer's DoRA alone: not named on its LoRA rows
 SHAPE_OVERRIDES = tuple(SETTING_PREFIX + k for k in ("emb_dim", "n_layers", "n_heads"))
 # settings that decide the kernels a step launches: a profile describes a timed group that shares them
 # The adapter's variant and the model's code change the kernels too; a row that predates a setting
@@ -170,11 +171,13 @@ def _own(rest: list[str], spec: dict) -> list[str]:
 
 
 def _own_text(settings: dict, own: list[str], layers) -> str:
-    """What of ``own`` a group's name shows: the fused layer's own settings on its rows, the
-    adapter's variant settings where they are not the default, on any adapter's rows."""
+    """What of ``own`` a group's name shows: the fused layer's own settings on its rows (those of its
+    DoRA alone on its DoRA rows), the adapter's variant settings where they are not the default, on
+    any adapter's rows."""
     if same(layers, FROZEN):
         return ""
-    shown = [k for k in own if (k in KERNEL_ONLY and same(layers, KERNEL))
+    dora = same(settings.get(SETTING_PREFIX + "lora_variant"), "dora")
+    shown = [k for k in own if (k in KERNEL_ONLY and same(layers, KERNEL) and (dora or k not in KERNEL_DORA_ONLY))
              or (k in ADAPTER_ONLY and not is_blank(settings[k]) and not same(settings[k], STEP_DEFAULTS[k]))]
     return " (" + ", ".join(f"{setting_name(k)}={value_text(settings[k])}" for k in shown) + ")" if shown else ""
 

@@ -132,6 +132,24 @@ def test_a_setting_of_the_fused_layer_alone_names_a_variant_and_finds_the_baseli
     assert {g.condition for g in study.groups} == {""}
 
 
+def test_a_setting_of_the_fused_layers_dora_alone_is_named_on_its_dora_rows_only():
+    """dora_norm_launch applies to the fused layer's DoRA only: its LoRA rows ran it at its default
+    and are named without it, its DoRA rows with it, inline and ahead apart."""
+    rows = []
+    for i in range(5):
+        for layers, variant, launch, step in (("frozen", "lora", "inline", 2.0), ("lora-kernel", "lora", "inline", 3.0),
+                                              ("lora-kernel", "dora", "inline", 4.0),
+                                              ("lora-kernel", "dora", "ahead", 3.8)):
+            rows.append({"run_id": f"{layers}-{variant}-{launch}-r{i}", "status": "done", SIZE: "124M",
+                         LAYERS: layers, "cfg_lora_variant": variant, "cfg_dora_norm_launch": launch, "cfg_seed": 123,
+                         STEP: step + 0.01 * i, RESULTS_DIR: "r", "sweep_name": "s", "repeat": i,
+                         "started_at": f"2026-01-01T00:0{i}:00"})
+    study = build_study(pd.DataFrame(rows), baseline="trainable_layers=frozen")
+    names = {g.variant for g in study.groups if not g.is_baseline}
+    assert names == {"lora-kernel", "lora-kernel (lora_variant=dora, dora_norm_launch=inline)",
+                     "lora-kernel (lora_variant=dora, dora_norm_launch=ahead)"}, names
+
+
 def test_against_the_floor_each_variant_of_lora_names_itself_and_finds_the_one_floor():
     """The floor (frozen) trains no adapter, so the adapter's variant settings are not conditions
     against it: it ran them at their default, and every variant is set against it, named by the
