@@ -213,6 +213,32 @@ CLAIMS += [("docs/variants.md", claim) for claim in (
 )]
 
 
+DET_AHEAD, EXACT_AHEAD = "fused DoRA, detached norm, norms ahead", "fused DoRA, exact norm, norms ahead"
+
+
+def v_fwd(row: str, size: str) -> float:
+    """A row's median forward phase ms over its repeats."""
+    from lora_bench.report.groups import estimate
+
+    return estimate(_variants()[0][(row, size)].runs, "forward_ms_median").value
+
+
+def hidden_pct(size: str) -> int:
+    """What forming the norms ahead took off the detached forward, as a share of what the detached
+    norm adds to fused LoRA's forward inline, in whole percent."""
+    lora = v_fwd("fused LoRA (`lora-kernel`)", size)
+    return round(100 * (v_fwd(DET, size) - v_fwd(DET_AHEAD, size)) / (v_fwd(DET, size) - lora))
+
+
+CLAIMS += [("docs/variants.md", claim) for claim in (
+    lambda: (f"The side stream hid {hidden_pct('124M')} % of what the detached norm adds to fused LoRA's forward at "
+             f"124M, and {hidden_pct('1558M')} % at 1558M"),
+    lambda: (f"with the norms ahead the detached step is {v_x(DET_AHEAD, '124M')} (124M) and "
+             f"{v_x(DET_AHEAD, '1558M')} (1558M) the fused LoRA step, the exact one {v_x(EXACT_AHEAD, '124M')} and "
+             f"{v_x(EXACT_AHEAD, '1558M')}"),
+)]
+
+
 @cache
 def _dora_kernels() -> pd.DataFrame:
     """``kernel-bench --kernels``' profile of DoRA's narrow-tile kernels (results/kernel/kernel-bench/dora)."""

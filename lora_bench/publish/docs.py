@@ -55,6 +55,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "first-use": method.table_first_use,
     "order-stats": table_order_stats,
     "variants-best": variants.table_variants_best,
+    "variants-ahead": variants.table_norms_ahead,
     "variants-pissa-init": variants.table_pissa_init_best,
     "variants-reference": variants.table_variants_reference,
     "variants-accuracy": variants.table_variants_accuracy,

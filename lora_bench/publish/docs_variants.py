@@ -146,6 +146,47 @@ def table_variants(label: str, folder: str = VARIANTS) -> str:
         "step ms [interval]", "÷ its LoRA", "÷ floor"))], rows, align="---|" + "|".join(["---:"] * 6))
 
 
+# the fused DoRA rows with their norms inline and formed ahead, paired by norm
+AHEAD_PAIRS = (("detached", "fused DoRA, detached norm", "fused DoRA, detached norm, norms ahead"),
+               ("exact", "fused DoRA, exact norm", "fused DoRA, exact norm, norms ahead"))
+FORWARD = "forward_ms_median"
+FORWARD_KERNELS = "graph_kernels_forward"
+
+
+def table_norms_ahead(folder: str = VARIANTS) -> str:
+    """The fused DoRA rows of the best mode with their norms formed ahead against inline, per norm and
+    size: each step's median [interval], ahead ÷ inline paired by repeat with the verdict, the
+    forward phase's median ms and the kernels the captured forward launches (median), inline → ahead."""
+    path = RESULTS / folder / "runs.csv"
+    df = runs(folder) if path.is_file() else pd.DataFrame()
+    if not df.empty:
+        df = df[(df["status"] == "done") & (df["sweep_label"] == "best")]
+    rows = []
+    for norm, inline, ahead in AHEAD_PAIRS:
+        part = pd.DataFrame()
+        if not df.empty:
+            named = df.assign(variant_row=df.apply(_row_name, axis=1))
+            part = as_read(named[named["variant_row"].isin([inline, ahead])], folder)
+        groups = {} if part.empty else {(g.values["variant_row"], g.values["model_size"]): g
+                                        for g in _grouped(part, inline)}
+        for size in SIZES:
+            gi, ga = groups.get((inline, size)), groups.get((ahead, size))
+            if gi is None or ga is None:
+                rows.append([norm, size, NOT_RUN, NOT_RUN, "-", "-", "-"])
+                continue
+            fwd = [estimate(g.runs, FORWARD) for g in (gi, ga)]
+            kernels = [g.runs[FORWARD_KERNELS].median() if FORWARD_KERNELS in g.runs else float("nan")
+                       for g in (gi, ga)]
+            rows.append([norm, size, interval_text(gi.estimates[STEP], digits=2),
+                         interval_text(ga.estimates[STEP], digits=2),
+                         f"{interval_text(ga.ratio, digits=3)} {ga.verdict}".strip() if ga.has_baseline else "-",
+                         " → ".join(f"{e.value:.2f}" if e is not None and e.known else "-" for e in fwd),
+                         " → ".join("-" if pd.isna(k) else f"{k:,.0f}" for k in kernels)])
+    return md_table(["fused DoRA, best mode, batch 8 × 120, r16", "size", "inline step ms [interval]",
+                     "ahead step ms [interval]", "ahead ÷ inline", "forward ms, inline → ahead",
+                     "forward graph kernels, inline → ahead"], rows, align="---|---|" + "|".join(["---:"] * 5))
+
+
 def table_pissa_init(label: str = "best", folder: str = VARIANTS) -> str:
     """PiSSA's one-time cost in one mode: for the book's PiSSA and PEFT's, at each size, the median
     ``adapter_init_s`` over the repeats [interval], and how many of the row's own median steps it
