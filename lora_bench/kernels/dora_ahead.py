@@ -30,6 +30,7 @@ from lora_bench.kernels.dora import TRITON_DTYPES, TRITON_NORM_MAX_RANK, triton_
 from lora_bench.kernels.plan_names import DORA_NORM_AHEAD as AHEAD
 from lora_bench.kernels.policy import note_dora
 from lora_bench.kernels.segments import stacked
+
 COUNTS = {"formed": 0, "used": 0}  # norms launched ahead and used by their call, since import (tests read them)
 USED = "triton: the norm formed ahead"  # the plan log's note of a call that used one
 _SIDE: dict[int, torch.cuda.Stream] = {}  # one side stream per CUDA device

@@ -15,8 +15,10 @@ Two launches: programs of (64 outputs, a part of K) accumulate their part of W·
 the same W tiles (a frozen W needs no stored row norms here) and of A's Gram matrix AᵀA from the
 same A tiles, which the first block of each segment writes; then programs of (64 outputs, a block of
 rows) add the parts, form Bᵀ·AᵀA, the dots with Bᵀ, the root and g (each block of rows alike, the
-first storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. This module
-imports Triton; import it lazily (``dora.triton_norm``)."""
+first storing them), and write y = g ⊙ z + b for their rows. W is read once, z once. ``dora_norm``
+and ``dora_scale`` run the second launch's two halves apart, the same kernel with one half switched
+off: the norm formed before the layer's input exists (``dora_ahead``), then the scale alone. This
+module imports Triton; import it lazily (``dora.triton_norm``)."""
 
 from __future__ import annotations
 
