@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from numerics import ROOT, fresh, kernel_tol, layer_operands, lora_chains, model_pair, rel_err, run_interpreted
+from numerics import fresh, interpreted_runs, kernel_tol, layer_operands, lora_chains, model_pair, rel_err
 
 from lora_bench.kernels import deferred
 from lora_bench.kernels.autograd import lora_linear
@@ -274,12 +274,7 @@ def _interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def interp_runs():
-    pytest.importorskip("triton")
-    code = ("import sys; sys.path[:0] = [%r, %r]; import test_deferred as t; t._interp_main()"
-            % (str(ROOT / "tests"), str(ROOT / "tests" / "kernels")))
-    proc = run_interpreted(["-c", code])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return interpreted_runs(__file__)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from numerics import (
     float64_layer,
     float64_operands,
     fresh,
+    interpreted_runs,
     kernel_tol,
     layer_operands,
     lora_chains,
@@ -401,18 +402,8 @@ def _ab_interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def ab_interp_runs():
-    pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    code = (f"import sys; sys.path[:0] = [{os.path.dirname(tests)!r}, {tests!r}, {here!r}]; "
-            "import test_lora_kernel as t; t._ab_interp_main()")  # this checkout's lora_bench, this file
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
-    if "only 0-dimensional arrays can be converted" in proc.stderr:
-        pytest.skip("this Triton's interpreter does not work with this NumPy (needs Triton >= 3.7 or NumPy < 2.4)")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == 2 * len(AB_SPLIT_CASES), proc.stdout[-3000:]
+    runs = interpreted_runs(__file__, "_ab_interp_main")
+    assert len(runs) == 2 * len(AB_SPLIT_CASES), runs[-3:]
     return runs
 
 

@@ -10,20 +10,18 @@ every dtype, under autocast, captured in a CUDA graph, with outputs pre-filled w
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from numerics import (
-    ROOT,
     assert_same_function,
     fresh,
+    interpreted_runs,
     kernel_tol,
     lora_chains,
     model_pair,
     rel_err,
     rms_rel_err,
-    run_interpreted,
     run_model,
     same_function_tol,
 )
@@ -242,12 +240,7 @@ def _interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def interp_runs():
-    pytest.importorskip("triton")
-    code = ("import sys; sys.path[:0] = [%r, %r]; import test_qkv_group as t; t._interp_main()"
-            % (str(ROOT / "tests"), str(Path(__file__).resolve().parent)))
-    proc = run_interpreted(["-c", code])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return interpreted_runs(__file__)
 
 
 @pytest.mark.parametrize("i", range(len(SEGMENT_CASES)))
