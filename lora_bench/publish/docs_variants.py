@@ -84,16 +84,24 @@ def _row_name(run: pd.Series) -> str | None:
     return None
 
 
-def _groups(label: str, folder: str = VARIANTS) -> tuple[dict, dict]:
-    """(row, size) -> the group against its family's LoRA, and -> the group against the floor, for
-    the study's rows in one mode (its sweep label); empty where the folder holds none."""
+def _named(label: str, folder: str = VARIANTS) -> pd.DataFrame | None:
+    """The study's finished runs in one mode (its sweep label), as read, each with its row of ``ROWS``
+    (``variant_row``; runs of no row left out); None where the folder holds no runs."""
     path = RESULTS / folder / "runs.csv"
     if not path.is_file():
-        return {}, {}
+        return None
     df = runs(folder)
     df = df[(df["status"] == "done") & (df["sweep_label"] == label)]
     rows = df.apply(_row_name, axis=1) if not df.empty else pd.Series(dtype=object)
-    df = as_read(df.assign(variant_row=rows).dropna(subset=["variant_row"]), folder)
+    return as_read(df.assign(variant_row=rows).dropna(subset=["variant_row"]), folder)
+
+
+def _groups(label: str, folder: str = VARIANTS) -> tuple[dict, dict]:
+    """(row, size) -> the group against its family's LoRA, and -> the group against the floor, for
+    the study's rows in one mode (its sweep label); empty where the folder holds none."""
+    df = _named(label, folder)
+    if df is None:
+        return {}, {}
     family = {name: fam for name, fam, _ in ROWS}
     df = df.assign(variant_family=df["variant_row"].map(family))
     by_lora, by_floor = {}, {}
@@ -157,18 +165,11 @@ def table_norms_ahead(folder: str = VARIANTS) -> str:
     """The fused DoRA rows of the best mode with their norms formed ahead against inline, per norm and
     size: each step's median [interval], ahead ÷ inline paired by repeat with the verdict, the
     forward phase's median ms and the kernels the captured forward launches (median), inline → ahead."""
-    path = RESULTS / folder / "runs.csv"
-    df = runs(folder) if path.is_file() else pd.DataFrame()
-    if not df.empty:
-        df = df[(df["status"] == "done") & (df["sweep_label"] == "best")]
+    df = _named("best", folder)
     rows = []
     for norm, inline, ahead in AHEAD_PAIRS:
-        part = pd.DataFrame()
-        if not df.empty:
-            named = df.assign(variant_row=df.apply(_row_name, axis=1))
-            part = as_read(named[named["variant_row"].isin([inline, ahead])], folder)
-        groups = {} if part.empty else {(g.values["variant_row"], g.values["model_size"]): g
-                                        for g in _grouped(part, inline)}
+        part = pd.DataFrame() if df is None else df[df["variant_row"].isin([inline, ahead])]
+        groups = {(g.values["variant_row"], g.values["model_size"]): g for g in _grouped(part, inline)}
         for size in SIZES:
             gi, ga = groups.get((inline, size)), groups.get((ahead, size))
             if gi is None or ga is None:
