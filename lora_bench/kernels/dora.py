@@ -57,18 +57,23 @@ def norm_path(weight: torch.Tensor, a: torch.Tensor) -> str:
     there and the call fits its kernel, else ``torch`` with the reason."""
     if torch.compiler.is_compiling():
         return _traced_norm_path()
-    why = None
-    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
-        why = f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
-    elif a.shape[1] > TRITON_NORM_MAX_RANK:
-        why = f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
-    elif not (weight.is_cuda or available.interpreting()):
-        why = "the CPU"
-    elif triton_norm() is None:
-        why = "Triton is unavailable"
+    why = triton_refusal(weight, a)
     path = TRITON if why is None else TORCH
     note_dora(path if why is None else f"{TORCH}: {why}")
     return path
+
+
+def triton_refusal(weight: torch.Tensor, a: torch.Tensor) -> str | None:
+    """Why the norm of a call with this weight and A cannot run on the Triton kernels (None: it can)."""
+    if weight.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES:
+        return f"the kernel takes W and A in float32, bfloat16 or float16, not {weight.dtype} and {a.dtype}"
+    if a.shape[1] > TRITON_NORM_MAX_RANK:
+        return f"rank {a.shape[1]} is above the kernel's {TRITON_NORM_MAX_RANK}"
+    if not (weight.is_cuda or available.interpreting()):
+        return "the CPU"
+    if triton_norm() is None:
+        return "Triton is unavailable"
+    return None
 
 
 def norm_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -264,7 +269,8 @@ class DoRASegmentsFunction(torch.autograd.Function):
     layer i's in columns [i·n, (i+1)·n), each layer's g from its own W rows, A, B and m. The Triton
     path only (``DoRAFunction``'s kernels over S segments: the launches of one layer, forward and
     backward). Inputs after z: the scale, S, whether the layers
-    have biases, exact, the S norms formed before the call or None (``DoRAFunction``'s), W (S·n × in, the layers' frozen weights side by side), then the S m's, the S
+    have biases, exact, the S norms formed before the call or None (``DoRAFunction``'s), W (S·n × in,
+    the layers' frozen weights side by side), then the S m's, the S
     biases (``has_bias``), the S A's and the S B's one by one, so that autograd hands each its own
     gradient; the kernels read them through their stacked views (``segments.stacked``: the caller
     checked that they lie back to back)."""
@@ -337,4 +343,4 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
 
 
 __all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
-           "norm_path", "norm_torch", "triton_bwd", "triton_norm"]
+           "norm_path", "norm_torch", "triton_bwd", "triton_norm", "triton_refusal"]

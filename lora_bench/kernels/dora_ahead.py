@@ -25,8 +25,7 @@ import dataclasses
 
 import torch
 
-from lora_bench.kernels import available
-from lora_bench.kernels.dora import TRITON_DTYPES, TRITON_NORM_MAX_RANK, triton_norm
+from lora_bench.kernels.dora import triton_norm, triton_refusal
 from lora_bench.kernels.plan_names import DORA_NORM_AHEAD as AHEAD
 from lora_bench.kernels.policy import note_dora
 from lora_bench.kernels.segments import stacked
@@ -60,8 +59,7 @@ class _Unit:
         norm on the Triton path (it then forms it itself, or runs torch ops)."""
         first = self.layers[0]
         w, a = first.linear.weight, first.lora.A
-        if (w.dtype not in TRITON_DTYPES or a.dtype not in TRITON_DTYPES or a.shape[1] > TRITON_NORM_MAX_RANK
-                or not (w.is_cuda or available.interpreting()) or available.triton_kernels() is None):
+        if triton_refusal(w, a) is not None:
             return None
         if len(self.layers) == 1:
             return w, a, first.lora.B, first.m, first.lora.alpha
