@@ -192,6 +192,11 @@ class PlanLog:
         return "+".join(sorted({p.value for p in self.plans} | norms))
 
 
+    def dora_norms(self) -> str:
+        """Where DoRA layers' norms formed, each note once, '; '-joined ('' if none)."""
+        return "; ".join(sorted(self.dora))
+
+
 DORA_NORM_PREFIX = "dora-norm-"  # a DoRA norm's path as the backend names it
 _LOG: contextvars.ContextVar[PlanLog | None] = contextvars.ContextVar("lora_bench_plan_log", default=None)
 

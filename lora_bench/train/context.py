@@ -94,6 +94,13 @@ class RunContext:
             return ""
         return self.kernel_plans.backend()
 
+    def dora_norms(self) -> str:
+        """Where the training step's fused DoRA layers formed their norms, as they recorded it
+        (``PlanLog.dora_norms``); '' for other settings, or before any training step ran."""
+        if self.cfg.trainable_layers != "lora-kernel" or self.cfg.lora_variant != "dora":
+            return ""
+        return self.kernel_plans.dora_norms()
+
 
 def execution_models(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
                      dp: DataParallel | None = None) -> tuple:

@@ -201,6 +201,7 @@ class _Run:
         if context.dp is not None:  # collective: every rank, right after the loop
             out.update(context.dp.gather(timer))
         out["backend"] = context.backend()  # what the layers ran (recorded while the loop ran)
+        out["dora_norms"] = context.dora_norms()
         if step_fn is not None:
             out.update(step_fn.record())
         for p, row in enumerate(rows):
