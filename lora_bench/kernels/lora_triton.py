@@ -50,6 +50,15 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 
 @triton.jit
+def _adapter_offsets(offs_r, stride, RS: tl.constexpr, SS: tl.constexpr):
+    # (segment, offset) of adapter columns (of P) or rows (of Q) offs_r: with segments (RS > 0) column
+    # j lies at (j // RS)·SS + (j % RS)·stride, else at j·stride (segment 0)
+    if RS > 0:
+        return offs_r // RS, (offs_r // RS) * SS + (offs_r % RS) * stride
+    return offs_r * 0, offs_r * stride
+
+
+@triton.jit
 def _main_loop(
     x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R,
     stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
@@ -65,12 +74,7 @@ def _main_loop(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    if RS > 0:
-        seg_r = offs_r // RS
-        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
-    else:
-        seg_r = offs_r * 0
-        p_cols = offs_r * stride_pr
+    seg_r, p_cols = _adapter_offsets(offs_r, stride_pr, RS, P_SS)
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
@@ -122,12 +126,7 @@ def _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R: tl.constexpr, RS: tl.co
     # Q's (BR × BN) tile for the columns rn, as stored (a segment's rows only where Q is block-diagonal)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    if RS > 0:
-        seg_r = offs_r // RS
-        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
-    else:
-        seg_r = offs_r * 0
-        q_rows = offs_r * stride_qr
+    seg_r, q_rows = _adapter_offsets(offs_r, stride_qr, RS, Q_SS)
     q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
     if Q_SEG > 0:
         return tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)

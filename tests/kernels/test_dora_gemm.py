@@ -10,7 +10,7 @@ own bit for bit. A tiny GPT-2 classifier of fused DoRA layers, query, key and va
 fused plan: its forward launches one kernel per layer (the head, whose W is trained, forms its norm
 inline and the plan log says why), and its loss and every gradient lie as close to the same model in
 float64 as the inline model's do (``same_function_tol``: only the norm's order of sums differs). The
-setting's rules and the command line. GPU (``-m gpu``): the kernel at GPT-2 124M's and 1558M's shapes
+command line (the setting's rules: tests/kernels/test_dora_ahead.py). GPU (``-m gpu``): the kernel at GPT-2 124M's and 1558M's shapes
 in bfloat16 against float64; a 124M-wide model under bf16 autocast, eager and replayed from a CUDA
 graph on fresh batches, against the inline model (the same bound, the float64 model as reference).
 
@@ -204,21 +204,6 @@ def test_a_model_with_its_norms_in_the_gemm_under_the_triton_interpreter(interp_
     assert "triton: the norm formed in the LoRA GEMM" in run["dora"], run
     assert any("not in the LoRA GEMM (its W is trained" in note for note in run["dora"]), run
     assert run["err"] <= run["bound"], run
-
-
-def test_the_setting_is_refused_where_it_would_do_nothing():
-    from lora_bench.config.declaration import DEFAULTS
-    from lora_bench.config.setting_rules import settings_problems
-
-    def problems(**kw):
-        base = dict(DEFAULTS, trainable_layers="lora-kernel", lora_variant="dora")
-        return [p.render() for p in settings_problems({**base, **kw})]
-
-    assert problems(dora_norm_launch="gemm") == []
-    assert any("dora_norm_launch=gemm is only used with lora_variant=dora" in p
-               for p in problems(dora_norm_launch="gemm", lora_variant="lora"))
-    assert any("dora_norm_launch=gemm with compile is refused" in p
-               for p in problems(dora_norm_launch="gemm", compile=True))
 
 
 def test_the_command_line_takes_it_records_it_and_says_where_the_norms_formed(run_cli, tmp_path):
