@@ -82,6 +82,8 @@ def _main_loop(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BM, BK)
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN)
     p_ptrs = p_ptr + offs_k[:, None] * stride_pk + p_cols[None, :]  # (BK, BR)
+    wn_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :] * stride_wk  # (BN, BK): NORM's W·A
+    pn_ptrs = p_ptr + p_cols[:, None] + offs_k[None, :] * stride_pk  # (BR, BK): NORM's AᵀA
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -111,9 +113,17 @@ def _main_loop(
         # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
         pc = pt.to(xt.dtype)
         hacc = tl.dot(xt, pc, hacc, input_precision=PRECISION)
-        if NORM:  # (a compile-time switch: every program runs both dots)
-            wa = tl.dot(tl.trans(wt), pc, wa, input_precision=PRECISION)
-            gram = tl.dot(tl.trans(pc), pc, gram, input_precision=PRECISION)
+        if NORM:  # (a compile-time switch): W's and A's tiles read again, K-major, as these dots' left operands
+            if EVEN_K:
+                wn = tl.load(wn_ptrs)
+                pn = tl.load(pn_ptrs, mask=r_mask[:, None], other=0.0)
+            else:
+                wn = tl.load(wn_ptrs, mask=k_mask[None, :], other=0.0)
+                pn = tl.load(pn_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            wa = tl.dot(wn, pc, wa, input_precision=PRECISION)
+            gram = tl.dot(pn.to(xt.dtype), pc, gram, input_precision=PRECISION)
+            wn_ptrs += BLOCK_K * stride_wk
+            pn_ptrs += BLOCK_K * stride_pk
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
         p_ptrs += BLOCK_K * stride_pk
