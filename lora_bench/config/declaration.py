@@ -164,10 +164,8 @@ class SettingFields:
     dora_norm_launch: str = _s(DORA_NORM_INLINE, "lora-kernel with lora_variant=dora: when each layer's norm is "
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "
                                "the start of the model's forward, on a side stream beside the layers' products, each "
-                               "call then launching only its scale (the Triton path: a GPU, not compiled); gemm: "
-                               "inside the LoRA op's GEMM, which sums W·A and AᵀA from its own tiles and writes the "
-                               "scaled output, where the layer's plan is fused (CUDA graphs; elsewhere inline) "
-                               "(docs/variants.md).", LORA, choices=DORA_NORM_LAUNCHES)
+                               "call then launching only its scale (the Triton path: a GPU, not compiled; "
+                               "docs/variants.md).", LORA, choices=DORA_NORM_LAUNCHES)
     base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
                          "precision: as --precision says (fp32, or bf16 with --precision bf16 or bf16-true); bf16: "
                          "bfloat16; "

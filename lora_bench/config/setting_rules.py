@@ -177,11 +177,10 @@ def variant_problems(v: Mapping[str, Any], ok: Callable[..., bool] = lambda *nam
             and v["lora_variant"] != "dora":
         out.append(problem("dora_norm_launch", "{dora_norm_launch}={p} is only used with {lora_variant}=dora",
                            p=raw(v["dora_norm_launch"])))
-    if ok("dora_norm_launch", "compile") and v["dora_norm_launch"] != DEFAULTS["dora_norm_launch"] and v["compile"]:
-        out.append(problem("dora_norm_launch", "{dora_norm_launch}={p} with {compile} is refused: a compiled layer "
-                                               "forms its norm with torch ops, inside what torch.compile traces, "
-                                               "neither ahead nor in the LoRA op's GEMM",
-                           p=raw(v["dora_norm_launch"])))
+    if ok("dora_norm_launch", "compile") and v["dora_norm_launch"] == "ahead" and v["compile"]:
+        out.append(problem("dora_norm_launch", "{dora_norm_launch}=ahead with {compile} is refused: a compiled layer "
+                                               "forms its norm with torch ops, inside what torch.compile traces, and "
+                                               "would not use one formed ahead"))
     if dora and ok("base_dtype") and v["base_dtype"] != BASE_DTYPE_DEFAULT:
         out.append(problem("lora_variant", "{lora_variant}=dora with {base_dtype}={b} is refused: DoRA's norm reads "
                                            "the frozen weight itself (its row norms and W @ A), which a stored base "

@@ -20,8 +20,6 @@ matrix, as the LoRA op under autocast rounds it for x·A. z (N × out) is kept f
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from lora_bench.kernels import available
@@ -122,8 +120,7 @@ class DoRAFunction(torch.autograd.Function):
     or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
     exact (differentiate through the norm), path (``norm_path``), and on the Triton path the norm's
     (n, g, cn, vᵀ) formed before the call or None (``dora_ahead``: then the forward launches the
-    scale alone), or (n, g, cn, vᵀ, y) formed with y in the LoRA op's GEMM (``GemmNorm``: then it
-    launches nothing). y in z's dtype.
+    scale alone). y in z's dtype.
 
     Triton path: forward ``dora_forward``'s two launches (the norm's parts, then the norm and
     g ⊙ z + b, g and b read as they are); backward the scale's one (dz, dg, db; with the detached norm dm too), then
@@ -142,8 +139,9 @@ class DoRAFunction(torch.autograd.Function):
             z2 = _rows(z)
             if ahead is None:
                 y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, A, B, m, bias, s)
-            else:  # the norm formed before the call (ahead), or with y in the LoRA GEMM
-                y, n, g, cn, vt = _formed(ahead, z2, bias)
+            else:  # the norm formed before the call (lora_bench.kernels.dora_ahead): the scale alone
+                n, g, cn, vt = ahead
+                y = triton_norm().dora_scale(z2, g, bias)
             y, zs, gs = y.view(z.shape), z2, g
         else:
             with torch.autocast(dev, enabled=False):
@@ -289,8 +287,9 @@ class DoRASegmentsFunction(torch.autograd.Function):
         z2 = _rows(z)
         if ahead is None:
             y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, a3, b3, m3, bias3, s)
-        else:  # the S norms formed before the call (ahead), or with y in the LoRA GEMM
-            y, n, g, cn, vt = _formed(ahead, z2, bias3)
+        else:  # the S norms formed before the call (lora_bench.kernels.dora_ahead): the scale alone
+            n, g, cn, vt = ahead
+            y = triton_norm().dora_scale(z2, g, bias3)
         if exact:
             ctx.save_for_backward(z2, g, weight, a3, b3, n, cn, vt)
         else:
@@ -332,55 +331,6 @@ class DoRASegmentsFunction(torch.autograd.Function):
         return (dz, None, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
 
 
-def _formed(ahead: tuple, z2: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """(y, n, g, cn, vᵀ) from a norm formed before the forward of ``DoRAFunction`` or
-    ``DoRASegmentsFunction``: (n, g, cn, vᵀ) formed ahead, y then scaled here (one launch); or
-    (n, g, cn, vᵀ, y) from the LoRA GEMM (``GemmNorm``), y as it wrote it."""
-    if len(ahead) == 5:
-        n, g, cn, vt, y = ahead
-        return y, n, g, cn, vt
-    n, g, cn, vt = ahead
-    return triton_norm().dora_scale(z2, g, bias), n, g, cn, vt
-
-
-GEMM_USED = f"{TRITON}: the norm formed in the LoRA GEMM"  # the plan log's note of a call that formed it there
-
-
-@dataclasses.dataclass
-class GemmNorm:
-    """A fused DoRA layer's (or group's) request that its LoRA op form the norm and the scale inside
-    its GEMM (``dora_norm_launch="gemm"``; ``lora_triton.dora_fwd``): what that GEMM reads beside the
-    op's own operands (m, ‖W_j‖² in float32, the bias, whether the exact norm's backward needs cn
-    and vᵀ), and once it ran, what it formed (n, g, cn, vᵀ, y). Where the op's plan is not
-    ``fused``, ``why`` says so, nothing is formed and the layer forms its norm inline."""
-
-    m: torch.Tensor
-    weight_sq: torch.Tensor
-    bias: torch.Tensor | None
-    exact: bool
-    formed: tuple | None = None
-    why: str | None = None
-
-    def take(self) -> tuple | None:
-        """What the GEMM formed, for ``dora_output`` (noted ``GEMM_USED``), else None (the reason
-        noted: the norm then forms inline)."""
-        formed, self.formed = self.formed, None
-        note_dora(GEMM_USED if formed is not None else f"{TRITON}: inline, not in the LoRA GEMM ({self.why})")
-        return formed
-
-
-def gemm_request(weight: torch.Tensor, weight_sq: torch.Tensor | None, a: torch.Tensor, m: torch.Tensor,
-                 bias: torch.Tensor | None, *, exact: bool) -> GemmNorm | None:
-    """The ``GemmNorm`` of a layer call (or of S layers side by side: their W, ‖W_j‖², m and bias
-    stacked), or None where its norm cannot run on the Triton kernels at all (``triton_refusal``,
-    noted by ``norm_path``; torch.compile): the call then takes its usual path. A trained W (whose
-    ‖W_j‖² is not held) gets a request that says so and forms its norm inline."""
-    if torch.compiler.is_compiling() or triton_refusal(weight, a) is not None:
-        return None
-    why = "its W is trained: its ‖W_j‖² change every step" if weight_sq is None else None
-    return GemmNorm(m, weight_sq, bias, bool(exact), why=why)
-
-
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,
                 B: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, *, scale: float,
                 exact: bool, ahead: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
@@ -392,6 +342,5 @@ def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor |
                               ahead if path == TRITON else None)
 
 
-__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "GEMM_USED", "GemmNorm", "TRITON_NORM_MAX_RANK",
-           "dora_output", "gemm_request", "norm_dtype", "norm_path", "norm_torch", "triton_bwd", "triton_norm",
-           "triton_refusal"]
+__all__ = ["COMPILED", "DoRAFunction", "DoRASegmentsFunction", "TRITON_NORM_MAX_RANK", "dora_output", "norm_dtype",
+           "norm_path", "norm_torch", "triton_bwd", "triton_norm", "triton_refusal"]

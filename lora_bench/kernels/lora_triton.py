@@ -38,7 +38,22 @@ class ABConfig(NamedTuple):
 
 
 @triton.jit
-def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _lora_mm_kernel(
+    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
+    M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
+    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0,
+):
+    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
+    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
+    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
+    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
+    # or Q_SEG is that stretch's width and the rest reads as zero.
     # grouped tile order: neighbouring programs share X rows and Wt columns in L2
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -46,35 +61,21 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     group_size = min(num_pid_m - first_m, GROUP_M)
-    return first_m + ((pid % per_group) % group_size), (pid % per_group) // group_size
+    pid_m = first_m + ((pid % per_group) % group_size)
+    pid_n = (pid % per_group) // group_size
 
-
-@triton.jit
-def _adapter_offsets(offs_r, stride, RS: tl.constexpr, SS: tl.constexpr):
-    # (segment, offset) of adapter columns (of P) or rows (of Q) offs_r: with segments (RS > 0) column
-    # j lies at (j // RS)·SS + (j % RS)·stride, else at j·stride (segment 0)
-    if RS > 0:
-        return offs_r // RS, (offs_r // RS) * SS + (offs_r % RS) * stride
-    return offs_r * 0, offs_r * stride
-
-
-@triton.jit
-def _main_loop(
-    x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, RS: tl.constexpr, P_SS: tl.constexpr,
-    P_SEG: tl.constexpr, NORM: tl.constexpr,
-):
-    # The K loop of both GEMM kernels: acc (BM × BN) = X·Wt and hacc (BM × BR) = X·P over all of K;
-    # NORM: also wa (BN × BR) = Wtᵀ·P and gram (BR × BR) = Pᵀ·P from the same tiles (DoRA's W·A and
-    # AᵀA, _dora_mm_kernel), else those two stay zero and are never read.
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    seg_r, p_cols = _adapter_offsets(offs_r, stride_pr, RS, P_SS)
+    if RS > 0:
+        seg_r = offs_r // RS
+        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
+        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
+    else:
+        p_cols = offs_r * stride_pr
+        q_rows = offs_r * stride_qr
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
@@ -82,13 +83,9 @@ def _main_loop(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk  # (BM, BK)
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN)
     p_ptrs = p_ptr + offs_k[:, None] * stride_pk + p_cols[None, :]  # (BK, BR)
-    wn_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :] * stride_wk  # (BN, BK): NORM's W·A
-    pn_ptrs = p_ptr + p_cols[:, None] + offs_k[None, :] * stride_pk  # (BR, BK): NORM's AᵀA
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     hacc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    wa = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    gram = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs)
@@ -111,141 +108,29 @@ def _main_loop(
             pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
-        pc = pt.to(xt.dtype)
-        hacc = tl.dot(xt, pc, hacc, input_precision=PRECISION)
-        if NORM:  # (a compile-time switch): W's and A's tiles read again, K-major, as these dots' left operands
-            if EVEN_K:
-                wn = tl.load(wn_ptrs)
-                pn = tl.load(pn_ptrs, mask=r_mask[:, None], other=0.0)
-            else:
-                wn = tl.load(wn_ptrs, mask=k_mask[None, :], other=0.0)
-                pn = tl.load(pn_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-            wa = tl.dot(wn, pc, wa, input_precision=PRECISION)
-            gram = tl.dot(pn.to(xt.dtype), pc, gram, input_precision=PRECISION)
-            wn_ptrs += BLOCK_K * stride_wk
-            pn_ptrs += BLOCK_K * stride_pk
+        hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
         p_ptrs += BLOCK_K * stride_pk
-    return acc, hacc, wa, gram
 
-
-@triton.jit
-def _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R: tl.constexpr, RS: tl.constexpr, Q_SS: tl.constexpr,
-            Q_SEG: tl.constexpr):
-    # Q's (BR × BN) tile for the columns rn, as stored (a segment's rows only where Q is block-diagonal)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    seg_r, q_rows = _adapter_offsets(offs_r, stride_qr, RS, Q_SS)
-    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
-    if Q_SEG > 0:
-        return tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
-    return tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
-
-
-@triton.jit
-def _lora_mm_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
-    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
-    Q_SEG: tl.constexpr = 0,
-):
-    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
-    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
-    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
-    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
-    # or Q_SEG is that stretch's width and the rest reads as zero.
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, hacc, _, _ = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
-                                 stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, BLOCK_R, RS, P_SS, P_SEG, False)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    rn = offs_n % N
     # H is rounded to the input dtype, as torch's x @ A would be, before the second product
     h = hacc.to(x_ptr.dtype.element_ty)
     m_mask = offs_m < M
     if WRITE_H:
         if pid_n == 0:
             h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
-            tl.store(h_ptrs, h, mask=m_mask[:, None] & (offs_r < R)[None, :])
-    qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
+            tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
+    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
+    if Q_SEG > 0:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
+    else:
+        qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+    qt = qt.to(h.dtype)
     acc += scale * tl.dot(h, qt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _dora_mm_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr, z_ptr, m_ptr, wsq_ptr, n_ptr, g_ptr, cn_ptr, vt_ptr,
-    M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, stride_vr, stride_vn, scale,
-    HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, Q_SEG: tl.constexpr = 0,
-):
-    # A DoRA layer's whole forward in the LoRA GEMM: z = X·Wt + s·(X·P)·Q (no bias) and h = X·P as
-    # _lora_mm_kernel computes them, and from the same W and A tiles W·A and AᵀA, so that each
-    # program forms its columns' norm n_j = ‖W_j + s·(A·B)_j‖ in its epilogue (‖W_j‖² given, float32)
-    # and writes out = g ⊙ z + bias with g = m / n. Programs of the first block of rows store n and
-    # g, and with EXACT cn = −g / (2n²) and vᵀ = (2s·W·A + 2s²·Bᵀ·AᵀA)ᵀ for the norm's backward.
-    # Segments as in _lora_mm_kernel (Q block-diagonal: Q_SEG, each layer's outputs; a column's W·A
-    # and Bᵀ·AᵀA entries of other layers' ranks are never read: its Bᵀ row is zero there).
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, hacc, wa, gram = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk,
-                                     stride_wk, stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, RS, P_SS, 0, True)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    rn = offs_n % N
-    m_mask = offs_m < M
-    n_ok = offs_n < N
-    h = hacc.to(x_ptr.dtype.element_ty)
-    if pid_n == 0:
-        tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr, h,
-                 mask=m_mask[:, None] & r_mask[None, :])
-    q = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG)  # (BR, BN): B as stored
-    acc += scale * tl.dot(h, q.to(h.dtype), input_precision=PRECISION)
-    z = acc.to(z_ptr.dtype.element_ty)
-    mask = m_mask[:, None] & n_ok[None, :]
-    tl.store(z_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, z, mask=mask)
-    # the norm, in float32 from B as stored (a float32 master B under autocast: not rounded)
-    bt = tl.trans(q.to(tl.float32))  # (BN, BR): Bᵀ's rows
-    btg = tl.dot(bt, gram, input_precision="ieee")
-    wsq = tl.load(wsq_ptr + rn).to(tl.float32)
-    sq = wsq + (2.0 * scale) * tl.sum(wa * bt, axis=1) + (scale * scale) * tl.sum(btg * bt, axis=1)
-    nrm = tl.where(n_ok, tl.sqrt(tl.maximum(sq, 0.0)), 1.0)  # columns past N: 1, never stored
-    g = tl.load(m_ptr + rn).to(tl.float32) / nrm
-    y = z.to(tl.float32) * g[None, :]  # from z as stored, as the scale of a z formed apart would be
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty),
-             mask=mask)
-    if pid_m == 0:
-        tl.store(n_ptr + offs_n, nrm, mask=n_ok)
-        tl.store(g_ptr + offs_n, g, mask=n_ok)
-        if EXACT:
-            tl.store(cn_ptr + offs_n, -0.5 * g / (nrm * nrm), mask=n_ok)
-            v = (2.0 * scale) * wa + (2.0 * scale * scale) * btg  # (BN, BR), stored as vᵀ (r × out)
-            v_mask = n_ok[:, None] & r_mask[None, :]
-            if RS > 0:  # a column's own layer's ranks, at their rows of its layer's vᵀ
-                v_rows = offs_r % RS
-                v_mask = v_mask & ((offs_r // RS)[None, :] == (offs_n // Q_SEG)[:, None])
-            else:
-                v_rows = offs_r
-            tl.store(vt_ptr + v_rows[None, :] * stride_vr + offs_n[:, None] * stride_vn, v, mask=v_mask)
 
 
 @triton.jit
@@ -518,72 +403,6 @@ def lora_bwd_x_segments(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.T
     _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
         gx, u, M, k, S * n, S * r, scale, None, seg)
     return gx, u
-
-
-def dora_mm_config(M: int, N: int, K: int, R: int, x: torch.Tensor) -> MMConfig:
-    """``_dora_mm_kernel``'s tiles: the LoRA GEMM's for the shape (``_mm_config``). Beside the output
-    tile and h its programs hold W·A (BN × BR) and AᵀA (BR × BR); from BR = 32 (three layers of rank
-    16 side by side) a 4-warp tile of 64 × 128 would hold 144 float32 accumulators a thread, so
-    those tiles get 8 warps."""
-    c = _mm_config(M, N, K, x)
-    if x.is_cuda and block_r(R) >= 32 and c.num_warps < 8 and c.block_m * c.block_n >= 64 * 128:
-        c = c._replace(num_warps=8)
-    return c
-
-
-def _dora_mm(x, w, p, ps, q, qs, m, wsq, bias, M, N, K, R, r, scale, exact, seg, config):
-    """Launch ``_dora_mm_kernel`` (``dora_fwd``: one layer; ``dora_fwd_segments``: S side by side, seg
-    the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). Returns (y, z, h, n, g, cn, vᵀ); cn and
-    vᵀ (r × N) only with ``exact`` (else None)."""
-    c = config or dora_mm_config(M, N, K, R, x)
-    br = block_r(R)
-    f32 = torch.float32
-    y, z, h = _alloc((M, N), x), _alloc((M, N), x), _alloc((M, R), x)
-    n, g = _alloc((N,), x, f32), _alloc((N,), x, f32)
-    cn, vt = (_alloc((N,), x, f32), _alloc((r, N), x, f32)) if exact else (None, None)
-    vs = vt.stride() if exact else (0, 0)
-    ws, xs = w.stride(), x.stride()
-    launch(
-        _dora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
-        (x, w, p, q, bias if bias is not None else y, y, h, z, m, wsq, n, g, cn if exact else n, vt if exact else n),
-        (M, N, K, R, xs[0], xs[1], ws[1], ws[0], ps[0], ps[1], qs[0], qs[1], y.stride(0), y.stride(1), h.stride(0),
-         h.stride(1), vs[0], vs[1]),
-        (float(scale),),
-        (bias is not None, bool(exact), K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
-         c.block_k, br, 8, *seg),
-        tag="dora_mm", num_warps=c.num_warps, num_stages=c.num_stages,
-    )
-    return y, z, h, n, g, cn, vt
-
-
-def dora_fwd(x, w, a, b, m, weight_sq, bias, scale: float, *, exact: bool,
-             config: MMConfig | None = None) -> tuple[torch.Tensor | None, ...]:
-    """A DoRA layer's forward in one launch: z = x·Wᵀ + s·(x·A)·B and h = x·A as ``lora_fwd`` gives
-    them (no bias), and y = g ⊙ z + bias with g = m / n, n_j = ‖W_j + s·(A·B)_j‖, its W·A and AᵀA
-    summed from the GEMM's own tiles. x (M×k), W (n×k) and A (k×r) in one dtype (A as the GEMM reads
-    it); B (r×n), m, ‖W_j‖² (``weight_sq``) and the bias read as stored, the norm formed in float32.
-    Returns (y, z, h, n, g, cn, vᵀ): y and z in x's dtype; n, g and, with ``exact``, cn = −m / (2n³)
-    and vᵀ = (2s·W·A + 2s²·Bᵀ·AᵀA)ᵀ (r × n) in float32, as ``dora_triton.dora_forward`` gives them
-    (without ``exact``: None)."""
-    M, K = x.shape
-    N, R = w.shape[0], a.shape[1]
-    assert R <= MAX_RANK and b.shape == (R, N) and m.shape == (N,) and weight_sq.shape == (N,), (w.shape, a.shape,
-                                                                                               b.shape)
-    return _dora_mm(x, w, a, a.stride(), b, b.stride(), m, weight_sq, bias, M, N, K, R, R, scale, exact,
-                    (0, 0, 0, 0), config)
-
-
-def dora_fwd_segments(x, w, a, b, m, weight_sq, bias, scale: float, *, exact: bool,
-                      config: MMConfig | None = None) -> tuple[torch.Tensor | None, ...]:
-    """``dora_fwd`` for S DoRA layers that share their input, side by side as in
-    ``lora_fwd_segments``: W (S·n × k), A (S×k×r), B (S×r×n), m, ‖W_j‖² and the bias (S·n); y and z
-    (M × S·n), h (M × S·r), n, g, cn (S·n) and vᵀ (r × S·n), layer i's in its columns."""
-    S, k, r = a.shape
-    n = b.shape[2]
-    M = x.shape[0]
-    seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), n)  # B block-diagonal: Q_SEG = n
-    return _dora_mm(x, w, a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), m, weight_sq, bias, M,
-                    S * n, k, S * r, r, scale, exact, seg, config)
 
 
 def lora_grad_ab(

@@ -15,9 +15,8 @@ import torch.nn as nn
 from lora_bench.kernels import dora_ahead
 from lora_bench.kernels.autograd import lora_linear
 from lora_bench.kernels.deferred import DEFERRED
-from lora_bench.kernels.dora import (TRITON, DoRASegmentsFunction, dora_output, gemm_request, norm_dtype, norm_path,
-                                     triton_norm)
-from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE, DORA_NORM_GEMM, DORA_NORM_INLINE
+from lora_bench.kernels.dora import TRITON, DoRASegmentsFunction, dora_output, norm_path, triton_norm
+from lora_bench.kernels.plan_names import ADAPTER_GRADS_INLINE
 from lora_bench.kernels.policy import current_policy, note_adapter_grads, use_policy
 from lora_bench.kernels.segments import fused_segments, lora_linear_segments, parameter_kinds, stacked
 from lora_bench.lora.layer import DoRALinearBase, LoRALinearBase
@@ -45,24 +44,14 @@ class LinearWithDoRAKernel(DoRALinearBase):
     them inline and notes why (``DORA_INLINE``)."""
 
     variant = "dora-kernel"
-    norm_launch = DORA_NORM_INLINE  # ``dora_norm_launch``: ``gemm`` set by ``form_norms_in_gemm``
-
-    @torch.no_grad()
-    def refresh_weight_sq(self) -> None:
-        """‖W_j‖² summed in the norm's dtype (``norm_dtype``: float32 for a 16-bit W), as the Triton
-        norm sums them, so that a norm formed in the LoRA GEMM reads them unrounded."""
-        w = self.linear.weight.detach()
-        self.weight_sq = w.to(norm_dtype(w)).pow(2).sum(1)
 
     def forward(self, x):
         w, lora = self.linear.weight, self.lora
-        sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
-        gemm = gemm_request(w, sq, lora.A, self.m, self.linear.bias, exact=not self.detach_norm) \
-            if self.norm_launch == DORA_NORM_GEMM else None
         with _inline_adapter_grads():
-            z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha, dora=gemm)
+            z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
+        sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
-                           exact=not self.detach_norm, ahead=dora_ahead.take(self) if gemm is None else gemm.take())
+                           exact=not self.detach_norm, ahead=dora_ahead.take(self))
 
 
 @contextlib.contextmanager
@@ -97,10 +86,6 @@ class DoRASideBySide(SideBySide):
     of all S layers in one fused call, then their norms and scales in one ``DoRASegmentsFunction``),
     else one call each, as ungrouped."""
 
-    def __init__(self, layers: list[LinearWithDoRAKernel]):
-        super().__init__(layers)
-        self._weight_sq: tuple = ((), None)  # (the layers' ‖W_j‖² tensors, them side by side)
-
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = self.layers
         first = layers[0]
@@ -109,28 +94,14 @@ class DoRASideBySide(SideBySide):
             weights = stacked([m.linear.weight for m in layers])
             params = _dora_params(layers)
             if weights is not None and params is not None and triton_norm().segments_fit(w.shape[0], w.device):
-                w3 = weights.reshape(-1, w.shape[1])
-                gemm = self._gemm_request(w3) if first.norm_launch == DORA_NORM_GEMM else None
                 with _inline_adapter_grads():
-                    z = fused_segments(x, layers, bias=False, defer=False, dora=gemm)
+                    z = fused_segments(x, layers, bias=False, defer=False)
                 if z is not None:
                     y = DoRASegmentsFunction.apply(z, first.lora.alpha, len(layers), first.linear.bias is not None,
-                                                   not first.detach_norm,
-                                                   dora_ahead.take(self) if gemm is None else gemm.take(), w3, *params)
+                                                   not first.detach_norm, dora_ahead.take(self),
+                                                   weights.reshape(-1, w.shape[1]), *params)
                     return y.split(w.shape[0], dim=-1)
         return tuple(m(x) for m in layers)
-
-    def _gemm_request(self, w3: torch.Tensor):
-        """The layers' ``GemmNorm``: their m's and biases as the stacked views they are, their ‖W_j‖²
-        side by side (one copy, kept until a layer's is formed anew)."""
-        layers = self.layers
-        sqs = tuple(m.weight_sq for m in layers)
-        if len(sqs) != len(self._weight_sq[0]) or any(a is not b for a, b in zip(sqs, self._weight_sq[0])):
-            self._weight_sq = (sqs, torch.cat(sqs))
-        bias = layers[0].linear.bias
-        bias3 = None if bias is None else stacked([m.linear.bias for m in layers]).reshape(-1)
-        return gemm_request(w3, self._weight_sq[1], layers[0].lora.A, stacked([m.m for m in layers]).reshape(-1),
-                            bias3, exact=not layers[0].detach_norm)
 
     def __repr__(self) -> str:
         return f"DoRASideBySide({len(self.layers)} lora-kernel DoRA layers)"
@@ -192,18 +163,6 @@ def install_norms_ahead(model: nn.Module) -> int:
         if isinstance(module, LinearWithDoRAKernel) and id(module) not in grouped:
             owners.append((module, (module,)))
     return dora_ahead.install(model, owners)
-
-
-def form_norms_in_gemm(model: nn.Module) -> int:
-    """Have ``model``'s fused DoRA layers form their norms in the LoRA op's GEMM
-    (``dora_norm_launch="gemm"``: ``kernels.dora.GemmNorm``) wherever the op's plan is fused; returns
-    how many layers were set."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearWithDoRAKernel):
-            module.norm_launch = DORA_NORM_GEMM
-            count += 1
-    return count
 
 
 def group_qkv(model: nn.Module) -> int:

@@ -56,7 +56,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "order-stats": table_order_stats,
     "variants-best": variants.table_variants_best,
     "variants-ahead": variants.table_norms_ahead,
-    "variants-gemm": variants.table_norms_gemm,
     "variants-pissa-init": variants.table_pissa_init_best,
     "variants-reference": variants.table_variants_reference,
     "variants-accuracy": variants.table_variants_accuracy,

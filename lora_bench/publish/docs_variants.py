@@ -48,21 +48,14 @@ ROWS = (
     ("fused DoRA, detached norm, norms ahead", "kernel",
      {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached",
       "dora_norm_launch": "ahead"}),
-    ("fused DoRA, exact norm, norms in the GEMM", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm_launch": "gemm"}),
-    ("fused DoRA, detached norm, norms in the GEMM", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached",
-      "dora_norm_launch": "gemm"}),
     ("PEFT LoRA", "hf", {"implementation": "hf"}),
     ("PEFT DoRA (`use_dora`)", "hf", {"implementation": "hf", "lora_variant": "dora", "dora_norm": "detached"}),
     ("PEFT rsLoRA (`use_rslora`)", "hf", {"implementation": "hf", "lora_scaling": "rslora"}),
     ("PEFT PiSSA", "hf", {"implementation": "hf", "lora_init": "pissa"}),
 )
 NOT_RUN = "not run yet"
-# rows the study runs in its best mode alone (norms formed ahead or in the GEMM need the Triton path: a
-# GPU's graphs)
-BEST_ONLY = ("fused DoRA, exact norm, norms ahead", "fused DoRA, detached norm, norms ahead",
-             "fused DoRA, exact norm, norms in the GEMM", "fused DoRA, detached norm, norms in the GEMM")
+# rows the study runs in its best mode alone (the norms formed ahead need the Triton path: a GPU's graphs)
+BEST_ONLY = ("fused DoRA, exact norm, norms ahead", "fused DoRA, detached norm, norms ahead")
 INIT = "adapter_init_s"  # PiSSA's SVDs, timed apart from the steps
 PISSA_ROWS = ("PiSSA", "PEFT PiSSA")
 
@@ -161,39 +154,24 @@ def table_variants(label: str, folder: str = VARIANTS) -> str:
         "step ms [interval]", "÷ its LoRA", "÷ floor"))], rows, align="---|" + "|".join(["---:"] * 6))
 
 
+# the fused DoRA rows with their norms inline and formed ahead, paired by norm
+AHEAD_PAIRS = (("detached", "fused DoRA, detached norm", "fused DoRA, detached norm, norms ahead"),
+               ("exact", "fused DoRA, exact norm", "fused DoRA, exact norm, norms ahead"))
 FORWARD = "forward_ms_median"
 FORWARD_KERNELS = "graph_kernels_forward"
 
 
-def _pairs(launch: str) -> tuple[tuple[str, str, str], ...]:
-    """The fused DoRA rows with their norms inline and launched as ``launch`` says (``ahead``, or ``in
-    the GEMM``), paired by norm: (norm, the inline row, the other)."""
-    return tuple((norm, f"fused DoRA, {norm} norm", f"fused DoRA, {norm} norm, norms {launch}")
-                 for norm in ("detached", "exact"))
-
-
 def table_norms_ahead(folder: str = VARIANTS) -> str:
-    """The fused DoRA rows of the best mode with their norms formed ahead against inline (``_launch``)."""
-    return _launch_table("ahead", "ahead", folder)
-
-
-def table_norms_gemm(folder: str = VARIANTS) -> str:
-    """The fused DoRA rows of the best mode with their norms formed in the LoRA GEMM against inline."""
-    return _launch_table("in the GEMM", "gemm", folder)
-
-
-def _launch_table(launch: str, word: str, folder: str) -> str:
-    """The fused DoRA rows of the best mode with their norms launched as ``launch`` says against inline,
-    per norm and size: each step's median [interval], that ÷ inline paired by repeat with the verdict,
-    the forward phase's median ms and the kernels the captured forward launches (median), inline →
-    ``word`` (the column headers' name for it)."""
+    """The fused DoRA rows of the best mode with their norms formed ahead against inline, per norm and
+    size: each step's median [interval], ahead ÷ inline paired by repeat with the verdict, the
+    forward phase's median ms and the kernels the captured forward launches (median), inline → ahead."""
     df = _named("best", folder)
     rows = []
-    for norm, inline, other in _pairs(launch):
-        part = pd.DataFrame() if df is None else df[df["variant_row"].isin([inline, other])]
+    for norm, inline, ahead in AHEAD_PAIRS:
+        part = pd.DataFrame() if df is None else df[df["variant_row"].isin([inline, ahead])]
         groups = {(g.values["variant_row"], g.values["model_size"]): g for g in _grouped(part, inline)}
         for size in SIZES:
-            gi, ga = groups.get((inline, size)), groups.get((other, size))
+            gi, ga = groups.get((inline, size)), groups.get((ahead, size))
             if gi is None or ga is None:
                 rows.append([norm, size, NOT_RUN, NOT_RUN, "-", "-", "-"])
                 continue
@@ -206,8 +184,8 @@ def _launch_table(launch: str, word: str, folder: str) -> str:
                          " → ".join(f"{e.value:.2f}" if e is not None and e.known else "-" for e in fwd),
                          " → ".join("-" if pd.isna(k) else f"{k:,.0f}" for k in kernels)])
     return md_table(["fused DoRA, best mode, batch 8 × 120, r16", "size", "inline step ms [interval]",
-                     f"{word} step ms [interval]", f"{word} ÷ inline", f"forward ms, inline → {word}",
-                     f"forward graph kernels, inline → {word}"], rows, align="---|---|" + "|".join(["---:"] * 5))
+                     "ahead step ms [interval]", "ahead ÷ inline", "forward ms, inline → ahead",
+                     "forward graph kernels, inline → ahead"], rows, align="---|---|" + "|".join(["---:"] * 5))
 
 
 def table_pissa_init(label: str = "best", folder: str = VARIANTS) -> str:

@@ -15,9 +15,9 @@ import torch
 from lora_bench.classifier.book import build_classifier, cast_frozen
 from lora_bench.classifier.packed_classifier import build_packed_classifier
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.plan_names import DORA_NORM_AHEAD, DORA_NORM_GEMM
+from lora_bench.kernels.plan_names import DORA_NORM_AHEAD
 from lora_bench.lora import pissa_init
-from lora_bench.lora.kernel import form_norms_in_gemm, group_qkv, install_norms_ahead
+from lora_bench.lora.kernel import group_qkv, install_norms_ahead
 from lora_bench.lora.packed_layer import point_state_dict
 from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
@@ -73,8 +73,6 @@ def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Pat
         group_qkv(model)  # after .to(), which gives every parameter its own storage
     if cfg.trainable_layers == "lora-kernel" and cfg.dora_norm_launch == DORA_NORM_AHEAD:
         install_norms_ahead(model)  # after the grouping: a group's norms form as one
-    if cfg.trainable_layers == "lora-kernel" and cfg.dora_norm_launch == DORA_NORM_GEMM:
-        form_norms_in_gemm(model)
     return Built(model, trainable, total, weight_bytes / 2**20 if weight_bytes is not None else None, notes,
                  init_s if init_s is not None else getattr(model, "adapter_init_s", None))
 

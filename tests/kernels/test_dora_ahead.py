@@ -153,9 +153,7 @@ def test_a_norm_whose_parameters_changed_is_not_used_under_the_triton_interprete
         assert run["loss"] and all(run["grads"]), run
 
 
-@pytest.mark.parametrize("launch", ["ahead", "gemm"])
-def test_the_setting_is_refused_where_it_would_do_nothing(launch):
-    """Both launches other than inline (ahead, and in the LoRA GEMM: tests/kernels/test_dora_gemm.py)."""
+def test_the_setting_is_refused_where_it_would_do_nothing():
     from lora_bench.config.declaration import DEFAULTS
     from lora_bench.config.setting_rules import settings_problems
 
@@ -163,20 +161,19 @@ def test_the_setting_is_refused_where_it_would_do_nothing(launch):
         base = dict(DEFAULTS, trainable_layers="lora-kernel", lora_variant="dora")
         return [p.render() for p in settings_problems({**base, **kw})]
 
-    assert problems(dora_norm_launch=launch) == []
-    assert any(f"dora_norm_launch={launch} is only used with lora_variant=dora" in p
-               for p in problems(dora_norm_launch=launch, lora_variant="lora"))
+    assert problems(dora_norm_launch="ahead") == []
+    assert any("dora_norm_launch=ahead is only used with lora_variant=dora" in p
+               for p in problems(dora_norm_launch="ahead", lora_variant="lora"))
     assert any("only used with trainable_layers=lora-kernel" in p
-               for p in problems(dora_norm_launch=launch, trainable_layers="lora"))
-    assert any(f"dora_norm_launch={launch} with compile is refused" in p
-               for p in problems(dora_norm_launch=launch, compile=True))
-    assert any("dora_norm_launch" in p and "ahead" in p and "gemm" in p and "inline" in p
-               for p in problems(dora_norm_launch="soon"))
+               for p in problems(dora_norm_launch="ahead", trainable_layers="lora"))
+    assert any("with compile is refused" in p for p in problems(dora_norm_launch="ahead", compile=True))
+    assert any("dora_norm_launch" in p and "ahead" in p and "inline" in p for p in problems(dora_norm_launch="soon"))
 
 
 def test_the_command_line_takes_it_and_records_it(run_cli, tmp_path):
     """``--dora-norm-launch ahead`` trains a tiny run on the CPU (torch ops there: nothing is formed
-    ahead, the run is the inline run) and is recorded; a bad value exits 2 naming the allowed ones."""
+    ahead, the run is the inline run) and is recorded, with where its norms formed and why
+    (``dora_norms``); a bad value exits 2 naming the allowed ones."""
     import pandas as pd
     from tiny import SAMPLE
 
@@ -187,6 +184,7 @@ def test_the_command_line_takes_it_and_records_it(run_cli, tmp_path):
     assert code == 0, out
     row = pd.read_csv(tmp_path / "runs.csv").iloc[0]
     assert row["status"] == "done" and row["cfg_dora_norm_launch"] == "ahead"
+    assert row["dora_norms"] == "torch: the CPU", row["dora_norms"]
     code, out = run_cli(*args, "--dora-norm-launch", "later", "--results-dir", tmp_path / "bad")
     assert code == 2 and "later" in out and "ahead" in out and "Traceback" not in out
 

@@ -18,23 +18,6 @@ def forward(x, w, b, a, bm, s):
     return available.triton_kernels().lora_fwd(x, w, a, bm, b, s)
 
 
-def forward_dora(x, w, a, b, s, request):
-    """``forward`` of a DoRA layer whose norm forms in the GEMM (``dora.GemmNorm``): (z, h), what it
-    formed (n, g, cn, vᵀ, y) left in ``request``. b: B as stored (the norm reads it unrounded)."""
-    y, z, h, n, g, cn, vt = available.triton_kernels().dora_fwd(x, w, a, b, request.m, request.weight_sq,
-                                                                 request.bias, s, exact=request.exact)
-    request.formed = (n, g, cn, vt, y)
-    return z, h
-
-
-def forward_dora_segments(x, w, a, b, s, request):
-    """``forward_dora`` for S layers side by side (``lora_triton.dora_fwd_segments``)."""
-    y, z, h, n, g, cn, vt = available.triton_kernels().dora_fwd_segments(
-        x, w, a, b, request.m, request.weight_sq, request.bias, s, exact=request.exact)
-    request.formed = (n, g, cn, vt, y)
-    return z, h
-
-
 def grad_x_u(g, w, a, bm, s):
     return available.triton_kernels().lora_bwd_x(g, w, a, bm, s)
 
