@@ -191,7 +191,6 @@ class PlanLog:
         norms = {DORA_NORM_PREFIX + where.split(":")[0] for where in self.dora}
         return "+".join(sorted({p.value for p in self.plans} | norms))
 
-
     def dora_norms(self) -> str:
         """Where DoRA layers' norms formed, each note once, '; '-joined ('' if none)."""
         return "; ".join(sorted(self.dora))
