@@ -11,8 +11,7 @@ GPU (``-m gpu``): GPT-2-shaped blocks under bfloat16 autocast, eager and capture
 (forward and backward, the norms on the side stream inside the captured forward), replayed on fresh
 batches, against the inline model: the loss and the input gradients bit for bit (no atomics on their
 path), A's and B's gradients within float32's bound for their sums over the rows (their split sums
-add with atomics, in an order that varies); a trained run's forward graph holding one launch more per
-norm formed ahead."""
+add with atomics, in an order that varies)."""
 
 from __future__ import annotations
 
