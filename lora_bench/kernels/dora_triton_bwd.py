@@ -335,16 +335,6 @@ def scale_bias_bwd(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor, *, need_d
     if not sums:
         return dz, pg, pb if need_db else None, None
     return dz, dg, db, gm
-    dg = _alloc((N,), z, torch.float32)
-    db = _alloc((N,), z, torch.float32) if need_db else None
-    gm = _alloc((N,), z, m_dtype) if n is not None else None
-    grid_n = triton.cdiv(N, bn)
-    launch(_scale_bwd_kernel, (grid_n, parts, 1),
-           (dy, z, g, dz if need_dz else dy, pg, pb, dg, db if need_db else dg, n if n is not None else dg,
-            gm if gm is not None else dg, _counters(z.device, grid_n)),
-           (M, N, parts, dy.stride(0), z.stride(0), dz.stride(0) if need_dz else 0), (),
-           (need_dz, need_db, True, gm is not None, bm, bn), tag="dora_scale_bwd", num_warps=4, num_stages=1)
-    return dz, dg, db, gm
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream) -> int32 counts, all 0 between launches
