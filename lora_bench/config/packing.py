@@ -53,12 +53,12 @@ REPEATS_APART = ("repeats of one setting never share a pack: its runs share one 
                  "so the repeats would measure no spread between processes")
 
 
-def setting_key(cfg: Settings) -> tuple[tuple[str, Any], ...]:
+def setting_key(cfg: SettingFields) -> tuple[tuple[str, Any], ...]:
     """Every setting: runs with equal keys are repeats of one setting with one seed."""
     return tuple(sorted(cfg.to_dict().items()))
 
 
-def repeat_problem(cfgs: list[Settings]) -> str | None:
+def repeat_problem(cfgs: list[SettingFields]) -> str | None:
     """Why these runs cannot share a pack because two of them are one setting (None: every run differs)."""
     first: dict[tuple, int] = {}
     for i, cfg in enumerate(cfgs):

@@ -285,6 +285,6 @@ def accuracy_table(study: Study) -> Table | None:
     over = "seeds vary across repeats" if study.seeds_vary else "repeats share one seed: the spread is run-to-run only"
     notes = [(f"{label}: median over the repeats of each group with its {STATISTIC}, and their min–max ({over}); "
               f"Δ: the difference from the baseline, with its interval ({RESAMPLING.replace('ratio', 'difference')}); "
-              f"outside seed noise: that interval leaves out 0, judged from {MIN_REPEATS} repeats a side"), f"step ms and step ratio: as in the crossover table",
+              f"outside seed noise: that interval leaves out 0, judged from {MIN_REPEATS} repeats a side"), "step ms and step ratio: as in the crossover table",
              *interval_notes(*_shown(study.groups))]
     return Table(title=f"{label} over seeds", head=head, rows=rows, notes=notes, n_keys=4 if with_cond else 3)

@@ -66,7 +66,6 @@ def block_times(cfg, length: int) -> StepTimes:
         for _ in range(BLOCK_TRIES):
             t0 = time.perf_counter()
             out = block(x)
-            t1 = time.perf_counter()
             out.sum().backward()
             t2 = time.perf_counter()
             with torch.no_grad():

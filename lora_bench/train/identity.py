@@ -8,7 +8,6 @@ import datetime as dt
 import hashlib
 import json
 import re
-from pathlib import Path
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError

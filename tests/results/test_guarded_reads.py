@@ -6,7 +6,6 @@ ends in one message naming the file, or, where a report can go on without it, le
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
