@@ -6,7 +6,9 @@ side by side, with a bias and without; a tiny GPT-2 classifier of fused DoRA lay
 value grouped, gives with its norms formed ahead the loss and every gradient of the same model with
 its norms inline, bit for bit, exact and detached norm, every norm formed once and used once; a
 parameter changed after its norm was formed (by a hook inside the forward) is not used stale: the
-layer forms its own and the result is still the inline model's. The setting's rules and its column.
+layer forms its own and the result is still the inline model's; under the fused plan every call's LoRA
+GEMM scales its output in its epilogue (``lora_fwd_scaled``, which gives ``lora_fwd`` then
+``dora_scale``'s y, z and h bit for bit), no scale launched apart. The setting's rules and its column.
 GPU (``-m gpu``): GPT-2-shaped blocks under bfloat16 autocast, eager and captured in CUDA graphs
 (forward and backward, the norms on the side stream inside the captured forward), replayed on fresh
 batches, against the inline model: the loss and the input gradients bit for bit (no atomics on their
