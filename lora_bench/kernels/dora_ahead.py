@@ -9,8 +9,8 @@ by an event; a layer call then waits for its own norm's event and launches only 
 GEMM scales its output in the epilogue (``lora_triton.lora_fwd_scaled``, ``EpilogueScale``) where the
 op runs the fused plan, else the scale after it (``dora_triton.dora_scale``); so the norms run beside
 the main stream's GEMMs instead of between them. A hook at the end of the forward makes the step's
-stream wait for the side stream, so a captured forward joins every stream it forked. Under CUDA graphs the fork, the events and the join
-are captured as edges of the forward's graph.
+stream wait for the side stream, so a captured forward joins every stream it forked. Under CUDA
+graphs the fork, the events and the join are captured as edges of the forward's graph.
 
 A norm is used only by the call it was formed for: the layer's (or group's) parameters must still
 be at the versions they had when it was launched, else the layer forms its norm itself, as it does
