@@ -21,7 +21,7 @@ import torch
 
 from lora_bench.kernels import available, deferred
 from lora_bench.kernels.call import Plan
-from lora_bench.kernels.plans import PYTHON, cpp, direct
+from lora_bench.kernels.plans import PYTHON, cpp, direct, fused
 from lora_bench.kernels.policy import choose, current_policy, note, note_adapter_grads
 
 
@@ -75,7 +75,10 @@ def outside_autocast(backward, ctx, grad_out):
 class LoRAKernelFunction(torch.autograd.Function):
     """y = x·Wᵀ + b + s·(x·A)·B with the minimal backward. Inputs: x (..., k), weight (n, k),
     bias (n) or None, A (k, r), B (r, n), scale (a float), plan (fused, cublas or torch: forward
-    and backward run it), defer (the adapter gradients go to ``deferred``: ``deferred.chosen``).
+    and backward run it), defer (the adapter gradients go to ``deferred``: ``deferred.chosen``),
+    dora (a ``dora_ahead.EpilogueScale``, the fused plan only: the GEMM's epilogue also writes a DoRA
+    layer's scaled output g ⊙ z + b, left in it; y is then the unscaled z, and the backward is
+    unchanged).
 
     Autocast: ``custom_fwd`` records CUDA autocast state; on any device, with autocast on, every
     operand is cast once to autocast's dtype (what F.linear does) and the math runs with autocast
@@ -85,7 +88,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, A, B, scale, plan, defer):
+    def forward(ctx, x, weight, bias, A, B, scale, plan, defer, dora=None):
         n, k = weight.shape
         dev = "cuda" if x.is_cuda else x.device.type
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (N, k); a copy only if the batch dims don't flatten
@@ -99,13 +102,15 @@ class LoRAKernelFunction(torch.autograd.Function):
                 # on an H200 (4.52 vs 4.26 ms): the fp32 tiles cost more inside the K loop than the
                 # two launches they save (docs/kernel-design.md).
                 a, bm = cast(A, cdt), cast(B, cdt)
-                y, h = PYTHON[plan].forward(x2, w, b, a, bm, s)
+                y, h = PYTHON[plan].forward(x2, w, b, a, bm, s) if dora is None else \
+                    fused.forward_scaled(x2, w, a, bm, s, dora)
         else:
             for p in (weight, A, B, bias):
                 if p is not None and p.dtype is not x.dtype:
                     raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
             w, a, bm, b = weight, A, B, bias
-            y, h = PYTHON[plan].forward(x2, w, b, a, bm, s)
+            y, h = PYTHON[plan].forward(x2, w, b, a, bm, s) if dora is None else \
+                fused.forward_scaled(x2, w, a, bm, s, dora)
         ctx.save_for_backward(x2, h, w, a, bm)
         ctx.scale, ctx.plan, ctx.dev = s, plan, dev
         ctx.defer = defer
@@ -150,7 +155,7 @@ class LoRAKernelFunction(torch.autograd.Function):
             grad_w = cast(g.t() @ x2, w_dt)  # (n, k)
         if need_b:
             grad_b = cast(g.sum(0), b_dt)
-        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None, None
+        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None, None, None
 
 
 # ------------------------------------------------------------------ under torch.compile
@@ -248,12 +253,15 @@ def _note(plan: Plan) -> None:
         note_adapter_grads(deferred.CPP_OP)
 
 
-def lora_linear(x, weight, bias, A, B, scale):
+def lora_linear(x, weight, bias, A, B, scale, dora=None):
     """The lora-kernel layer as a function: y = x·Wᵀ + b + scale·(x·A)·B, through the plan that
-    ``call_plan`` (or, under torch.compile, the trace) chooses."""
+    ``call_plan`` (or, under torch.compile, the trace) chooses. ``dora``: a ``dora_ahead.EpilogueScale``,
+    taken up where that plan is fused (``LoRAKernelFunction``), else given the reason."""
     if torch.compiler.is_compiling():
         return _compiled_forward(x, weight, bias, A, B, scale)
     plan = call_plan(x, weight, A.shape[1])
+    if dora is not None and (dora.why is not None or plan is not Plan.FUSED):
+        dora.why, dora = dora.why or f"the layer's plan is {plan.value}", None
     if plan is Plan.DIRECT:
         y = direct.layer(x, weight, bias, A, B, scale)
         if y is not None:
@@ -263,7 +271,7 @@ def lora_linear(x, weight, bias, A, B, scale):
     _note(plan)
     if plan is Plan.CPP:
         return cpp.layer(x, weight, bias, A, B, scale)
-    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan, deferred.chosen((A, B)))
+    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan, deferred.chosen((A, B)), dora)
 
 
 __all__ = ["LoRAKernelFunction", "call_plan", "cast", "compute_dtype", "exact_fp32", "lora_linear", "outside_autocast",

@@ -120,7 +120,8 @@ class DoRAFunction(torch.autograd.Function):
     or None (taken from W: a trained W), A (in × r), B (r × out), m (out), bias (out) or None, scale,
     exact (differentiate through the norm), path (``norm_path``), and on the Triton path the norm's
     (n, g, cn, vᵀ) formed before the call or None (``dora_ahead``: then the forward launches the
-    scale alone). y in z's dtype.
+    scale alone), or those and y, scaled in the LoRA GEMM's epilogue (``dora_ahead.EpilogueScale``:
+    then it launches nothing). y in z's dtype.
 
     Triton path: forward ``dora_forward``'s two launches (the norm's parts, then the norm and
     g ⊙ z + b, g and b read as they are); backward the scale's one (dz, dg, db; with the detached norm dm too), then
@@ -140,8 +141,7 @@ class DoRAFunction(torch.autograd.Function):
             if ahead is None:
                 y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, A, B, m, bias, s)
             else:  # the norm formed before the call (lora_bench.kernels.dora_ahead): the scale alone
-                n, g, cn, vt = ahead
-                y = triton_norm().dora_scale(z2, g, bias)
+                y, n, g, cn, vt = _formed(ahead, z2, bias)
             y, zs, gs = y.view(z.shape), z2, g
         else:
             with torch.autocast(dev, enabled=False):
@@ -288,8 +288,7 @@ class DoRASegmentsFunction(torch.autograd.Function):
         if ahead is None:
             y, n, g, cn, vt = triton_norm().dora_forward(z2, weight, a3, b3, m3, bias3, s)
         else:  # the S norms formed before the call (lora_bench.kernels.dora_ahead): the scale alone
-            n, g, cn, vt = ahead
-            y = triton_norm().dora_scale(z2, g, bias3)
+            y, n, g, cn, vt = _formed(ahead, z2, bias3)
         if exact:
             ctx.save_for_backward(z2, g, weight, a3, b3, n, cn, vt)
         else:
@@ -329,6 +328,16 @@ class DoRASegmentsFunction(torch.autograd.Function):
         per_a = (None,) * S if grad_a is None else cast(grad_a, a_dt).unbind(0)
         per_bb = (None,) * S if grad_b is None else cast(grad_b, b_dt).unbind(0)
         return (dz, None, None, None, None, None, None, *per_m, *(per_b if ctx.has_bias else ()), *per_a, *per_bb)
+
+
+def _formed(ahead: tuple, z2: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """(y, n, g, cn, vᵀ) from a norm formed ahead: (n, g, cn, vᵀ), y then scaled here (one launch), or
+    (n, g, cn, vᵀ, y), y from the LoRA GEMM's epilogue."""
+    if len(ahead) == 5:
+        n, g, cn, vt, y = ahead
+        return y, n, g, cn, vt
+    n, g, cn, vt = ahead
+    return triton_norm().dora_scale(z2, g, bias), n, g, cn, vt
 
 
 def dora_output(z: torch.Tensor, weight: torch.Tensor, weight_sq: torch.Tensor | None, A: torch.Tensor,

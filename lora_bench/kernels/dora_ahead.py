@@ -5,11 +5,12 @@ the layer's input, only on W, A, B and m. With its norm inline a layer call runs
 other on the step's stream, the norm's first launch (W·A), the LoRA op and the launch that finishes
 the norm and scales z. Ahead, a hook at the start of the model's forward launches every layer's
 norm (both of its launches, ``dora_triton.dora_norm``) on one side stream per device, each followed
-by an event; a layer call then waits for its own norm's event and launches only the scale
-(``dora_triton.dora_scale``), so the norms run beside the main stream's GEMMs instead of between
-them. A hook at the end of the forward makes the step's stream wait for the side stream, so a
-captured forward joins every stream it forked. Under CUDA graphs the fork, the events and the join
-are captured as edges of the forward's graph.
+by an event; a layer call then waits for its own norm's event and launches only its LoRA op, whose
+GEMM scales its output in the epilogue (``lora_triton.lora_fwd_scaled``, ``EpilogueScale``) where the
+op runs the fused plan, else the scale after it (``dora_triton.dora_scale``); so the norms run beside
+the main stream's GEMMs instead of between them. A hook at the end of the forward makes the step's
+stream wait for the side stream, so a captured forward joins every stream it forked. Under CUDA
+graphs the fork, the events and the join are captured as edges of the forward's graph.
 
 A norm is used only by the call it was formed for: the layer's (or group's) parameters must still
 be at the versions they had when it was launched, else the layer forms its norm itself, as it does
@@ -142,6 +143,35 @@ def take(owner) -> tuple[torch.Tensor, ...] | None:
     return pending.outputs
 
 
+SCALED = "triton: the norm formed ahead, the scale in the LoRA GEMM"  # the plan log's note of such a call
+
+
+@dataclasses.dataclass
+class EpilogueScale:
+    """A call's request that its LoRA op, where it runs the fused plan, scale its output in the GEMM's
+    epilogue by the g formed ahead (y = g ⊙ z + b, ``lora_triton.lora_fwd_scaled``): g and the bias it
+    reads, then y once written; else ``why`` it was not."""
+
+    g: torch.Tensor
+    bias: torch.Tensor | None
+    y: torch.Tensor | None = None
+    why: str | None = None
+
+
+def epilogue(norm: tuple | None, bias: torch.Tensor | None) -> EpilogueScale | None:
+    """The ``EpilogueScale`` of a call that took a norm formed ahead (``take``), else None."""
+    return None if norm is None else EpilogueScale(norm[1], bias)
+
+
+def with_scaled(norm: tuple | None, request: EpilogueScale | None) -> tuple | None:
+    """The norm for ``dora.DoRAFunction`` (or ``DoRASegmentsFunction``): with y where the GEMM's
+    epilogue scaled it (noted ``SCALED``), as taken where it did not (the scale then one launch)."""
+    if request is None or request.y is None:
+        return norm
+    note_dora(SCALED)
+    return (*norm, request.y)
+
+
 def _join(found: list[_Unit]) -> None:
     """The forward's end: the step's stream waits for the side stream (a captured forward joins
     what it forked), and norms no call took are dropped."""
@@ -152,4 +182,4 @@ def _join(found: list[_Unit]) -> None:
         torch.cuda.current_stream(dev).wait_stream(_side(dev))
 
 
-__all__ = ["AHEAD", "COUNTS", "install", "take"]
+__all__ = ["AHEAD", "COUNTS", "SCALED", "EpilogueScale", "epilogue", "install", "take", "with_scaled"]

@@ -38,22 +38,7 @@ class ABConfig(NamedTuple):
 
 
 @triton.jit
-def _lora_mm_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
-    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
-    Q_SEG: tl.constexpr = 0,
-):
-    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
-    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
-    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
-    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
-    # or Q_SEG is that stretch's width and the rest reads as zero.
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # grouped tile order: neighbouring programs share X rows and Wt columns in L2
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -61,21 +46,33 @@ def _lora_mm_kernel(
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % group_size)
-    pid_n = (pid % per_group) // group_size
+    return first_m + ((pid % per_group) % group_size), (pid % per_group) // group_size
 
+
+@triton.jit
+def _adapter_offsets(offs_r, stride, RS: tl.constexpr, SS: tl.constexpr):
+    # (segment, offset) of adapter columns (of P) or rows (of Q) offs_r: with segments (RS > 0) column
+    # j lies at (j // RS)·SS + (j % RS)·stride, else at j·stride (segment 0)
+    if RS > 0:
+        return offs_r // RS, (offs_r // RS) * SS + (offs_r % RS) * stride
+    return offs_r * 0, offs_r * stride
+
+
+@triton.jit
+def _main_loop(
+    x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, RS: tl.constexpr, P_SS: tl.constexpr,
+    P_SEG: tl.constexpr,
+):
+    # The K loop of both forward GEMM kernels: acc (BM × BN) = X·Wt and hacc (BM × BR) = X·P over all of K.
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    if RS > 0:
-        seg_r = offs_r // RS
-        p_cols = seg_r * P_SS + (offs_r % RS) * stride_pr
-        q_rows = seg_r * Q_SS + (offs_r % RS) * stride_qr
-    else:
-        p_cols = offs_r * stride_pr
-        q_rows = offs_r * stride_qr
+    seg_r, p_cols = _adapter_offsets(offs_r, stride_pr, RS, P_SS)
     # Wrap rows/columns past the edge onto valid ones instead of masking every load: those
     # lanes compute garbage that is never stored, and the K loop stays mask-free.
     rm = offs_m % M
@@ -112,25 +109,99 @@ def _lora_mm_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
         p_ptrs += BLOCK_K * stride_pk
+    return acc, hacc
 
+
+@triton.jit
+def _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R: tl.constexpr, RS: tl.constexpr, Q_SS: tl.constexpr,
+            Q_SEG: tl.constexpr):
+    # Q's (BR × BN) tile for the columns rn, as stored (a segment's rows only where Q is block-diagonal)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    seg_r, q_rows = _adapter_offsets(offs_r, stride_qr, RS, Q_SS)
+    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
+    if Q_SEG > 0:
+        return tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
+    return tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _lora_mm_kernel(
+    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
+    M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
+    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0,
+):
+    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
+    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
+    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
+    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
+    # or Q_SEG is that stretch's width and the rest reads as zero.
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
+                           stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K, BLOCK_R, RS, P_SS, P_SEG)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    rn = offs_n % N
     # H is rounded to the input dtype, as torch's x @ A would be, before the second product
     h = hacc.to(x_ptr.dtype.element_ty)
     m_mask = offs_m < M
     if WRITE_H:
         if pid_n == 0:
             h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
-            tl.store(h_ptrs, h, mask=m_mask[:, None] & r_mask[None, :])
-    q_ptrs = q_ptr + q_rows[:, None] + rn[None, :] * stride_qn  # (BR, BN)
-    if Q_SEG > 0:
-        qt = tl.load(q_ptrs, mask=r_mask[:, None] & (rn[None, :] // Q_SEG == seg_r[:, None]), other=0.0)
-    else:
-        qt = tl.load(q_ptrs, mask=r_mask[:, None], other=0.0)
-    qt = qt.to(h.dtype)
+            tl.store(h_ptrs, h, mask=m_mask[:, None] & (offs_r < R)[None, :])
+    qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
     acc += scale * tl.dot(h, qt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _lora_mm_scale_kernel(
+    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr, z_ptr, g_ptr,
+    M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, Q_SEG: tl.constexpr = 0,
+):
+    # A DoRA layer's forward whose per-output scale g (float32) was formed before the call: z = X·Wt +
+    # s·(X·P)·Q (no bias) and h = X·P as _lora_mm_kernel computes them, z stored (the backward reads
+    # it) and out = g ⊙ z + bias, from z as stored, as a scale launched apart computes it.
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
+                           stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K, BLOCK_R, RS, P_SS, 0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    rn = offs_n % N
+    m_mask = offs_m < M
+    h = hacc.to(x_ptr.dtype.element_ty)
+    if pid_n == 0:
+        tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr, h,
+                 mask=m_mask[:, None] & (offs_r < R)[None, :])
+    qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
+    acc += scale * tl.dot(h, qt, input_precision=PRECISION)
+    z = acc.to(z_ptr.dtype.element_ty)
+    mask = m_mask[:, None] & (offs_n < N)[None, :]
+    tl.store(z_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, z, mask=mask)
+    y = z.to(tl.float32) * tl.load(g_ptr + rn)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -403,6 +474,46 @@ def lora_bwd_x_segments(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.T
     _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
         gx, u, M, k, S * n, S * r, scale, None, seg)
     return gx, u
+
+
+def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg):
+    """Launch ``_lora_mm_scale_kernel`` (``lora_fwd_scaled``: one layer; ``lora_fwd_scaled_segments``:
+    S side by side, seg the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). Returns (y, z, h)."""
+    c = _mm_config(M, N, K, x)
+    br = block_r(R)
+    y, z, h = _alloc((M, N), x), _alloc((M, N), x), _alloc((M, R), x)
+    ws, xs = w.stride(), x.stride()
+    launch(
+        _lora_mm_scale_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
+        (x, w, p, q, bias if bias is not None else g, y, h, z, g),
+        (M, N, K, R, xs[0], xs[1], ws[1], ws[0], ps[0], ps[1], qs[0], qs[1], y.stride(0), y.stride(1), h.stride(0),
+         h.stride(1)),
+        (float(scale),),
+        (bias is not None, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n, c.block_k, br, 8,
+         *seg),
+        tag="mm_scale", num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return y, z, h
+
+
+def lora_fwd_scaled(x, w, a, b, g, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lora_fwd`` without a bias, scaled by a DoRA layer's g in its epilogue, in one launch: z = x·Wᵀ +
+    s·(x·A)·B and h = x·A as ``lora_fwd`` gives them, and y = g ⊙ z + bias (computed in float32 from z
+    as stored, g float32, the bias read as stored). Returns (y, z, h), y and z in x's dtype."""
+    M, K = x.shape
+    N, R = w.shape[0], a.shape[1]
+    assert R <= MAX_RANK and b.shape == (R, N) and g.shape == (N,) and g.dtype == torch.float32, (w.shape, g.shape)
+    return _mm_scale(x, w, a, a.stride(), b, b.stride(), g, bias, M, N, K, R, scale, (0, 0, 0, 0))
+
+
+def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lora_fwd_scaled`` for S layers that share their input, side by side as in ``lora_fwd_segments``:
+    W (S·n × k), A (S×k×r), B (S×r×n), g and the bias (S·n); y and z (M × S·n), h (M × S·r)."""
+    S, k, r = a.shape
+    n = b.shape[2]
+    seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), n)  # B block-diagonal: Q_SEG = n
+    return _mm_scale(x, w, a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), g, bias, x.shape[0], S * n,
+                     k, S * r, scale, seg)
 
 
 def lora_grad_ab(

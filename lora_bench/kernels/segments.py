@@ -15,6 +15,7 @@ import torch
 from lora_bench.kernels import available, deferred
 from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
+from lora_bench.kernels.plans import fused
 from lora_bench.kernels.policy import note
 
 
@@ -40,13 +41,14 @@ class LoRASegmentsFunction(torch.autograd.Function):
     biases (``has_bias``), the S A's and the S B's — passed one by one so that autograd hands each
     its own gradient; the kernels read them through their stacked views
     (``stacked``: the caller checked that they lie back to back). The weights and biases are frozen.
+    ``dora``: a ``dora_ahead.EpilogueScale`` for the S layers (or None), as in ``LoRAKernelFunction``.
 
     Autocast as in ``LoRAKernelFunction``: operands cast once to autocast's dtype (one cast per
     stacked buffer, not per layer), the math with autocast off."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, scale, segments, has_bias, defer, *params):
+    def forward(ctx, x, scale, segments, has_bias, defer, dora, *params):
         S = segments
         ws, bs = params[:S], (params[S:2 * S] if has_bias else None)
         As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
@@ -61,12 +63,14 @@ class LoRASegmentsFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, w3, bias3, a3, b3 = (cast(t, cdt) for t in (x2, w3, bias3, a3, b3))
-                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s)
+                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s) if dora is None else \
+                    fused.forward_scaled_segments(x2, w3, a3, b3, s, dora)
         else:
             for p in params:
                 if p.dtype is not x.dtype:
                     raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
-            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s)
+            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s) if dora is None else \
+                fused.forward_scaled_segments(x2, w3, a3, b3, s, dora)
         ctx.save_for_backward(x2, h, w3, a3, b3)
         ctx.scale, ctx.segments, ctx.has_bias, ctx.dev = s, S, has_bias, dev
         ctx.x_meta = (x.shape, x.dtype)
@@ -103,26 +107,33 @@ class LoRASegmentsFunction(torch.autograd.Function):
         ab = range(1 + len(frozen), 1 + len(frozen) + 2 * S)  # A_1..A_S, B_1..B_S among the tensor inputs
         if ctx.defer and deferred.accumulating(ctx, ab):
             deferred.defer(ctx, ab, adapter_grads, reads=(x2, u, h, g), device=g.device)
-            return (grad_x, None, None, None, None, *frozen, *(None,) * (2 * S))
-        return (grad_x, None, None, None, None, *frozen, *adapter_grads())
+            return (grad_x, None, None, None, None, None, *frozen, *(None,) * (2 * S))
+        return (grad_x, None, None, None, None, None, *frozen, *adapter_grads())
 
 
-def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None) -> torch.Tensor | None:
+def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None, dora=None) -> torch.Tensor | None:
     """The lora-kernel op of ``layers`` (each with ``.linear`` and ``.lora``) on one input x as one
     fused call, y (..., S·n) with layer i's output in columns [i·n, (i+1)·n), where the fused plan
     runs and the layers lie side by side (same shapes, alpha, frozen bases, parameters back to back:
     ``group_layers``); else None (nothing run). ``bias``: add the layers' biases (their layer adds
-    them itself where not); ``defer``: the adapter gradients deferred or not (None: as chosen)."""
+    them itself where not); ``defer``: the adapter gradients deferred or not (None: as chosen);
+    ``dora``: a ``dora_ahead.EpilogueScale`` of DoRA layers (their scale in the GEMM's epilogue; given
+    the reason where the fused plan does not run)."""
     first = layers[0]
     S = len(layers)
     if torch.compiler.is_compiling() or S < 2:
         return None
     w, a = first.linear.weight, first.lora.A
     rank = a.shape[1]
-    if S * rank > TRITON_MAX_RANK or plan_for_size(x, S * w.numel(), S * rank) is not Plan.FUSED:
+    if S * rank > TRITON_MAX_RANK or (plan := plan_for_size(x, S * w.numel(), S * rank)) is not Plan.FUSED:
+        if dora is not None:
+            dora.why = (f"rank {S * rank} of the layers side by side is above the kernels' {TRITON_MAX_RANK}"
+                        if S * rank > TRITON_MAX_RANK else f"the layers' plan is {plan.value}")
         return None
     params = segment_params(layers)
     if params is None:
+        if dora is not None:
+            dora.why = "the layers' parameters do not lie side by side"
         return None
     has_bias = first.linear.bias is not None
     if has_bias and not bias:
@@ -130,7 +141,7 @@ def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None) -
     note(Plan.FUSED)
     if defer is None:
         defer = deferred.chosen(params[-2 * S:])
-    return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, *params)
+    return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, dora, *params)
 
 
 def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:

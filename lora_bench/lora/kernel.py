@@ -47,11 +47,13 @@ class LinearWithDoRAKernel(DoRALinearBase):
 
     def forward(self, x):
         w, lora = self.linear.weight, self.lora
+        norm = dora_ahead.take(self)  # formed ahead: the LoRA GEMM's epilogue scales where it can
+        scale = dora_ahead.epilogue(norm, self.linear.bias)
         with _inline_adapter_grads():
-            z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha)
+            z = lora_linear(x, w, None, lora.A, lora.B, lora.alpha, dora=scale)
         sq = None if w.requires_grad else self.weight_sq  # a trained W (the head) changes every step
         return dora_output(z, w, sq, lora.A, lora.B, self.m, self.linear.bias, scale=lora.alpha,
-                           exact=not self.detach_norm, ahead=dora_ahead.take(self))
+                           exact=not self.detach_norm, ahead=dora_ahead.with_scaled(norm, scale))
 
 
 @contextlib.contextmanager
@@ -94,11 +96,15 @@ class DoRASideBySide(SideBySide):
             weights = stacked([m.linear.weight for m in layers])
             params = _dora_params(layers)
             if weights is not None and params is not None and triton_norm().segments_fit(w.shape[0], w.device):
+                norm = dora_ahead.take(self)
+                bias = first.linear.bias
+                scale = dora_ahead.epilogue(
+                    norm, None if bias is None else stacked([m.linear.bias for m in layers]).reshape(-1))
                 with _inline_adapter_grads():
-                    z = fused_segments(x, layers, bias=False, defer=False)
+                    z = fused_segments(x, layers, bias=False, defer=False, dora=scale)
                 if z is not None:
-                    y = DoRASegmentsFunction.apply(z, first.lora.alpha, len(layers), first.linear.bias is not None,
-                                                   not first.detach_norm, dora_ahead.take(self),
+                    y = DoRASegmentsFunction.apply(z, first.lora.alpha, len(layers), bias is not None,
+                                                   not first.detach_norm, dora_ahead.with_scaled(norm, scale),
                                                    weights.reshape(-1, w.shape[1]), *params)
                     return y.split(w.shape[0], dim=-1)
         return tuple(m(x) for m in layers)

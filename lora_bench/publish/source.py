@@ -42,6 +42,7 @@ def md_table(header: list[str], rows: list[list], *, align: str | None = None) -
 
 KERNEL_NAMES = [  # (pattern in the profiler's kernel name, what it is), first match wins
     ("_lora_mm_kernel", "LoRA GEMM, rank-r work folded in (Triton)"),
+    ("_lora_mm_scale_kernel", "LoRA GEMM, scaled by DoRA's g in its epilogue (Triton)"),
     ("_lora_grad_ab_kernel", "adapter gradients (Triton)"),
     ("bfloat16_copy", "cast to bf16"),
     ("direct_copy", "copy"),

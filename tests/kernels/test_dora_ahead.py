@@ -6,7 +6,9 @@ side by side, with a bias and without; a tiny GPT-2 classifier of fused DoRA lay
 value grouped, gives with its norms formed ahead the loss and every gradient of the same model with
 its norms inline, bit for bit, exact and detached norm, every norm formed once and used once; a
 parameter changed after its norm was formed (by a hook inside the forward) is not used stale: the
-layer forms its own and the result is still the inline model's. The setting's rules and its column.
+layer forms its own and the result is still the inline model's; under the fused plan every call's LoRA
+GEMM scales its output in its epilogue (``lora_fwd_scaled``, which gives ``lora_fwd`` then
+``dora_scale``'s y, z and h bit for bit), no scale launched apart. The setting's rules and its column.
 GPU (``-m gpu``): GPT-2-shaped blocks under bfloat16 autocast, eager and captured in CUDA graphs
 (forward and backward, the norms on the side stream inside the captured forward), replayed on fresh
 batches, against the inline model: the loss and the input gradients bit for bit (no atomics on their
@@ -48,6 +50,36 @@ def _split_case(out: int, k: int, r: int, S: int, rows: int, dt: str, bias: bool
     return {name: bool(torch.equal(p, q)) for name, p, q in zip(names, (y, *norm), (y2, *outs))}
 
 
+# the LoRA GEMM scaled in its epilogue: (rows, out per layer, in, r, layers side by side, dtype, bias)
+EPILOGUE_CASES = [(37, 53, 41, 7, 1, "fp32", True), (17, 48, 40, 16, 3, "fp32", False), (5, 33, 100, 3, 1, "fp16", True),
+                  (9, 32, 29, 64, 2, "fp16", True)]
+
+
+def _epilogue_case(rows: int, out: int, k: int, r: int, S: int, dt: str, bias: bool) -> dict[str, bool]:
+    """``lora_fwd_scaled`` (one launch) against ``lora_fwd`` then ``dora_scale`` (two): y, z and h."""
+    from lora_bench.kernels import dora_triton, lora_triton
+
+    dtype = DTYPE[dt]
+    x = fresh(rows, k, device="cpu", dtype=dtype)
+    w = fresh(S * out, k, device="cpu", dtype=dtype, scale=k ** -0.5)
+    a = fresh(*((S,) if S > 1 else ()), k, r, device="cpu", dtype=dtype, scale=k ** -0.5)
+    b = fresh(*((S,) if S > 1 else ()), r, out, device="cpu", dtype=dtype, scale=r ** -0.5)
+    g = torch.rand(S * out) + 0.5
+    bb = fresh(S * out, device="cpu", dtype=torch.float32) if bias else None
+    lora_triton.POISON_OUTPUTS = True
+    try:
+        if S > 1:
+            y, z, h = lora_triton.lora_fwd_scaled_segments(x, w, a, b, g, bb, 1.5)
+            z2, h2 = lora_triton.lora_fwd_segments(x, w, a, b, None, 1.5)
+        else:
+            y, z, h = lora_triton.lora_fwd_scaled(x, w, a, b, g, bb, 1.5)
+            z2, h2 = lora_triton.lora_fwd(x, w, a, b, None, 1.5)
+        y2 = dora_triton.dora_scale(z2, g, bb)
+    finally:
+        lora_triton.POISON_OUTPUTS = False
+    return {name: bool(torch.equal(p, q)) for name, p, q in (("y", y, y2), ("z", z, z2), ("h", h, h2))}
+
+
 def _classifier(norm: str, ahead: bool, seed: int):
     """The tiny classifier of fused DoRA layers (``norm``), query, key and value grouped, its adapters
     and magnitudes moved off their start by the same draws for every ``ahead``; ahead: its norms formed
@@ -75,11 +107,14 @@ def _model_run(model, idx, target) -> dict:
     layers' path), and the plan log's DoRA notes."""
     from lora_bench.kernels.policy import Plan, PlanPolicy, record_plans, use_policy
 
+    from lora_bench.kernels import triton_launch
+
     params = [p for p in model.parameters() if p.requires_grad]
     with use_policy(PlanPolicy(forced=Plan.FUSED)), record_plans() as log:
-        loss = nn.functional.cross_entropy(model(idx)[:, -1, :], target)
+        with triton_launch.recording() as fwd:
+            loss = nn.functional.cross_entropy(model(idx)[:, -1, :], target)
         grads = torch.autograd.grad(loss, params)
-    return {"loss": loss, "grads": grads, "dora": sorted(log.dora)}
+    return {"loss": loss, "grads": grads, "dora": sorted(log.dora), "forward": [rec[0] for rec in fwd]}
 
 
 def _model_case(norm: str, stale: bool) -> dict:
@@ -100,7 +135,7 @@ def _model_case(norm: str, stale: bool) -> dict:
     before = dict(dora_ahead.COUNTS)
     got = _model_run(ahead, idx, target)
     counts = {k: dora_ahead.COUNTS[k] - before[k] for k in before}
-    return dict(norm=norm, stale=stale, units=units, counts=counts, dora=got["dora"],
+    return dict(norm=norm, stale=stale, units=units, counts=counts, dora=got["dora"], forward=got["forward"],
                 loss=bool(torch.equal(got["loss"], want["loss"])),
                 grads=[bool(torch.equal(p, q)) for p, q in zip(got["grads"], want["grads"])])
 
@@ -115,6 +150,8 @@ def _interp_main() -> None:
     """Run with TRITON_INTERPRET=1: one JSON line per split case and per model case."""
     for i, case in enumerate(SPLIT_CASES):
         print(json.dumps(dict(split_case=i, equal=_split_case(*case))), flush=True)
+    for i, case in enumerate(EPILOGUE_CASES):
+        print(json.dumps(dict(epilogue_case=i, equal=_epilogue_case(*case))), flush=True)
     for norm in ("exact", "detached"):
         for stale in (False, True):
             print(json.dumps(dict(model_case=True, **_model_case(norm, stale))), flush=True)
@@ -123,13 +160,19 @@ def _interp_main() -> None:
 @pytest.fixture(scope="module")
 def interp_runs():
     runs = interpreted_runs(__file__)
-    assert len(runs) == len(SPLIT_CASES) + 4, runs
+    assert len(runs) == len(SPLIT_CASES) + len(EPILOGUE_CASES) + 4, runs
     return runs
 
 
 @pytest.mark.parametrize("i", range(len(SPLIT_CASES)))
 def test_the_norm_then_the_scale_give_the_one_launch_outputs_under_the_triton_interpreter(interp_runs, i):
     (run,) = [r for r in interp_runs if r.get("split_case") == i]
+    assert all(run["equal"].values()), run
+
+
+@pytest.mark.parametrize("i", range(len(EPILOGUE_CASES)))
+def test_the_lora_gemm_scaled_in_its_epilogue_gives_the_two_launch_outputs_under_the_triton_interpreter(interp_runs, i):
+    (run,) = [r for r in interp_runs if r.get("epilogue_case") == i]
     assert all(run["equal"].values()), run
 
 
@@ -142,6 +185,9 @@ def test_a_model_with_its_norms_ahead_computes_what_it_computes_inline_under_the
         assert run["counts"] == {"formed": run["units"], "used": run["units"]}, run
         assert run["loss"] and run["grads"] and all(run["grads"]), run
         assert "triton: the norm formed ahead" in run["dora"], run
+        # under the fused plan every call's LoRA GEMM scales its output: no scale launched apart
+        assert "triton: the norm formed ahead, the scale in the LoRA GEMM" in run["dora"], run
+        assert run["forward"].count("mm_scale") == run["units"] and "dora_scale" not in run["forward"], run
 
 
 def test_a_norm_whose_parameters_changed_is_not_used_under_the_triton_interpreter(interp_runs):

@@ -18,6 +18,21 @@ def forward(x, w, b, a, bm, s):
     return available.triton_kernels().lora_fwd(x, w, a, bm, b, s)
 
 
+def forward_scaled(x, w, a, bm, s, request):
+    """``forward`` of a DoRA layer whose scale g was formed ahead (``dora_ahead.EpilogueScale``): (z, h),
+    and y = g ⊙ z + b from the GEMM's epilogue left in ``request``."""
+    y, z, h = available.triton_kernels().lora_fwd_scaled(x, w, a, bm, request.g, request.bias, s)
+    request.y = y
+    return z, h
+
+
+def forward_scaled_segments(x, w, a, bm, s, request):
+    """``forward_scaled`` for S layers side by side (``lora_triton.lora_fwd_scaled_segments``)."""
+    y, z, h = available.triton_kernels().lora_fwd_scaled_segments(x, w, a, bm, request.g, request.bias, s)
+    request.y = y
+    return z, h
+
+
 def grad_x_u(g, w, a, bm, s):
     return available.triton_kernels().lora_bwd_x(g, w, a, bm, s)
 
