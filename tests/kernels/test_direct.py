@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sm90 import compile_sm90
 
 from lora_bench.kernels import available
 from lora_bench.kernels.plans import direct
@@ -51,20 +52,6 @@ def test_param_sources_maps_kept_arguments_and_scratch():
         direct.param_sources({**sig, "extra": "i32"}, "pif", [8, 4, 4, 4])
 
 
-def _compile_sm90(fn, types: dict, consts: dict):
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(fn.arg_names)
-    sig = {n: types.get(n, "constexpr") for n in names}
-    constexprs = {(names.index(k),): v for k, v in consts.items()}
-    try:
-        return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
-    except Exception as exc:  # e.g. a Triton without a bundled ptxas
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
-
-
 @pytest.mark.parametrize("which", ["mm", "ab"])
 def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
     """The canonical argument lists (MM_ARGS / AB_ARGS) match the kernels' signatures, and the
@@ -85,7 +72,7 @@ def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
     kinds = {"p": "*bf16", "i": "i32", "f": "fp32"}
     types = {n: kinds[c] for n, c in zip(runtime, canonical)}
     assert [n.endswith("_ptr") for n in runtime] == [c == "p" for c in canonical]
-    kernel = _compile_sm90(fn, types, consts)
+    kernel = compile_sm90(fn, types, consts)
     sizes = direct.ptx_param_sizes(kernel.asm["ptx"], kernel.metadata.name)
     srcs = direct.param_sources(kernel.src.signature, canonical, sizes)
     assert srcs[:len(canonical)] == list(range(len(canonical)))
