@@ -113,12 +113,13 @@ def _dev_us(fn) -> float:
 
 def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[str]:
     """Each launch per tile config against cuBLAS doing the plain GEMM (the floor for it); the
-    fastest tile per launch shape goes into ``lora_triton.TUNED`` for the bench that follows."""
+    fastest tile per launch shape goes into ``lora_tiles.TUNED`` for the bench that follows."""
+    from lora_bench.kernels import lora_tiles
     from lora_bench.kernels import lora_triton as lt
 
     lines = []
     dev = torch.device("cuda")
-    cands = lt._MM_CANDIDATES_32 if dtype == torch.float32 else lt._MM_CANDIDATES_16
+    cands = lora_tiles._MM_CANDIDATES_32 if dtype == torch.float32 else lora_tiles._MM_CANDIDATES_16
     for M, k, n, r in shapes:
         x, g = torch.randn(M, k, device=dev, dtype=dtype), torch.randn(M, n, device=dev, dtype=dtype)
         w = torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5
@@ -140,7 +141,7 @@ def sweep(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype) -> list[s
                 if t < best.get((MM, NN, KK), (None, 1e9))[1]:
                     best[(MM, NN, KK)] = (c, t)
         for key, (c, _) in best.items():
-            lt.TUNED[(*key, dtype)] = c
+            lora_tiles.TUNED[(*key, dtype)] = c
         res["ab torch 2 mm"] = _dev_us(lambda: (x.t() @ u, h.t() @ g))
         for bd in (32, 64):
             c = lt.ABConfig(64, bd, 4, 3)  # bf16 grads: always one row split (no atomics)

@@ -425,9 +425,10 @@ def test_grad_ab_split_heuristic(monkeypatch):
     """2-4 programs per SM at the GPT-2 1558M shapes (M=960) on a 132-SM GPU; never more splits
     than row blocks; no GPU needed (the SM count is patched in)."""
     triton = pytest.importorskip("triton")
+    from lora_bench.kernels import lora_tiles
     from lora_bench.kernels import lora_triton as lt
 
-    monkeypatch.setattr(lt, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(lora_tiles, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     for k, n in ((1600, 1600), (1600, 6400), (6400, 1600)):
         for do_a, do_b in ((True, True), (True, False), (False, True)):
