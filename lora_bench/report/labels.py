@@ -3,9 +3,9 @@ run labels), model sizes, trainable-layer choices, and settings as ``key=value``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
+from lora_bench.config.recorded import blank as is_blank  # noqa: F401  re-exported: the reports' name for it
 from lora_bench.results.schema import SETTING_PREFIX, column_index
 
 # the settings that make an execution mode (how a step runs, not what it trains)
@@ -23,10 +23,6 @@ LAYER_HELP = {
     "last_block": "the last transformer block and the head",
     "last_two_blocks": "the last two transformer blocks and the head",
 }
-
-
-def is_blank(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v)) or str(v) in ("", "<NA>", "nan", "None")
 
 
 def truthy(v) -> bool:

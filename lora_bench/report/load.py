@@ -10,8 +10,8 @@ done row beats a failed one, otherwise the later start wins. Rows of one run id 
 folders (the same sweep run on two machines) are all kept, and ``shared_ids_note`` says so.
 
 A setting added after some rows were written is blank in those rows; where other rows set it, the
-blank reads as the setting's default, which keeps the behaviour that came before the setting, so
-that the old rows and the new group as the same settings."""
+blank reads as the default the row ran (``config.recorded``), which keeps the behaviour that came
+before the setting, so that the old rows and the new group as the same settings."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from lora_bench.config import TrainConfig
+from lora_bench.config import DEFAULTS, TrainConfig
+from lora_bench.config.recorded import FORMER_DEFAULTS, as_recorded
 from lora_bench.errors import UsageError
 from lora_bench.escaping import SHOWN_CHARS, clip
 from lora_bench.report.labels import is_blank, mode_name
@@ -121,16 +122,23 @@ def clipped(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_setting_defaults(rows: pd.DataFrame) -> pd.DataFrame:
-    """``rows`` with each blank setting cell holding the setting's default where other rows set
-    that setting (the module says why); a setting blank in every row stays blank."""
-    defaults = {SETTING_PREFIX + k: text_value(v) for k, v in TrainConfig().to_dict().items() if v is not None}
+    """``rows`` with each blank setting cell holding the default its run ran where other rows set
+    that setting (the module says why), and a setting whose default changed reading as its default
+    where it does not apply (``config.recorded.as_recorded``); a setting blank in every row stays
+    blank."""
     rows = rows.copy()
-    for col, default in defaults.items():
-        if col not in rows or default == "":
+    for name in TrainConfig.field_names():
+        col = SETTING_PREFIX + name
+        if col not in rows:
             continue
         blank = rows[col].map(is_blank)
-        if blank.any() and not blank.all():
-            rows[col] = rows[col].astype(object).where(~blank, default)
+        if blank.all():
+            continue
+        if name in FORMER_DEFAULTS:
+            rows[col] = rows.apply(lambda r: text_value(as_recorded(name, r[col], lambda k: r.get(SETTING_PREFIX + k))),
+                                   axis=1).astype(object)
+        elif blank.any() and text_value(DEFAULTS[name]) != "":
+            rows[col] = rows[col].astype(object).where(~blank, text_value(DEFAULTS[name]))
     return rows
 
 

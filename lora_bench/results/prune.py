@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_bench.config import TrainConfig
+from lora_bench.config.recorded import as_recorded
 from lora_bench.errors import ResultsError
 from lora_bench.results.guarded_read import results_file_problem
 from lora_bench.results.schema import SETTING_PREFIX, run_column_names
@@ -21,14 +22,15 @@ SUPERSEDED = "superseded"
 NOT_COMPARED = ("data_file", "weights_dir", "device")
 
 
-def settings_key(row: dict, defaults: dict[str, str]) -> tuple:
-    """A row's settings as comparable text: a ``cfg_`` column the row lacks or leaves empty (a
-    setting added after the row was written) holds the setting's default; numbers compare by value."""
+def settings_key(row: dict) -> tuple:
+    """A row's settings as comparable text, each as it compares (``config.recorded.as_recorded``: a
+    ``cfg_`` column the row lacks or leaves empty, a setting added after the row was written, holds
+    the default the row ran); numbers compare by value."""
     out = []
-    for name, default in defaults.items():
+    for name in TrainConfig.field_names():
         if name in NOT_COMPARED:
             continue
-        value = str(row.get(SETTING_PREFIX + name) or default)
+        value = text_value(as_recorded(name, row.get(SETTING_PREFIX + name), lambda k: row.get(SETTING_PREFIX + k)))
         try:
             value = repr(float(value))
         except ValueError:
@@ -46,12 +48,11 @@ class Superseded:
 def find_superseded(rows: list[dict]) -> list[Superseded]:
     """Finished sweep rows replaced by a newer finished row of the same sweep, repeat and settings
     (newest by ``started_at``). Rows outside a sweep, and unfinished rows, are left alone."""
-    defaults = {k: text_value(v) for k, v in TrainConfig().to_dict().items()}
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row.get("status") != "done" or not row.get("sweep_name"):
             continue
-        key = (row["sweep_name"], str(row.get("repeat", "")), settings_key(row, defaults))
+        key = (row["sweep_name"], str(row.get("repeat", "")), settings_key(row))
         groups.setdefault(key, []).append(row)
     out = []
     for group in groups.values():

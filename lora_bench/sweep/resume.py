@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from lora_bench.config import TrainConfig
+from lora_bench.config.recorded import as_recorded
 from lora_bench.errors import RunClaimedError
 from lora_bench.results.claims import CLAIM_NAME, claimant, try_claim
 from lora_bench.results.runs_csv import same_number
@@ -31,14 +32,13 @@ def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) 
     out: dict[str, tuple[str, str]] = {}
     finished = [r for r in rows if r.get("status") == "done" and r.get("sweep_name") == sweep_name]
     claimed: set[str] = set()
-    defaults = TrainConfig()
     for run in runs:
         own = by_id.get(run.run_id)
         if own is not None and own.get("status") in FINISHED:
             out[run.run_id] = (own["status"], run.run_id)
             continue
         match = next((r for r in finished if r["run_id"] not in claimed and r.get("repeat") == str(run.repeat)
-                      and _same_settings(run.cfg, r, defaults, skip=ID_AS_DECLARED)), None)
+                      and _same_settings(run.cfg, r, skip=ID_AS_DECLARED)), None)
         if match is not None:
             claimed.add(match["run_id"])
             out[run.run_id] = ("done", match["run_id"])
@@ -47,15 +47,16 @@ def resume_statuses(results_dir: Path, runs: list[PlannedRun], sweep_name: str) 
     return out
 
 
-def _same_settings(cfg: TrainConfig, row: dict, defaults: TrainConfig, *, skip: tuple[str, ...]) -> bool:
-    """Does a results row (text values, ``cfg_<name>`` columns) hold these settings? A column the
-    row lacks, or leaves empty (runs.csv fills the columns of older rows with nothing), holds the
-    setting's default."""
+def _same_settings(cfg: TrainConfig, row: dict, *, skip: tuple[str, ...]) -> bool:
+    """Does a results row (text values, ``cfg_<name>`` columns) hold these settings? Each side as it
+    compares (``config.recorded.as_recorded``): a column the row lacks, or leaves empty (runs.csv
+    fills the columns of older rows with nothing), holds the default the row ran."""
+    values = cfg.to_dict()
     for name in TrainConfig.field_names():
         if name in skip:
             continue
-        want = text_value(getattr(cfg, name))
-        got = row.get(f"cfg_{name}") or text_value(getattr(defaults, name))
+        want = text_value(as_recorded(name, values[name], values.get))
+        got = text_value(as_recorded(name, row.get(f"cfg_{name}"), lambda k: row.get(f"cfg_{k}")))
         if want != got and not same_number(want, got):
             return False
     return True

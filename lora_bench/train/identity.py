@@ -10,6 +10,7 @@ import json
 import re
 
 from lora_bench.config import TrainConfig
+from lora_bench.config.recorded import former_defaults
 from lora_bench.errors import UsageError
 from lora_bench.train.recording import LOCK_SUFFIX, RESERVED_IDS, RESULTS_FILES
 
@@ -20,9 +21,12 @@ NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems (ex
 def settings_hash(cfg: TrainConfig) -> str:
     """Hash of the settings that differ from their defaults: a setting added to lora-bench later
     (with a default that keeps the behaviour) leaves existing run ids, and so a sweep's resume,
-    intact; a hash over every field would rerun whole sweeps for each new option."""
-    defaults = TrainConfig().to_dict()
-    changed = {k: v for k, v in cfg.to_dict().items() if v != defaults[k]}
+    intact; a hash over every field would rerun whole sweeps for each new option. A setting whose
+    default changed is hashed against its former default where it applies
+    (:mod:`lora_bench.config.recorded`)."""
+    values = cfg.to_dict()
+    defaults = {**TrainConfig().to_dict(), **former_defaults(values.get)}
+    changed = {k: v for k, v in values.items() if v != defaults[k]}
     return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:10]
 
 
