@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO, DORA_NORM_INLINE,
+from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO,
                                            DORA_NORM_LAUNCHES, PLAN_NAMES)
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
@@ -161,11 +161,13 @@ class SettingFields:
                             "step's critical path (the Python plans fused, cublas and torch; the C++ op's plans and "
                             "torch.compile stay inline; refused with a process group) (docs/kernel-design.md).",
                             LORA, choices=ADAPTER_GRADS)
-    dora_norm_launch: str = _s(DORA_NORM_INLINE, "lora-kernel with lora_variant=dora: when each layer's norm is "
+    dora_norm_launch: str = _s(AUTO, "lora-kernel with lora_variant=dora: when each layer's norm is "
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "
                                "the start of the model's forward, on a side stream beside the layers' products, each "
-                               "call then launching only its scale (the Triton path: a GPU, not compiled; "
-                               "docs/variants.md).", LORA, choices=DORA_NORM_LAUNCHES)
+                               "call then launching only its scale (the Triton path: a GPU, not compiled); auto: "
+                               "ahead where the step is replayed from CUDA graphs on a GPU and not compiled, where "
+                               "it measured faster, inline elsewhere (docs/variants.md).", LORA,
+                               choices=DORA_NORM_LAUNCHES)
     base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
                          "precision: as --precision says (fp32, or bf16 with --precision bf16 or bf16-true); bf16: "
                          "bfloat16; "

@@ -10,7 +10,8 @@ ADAPTER_GRADS_INLINE = "inline"
 ADAPTER_GRADS_DEFERRED = "deferred"
 ADAPTER_GRADS = (ADAPTER_GRADS_INLINE, ADAPTER_GRADS_DEFERRED)
 # when a fused DoRA layer's norm is launched: inline, in the layer's call; ahead, every layer's at the
-# start of the model's forward on a side stream (kernels.dora_ahead)
+# start of the model's forward on a side stream (kernels.dora_ahead); auto, ahead where the step is
+# replayed from CUDA graphs on a GPU, uncompiled, inline elsewhere
 DORA_NORM_INLINE = "inline"
 DORA_NORM_AHEAD = "ahead"
-DORA_NORM_LAUNCHES = (DORA_NORM_INLINE, DORA_NORM_AHEAD)
+DORA_NORM_LAUNCHES = (AUTO, DORA_NORM_INLINE, DORA_NORM_AHEAD)

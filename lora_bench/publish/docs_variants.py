@@ -12,9 +12,9 @@ from __future__ import annotations
 import pandas as pd
 
 from lora_bench.config import TrainConfig
+from lora_bench.config.recorded import as_recorded
 from lora_bench.publish.source import RESULTS, as_read, md_table, runs
 from lora_bench.report.groups import RunGroup, difference, estimate, group_runs, same
-from lora_bench.report.labels import is_blank
 from lora_bench.report.samples import sample
 from lora_bench.report.stats import UNCLEAR, interval_text
 from lora_bench.results.runs_csv import text_value
@@ -40,9 +40,11 @@ ROWS = (
     ("PiSSA", "book", {"lora_init": "pissa"}),
     ("fused LoRA (`lora-kernel`)", "kernel", {"trainable_layers": "lora-kernel"}),
     ("fused rsLoRA", "kernel", {"trainable_layers": "lora-kernel", "lora_scaling": "rslora"}),
-    ("fused DoRA, exact norm", "kernel", {"trainable_layers": "lora-kernel", "lora_variant": "dora"}),
+    ("fused DoRA, exact norm", "kernel",
+     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm_launch": "inline"}),
     ("fused DoRA, detached norm", "kernel",
-     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached"}),
+     {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm": "detached",
+      "dora_norm_launch": "inline"}),
     ("fused DoRA, exact norm, norms ahead", "kernel",
      {"trainable_layers": "lora-kernel", "lora_variant": "dora", "dora_norm_launch": "ahead"}),
     ("fused DoRA, detached norm, norms ahead", "kernel",
@@ -70,13 +72,16 @@ def _settings(changes: dict) -> dict[str, str]:
 
 
 def _row_name(run: pd.Series) -> str | None:
-    """The run's row of ``ROWS``: its settings equal to the row's (``groups.same``; a missing or blank
-    cell read as the default), or None. The DoRA norm counts only for DoRA, the floor only by its
-    layers."""
-    defaults = _settings({})
-    got = {k: defaults[k] if is_blank(run.get(col)) else run[col] for k, col in KEYS.items()}
+    """The run's row of ``ROWS``: its settings equal to the row's (``groups.same``; each side as it
+    compares, ``config.recorded.as_recorded``: a missing or blank cell reads as the default the run
+    ran), or None. The DoRA norm counts only for DoRA, the floor only by its layers."""
+    def value(k):
+        col = KEYS.get(k, "cfg_" + k)
+        return None if col not in run else run[col]
+    got = {k: text_value(as_recorded(k, value(k), value)) for k in KEYS}
     for name, _family, changes in ROWS:
         want = _settings(changes)
+        want = {k: text_value(as_recorded(k, v, want.get)) for k, v in want.items()}
         keys = ["trainable_layers"] if name == FLOOR else [
             k for k in KEYS if k != "dora_norm" or want["lora_variant"] == "dora"]
         if all(same(got[k], want[k]) for k in keys):

@@ -15,7 +15,7 @@ import torch
 from lora_bench.classifier.book import build_classifier, cast_frozen
 from lora_bench.classifier.packed_classifier import build_packed_classifier
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.plan_names import DORA_NORM_AHEAD
+from lora_bench.kernels.plan_names import AUTO, DORA_NORM_AHEAD
 from lora_bench.lora import pissa_init
 from lora_bench.lora.kernel import group_qkv, install_norms_ahead
 from lora_bench.lora.packed_layer import point_state_dict
@@ -71,10 +71,21 @@ def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Pat
     model.to(device)
     if cfg.trainable_layers == "lora-kernel" and cfg.group_qkv and device.type == "cuda":
         group_qkv(model)  # after .to(), which gives every parameter its own storage
-    if cfg.trainable_layers == "lora-kernel" and cfg.dora_norm_launch == DORA_NORM_AHEAD:
+    if norms_ahead(cfg, device):
         install_norms_ahead(model)  # after the grouping: a group's norms form as one
     return Built(model, trainable, total, weight_bytes / 2**20 if weight_bytes is not None else None, notes,
                  init_s if init_s is not None else getattr(model, "adapter_init_s", None))
+
+
+def norms_ahead(cfg: TrainConfig, device: torch.device) -> bool:
+    """Do the fused DoRA layers form their norms ahead (``dora_norm_launch``)? Where asked, and by
+    default (auto) where the step is replayed from CUDA graphs on a GPU and not compiled: there it
+    measured faster than inline at both of the variants study's sizes (docs/variants.md)."""
+    if cfg.trainable_layers != "lora-kernel" or cfg.lora_variant != "dora":
+        return False
+    if cfg.dora_norm_launch == DORA_NORM_AHEAD:
+        return True
+    return cfg.dora_norm_launch == AUTO and cfg.cuda_graphs and not cfg.compile and device.type == "cuda"
 
 
 def _timed_pissa(model: torch.nn.Module, device: torch.device) -> float:

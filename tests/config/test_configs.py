@@ -227,6 +227,17 @@ VARIANT_ROWS = {
 }
 
 
+def test_the_variants_study_still_plans_every_run_its_folder_records():
+    """A sweep resumes by run id: every run recorded in results/answer/variants is one the study's
+    file plans (its fused DoRA rows name the launch they ran, whatever the default is now)."""
+    from lora_bench.results.store import result_rows
+
+    planned = {r.run_id for r in load_sweep(REPO / "configs" / "variants-study.yaml").runs}
+    recorded = {r["run_id"] for r in result_rows(REPO / "results" / "answer" / "variants")
+                if r.get("sweep_name") == "variants-study"}
+    assert recorded and recorded <= planned, sorted(recorded - planned)[:5]
+
+
 def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
     """Every variant row at 124M and 1558M in the reference mode (the defaults) and the best mode (the
     floor study's for the book model, configs/peers.yaml's compiled one for hf), 5 repeats of the
@@ -238,7 +249,9 @@ def test_variants_study_runs_every_variant_in_both_modes_at_both_sizes():
            for r in sw.runs}
     ahead = {("best", *row[:4], "alpha", 1.0, "kaiming", "ahead")
              for row in [("book", "lora-kernel", "dora", "exact"), ("book", "lora-kernel", "dora", "detached")]}
-    assert got == {(s, mode, *row, "inline") for s in ("124M", "1558M") for mode in ("reference", "best")
+    # the fused DoRA rows name their launch (inline, and ahead in the best mode); the others leave the default
+    launch = {row: "inline" if row[1:3] == ("lora-kernel", "dora") else "auto" for row in VARIANT_ROWS}
+    assert got == {(s, mode, *row, launch[row]) for s in ("124M", "1558M") for mode in ("reference", "best")
                    for row in VARIANT_ROWS} | {(s, *row) for s in ("124M", "1558M") for row in ahead}
     assert sw.repeats == 5 and len(sw.runs) == len(got) * 5
     modes = {("reference", "book"): ("fp32", "book", "book", "book", False, False),
