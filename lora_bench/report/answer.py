@@ -258,7 +258,7 @@ def answer(study: Study) -> list[Point]:
     conditions summarised, accuracy last."""
     if not study.lines:
         return []
-    base = study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
+    base = study.baseline_name
     out = []
     conditions = study.conditions()
     for ci, cond in enumerate(conditions):

@@ -97,8 +97,9 @@ def answer_sections(study: Study, *, figures: set[str]) -> list[Section]:
                "pick a baseline with --baseline key=value" if not study.baseline else
                "no group has a baseline group of the same size, mode and condition")
         return [Section("Answer", text=[f"No comparison: {why}."], first_screen=True)]
+    called = f" ({study.baseline_name} below)" if study.baseline_name != study.baseline_text else ""
     intro = (f"On {study.device}, the {STEP_STATISTIC}; a ratio below 1.0 is faster than "
-             f"{study.baseline_text}. In brackets: intervals with the repeats they stand on (n) and the confidence they "
+             f"{study.baseline_text}{called}. In brackets: intervals with the repeats they stand on (n) and the confidence they "
              f"reach (order statistics, exact at any n); slower or faster only from {MIN_REPEATS} repeats a side "
              f"and where a ratio's whole interval clears 1 ± {threshold_text(study.threshold)}. Generated "
              f"from the runs by the rules in `{RULES_AT}`.")

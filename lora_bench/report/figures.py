@@ -74,7 +74,7 @@ def crossover_figure(study: Study):
     modes = list(dict.fromkeys(ln.mode for ln in study.lines))
     variants = list(dict.fromkeys(ln.variant for ln in study.lines))
     handles = {}
-    base = study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
+    base = study.baseline_name
     for ax, cond in zip(axes.flat, panels):
         mine = [ln for ln in lines if cond is None or ln.condition == cond]
         for ln in mine:

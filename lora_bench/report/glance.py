@@ -20,7 +20,7 @@ VARIANTS = 5  # named on one line; the rest counted
 
 def glance(study: Study) -> list[str]:
     """Up to LINES lines (Markdown-style **bold** heading); [] where nothing is compared."""
-    base = study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
+    base = study.baseline_name
     out = []
     for cond in study.conditions():
         for mode in study.modes():

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from lora_bench.config import DEFAULTS
 from lora_bench.report import stats
-from lora_bench.report.groups import difference
+from lora_bench.report.groups import difference, same
+from lora_bench.report.labels import setting_name
 from lora_bench.report.samples import sample
 from lora_bench.report.stats import Estimate
+from lora_bench.results.runs_csv import text_value
 
 ACCURACIES = ("val_acc", "test_acc")
 
@@ -190,6 +193,18 @@ class Study:
     def device(self) -> str:
         return ", ".join(self.header.gpus) or ", ".join(self.header.devices) or "device not recorded"
 
+    @property
+    def baseline_name(self) -> str:
+        """What the sentences call the baseline: its one value ('all' for trainable_layers=all); of
+        several settings, those off their defaults ('lora' for the book's LoRA with every variant
+        setting at its default), else all of them (``baseline_text``)."""
+        if len(self.baseline) == 1:
+            return next(iter(self.baseline.values()))
+        off = {k: v for k, v in self.baseline.items() if not _at_default(k, v)}
+        if len(off) == 1:
+            return next(iter(off.values()))
+        return ", ".join(f"{setting_name(k)}={v}" for k, v in off.items()) if off else self.baseline_text
+
     def base_of(self, g: Group) -> Group | None:
         for b in self.groups:
             if b.is_baseline and b.size == g.size and b.mode == g.mode and b.condition == g.condition:
@@ -219,3 +234,9 @@ class Study:
 
     def modes(self) -> list[str]:
         return list(dict.fromkeys(g.mode for g in self.groups))
+
+
+def _at_default(column: str, value: str) -> bool:
+    """Is a baseline's setting at the setting's default (a column that names no setting is not)?"""
+    name = setting_name(column)
+    return name in DEFAULTS and same(value, text_value(DEFAULTS[name]))

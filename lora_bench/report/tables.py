@@ -85,11 +85,6 @@ def legend(study: Study) -> str:
 
 
 # -- the crossover -------------------------------------------------------------------------------
-def base_name(study: Study) -> str:
-    """'all' for trainable_layers=all; the whole spec when it has several keys."""
-    return study.baseline_text.split("=", 1)[-1] if len(study.baseline) == 1 else study.baseline_text
-
-
 def ratio_cell(g: Group | None) -> str:
     """'1.50× slower' over '[1.47–1.53]' (a second line where the renderer allows one)."""
     if g is None or math.isnan(g.ratio):
@@ -123,11 +118,11 @@ def crossover_table(study: Study) -> Table:
             if not lines or not any(g.step.known for g in [*base.values(), *(g for ln in lines for g in ln.groups)]):
                 continue
             starts.append(len(rows))
-            rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{base_name(study)}: step ms {CI}"] +
+            rows.append([mode or "-", *([cond or "-"] if with_cond else []), f"{study.baseline_name}: step ms {CI}"] +
                         [est(base[s].step, lines=True) if s in base else "-" for s in study.sizes])
             for ln in lines:
                 by = {g.size: g for g in ln.groups}
-                rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {base_name(study)}"] +
+                rows.append(["", *([""] if with_cond else []), f"{ln.variant} / {study.baseline_name}"] +
                             [ratio_cell(by.get(s)) for s in study.sizes])
                 if floor and any(is_lora(g.runs) for g in ln.groups):
                     rows.append(["", *([""] if with_cond else []), f"{ln.variant}: {PER_LAYER} {CI}"] +

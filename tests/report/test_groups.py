@@ -177,3 +177,9 @@ def test_against_the_floor_each_variant_of_lora_names_itself_and_finds_the_one_f
     # against LoRA the same settings stay the variants' own names, as before
     against_lora = build_study(pd.DataFrame(rows), baseline="trainable_layers=lora,lora_variant=lora,dora_norm=exact")
     assert any("lora_variant=dora" in g.variant for g in against_lora.groups)
+    # and the sentences call that baseline by the one setting it holds off its default
+    assert against_lora.baseline_name == "lora" and study.baseline_name == "frozen"
+    assert build_study(pd.DataFrame(rows), baseline="trainable_layers=lora,lora_scaling=rslora").baseline_name == (
+        "trainable_layers=lora, lora_scaling=rslora")
+    assert build_study(pd.DataFrame(rows), baseline="lora_variant=lora,dora_norm=exact").baseline_name == (
+        "lora_variant=lora, dora_norm=exact")  # every setting at its default: all of them
