@@ -165,8 +165,8 @@ class SettingFields:
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "
                                "the start of the model's forward, on a side stream beside the layers' products, each "
                                "call then launching only its scale (the Triton path: a GPU, not compiled); auto: "
-                               "ahead where the step is replayed from CUDA graphs on a GPU and not compiled, where "
-                               "it measured faster, inline elsewhere (docs/variants.md).", LORA,
+                               "ahead where the step is replayed from CUDA graphs on one GPU (one process, not "
+                               "compiled), where it measured faster; inline elsewhere (docs/variants.md).", LORA,
                                choices=DORA_NORM_LAUNCHES)
     base_dtype: str = _s(BASE_DTYPE_DEFAULT, "How the frozen linear weights of the transformer blocks are stored. "
                          "precision: as --precision says (fp32, or bf16 with --precision bf16 or bf16-true); bf16: "

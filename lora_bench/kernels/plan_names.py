@@ -11,7 +11,7 @@ ADAPTER_GRADS_DEFERRED = "deferred"
 ADAPTER_GRADS = (ADAPTER_GRADS_INLINE, ADAPTER_GRADS_DEFERRED)
 # when a fused DoRA layer's norm is launched: inline, in the layer's call; ahead, every layer's at the
 # start of the model's forward on a side stream (kernels.dora_ahead); auto, ahead where the step is
-# replayed from CUDA graphs on a GPU, uncompiled, inline elsewhere
+# replayed from CUDA graphs on one GPU (one process, uncompiled), inline elsewhere
 DORA_NORM_INLINE = "inline"
 DORA_NORM_AHEAD = "ahead"
 DORA_NORM_LAUNCHES = (AUTO, DORA_NORM_INLINE, DORA_NORM_AHEAD)

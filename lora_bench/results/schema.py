@@ -75,7 +75,7 @@ RUN_COLUMNS: list[Column] = [
     Column("backend", "string", "", "lora-kernel's plan(s) its layers ran in the training step, as they recorded them (docs/kernel-design.md): direct (the C++ op launching the Triton kernels itself: eager bf16/fp16 CUDA), cpp (the C++ op with ATen GEMMs: eager fp32 CUDA, and captured layers of 1558M-MLP size), fused (the Triton kernels: captured or compiled layers), cublas (cuBLAS GEMMs with Triton adapter gradients: captured or compiled layers in exact fp32, compiled layers of 1558M-MLP size), torch (CPU); with lora_variant dora also where its norm ran, dora-norm-triton (one Triton launch) or dora-norm-torch (torch ops: the CPU, no Triton; docs/variants.md); joined with + when layers differ; blank for other choices. Runs recorded under earlier names read as these (triton: fused, cpp-direct: direct)"),
     Column("dora_norms", "string", "", "lora-kernel with lora_variant dora: where its layers' norms formed in the "
            "training step, as they recorded it ('; '-joined): triton (the norm's Triton kernels in the layer's call), "
-           "triton: the norm formed ahead (dora_norm_launch ahead, or auto where the step replays CUDA graphs), "
+           "triton: the norm formed ahead (dora_norm_launch ahead, or auto where a one-GPU step replays CUDA graphs), "
            "triton: the norm formed ahead, the scale in the LoRA GEMM (its epilogue scaled the output), torch: why "
            "(torch ops: the CPU, no Triton, a dtype or rank the kernels do not take, torch.compile) "
            "(docs/variants.md); blank for other choices"),

@@ -79,13 +79,14 @@ def build_model(cfgs: list[TrainConfig], device: torch.device, *, cache_dir: Pat
 
 def norms_ahead(cfg: TrainConfig, device: torch.device) -> bool:
     """Do the fused DoRA layers form their norms ahead (``dora_norm_launch``)? Where asked, and by
-    default (auto) where the step is replayed from CUDA graphs on a GPU and not compiled: there it
-    measured faster than inline at both of the variants study's sizes (docs/variants.md)."""
+    default (auto) where the step is replayed from CUDA graphs on one GPU, one process, not compiled:
+    there it measured faster than inline at both of the variants study's sizes (docs/variants.md)."""
     if cfg.trainable_layers != "lora-kernel" or cfg.lora_variant != "dora":
         return False
     if cfg.dora_norm_launch == DORA_NORM_AHEAD:
         return True
-    return cfg.dora_norm_launch == AUTO and cfg.cuda_graphs and not cfg.compile and device.type == "cuda"
+    return (cfg.dora_norm_launch == AUTO and cfg.cuda_graphs and not cfg.compile and cfg.nproc == 1
+            and device.type == "cuda")
 
 
 def _timed_pissa(model: torch.nn.Module, device: torch.device) -> float:

@@ -119,6 +119,7 @@ def test_reports_group_the_fused_layers_lora_rows_across_the_change():
     ({}, "cuda", False),  # auto, eager
     ({"cuda_graphs": True, "compile": True}, "cuda", False),  # auto, compiled
     ({"cuda_graphs": True}, "cpu", False),
+    ({"cuda_graphs": True, "nproc": 2}, "cuda", False),  # auto: measured in one process only
     ({"dora_norm_launch": "ahead"}, "cuda", True),  # asked for
     ({"dora_norm_launch": "inline", "cuda_graphs": True}, "cuda", False),
 ])
