@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, BF16_TRUE, SettingFields
+from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, SettingFields
 
 # What may differ between the runs of one pack: each adapter has its own rank and alpha, and its
 # own optimizer parameter group (learning rate, weight decay).
@@ -34,9 +34,6 @@ def solo_reason(cfg: SettingFields) -> str | None:
         return f"implementation={cfg.implementation}: only the book model packs"
     if cfg.base_dtype != BASE_DTYPE_DEFAULT:
         return f"base_dtype={cfg.base_dtype}: a packed model's frozen base is stored as its precision says"
-    if cfg.precision == BF16_TRUE:
-        return ("precision=bf16-true: a pack's optimizer (PackedAdamW) updates its points' stacked adapters in "
-                "place and keeps no float32 master copy of bfloat16 ones")
     if cfg.nproc != 1:
         return f"nproc={cfg.nproc}: a packed run is one process"
     return None

@@ -14,7 +14,7 @@ import torch
 
 from lora_bench.classifier.book import build_classifier, cast_frozen
 from lora_bench.classifier.packed_classifier import build_packed_classifier
-from lora_bench.config import TrainConfig
+from lora_bench.config import BF16_TRUE, TrainConfig
 from lora_bench.kernels.plan_names import AUTO, DORA_NORM_AHEAD
 from lora_bench.lora import pissa_init
 from lora_bench.lora.kernel import group_qkv, install_norms_ahead
@@ -102,12 +102,15 @@ def _timed_pissa(model: torch.nn.Module, device: torch.device) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> torch.optim.Optimizer:
     """AdamW after re-seeding with the run's seed (as the reference does); a pack's holds each
-    point's learning rate and weight decay; bf16-true's steps float32 master copies."""
+    point's learning rate and weight decay; bf16-true's (a pack's too) steps float32 master copies."""
     cfg = cfgs[0]
     torch.manual_seed(cfg.seed)
     if len(cfgs) > 1:
-        return PackedAdamW([t for t in model.parameters() if t.requires_grad], lrs=[c.learning_rate for c in cfgs],
-                           weight_decays=[c.weight_decay for c in cfgs], **optimizer_options(cfg))
+        def packed(params: list[torch.Tensor]) -> PackedAdamW:
+            return PackedAdamW(params, lrs=[c.learning_rate for c in cfgs], weight_decays=[c.weight_decay for c in cfgs],
+                               **optimizer_options(cfg))
+        trainable = [t for t in model.parameters() if t.requires_grad]
+        return MasterWeights(trainable, packed) if cfg.precision == BF16_TRUE else packed(trainable)
     if cfg.loraplus_lr_ratio != 1:
         return loraplus_optimizer(model, cfg, **optimizer_options(cfg))
     return solo_optimizer(model, cfg, **optimizer_options(cfg))  # under bf16-true over fp32 master copies

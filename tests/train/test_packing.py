@@ -441,6 +441,25 @@ def test_packed_points_train_as_their_solo_runs_in_bf16_with_sdpa_and_fused_ops(
                                  ref_mode=dict(precision="fp32"), what="bf16, sdpa, fused")
 
 
+def test_packed_points_train_as_their_solo_runs_in_bf16_true(tmp_path, cache_dir):
+    """bf16-true: the pack's stacked adapters in bfloat16, its packed AdamW over float32 master copies
+    (train.master_weights), as each solo run's AdamW is; each point within another bf16 rounding
+    order's distance of the float64 evaluation of its solo run's float32 function."""
+    from lora_bench.train.build import build_model, build_optimizer
+    from lora_bench.train.master_weights import MasterWeights
+
+    points = cfgs(precision="bf16-true")
+    built = build_model(points, torch.device("cpu"), cache_dir=cache_dir, progress=False)
+    trainable = [t for t in built.model.parameters() if t.requires_grad]
+    assert trainable and {t.dtype for t in trainable} == {torch.bfloat16}
+    opt = build_optimizer(built.model, points)
+    assert isinstance(opt, MasterWeights) and {m.dtype for m in opt.masters} == {torch.float32}
+    assert [m.shape for m in opt.masters] == [t.shape for t in trainable]  # each stacked: every point's slice
+    rows = _assert_points_train_as_solo(points, tmp_path, cache_dir, solo_mode={}, dtype=torch.bfloat16,
+                                        ref_mode=dict(precision="fp32"), what="bf16-true")
+    assert all(r["cfg_precision"] == "bf16-true" for r in rows)
+
+
 @pytest.mark.slow
 def test_compiled_packed_points_train_as_their_solo_runs(tmp_path, cache_dir):
     """torch.compile (each block, as compile_scope=blocks compiles it) on the pack's model: each
@@ -536,22 +555,23 @@ BEST = dict(device="cuda", cuda_graphs=True, precision="bf16", attention="sdpa",
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True])
-def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, cache_dir, compiled):
-    """Best mode (CUDA graphs, bf16, SDPA, fused ops, fused AdamW; and torch.compile): each point's
+@pytest.mark.parametrize("compiled, precision", [(False, "bf16"), (True, "bf16"), (False, "bf16-true")])
+def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, cache_dir, compiled, precision):
+    """Best mode (CUDA graphs, bf16 or bf16-true, SDPA, fused ops, fused AdamW; and torch.compile): each point's
     per-step and periodic losses against its solo run in the same mode (compiled: the same mode
     less torch.compile, another rounding order), within another bf16
     rounding order's distance from the float64 evaluation of the solo run's eager float32
     function (its periodic losses come from graph-replayed evaluations); the pack's rows carry the
     captured graphs' columns and the final accuracies, also from replayed forwards."""
     if compiled:  # two points, one epoch; the solo runs eager: compiling each run costs tens of seconds
-        points = cfgs(POINTS[:2], **BEST, compile=True, num_epochs=1, eval_freq=3, skip_final_eval=False)
+        points = cfgs(POINTS[:2], **{**BEST, "precision": precision}, compile=True, num_epochs=1, eval_freq=3,
+                      skip_final_eval=False)
         solo_mode = dict(compile=False)
     else:
-        points, solo_mode = cfgs(**BEST, skip_final_eval=False), {}
+        points, solo_mode = cfgs(**{**BEST, "precision": precision}, skip_final_eval=False), {}
     rows = _assert_points_train_as_solo(points, tmp_path, cache_dir, solo_mode=solo_mode, dtype=torch.bfloat16,
                                         ref_mode=dict(precision="fp32", cuda_graphs=False, compile=False),
-                                        what="best mode" + (", compiled" if compiled else ""))
+                                        what=f"best mode, {precision}" + (", compiled" if compiled else ""))
     for row in rows:
         assert row["graph_capture_s"] > 0 and row["graph_kernels_forward"] > 0 and row["graph_kernels_optimizer"] >= 1
         assert all(0 <= row[f"{name}_acc"] <= 100 for name in ("train", "val", "test"))
