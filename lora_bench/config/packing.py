@@ -10,8 +10,8 @@ from typing import Any
 from lora_bench.config.declaration import BASE_DTYPE_DEFAULT, SettingFields
 
 # What may differ between the runs of one pack: each adapter has its own rank and alpha, and its
-# own optimizer parameter group (learning rate, weight decay).
-ADAPTER_SETTINGS = ("lora_rank", "lora_alpha", "learning_rate", "weight_decay")
+# own learning rate (its B's times its LoRA+ ratio) and weight decay in the pack's optimizer.
+ADAPTER_SETTINGS = ("lora_rank", "lora_alpha", "learning_rate", "weight_decay", "loraplus_lr_ratio")
 
 
 def solo_reason(cfg: SettingFields) -> str | None:
@@ -27,9 +27,6 @@ def solo_reason(cfg: SettingFields) -> str | None:
         return f"lora_variant={cfg.lora_variant}: the packed layer computes LoRA's update (no magnitude, no norm)"
     if cfg.lora_init != "kaiming":
         return f"lora_init={cfg.lora_init}: each point would replace the frozen weight its pack shares by its own residual"
-    if cfg.loraplus_lr_ratio != 1:
-        return ("loraplus_lr_ratio: a pack's optimizer (PackedAdamW) gives each point one learning rate for all its "
-                "tensors")
     if cfg.implementation != "book":
         return f"implementation={cfg.implementation}: only the book model packs"
     if cfg.base_dtype != BASE_DTYPE_DEFAULT:

@@ -18,7 +18,7 @@ from lora_bench.config import BF16_TRUE, TrainConfig
 from lora_bench.kernels.plan_names import AUTO, DORA_NORM_AHEAD
 from lora_bench.lora import pissa_init
 from lora_bench.lora.kernel import group_qkv, install_norms_ahead
-from lora_bench.lora.packed_layer import point_state_dict
+from lora_bench.lora.packed_layer import PackedLoRALinear, point_state_dict
 from lora_bench.lora.quantized import base_weight_bytes, store_base
 from lora_bench.model.gpt2 import count_params
 from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_weight_bytes, unpacked_params
@@ -106,14 +106,29 @@ def build_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> torch.op
     cfg = cfgs[0]
     torch.manual_seed(cfg.seed)
     if len(cfgs) > 1:
-        def packed(params: list[torch.Tensor]) -> PackedAdamW:
-            return PackedAdamW(params, lrs=[c.learning_rate for c in cfgs], weight_decays=[c.weight_decay for c in cfgs],
-                               **optimizer_options(cfg))
-        trainable = [t for t in model.parameters() if t.requires_grad]
-        return MasterWeights(trainable, packed) if cfg.precision == BF16_TRUE else packed(trainable)
+        return packed_optimizer(model, cfgs)
     if cfg.loraplus_lr_ratio != 1:
         return loraplus_optimizer(model, cfg, **optimizer_options(cfg))
     return solo_optimizer(model, cfg, **optimizer_options(cfg))  # under bf16-true over fp32 master copies
+
+
+def packed_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> PackedAdamW | MasterWeights:
+    """A pack's ``PackedAdamW``: each point's learning rate and weight decay, and with LoRA+ every
+    stacked B in a group of its own at each point's rate times its ratio (a ratio of 1: its rate);
+    under bf16-true over float32 master copies."""
+    trainable = [t for t in model.parameters() if t.requires_grad]
+    lrs = [c.learning_rate for c in cfgs]
+    b_lrs = [c.learning_rate * c.loraplus_lr_ratio for c in cfgs]
+    stacked_b = {id(m.B) for m in model.modules() if isinstance(m, PackedLoRALinear)}
+    is_b = [id(t) in stacked_b for t in trainable] if b_lrs != lrs else [False] * len(trainable)
+
+    def make(params: list[torch.Tensor]) -> PackedAdamW:
+        groups = [{"params": [p for p, b in zip(params, is_b) if not b]},
+                  {"params": [p for p, b in zip(params, is_b) if b], "lrs": b_lrs}]
+        return PackedAdamW([g for g in groups if g["params"]], lrs=lrs, weight_decays=[c.weight_decay for c in cfgs],
+                           **optimizer_options(cfgs[0]))
+
+    return MasterWeights(trainable, make) if cfgs[0].precision == BF16_TRUE else make(trainable)
 
 
 def is_lora_b(name: str) -> bool:

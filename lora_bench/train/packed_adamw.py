@@ -36,37 +36,47 @@ def _kernel():
 
 class PackedAdamW(torch.optim.Optimizer):
     """AdamW over stacked parameters, point p (index p of each tensor's first axis) with learning
-    rate ``lrs[p]`` and weight decay ``weight_decays[p]``. ``fused`` and ``capturable`` are
-    accepted for the solo optimizer's options and change nothing: the CUDA update is one kernel
-    per tensor, and the step count is on the parameters' device, either way."""
+    rate ``lrs[p]`` and weight decay ``weight_decays[p]``. ``params``: tensors, or parameter groups
+    of which one may hold its own ``lrs`` (LoRA+: every B at each point's rate times its ratio).
+    ``fused`` and ``capturable`` are accepted for the solo optimizer's options and change nothing:
+    the CUDA update is one kernel per tensor, and the step count is on the parameters' device,
+    either way."""
 
     def __init__(self, params, *, lrs: list[float], weight_decays: list[float], betas=(0.9, 0.999),
                  eps: float = 1e-8, fused: bool = False, capturable: bool = False):
         del fused, capturable
-        params = list(params)
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
         n = len(lrs)
         if len(weight_decays) != n:
             raise ValueError(f"{len(weight_decays)} weight decays for {n} learning rates")
-        for p in params:
-            if p.dim() == 0 or p.shape[0] != n:
-                raise ValueError(f"a packed parameter holds its {n} points along its first axis, "
-                                 f"got shape {tuple(p.shape)}")
-        super().__init__(params, {"betas": tuple(betas), "eps": float(eps)})
-        self.lrs = [float(x) for x in lrs]
+        for group in groups:
+            group["params"] = list(group["params"])
+            if "lrs" in group:
+                if len(group["lrs"]) != n:
+                    raise ValueError(f"a group's {len(group['lrs'])} learning rates for {n} points")
+                group["lrs"] = [float(x) for x in group["lrs"]]
+            for p in group["params"]:
+                if p.dim() == 0 or p.shape[0] != n:
+                    raise ValueError(f"a packed parameter holds its {n} points along its first axis, "
+                                     f"got shape {tuple(p.shape)}")
+        super().__init__(groups, {"betas": tuple(betas), "eps": float(eps), "lrs": [float(x) for x in lrs]})
         self.weight_decays = [float(x) for x in weight_decays]
         self._step = None  # the shared step count, made on the first step
-        self._hyper = {}  # device -> (lrs, weight decays) as float32 tensors
+        self._hyper = {}  # (device, learning rates) -> (lrs, weight decays) as float32 tensors
 
     def _step_count(self, device: torch.device) -> torch.Tensor:
         if self._step is None:
             self._step = torch.zeros((), dtype=torch.float32, device=device)
         return self._step
 
-    def _device_hyper(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._hyper:
-            self._hyper[device] = (torch.tensor(self.lrs, dtype=torch.float32, device=device),
-                                   torch.tensor(self.weight_decays, dtype=torch.float32, device=device))
-        return self._hyper[device]
+    def _device_hyper(self, device: torch.device, lrs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, tuple(lrs))
+        if key not in self._hyper:
+            self._hyper[key] = (torch.tensor(lrs, dtype=torch.float32, device=device),
+                                torch.tensor(self.weight_decays, dtype=torch.float32, device=device))
+        return self._hyper[key]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -97,19 +107,19 @@ class PackedAdamW(torch.optim.Optimizer):
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 if (kernel is not None and p.is_cuda and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
                         and g.is_contiguous()):
-                    lrs, wds = self._device_hyper(p.device)
+                    lrs, wds = self._device_hyper(p.device, group["lrs"])
                     kernel(p, g, m, v, lrs, wds, step, beta1=beta1, beta2=beta2, eps=eps)
                 else:
                     if corrections is None:
                         corrections = bias_corrections(step, beta1, beta2, host_step=not step.is_cuda)
-                    self._torch_update(p, g, m, v, corrections, beta1, beta2, eps)
+                    self._torch_update(p, g, m, v, group["lrs"], corrections, beta1, beta2, eps)
         return loss
 
-    def _torch_update(self, p, g, m, v, corrections, beta1, beta2, eps) -> None:
+    def _torch_update(self, p, g, m, v, lrs, corrections, beta1, beta2, eps) -> None:
         """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it, with the
-        step's ``bias_corrections``."""
+        group's learning rates and the step's ``bias_corrections``."""
         bias_correction1, bias_correction2_sqrt = corrections
-        for i, (lr, wd) in enumerate(zip(self.lrs, self.weight_decays)):
+        for i, (lr, wd) in enumerate(zip(lrs, self.weight_decays)):
             pi, gi, mi, vi = p[i], g[i].to(p.dtype), m[i], v[i]
             pi.mul_(1 - lr * wd)
             mi.lerp_(gi, 1 - beta1)

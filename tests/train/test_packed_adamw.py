@@ -125,6 +125,33 @@ def test_packed_adamw_is_each_points_adamw_bit_for_bit_on_the_cpu():
             assert torch.equal(mine[name], theirs[name]), f"point {p}, {name}"
 
 
+def test_a_group_with_its_own_rates_is_each_points_adamw_at_those_rates_bit_for_bit_on_the_cpu():
+    """LoRA+'s group (every B at each point's rate times its ratio) beside the group at the points'
+    rates: each point's tensors as torch.optim.AdamW with those two groups updates them alone."""
+    start, grads = _start("cpu"), _grads("cpu")
+    ratios = [16.0, 1.0, 4.0, 2.0, 8.0]
+    b_lrs = [lr * q for lr, q in zip(LRS, ratios)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = PackedAdamW([{"params": params[:1]}, {"params": params[1:], "lrs": b_lrs}], lrs=LRS, weight_decays=WDS)
+    for step in grads:
+        for t, g in zip(params, step):
+            t.grad = g.clone()
+        opt.step()
+    got = _by_point(params, opt)
+    for p, (lr, b_lr, wd) in enumerate(zip(LRS, b_lrs, WDS)):
+        mine = [torch.nn.Parameter(t[p].clone()) for t in start]
+        ref = torch.optim.AdamW([{"params": mine[:1], "lr": lr}, {"params": mine[1:], "lr": b_lr}], lr=lr,
+                                weight_decay=wd, foreach=False)
+        for step in grads:
+            for t, g in zip(mine, step):
+                t.grad = g[p].clone()
+            ref.step()
+        for i, t in enumerate(mine):
+            assert torch.equal(got[p][f"p{i}"], t.detach()), f"point {p}, tensor {i}"
+    with pytest.raises(ValueError, match="a group's 2 learning rates for 5 points"):
+        PackedAdamW([{"params": params[:1], "lrs": [1e-3, 1e-3]}], lrs=LRS, weight_decays=WDS)
+
+
 def test_packed_adamw_refuses_a_tensor_without_its_points_on_the_first_axis():
     with pytest.raises(ValueError, match=r"holds its 5 points along its first axis, got shape \(4, 3\)"):
         PackedAdamW([torch.nn.Parameter(torch.zeros(4, 3))], lrs=LRS, weight_decays=WDS)
@@ -162,7 +189,7 @@ def test_the_torch_update_with_the_step_count_as_a_tensor_is_the_one_with_a_numb
                 if not state:
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(t), torch.zeros_like(t)
                 with torch.no_grad():
-                    opt._torch_update(t, g, state["exp_avg"], state["exp_avg_sq"],
+                    opt._torch_update(t, g, state["exp_avg"], state["exp_avg_sq"], LRS,
                                       bias_corrections(step, 0.9, 0.999, host_step=host), 0.9, 0.999, 1e-8)
         results[host] = _by_point(params, opt)
     got, want = _updates(results[False], start), _updates(results[True], start)

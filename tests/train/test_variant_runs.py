@@ -184,9 +184,36 @@ def test_packed_classifier_holds_each_points_rslora_scale():
 @pytest.mark.parametrize("changes, needle", [
     (dict(lora_variant="dora"), "lora_variant=dora: the packed layer computes LoRA's update"),
     (dict(lora_init="pissa"), "lora_init=pissa: each point would replace the frozen weight"),
-    (dict(loraplus_lr_ratio=16.0), "loraplus_lr_ratio: a pack's optimizer (PackedAdamW)"),
 ])
 def test_variants_that_do_not_pack_say_why(changes, needle):
     cfg = TrainConfig(**BASE)
     assert solo_reason(cfg) is None and solo_reason(cfg.replace(lora_scaling="rslora")) is None
+    assert solo_reason(cfg.replace(loraplus_lr_ratio=16.0)) is None
     assert needle in solo_reason(cfg.replace(**changes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+def test_loraplus_packed_points_train_as_their_solo_runs(tmp_path, precision):
+    """LoRA+ in a pack: each point's stacked B at its own rate times its own ratio (1 for a point
+    without LoRA+), everything else at its rate, in the pack's optimizer (under bf16-true over
+    float32 master copies); each point's losses are its solo run's, as far as another rounding order
+    moves them from the float64 run."""
+    points = [TrainConfig(**{**BASE, "precision": precision, "loraplus_lr_ratio": q, "learning_rate": lr})
+              for q, lr in ((16.0, 5e-4), (1.0, 1e-3), (4.0, 2e-4))]
+    built = build_model(points, torch.device("cpu"), cache_dir=tmp_path / "cache", progress=False)
+    opt = build_optimizer(built.model, points)
+    assert opt_groups_cover(built.model, opt) and [g["lrs"] for g in opt.param_groups] == [
+        [5e-4, 1e-3, 2e-4], [16 * 5e-4, 1e-3, 4 * 2e-4]]
+    ids = ["p0", "p1", "p2"]
+    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                   console=Console(quiet=True), progress=False, cache_dir=tmp_path / "cache")
+    assert [r["status"] for r in rows] == ["done"] * 3
+    for i, (cfg, run_id) in enumerate(zip(points, ids)):
+        want = _losses(*_run(cfg, tmp_path / "solo", f"s{i}"))
+        with float64_runs():
+            ref = _losses(*_run(cfg.replace(precision="fp32"), tmp_path / "solo", f"d{i}"))
+        got_record = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
+        got = _losses(got_record, pd.read_csv(tmp_path / "pack" / run_id / "steps.csv"))
+        dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+        assert_same_function(got, want, ref, dtype=dtype, what=f"LoRA+ point {i}, {precision}")
