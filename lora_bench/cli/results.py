@@ -139,11 +139,14 @@ def render(
     check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 naming every report that is not what "
                                                         "its runs give today.")] = False,
 ) -> None:
-    """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs."""
+    """Render every report a folder's manifest.json declares (its reports recipes), from the folder's runs;
+    then ROOT/README.md, where it is there, as `results index` writes it."""
     from lora_bench.errors import UsageError
     from lora_bench.escaping import markup
     from lora_bench.progress import CountProgress
     from lora_bench.publish.committed import declared_folders, recipes, render_all, stale_reports
+    from lora_bench.publish.results_index import write_index
+    from lora_bench.results.index import INDEX
 
     _folder(root)
     declared = declared_folders(root)
@@ -173,6 +176,8 @@ def render(
             console.print(f"rendered: {markup(r.command())}", highlight=False, soft_wrap=True)
         for p in dict.fromkeys(files):
             console.print(f"wrote {markup(p)}", highlight=False)
+    if written and (root / INDEX).is_file():  # the index lists each folder's files with their sizes
+        console.print(f"written: {markup(str(write_index(root)))}", highlight=False)
 
 
 @results_app.command("export")

@@ -100,7 +100,8 @@ def results_schema() -> str:
             ["`outputs`", "other files it wrote, relative to the folder"],
         ], align="---|---").rstrip(),
         "",
-        "`lora-bench results index results` writes `results/README.md` from the manifests and rows;",
+        "`lora-bench results index results` writes `results/README.md` from the manifests and rows",
+        "(`lora-bench results render` rewrites it too, after the reports it lists);",
         "`lora-bench results prune DIR --superseded` moves rows replaced by a newer run of the same sweep,",
         "settings and repeat (and their run folders) to `DIR/superseded/`, numbers untouched.",
     ]

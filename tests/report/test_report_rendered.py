@@ -78,8 +78,10 @@ def test_a_hand_edited_report_is_named(tmp_path, run_cli):
 
     code, out = run_cli("results", "render", "--root", root, "--check")
     assert code == 1 and "report.md" in out and "out of date" in out
+    (root / "README.md").write_text("# Results\n\nan index older than the reports\n")
     code, out = run_cli("results", "render", "--root", root)
     assert code == 0 and stale_reports(root) == []  # rendering puts them right
+    assert run_cli("results", "index", root, "--check")[0] == 0, out  # and the index that lists them
 
 
 def test_a_report_no_recipe_writes_and_a_folder_without_recipes_are_named(tmp_path):
