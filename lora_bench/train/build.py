@@ -14,7 +14,7 @@ import torch
 
 from lora_bench.classifier.book import build_classifier, cast_frozen
 from lora_bench.classifier.packed_classifier import build_packed_classifier
-from lora_bench.config import BF16_TRUE, TrainConfig
+from lora_bench.config import TrainConfig
 from lora_bench.kernels.plan_names import AUTO, DORA_NORM_AHEAD
 from lora_bench.lora import pissa_init
 from lora_bench.lora.kernel import group_qkv, install_norms_ahead
@@ -25,7 +25,7 @@ from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_wei
 from lora_bench.train.master_weights import MasterWeights
 from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.setup import build_optimizer as solo_optimizer
-from lora_bench.train.setup import prepare_precision
+from lora_bench.train.setup import over_masters, prepare_precision
 
 
 @dataclass
@@ -128,7 +128,7 @@ def packed_optimizer(model: torch.nn.Module, cfgs: list[TrainConfig]) -> PackedA
         return PackedAdamW([g for g in groups if g["params"]], lrs=lrs, weight_decays=[c.weight_decay for c in cfgs],
                            **optimizer_options(cfgs[0]))
 
-    return MasterWeights(trainable, make) if cfgs[0].precision == BF16_TRUE else make(trainable)
+    return over_masters(cfgs[0], trainable, make)
 
 
 def is_lora_b(name: str) -> bool:
@@ -149,9 +149,7 @@ def loraplus_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options):
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=cfg.weight_decay,
                                  **options)
 
-    if cfg.precision == "bf16-true":
-        return MasterWeights([p for _, p in named], make)
-    return make([p for _, p in named])
+    return over_masters(cfg, [p for _, p in named], make)
 
 
 def optimizer_options(cfg: TrainConfig) -> dict:

@@ -94,6 +94,7 @@ class PackedAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             eps = group["eps"]
             corrections = None  # the torch update's bias corrections, made once a step if needed
+            hyper = None  # the kernel's learning rates and weight decays on the device, once a group
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -107,8 +108,9 @@ class PackedAdamW(torch.optim.Optimizer):
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 if (kernel is not None and p.is_cuda and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
                         and g.is_contiguous()):
-                    lrs, wds = self._device_hyper(p.device, group["lrs"])
-                    kernel(p, g, m, v, lrs, wds, step, beta1=beta1, beta2=beta2, eps=eps)
+                    if hyper is None:
+                        hyper = self._device_hyper(p.device, group["lrs"])
+                    kernel(p, g, m, v, *hyper, step, beta1=beta1, beta2=beta2, eps=eps)
                 else:
                     if corrections is None:
                         corrections = bias_corrections(step, beta1, beta2, host_step=not step.is_cuda)

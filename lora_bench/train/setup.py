@@ -59,9 +59,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options) -> torc
     parameters; under bf16-true over float32 master copies of the trainable bfloat16 ones
     (``train.master_weights``)."""
     kw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **options)
-    if cfg.precision == BF16_TRUE:
-        return MasterWeights(model.parameters(), lambda masters: torch.optim.AdamW(masters, **kw))
-    return torch.optim.AdamW(model.parameters(), **kw)
+    return over_masters(cfg, model.parameters(), lambda params: torch.optim.AdamW(params, **kw))
+
+
+def over_masters(cfg: TrainConfig, params, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):
+    """``make(params)``; under bf16-true ``make`` over float32 master copies of the trainable ones
+    among ``params`` (``train.master_weights``)."""
+    params = list(params)
+    return MasterWeights(params, make) if cfg.precision == BF16_TRUE else make(params)
 
 
 def compile_model(model: torch.nn.Module, scope: str, **compile_kw) -> torch.nn.Module:
