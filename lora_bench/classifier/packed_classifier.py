@@ -1,5 +1,5 @@
 """The spam classifier for a pack of LoRA points: one frozen base model, and for each point the
-new 2-class head and the adapters its solo run would build, from the same RNG draws (each point
+new 2-class head and the adapters (LoRA's, or DoRA's with their magnitudes) its solo run would build, from the same RNG draws (each point
 re-seeds and draws its head, then its adapters in ``inject_lora``'s order, as
 ``book.make_trainable`` does), so every point starts from its solo run's initial weights."""
 
@@ -12,8 +12,8 @@ import torch.nn as nn
 
 from lora_bench.classifier.book import NUM_CLASSES, load_base_model, model_config
 from lora_bench.config import TrainConfig
-from lora_bench.lora.layer import LoRALayer, lora_scale
-from lora_bench.lora.packed_layer import PackedLoRALinear, lora_sites
+from lora_bench.lora.layer import LoRALayer, lora_scale, merged_norm
+from lora_bench.lora.packed_layer import PackedDoRALinear, PackedLoRALinear, lora_sites
 from lora_bench.model.gpt2 import GPTModel
 
 
@@ -25,7 +25,7 @@ def build_packed_classifier(cfgs: list[TrainConfig], *, cache_dir: Path, progres
     for p in model.parameters():
         p.requires_grad = False
     emb = model.cfg.emb_dim
-    heads, adapters = [], []
+    heads, adapters, magnitudes = [], [], []
     for point in cfgs:
         torch.manual_seed(point.seed)
         head = nn.Linear(emb, NUM_CLASSES)
@@ -34,10 +34,16 @@ def build_packed_classifier(cfgs: list[TrainConfig], *, cache_dir: Path, progres
         scale = lora_scale(point.lora_alpha, point.lora_rank, point.lora_scaling)
         adapters.append([LoRALayer(m.in_features, m.out_features, point.lora_rank, scale)
                          for _, _, _, m in lora_sites(model)])
+        with torch.no_grad():  # DoRA's magnitudes start as the solo layer's: the rows' norms of W + s·(A·B)ᵀ
+            magnitudes.append([merged_norm(m.weight, a.A, a.B, a.alpha)
+                               for (_, _, _, m), a in zip(lora_sites(model), adapters[-1])])
+    dora = cfg.lora_variant == "dora"
     for i, (_, parent, name, linear) in enumerate(lora_sites(model)):
         own = [a[i] for a in adapters]
-        if name == "out_head" and parent is model:
-            setattr(parent, name, PackedLoRALinear(own, heads=heads))
+        base = dict(heads=heads) if name == "out_head" and parent is model else dict(linear=linear)
+        if dora:
+            layer = PackedDoRALinear(own, [m[i] for m in magnitudes], detach_norm=cfg.dora_norm == "detached", **base)
         else:
-            setattr(parent, name, PackedLoRALinear(own, linear=linear))
+            layer = PackedLoRALinear(own, **base)
+        setattr(parent, name, layer)
     return model

@@ -23,8 +23,6 @@ def solo_reason(cfg: SettingFields) -> str | None:
         if cfg.trainable_layers == "lora-merged":
             return "lora-merged materialises one merged weight per layer, which adapters cannot share"
         return f"trainable_layers={cfg.trainable_layers} trains no adapter (only lora packs)"
-    if cfg.lora_variant != "lora":
-        return f"lora_variant={cfg.lora_variant}: the packed layer computes LoRA's update (no magnitude, no norm)"
     if cfg.lora_init != "kaiming":
         return f"lora_init={cfg.lora_init}: each point would replace the frozen weight its pack shares by its own residual"
     if cfg.implementation != "book":

@@ -6,12 +6,14 @@ rows, and each adapter adds its own ``alpha · (x·A)·B`` to its own rows, all 
 batched product; mixed ranks are stored zero-padded to the pack's largest rank, which changes
 nothing they compute; a trainable base (the new head) holds one base per adapter. A point's
 parameters read back under the names and shapes its solo model gives them (``point_state_dict``).
-Why this way and what it costs: docs/packing.md#how."""
+``PackedDoRALinear`` is DoRA's unmerged layer in a pack: each point's output scaled by its own
+magnitude over its own norm. Why this way and what it costs: docs/packing.md#how."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lora_bench.lora.layer import LoRALayer
 
@@ -66,17 +68,21 @@ class PackedLoRALinear(nn.Module):
         return self.B.shape[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._products(x, bias=True).reshape(*x.shape[:-1], self.out_features)
+
+    def _products(self, x: torch.Tensor, *, bias: bool) -> torch.Tensor:
+        """Each point's base product plus its update, (N, rows of one point, out); with ``bias`` the
+        base's bias added in the base product, as ``nn.Linear`` adds it."""
         n = self.n
         if x.shape[0] % n:
             raise ValueError(f"a packed layer of {n} adapters takes a batch of a multiple of {n} rows, "
                              f"got {x.shape[0]}")
-        lead = x.shape[:-1]
         xs = x.reshape(n, -1, x.shape[-1])  # (N, rows of one point, in)
-        if self.linear is not None:
-            base = self.linear(x).reshape(n, -1, self.out_features)  # one product over every row
+        if self.linear is not None:  # one product over every row
+            base = (self.linear(x) if bias else F.linear(x, self.linear.weight)).reshape(n, -1, self.out_features)
         else:
             base = torch.bmm(xs, self.weight.transpose(1, 2))
-            if self.bias is not None:  # in the product's type, as nn.Linear adds it under autocast
+            if bias and self.bias is not None:  # in the product's type, as nn.Linear adds it under autocast
                 base = base + self.bias.unsqueeze(1).to(base.dtype)
         h = torch.bmm(xs, self.A)  # (N, rows, r)
         # alpha scales the r columns of x·A, not the out columns of the update, and the add to the
@@ -84,7 +90,7 @@ class PackedLoRALinear(nn.Module):
         # base + alpha·((x·A)·B) in another rounding order (exact for a power-of-two alpha but for
         # the one rounding of the sum), without two passes over the (N, rows, out) output
         h = self.alphas.to(h.dtype) * h
-        return torch.baddbmm(base, h, self.B).reshape(*lead, self.out_features)
+        return torch.baddbmm(base, h, self.B)
 
     def point_adapter(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Adapter ``p``'s A and B as its solo layer holds them (views without the padding)."""
@@ -101,6 +107,66 @@ class PackedLoRALinear(nn.Module):
     def extra_repr(self) -> str:
         ranks = ",".join(str(r) for r in self.ranks)
         return f"adapters={self.n}, ranks={ranks}, base={'shared' if self.linear is not None else 'per adapter'}"
+
+
+class PackedDoRALinear(PackedLoRALinear):
+    """DoRA's unmerged layer (``layer.LinearWithDoRA``) for N points: point p's rows give
+    ``(m_p / ‖W + s_p·(A_p·B_p)ᵀ‖) ⊙ (x·Wᵀ + s_p·(x·A_p)·B_p) + b``, the magnitudes stacked in ``m``
+    (N, out). The norms of all points come from ``layer.dora_norm``'s terms, batched: ‖W_j‖² (held
+    once for a frozen W), one product W·A over the stacked A (N, out, r) and each point's r × r Gram
+    matrix; a rank's zero padding adds nothing to them. With ``detach_norm`` the norm is a constant
+    in backward, as in the solo layer."""
+
+    def __init__(self, adapters: list[LoRALayer], magnitudes: list[torch.Tensor], *, detach_norm: bool,
+                 linear: nn.Linear | None = None, heads: list[nn.Linear] | None = None):
+        super().__init__(adapters, linear=linear, heads=heads)
+        if len(magnitudes) != self.n:
+            raise ValueError(f"{len(magnitudes)} magnitudes for {self.n} adapters")
+        self.detach_norm = detach_norm
+        with torch.no_grad():
+            self.m = nn.Parameter(torch.stack([m.detach() for m in magnitudes]),
+                                  requires_grad=self.A.requires_grad)
+        self.register_buffer("scales", self.alphas.view(-1, 1).clone(), persistent=False)
+        self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of the shared W
+        self.refresh_weight_sq()
+
+    @torch.no_grad()
+    def refresh_weight_sq(self) -> None:
+        """The shared frozen W's row norms squared, from the weight as it is held now (as the solo
+        layer's ``refresh_weight_sq``: again after ``Module.to`` and its kin)."""
+        if self.linear is not None:
+            self.weight_sq = self.linear.weight.detach().pow(2).sum(1)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.refresh_weight_sq()
+        return out
+
+    def norm(self) -> torch.Tensor:
+        """‖W_j + s_p·(A_p·B_p)_j‖ per point and output (N, out), detached with ``detach_norm``."""
+        a, bt = self.A, self.B.transpose(1, 2)  # (N, in, r), (N, out, r)
+        if self.linear is not None:
+            w = self.linear.weight
+            weight_sq = self.weight_sq if not w.requires_grad else w.pow(2).sum(1)
+            wa = torch.matmul(w, a)  # (N, out, r): one pass over the shared W for every point
+        else:  # one trained head per point: its norms change every step
+            weight_sq, wa = self.weight.pow(2).sum(2), torch.bmm(self.weight, a)
+        cross = (wa * bt).sum(-1)
+        update_sq = ((bt @ (a.transpose(1, 2) @ a)) * bt).sum(-1)
+        s = self.scales.to(cross.dtype)
+        n = (weight_sq + (2 * s) * cross + (s * s) * update_sq).clamp_min(0).sqrt()
+        return n.detach() if self.detach_norm else n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._products(x, bias=False) * (self.m / self.norm()).unsqueeze(1)  # scale, then bias: the solo order
+        if self.linear is not None and self.linear.bias is not None:
+            y = y + self.linear.bias
+        elif self.linear is None and self.bias is not None:
+            y = y + self.bias.unsqueeze(1)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", variant=dora" + (", norm=detached" if self.detach_norm else "")
 
 
 def lora_sites(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -124,7 +190,7 @@ def packed_layers(model: nn.Module) -> dict[str, PackedLoRALinear]:
 def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
     """Point ``p``'s model as its solo run names it: the shared tensors under their own names, and
     each packed layer as ``<path>.linear.weight``, ``<path>.linear.bias``, ``<path>.lora.A``,
-    ``<path>.lora.B`` (of its solo shapes: views of the stacked tensors without their padding)."""
+    ``<path>.lora.B`` and DoRA's ``<path>.m`` (of its solo shapes: views of the stacked tensors without their padding)."""
     layers = packed_layers(model)
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -134,4 +200,6 @@ def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
         for key, t in layer.point_base(p).items():
             out[f"{path}.linear.{key}"] = t
         out[f"{path}.lora.A"], out[f"{path}.lora.B"] = layer.point_adapter(p)
+        if isinstance(layer, PackedDoRALinear):
+            out[f"{path}.m"] = layer.m[p]
     return out

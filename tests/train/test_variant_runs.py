@@ -155,22 +155,29 @@ def test_the_defaults_build_the_plain_path():
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["lr"] == cfg.learning_rate
 
 
+def _assert_pack_trains_as_solo(points: list[TrainConfig], tmp_path, what: str) -> None:
+    """Train ``points`` as one pack; each point's losses are its solo run's, as far as another
+    rounding order moves them from the float64 run (of the float32 function under bf16-true)."""
+    ids = [f"p{i}" for i in range(len(points))]
+    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
+                   console=Console(quiet=True), progress=False, cache_dir=tmp_path / "cache")
+    assert [r["status"] for r in rows] == ["done"] * len(points)
+    for i, (cfg, run_id) in enumerate(zip(points, ids)):
+        want = _losses(*_run(cfg, tmp_path / "solo", f"s{i}"))
+        with float64_runs():
+            ref = _losses(*_run(cfg.replace(precision="fp32"), tmp_path / "solo", f"d{i}"))
+        got_record = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
+        got = _losses(got_record, pd.read_csv(tmp_path / "pack" / run_id / "steps.csv"))
+        dtype = torch.bfloat16 if cfg.precision == "bf16-true" else torch.float32
+        assert_same_function(got, want, ref, dtype=dtype, what=f"{what} point {i}, {cfg.precision}")
+
+
 @pytest.mark.slow
 def test_rslora_packed_points_train_as_their_solo_runs(tmp_path):
     """Mixed ranks and alphas at rsLoRA's scale: each point's packed adapter holds alpha/√r, and its
     losses are its solo run's, as far as another rounding order moves them from the float64 run."""
     points = [TrainConfig(**BASE, lora_scaling="rslora", lora_rank=r, lora_alpha=a) for r, a in ((4, 8.0), (9, 3.0))]
-    ids = ["p0", "p1"]
-    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
-                   console=Console(quiet=True), progress=False, cache_dir=tmp_path / "cache")
-    assert [r["status"] for r in rows] == ["done", "done"]
-    for i, (cfg, run_id) in enumerate(zip(points, ids)):
-        want = _losses(*_run(cfg, tmp_path / "solo", f"s{i}"))
-        with float64_runs():
-            ref = _losses(*_run(cfg, tmp_path / "solo", f"d{i}"))
-        got_record = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
-        got = _losses(got_record, pd.read_csv(tmp_path / "pack" / run_id / "steps.csv"))
-        assert_same_function(got, want, ref, what=f"rsLoRA point {i}")
+    _assert_pack_trains_as_solo(points, tmp_path, "rsLoRA")
 
 
 def test_packed_classifier_holds_each_points_rslora_scale():
@@ -182,14 +189,38 @@ def test_packed_classifier_holds_each_points_rslora_scale():
 
 
 @pytest.mark.parametrize("changes, needle", [
-    (dict(lora_variant="dora"), "lora_variant=dora: the packed layer computes LoRA's update"),
     (dict(lora_init="pissa"), "lora_init=pissa: each point would replace the frozen weight"),
+    (dict(trainable_layers="lora-merged", lora_variant="dora"), "lora-merged materialises one merged weight"),
 ])
 def test_variants_that_do_not_pack_say_why(changes, needle):
     cfg = TrainConfig(**BASE)
     assert solo_reason(cfg) is None and solo_reason(cfg.replace(lora_scaling="rslora")) is None
     assert solo_reason(cfg.replace(loraplus_lr_ratio=16.0)) is None
+    assert solo_reason(cfg.replace(lora_variant="dora")) is None
     assert needle in solo_reason(cfg.replace(**changes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm, precision", [("exact", "fp32"), ("detached", "fp32"), ("exact", "bf16-true")])
+def test_dora_packed_points_train_as_their_solo_runs(tmp_path, norm, precision):
+    """DoRA in a pack (PackedDoRALinear): each point starts from its solo model's weights, its
+    magnitudes among them, bit for bit, and its losses are its solo run's, as far as another
+    rounding order moves them from the float64 run (of the float32 function under bf16-true);
+    mixed ranks, alphas and rates."""
+    from lora_bench.classifier.packed_classifier import build_packed_classifier
+    from lora_bench.lora.packed_layer import point_state_dict
+
+    points = [TrainConfig(**{**BASE, "lora_variant": "dora", "dora_norm": norm, "lora_rank": r, "lora_alpha": a,
+                             "learning_rate": lr, "precision": precision}) for r, a, lr in ((4, 8.0, 5e-4), (9, 3.0, 1e-3))]
+    packed = build_packed_classifier(points, cache_dir=tmp_path / "cache", progress=False)
+    for p, cfg in enumerate(points):
+        mine = point_state_dict(packed, p)
+        theirs = build_classifier(cfg, cache_dir=tmp_path / "cache", progress=False).state_dict(keep_vars=True)
+        assert mine.keys() == theirs.keys() and any(k.endswith(".m") for k in mine)
+        for key in theirs:
+            assert torch.equal(mine[key], theirs[key]), key
+            assert mine[key].requires_grad == theirs[key].requires_grad, key
+    _assert_pack_trains_as_solo(points, tmp_path, f"DoRA ({norm} norm)")
 
 
 @pytest.mark.slow
@@ -205,15 +236,4 @@ def test_loraplus_packed_points_train_as_their_solo_runs(tmp_path, precision):
     opt = build_optimizer(built.model, points)
     assert opt_groups_cover(built.model, opt) and [g["lrs"] for g in opt.param_groups] == [
         [5e-4, 1e-3, 2e-4], [16 * 5e-4, 1e-3, 4 * 2e-4]]
-    ids = ["p0", "p1", "p2"]
-    rows = execute([Point(c, i) for c, i in zip(points, ids)], results_dir=tmp_path / "pack",
-                   console=Console(quiet=True), progress=False, cache_dir=tmp_path / "cache")
-    assert [r["status"] for r in rows] == ["done"] * 3
-    for i, (cfg, run_id) in enumerate(zip(points, ids)):
-        want = _losses(*_run(cfg, tmp_path / "solo", f"s{i}"))
-        with float64_runs():
-            ref = _losses(*_run(cfg.replace(precision="fp32"), tmp_path / "solo", f"d{i}"))
-        got_record = json.loads((tmp_path / "pack" / run_id / "run.json").read_text())
-        got = _losses(got_record, pd.read_csv(tmp_path / "pack" / run_id / "steps.csv"))
-        dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
-        assert_same_function(got, want, ref, dtype=dtype, what=f"LoRA+ point {i}, {precision}")
+    _assert_pack_trains_as_solo(points, tmp_path, "LoRA+")
