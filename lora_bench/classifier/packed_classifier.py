@@ -1,7 +1,8 @@
 """The spam classifier for a pack of LoRA points: one frozen base model, and for each point the
-new 2-class head and the adapters (LoRA's, or DoRA's with their magnitudes) its solo run would build, from the same RNG draws (each point
-re-seeds and draws its head, then its adapters in ``inject_lora``'s order, as
-``book.make_trainable`` does), so every point starts from its solo run's initial weights."""
+new 2-class head and the adapters (LoRA's, or DoRA's with their magnitudes) its solo run would
+build, from the same RNG draws (each point re-seeds and draws its head, then its adapters in
+``inject_lora``'s order, as ``book.make_trainable`` does), so every point starts from its solo
+run's initial weights."""
 
 from __future__ import annotations
 

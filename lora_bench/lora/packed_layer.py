@@ -190,7 +190,8 @@ def packed_layers(model: nn.Module) -> dict[str, PackedLoRALinear]:
 def point_state_dict(model: nn.Module, p: int) -> dict[str, torch.Tensor]:
     """Point ``p``'s model as its solo run names it: the shared tensors under their own names, and
     each packed layer as ``<path>.linear.weight``, ``<path>.linear.bias``, ``<path>.lora.A``,
-    ``<path>.lora.B`` and DoRA's ``<path>.m`` (of its solo shapes: views of the stacked tensors without their padding)."""
+    ``<path>.lora.B`` and DoRA's ``<path>.m`` (of its solo shapes: views of the stacked tensors
+    without their padding)."""
     layers = packed_layers(model)
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():

@@ -84,7 +84,8 @@ def test_packed_dora_layer_is_each_points_solo_layer(detach, shared, rows):
     for p, (layer, (r, _)) in enumerate(zip(solo, MIXED)):
         rows_p = slice(p * rows, (p + 1) * rows)
         want = layer(x64[rows_p])
-        params = [layer.lora.A, layer.lora.B, layer.m] + ([layer.linear.weight, layer.linear.bias] if not shared else [])
+        params = [layer.lora.A, layer.lora.B, layer.m]
+        params += [] if shared else [layer.linear.weight, layer.linear.bias]
         ref = torch.autograd.grad(want, [x64, *params], g[rows_p].double())
         assert not grads["A"][p][:, r:].any() and not grads["B"][p][r:].any(), f"point {p}: padding's gradients"
         got = {"y": y[rows_p], "x": grads["x"][rows_p], "A": grads["A"][p][:, :r], "B": grads["B"][p][:r],

@@ -210,8 +210,9 @@ def test_dora_packed_points_train_as_their_solo_runs(tmp_path, norm, precision):
     from lora_bench.classifier.packed_classifier import build_packed_classifier
     from lora_bench.lora.packed_layer import point_state_dict
 
-    points = [TrainConfig(**{**BASE, "lora_variant": "dora", "dora_norm": norm, "lora_rank": r, "lora_alpha": a,
-                             "learning_rate": lr, "precision": precision}) for r, a, lr in ((4, 8.0, 5e-4), (9, 3.0, 1e-3))]
+    dora = dict(lora_variant="dora", dora_norm=norm, precision=precision)
+    points = [TrainConfig(**{**BASE, **dora, "lora_rank": r, "lora_alpha": a, "learning_rate": lr})
+              for r, a, lr in ((4, 8.0, 5e-4), (9, 3.0, 1e-3))]
     packed = build_packed_classifier(points, cache_dir=tmp_path / "cache", progress=False)
     for p, cfg in enumerate(points):
         mine = point_state_dict(packed, p)
