@@ -83,18 +83,20 @@ def merged_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     return (weight + scale * (a @ b).t()).norm(p=2, dim=1)
 
 
-def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float | torch.Tensor,
               weight_sq: torch.Tensor | None = None) -> torch.Tensor:
     """``merged_norm`` without the merged weight: for output j, with W_j its row of W (out × in) and
     (A·B)_j its column of A·B (in × out),
     ‖W_j + s·(A·B)_j‖² = ‖W_j‖² + 2s·⟨W_j, (A·B)_j⟩ + s²·‖(A·B)_j‖², where ⟨W_j, (A·B)_j⟩ is row j of
     W·A (out × r) dotted with column j of B, and ‖(A·B)_j‖² = B_jᵀ·(AᵀA)·B_j with A's r × r Gram
-    matrix. ``weight_sq`` holds the ‖W_j‖² of a frozen W, computed once (None: computed here)."""
-    bt = b.t()  # (out, r)
+    matrix. ``weight_sq`` holds the ‖W_j‖² of a frozen W, computed once (None: computed here).
+    A pack's points (``packed_layer.PackedDoRALinear``) give A and B, and W where each has its own, a
+    leading dimension of points, and ``scale`` as a tensor of one value per point (points × 1)."""
+    bt = b.transpose(-2, -1)  # (out, r)
     if weight_sq is None:
-        weight_sq = weight.pow(2).sum(1)
-    cross = ((weight @ a) * bt).sum(1)  # ⟨W_j, (A·B)_j⟩: one pass over W, r columns
-    update_sq = ((bt @ (a.t() @ a)) * bt).sum(1)  # ‖(A·B)_j‖² from the r × r Gram matrix
+        weight_sq = weight.pow(2).sum(-1)
+    cross = ((weight @ a) * bt).sum(-1)  # ⟨W_j, (A·B)_j⟩: one pass over W, r columns
+    update_sq = ((bt @ (a.transpose(-2, -1) @ a)) * bt).sum(-1)  # ‖(A·B)_j‖² from the r × r Gram matrix
     return (weight_sq + (2 * scale) * cross + (scale * scale) * update_sq).clamp_min(0).sqrt()
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lora_bench.lora.layer import LoRALayer
+from lora_bench.lora.layer import LoRALayer, dora_norm
 
 
 class PackedLoRALinear(nn.Module):
@@ -143,18 +143,14 @@ class PackedDoRALinear(PackedLoRALinear):
         return out
 
     def norm(self) -> torch.Tensor:
-        """‖W_j + s_p·(A_p·B_p)_j‖ per point and output (N, out), detached with ``detach_norm``."""
-        a, bt = self.A, self.B.transpose(1, 2)  # (N, in, r), (N, out, r)
+        """‖W_j + s_p·(A_p·B_p)_j‖ per point and output (N, out) (``layer.dora_norm`` over the
+        stacked A and B: W·A one product over the shared W for every point), detached with
+        ``detach_norm``."""
         if self.linear is not None:
             w = self.linear.weight
-            weight_sq = self.weight_sq if not w.requires_grad else w.pow(2).sum(1)
-            wa = torch.matmul(w, a)  # (N, out, r): one pass over the shared W for every point
+            n = dora_norm(w, self.A, self.B, self.scales, None if w.requires_grad else self.weight_sq)
         else:  # one trained head per point: its norms change every step
-            weight_sq, wa = self.weight.pow(2).sum(2), torch.bmm(self.weight, a)
-        cross = (wa * bt).sum(-1)
-        update_sq = ((bt @ (a.transpose(1, 2) @ a)) * bt).sum(-1)
-        s = self.scales.to(cross.dtype)
-        n = (weight_sq + (2 * s) * cross + (s * s) * update_sq).clamp_min(0).sqrt()
+            n = dora_norm(self.weight, self.A, self.B, self.scales)
         return n.detach() if self.detach_norm else n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
