@@ -433,12 +433,14 @@ def _assert_points_train_as_solo(points, tmp_path, cache_dir, *, solo_mode: dict
     return rows
 
 
-def test_packed_points_train_as_their_solo_runs_in_bf16_with_sdpa_and_fused_ops(tmp_path, cache_dir):
-    """bf16 autocast, SDPA, fused LayerNorm and GELU, fused AdamW: each point against its solo run
-    in the same mode, within another bf16 rounding order's distance from the float64 evaluation
-    of the solo run's float32 function."""
-    _assert_points_train_as_solo(cfgs(**BEST_CPU), tmp_path, cache_dir, solo_mode={}, dtype=torch.bfloat16,
-                                 ref_mode=dict(precision="fp32"), what="bf16, sdpa, fused")
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_packed_points_train_as_their_solo_runs_in_bf16_with_sdpa_and_fused_ops(tmp_path, cache_dir, variant):
+    """bf16 autocast, SDPA, fused LayerNorm and GELU, fused AdamW, of LoRA and of DoRA: each point
+    against its solo run in the same mode, within another bf16 rounding order's distance from the
+    float64 evaluation of the solo run's float32 function."""
+    _assert_points_train_as_solo(cfgs(**BEST_CPU, lora_variant=variant), tmp_path, cache_dir, solo_mode={},
+                                 dtype=torch.bfloat16, ref_mode=dict(precision="fp32"),
+                                 what=f"bf16, sdpa, fused, {variant}")
 
 
 def test_packed_points_train_as_their_solo_runs_in_bf16_true(tmp_path, cache_dir):
@@ -555,23 +557,26 @@ BEST = dict(device="cuda", cuda_graphs=True, precision="bf16", attention="sdpa",
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled, precision", [(False, "bf16"), (True, "bf16"), (False, "bf16-true")])
-def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, cache_dir, compiled, precision):
-    """Best mode (CUDA graphs, bf16 or bf16-true, SDPA, fused ops, fused AdamW; and torch.compile): each point's
+@pytest.mark.parametrize("compiled, precision, variant", [(False, "bf16", "lora"), (True, "bf16", "lora"),
+                                                       (False, "bf16-true", "lora"), (False, "bf16", "dora")])
+def test_packed_points_train_as_their_solo_runs_in_best_mode_on_cuda(tmp_path, cache_dir, compiled, precision,
+                                                                     variant):
+    """Best mode (CUDA graphs, bf16 or bf16-true, SDPA, fused ops, fused AdamW; and torch.compile), of
+    LoRA and of DoRA (PackedDoRALinear, its norms formed in the captured step): each point's
     per-step and periodic losses against its solo run in the same mode (compiled: the same mode
     less torch.compile, another rounding order), within another bf16
     rounding order's distance from the float64 evaluation of the solo run's eager float32
     function (its periodic losses come from graph-replayed evaluations); the pack's rows carry the
     captured graphs' columns and the final accuracies, also from replayed forwards."""
+    mode = {**BEST, "precision": precision, "lora_variant": variant}
     if compiled:  # two points, one epoch; the solo runs eager: compiling each run costs tens of seconds
-        points = cfgs(POINTS[:2], **{**BEST, "precision": precision}, compile=True, num_epochs=1, eval_freq=3,
-                      skip_final_eval=False)
+        points = cfgs(POINTS[:2], **mode, compile=True, num_epochs=1, eval_freq=3, skip_final_eval=False)
         solo_mode = dict(compile=False)
     else:
-        points, solo_mode = cfgs(**{**BEST, "precision": precision}, skip_final_eval=False), {}
+        points, solo_mode = cfgs(**mode, skip_final_eval=False), {}
     rows = _assert_points_train_as_solo(points, tmp_path, cache_dir, solo_mode=solo_mode, dtype=torch.bfloat16,
                                         ref_mode=dict(precision="fp32", cuda_graphs=False, compile=False),
-                                        what=f"best mode, {precision}" + (", compiled" if compiled else ""))
+                                        what=f"best mode, {precision}, {variant}" + (", compiled" if compiled else ""))
     for row in rows:
         assert row["graph_capture_s"] > 0 and row["graph_kernels_forward"] > 0 and row["graph_kernels_optimizer"] >= 1
         assert all(0 <= row[f"{name}_acc"] <= 100 for name in ("train", "val", "test"))
