@@ -27,6 +27,7 @@ def build_packed_classifier(cfgs: list[TrainConfig], *, cache_dir: Path, progres
         p.requires_grad = False
     emb = model.cfg.emb_dim
     heads, adapters, magnitudes = [], [], []
+    dora = cfg.lora_variant == "dora"
     for point in cfgs:
         torch.manual_seed(point.seed)
         head = nn.Linear(emb, NUM_CLASSES)
@@ -35,10 +36,10 @@ def build_packed_classifier(cfgs: list[TrainConfig], *, cache_dir: Path, progres
         scale = lora_scale(point.lora_alpha, point.lora_rank, point.lora_scaling)
         adapters.append([LoRALayer(m.in_features, m.out_features, point.lora_rank, scale)
                          for _, _, _, m in lora_sites(model)])
-        with torch.no_grad():  # DoRA's magnitudes start as the solo layer's: the rows' norms of W + s·(A·B)ᵀ
-            magnitudes.append([merged_norm(m.weight, a.A, a.B, a.alpha)
-                               for (_, _, _, m), a in zip(lora_sites(model), adapters[-1])])
-    dora = cfg.lora_variant == "dora"
+        if dora:
+            with torch.no_grad():  # DoRA's magnitudes start as the solo layer's: the rows' norms of W + s·(A·B)ᵀ
+                magnitudes.append([merged_norm(m.weight, a.A, a.B, a.alpha)
+                                   for (_, _, _, m), a in zip(lora_sites(model), adapters[-1])])
     for i, (_, parent, name, linear) in enumerate(lora_sites(model)):
         own = [a[i] for a in adapters]
         base = dict(heads=heads) if name == "out_head" and parent is model else dict(linear=linear)

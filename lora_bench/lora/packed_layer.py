@@ -126,7 +126,6 @@ class PackedDoRALinear(PackedLoRALinear):
         with torch.no_grad():
             self.m = nn.Parameter(torch.stack([m.detach() for m in magnitudes]),
                                   requires_grad=self.A.requires_grad)
-        self.register_buffer("scales", self.alphas.view(-1, 1).clone(), persistent=False)
         self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of the shared W
         self.refresh_weight_sq()
 
@@ -148,9 +147,9 @@ class PackedDoRALinear(PackedLoRALinear):
         ``detach_norm``."""
         if self.linear is not None:
             w = self.linear.weight
-            n = dora_norm(w, self.A, self.B, self.scales, None if w.requires_grad else self.weight_sq)
+            n = dora_norm(w, self.A, self.B, self.alphas.view(-1, 1), None if w.requires_grad else self.weight_sq)
         else:  # one trained head per point: its norms change every step
-            n = dora_norm(self.weight, self.A, self.B, self.scales)
+            n = dora_norm(self.weight, self.A, self.B, self.alphas.view(-1, 1))
         return n.detach() if self.detach_norm else n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
