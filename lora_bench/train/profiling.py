@@ -166,10 +166,15 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
         acc[0] += 1
         acc[1] += us
 
-    # the device kernels linked to CPU events, as (name, µs): a device event that is not one of them
-    # was linked to none. A range's own device-side span (flagged a user annotation, and named as
-    # its CPU range is) is not a kernel.
+    # Which device events the profiler linked to a CPU event: those whose linked correlation id is
+    # the id of a CPU event holding kernels (the profiler's own rule). Where the events carry no such
+    # ids, the linked kernels as (name, µs), each taken once: two kernels of one name and one
+    # duration, one linked and one not, may then trade phases. A range's own device-side span
+    # (flagged a user annotation, and named as its CPU range is) is not a kernel.
     cpu = [ev for ev in events if ev.device_type == DeviceType.CPU] if cuda else []
+    device = [ev for ev in events if ev.device_type == DeviceType.CUDA] if cuda else []
+    by_id = all(hasattr(ev, "id") for ev in cpu) and all(hasattr(ev, "linked_correlation_id") for ev in device)
+    linked_ids = {ev.id for ev in cpu if getattr(ev, "kernels", None)} if by_id else set()
     linked: collections.Counter = collections.Counter(
         (k.name, k.duration) for ev in cpu for k in getattr(ev, "kernels", None) or [])
     ranges_named = {ev.name for ev in cpu}
@@ -179,7 +184,10 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
                     or ev.name in ranges_named):
                 continue
             key = (ev.name, ev.time_range.end - ev.time_range.start)
-            if linked[key] > 0:
+            if by_id:
+                if ev.linked_correlation_id not in linked_ids:
+                    add(phase_of(ev.time_range.start), *key)
+            elif linked[key] > 0:
                 linked[key] -= 1
             else:
                 add(phase_of(ev.time_range.start), *key)

@@ -83,3 +83,24 @@ def test_a_kernel_linked_to_no_cpu_event_counts_where_it_ran_on_the_device():
     assert got["backward"] == (2, pytest.approx(0.030))
     assert {(t["phase"], t["kernel"]) for t in top} == {("forward", "_lora_mm_kernel"), ("backward", "_lora_mm_kernel"),
                                                         ("backward", "gemm_bwd")}
+
+
+def test_linkage_by_correlation_id_keeps_a_twin_kernel_in_its_own_phase():
+    """Where the events carry the profiler's ids (a CPU event's ``id``, a device event's
+    ``linked_correlation_id``), a device kernel is linked exactly when its id names a CPU event
+    holding kernels: an unlinked forward kernel with the name and the duration of a linked backward
+    one still counts in the forward, and the linked one once, in the backward."""
+    def cpu(name, start, end, kernels=(), id_=0):
+        return SimpleNamespace(**vars(_event(name, start, end, kernels)), id=id_)
+
+    def dev(name, start, end, linked=0):
+        return SimpleNamespace(**vars(_device(name, start, end)), linked_correlation_id=linked)
+
+    events = [cpu("phase:forward", 0, 100, id_=1), cpu("phase:backward", 100, 300, id_=2),
+              cpu("aten::mm", 150, 160, [("_lora_mm_kernel", 40.0)], id_=3),
+              dev("_lora_mm_kernel", 20, 60, linked=0),       # the direct plan's forward: linked to none
+              dev("_lora_mm_kernel", 160, 200, linked=3)]     # the backward's, linked to aten::mm
+    got, top = _by_phase(events)
+    assert got["forward"] == (1, pytest.approx(0.040))
+    assert got["backward"] == (1, pytest.approx(0.040))
+    assert {(t["phase"], t["calls_per_step"]) for t in top} == {("forward", 1), ("backward", 1)}
