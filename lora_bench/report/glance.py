@@ -34,7 +34,8 @@ def glance(study: Study) -> list[str]:
                 shown = [shown[i] for i in sorted(far)]
             where = " · ".join(p for p in (mode, cond) if p)
             more = f"; {rest} more in the answer below" if rest > 0 else ""
-            out.append(f"**{where}**, step time against {base}: "
+            lead = f"**{where}**, step time" if where else "Step time"  # a baseline naming the mode: no head
+            out.append(f"{lead} against {base}: "
                        + "; ".join(_variant(name, gs) for name, gs in shown) + more + ".")
     if not out and (acc := accuracy_sentence(study)):  # no step times to compare (timing off, or shared)
         out.append(f"**Accuracy**: {acc}")

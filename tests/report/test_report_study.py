@@ -372,3 +372,21 @@ def test_a_glance_of_many_variants_names_those_farthest_from_the_baseline_and_co
     few = _study(tmp_path, [row for row in rows if row["cfg_trainable_layers"] in ("all", "lora", "frozen")])
     (line,) = glance(few)
     assert "more in the answer below" not in line and "lora" in line and "frozen" in line
+
+
+def test_a_glance_against_a_baseline_that_names_its_mode_has_no_empty_heading(tmp_path):
+    """A baseline that names the execution mode (e.g. a peer's block-compiled rows against the fused
+    layer's CUDA-graph rows) compares across modes, so no mode or condition heads the glance's line:
+    it starts with the sentence, never with an empty bold heading."""
+    from lora_bench.report.glance import glance
+
+    rows = []
+    for r in range(5):
+        rows.append(_run(10 * r, size="124M", layers="lora-kernel", step=3.6 + 0.01 * r, graphs=True))
+        peer = _run(10 * r + 1, size="124M", layers="lora", step=21.0 + r)
+        peer.update(cfg_precision="bf16", cfg_compile="True", cfg_compile_scope="blocks")
+        rows.append(peer)
+    s = _study(tmp_path, rows, baseline="trainable_layers=lora-kernel,mode=CUDA graphs + bf16")
+    (line,) = glance(s)
+    assert line.startswith("Step time against ") and "****" not in line, line
+    assert "block-compiled + bf16" in line and "slower" in line, line
