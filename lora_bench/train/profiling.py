@@ -175,21 +175,25 @@ def kernel_summary(prof, *, steps: int, cuda: bool) -> tuple[list[dict], list[di
     device = [ev for ev in events if ev.device_type == DeviceType.CUDA] if cuda else []
     by_id = all(hasattr(ev, "id") for ev in cpu) and all(hasattr(ev, "linked_correlation_id") for ev in device)
     linked_ids = {ev.id for ev in cpu if getattr(ev, "kernels", None)} if by_id else set()
-    linked: collections.Counter = collections.Counter(
+    linked: collections.Counter = collections.Counter() if by_id else collections.Counter(
         (k.name, k.duration) for ev in cpu for k in getattr(ev, "kernels", None) or [])
     ranges_named = {ev.name for ev in cpu}
+
+    def linked_to_cpu(ev, key) -> bool:
+        if by_id:
+            return ev.linked_correlation_id in linked_ids
+        if linked[key] > 0:
+            linked[key] -= 1
+            return True
+        return False
+
     for ev in events:
         if ev.device_type != DeviceType.CPU:
             if (not cuda or ev.device_type != DeviceType.CUDA or getattr(ev, "is_user_annotation", False)
                     or ev.name in ranges_named):
                 continue
             key = (ev.name, ev.time_range.end - ev.time_range.start)
-            if by_id:
-                if ev.linked_correlation_id not in linked_ids:
-                    add(phase_of(ev.time_range.start), *key)
-            elif linked[key] > 0:
-                linked[key] -= 1
-            else:
+            if not linked_to_cpu(ev, key):
                 add(phase_of(ev.time_range.start), *key)
             continue
         if cuda:
