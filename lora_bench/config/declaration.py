@@ -231,7 +231,9 @@ class SettingFields:
                      "perturbs the step), off.", MEASUREMENT, choices=TIMING)
     warmup_steps: int = _s(5, "Steps left out of the timing summaries.", MEASUREMENT, minimum=0)
     profile: str = _s("none", "line: line_profiler over the step; torch: a torch.profiler trace and its kernel "
-                      "summaries per phase; kernels: the summaries only (no trace file). A profiled run's "
+                      "summaries per phase; kernels: the summaries only (no trace file). With cuda_graphs, torch and "
+                      "kernels capture no graph: the steps run one by one with the plans a capture chooses, so "
+                      "the profile holds the kernels the graphs replay (line is refused). A profiled run's "
                       "step times are perturbed: profile a repeat of its own.", MEASUREMENT,
                       choices=PROFILES)
     # inputs

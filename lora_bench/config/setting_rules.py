@@ -307,10 +307,17 @@ def _cuda_graph_problems(v: Mapping[str, Any], ok: Callable[..., bool]) -> list[
         out.append(problem("cuda_graphs", "{cuda_graphs} needs {accumulation_steps}=1 (got {n}): a replayed "
                                           "backward overwrites the gradients instead of accumulating them",
                            n=raw(v["accumulation_steps"])))
-    if ok("profile") and v["profile"] != "none":
-        out.append(problem("profile", "{profile}={p} cannot see inside a replayed CUDA graph (line_profiler finds "
-                                      "no Python lines, torch.profiler no kernels); profile the same settings "
-                                      "without {cuda_graphs}", p=raw(v["profile"])))
+    # torch.profiler sees no kernel inside a replayed graph: a kernel profile of a graphed step runs its
+    # steps one by one instead, each call choosing as a capture would (``train.profiling.profiles_graphs``)
+    if ok("profile") and v["profile"] == "line":
+        out.append(problem("profile", "{profile}=line cannot see inside a replayed CUDA graph (line_profiler finds "
+                                      "no Python lines to time); profile the same settings without {cuda_graphs}, "
+                                      "or use {profile}=kernels or torch, which profile the kernels the graphs "
+                                      "replay"))
+    if ok("profile", "nproc") and v["profile"] not in ("none", "line") and v["nproc"] > 1:
+        out.append(problem("profile", "{profile}={p} with {cuda_graphs} profiles one process's graphed step; with "
+                                      "{nproc}={n} profile the same settings without {cuda_graphs}",
+                           p=raw(v["profile"]), n=raw(v["nproc"])))
     return out
 
 

@@ -4,11 +4,12 @@ For each LoRA group of a study that has a floor group (``trainable_layers=frozen
 model, batch, context and execution mode, the latest profiled repeat of the group is set against
 the latest profiled repeat of the floor: per phase and kernel class (lora_bench.report.kernel_classes)
 the kernel ms and launches per step of both and their difference, and per phase the gap, the
-timed group's device time less the profile's kernel time. A group replayed as CUDA graphs is
-profiled without them (a profiler sees no kernel inside a replayed graph: the setting rules ask for
-the same settings without ``cuda_graphs``): its profile launches the same kernels one by one, and
-its gap is the replay's device time less those kernels' time. A group without a profiled repeat,
-or whose floor has none, reads "not measured"; nothing is inferred for it."""
+timed group's device time less the profile's kernel time. A group replayed as CUDA graphs has a
+profile of its own settings too: a profiler sees no kernel inside a replayed graph, so that profile
+runs the steps one by one, each call choosing as a capture would (lora_bench.train.profiling), and
+launches the kernels the graphs replay; the gap is then the replay's device time less those
+kernels' time. A group without a profiled repeat, or whose floor has none, reads "not measured";
+nothing is inferred for it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pandas as pd
 from lora_bench.config import FROZEN, LORA_LAYERS
 from lora_bench.report.groups import same
 from lora_bench.report.kernel_classes import KernelProfile, class_times, classes_text
-from lora_bench.report.labels import MODE_FIELDS, count_text, mode_name, value_text
+from lora_bench.report.labels import MODE_FIELDS, count_text, value_text
 from lora_bench.report.load import MODE, RUN_DIR
 from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER, per_layer_text
 from lora_bench.report.study import ADAPTER_ONLY, KERNEL_ONLY, STEP_SHAPE, same_settings
@@ -34,7 +35,6 @@ RANK = SETTING_PREFIX + "lora_rank"
 # what decides the floor's kernels: the step's shape without what only the adapters use
 FLOOR_KEY = tuple(c for c in STEP_SHAPE if c not in MODE_FIELDS and c not in (LAYERS, RANK, *ADAPTER_ONLY))
 ROW_KEY = (*FLOOR_KEY, LAYERS, RANK, *ADAPTER_ONLY, *KERNEL_ONLY, SETTING_PREFIX + "group_qkv")
-GRAPHS = SETTING_PREFIX + "cuda_graphs"
 SHOWN_CLASSES = 3  # the largest class differences the summary names
 
 
@@ -56,15 +56,10 @@ class FloorRow:
         return f"{NOT_MEASURED}: no profiled repeat of its floor"
 
 
-def profiled_mode(row) -> str:
-    """The execution mode a profile of ``row``'s settings runs in: its own, without CUDA graphs."""
-    return mode_name({**dict(row), GRAPHS: "False"})
-
-
 def _profile_of(row, profiles: list[dict], key: tuple[str, ...]) -> KernelProfile | None:
-    """The latest profiled run with ``row``'s settings in ``key`` and its profiled mode that wrote
+    """The latest profiled run with ``row``'s settings in ``key`` and its execution mode that wrote
     kernel summaries (``profiles``: newest first)."""
-    want = profiled_mode(row)
+    want = str(row.get(MODE, ""))
     for p in profiles:
         if str(p.get(MODE, "")) == want and same_settings(row, p, key):
             kp = class_times(str(p["run_id"]), p[RUN_DIR]) if RUN_DIR in p else None

@@ -20,6 +20,7 @@ from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
+from lora_bench.train.profiling import profiles_graphs
 from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
 
 
@@ -118,5 +119,5 @@ def execution_models(model: torch.nn.Module, cfg: TrainConfig, device: torch.dev
         forward = compile_model(wrapped, "model") if cfg.compile and cfg.compile_scope == "model" else wrapped
     else:
         forward = compile_model(model, cfg.compile_scope) if cfg.compile else model
-    graphed = cfg.cuda_graphs and device.type == "cuda"
+    graphed = cfg.cuda_graphs and device.type == "cuda" and not profiles_graphs(cfg)  # a profile captures nothing
     return forward, (GraphedEval(forward) if graphed else forward)

@@ -6,7 +6,13 @@ against the device phase times. ``torch``: torch.profiler over a window of steps
 saves a gzipped Chrome/Perfetto trace and a per-phase kernel summary (launches per step, device time,
 top kernels) as CSV. ``kernels``: the same profile, the summaries only (a trace of a 1558M window
 is tens of MB). A pack's profile (lora_bench.train.pack) measures the pack's step, every point at
-once: its files go into every point's run folder, and its kernel summaries carry the pack's size."""
+once: its files go into every point's run folder, and its kernel summaries carry the pack's size.
+
+A profiler sees no kernel inside a replayed CUDA graph, so a ``torch`` or ``kernels`` profile of a
+run with ``cuda_graphs`` (``profiles_graphs``) captures no graph: its steps run one by one, every
+lora-kernel layer choosing its plan as a capture would (``kernels.policy.graph_plan``) and everything
+else built as for the graphs (the capturable optimizer, DoRA's norms formed ahead), so the profile
+holds the kernels the graphs replay, launched one at a time. Its step times are not the replay's."""
 
 from __future__ import annotations
 
@@ -23,6 +29,12 @@ from lora_bench.train import loop as train
 from lora_bench.train.recording import write_csv
 
 TORCH_WINDOW = 10  # steps recorded after warm-up
+
+
+def profiles_graphs(cfg) -> bool:
+    """A kernel profile of a step set to replay CUDA graphs: its steps run one by one instead, each
+    call choosing as under capture (see the module)."""
+    return bool(cfg.cuda_graphs) and cfg.profile in ("torch", "kernels")
 
 
 class Profiler:

@@ -11,6 +11,7 @@ beside it; whatever ends the pack (an error, a signal) ends each of its points."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import TrainResult, train_classifier
 from lora_bench.train.points import Point, checked_cache_dir, checked_points, points_pack_columns
-from lora_bench.train.profiling import Profiler
+from lora_bench.train.profiling import Profiler, profiles_graphs
 from lora_bench.train.record import divergence, peer_versions, run_environment, summary
 
 
@@ -187,11 +188,18 @@ class _Run:
                                             run_dir=self.results_dir / self.points[0].run_id,
                                             warmup_steps=cfg.warmup_steps, device=context.device,
                                             pack_size=self.n if self.n > 1 else None)
-        step_fn = GraphedStep(context, timer=timer) if cfg.cuda_graphs else None
+        # a kernel profile of a graphed step: its steps one by one, each call's plan a capture's
+        stand_in = profiles_graphs(cfg)
+        step_fn = GraphedStep(context, timer=timer) if cfg.cuda_graphs and not stand_in else None
+        policy = dataclasses.replace(context.kernel_policy, capture=True) if stand_in else context.kernel_policy
+        if stand_in:
+            self.say_all(f"profile={cfg.profile} with cuda_graphs: no graph is captured; each step runs its "
+                         "kernels one by one, every layer with the plan a capture gives it, so the profile holds "
+                         "the kernels the graphs would replay (its step times are not the replay's)")
         total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(context.loaders.train)
         self.result = res = TrainResult(self.n)
         with (TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar,
-              use_policy(context.kernel_policy), record_plans(context.kernel_plans)):
+              use_policy(policy), record_plans(context.kernel_plans)):
             timer.label_phases = profiler.labels_phases
             profiler.run(train_classifier, context.forward_model, context.loaders.train, context.loaders.val, context.optimizer,
                          context.device, settings=context.loop_settings(), timer=timer, points=self.n, amp=context.amp,

@@ -96,17 +96,23 @@ def _folder(tmp_path, *, floor_profile: bool = True, row_profile: bool = True) -
     rows = [_run("floor", layers="frozen", step=2.0, graphs=True),
             _run("kernel", layers="lora-kernel", step=3.0, graphs=True, grads="deferred"),
             _run("lora", layers="lora", step=6.0, graphs=True)]
+    # a graphed group's profile has its settings, cuda_graphs too: its steps ran one by one with the
+    # plans a capture chooses (lora_bench.train.profiling)
     if floor_profile:
-        rows.append(_run("floor-prof", layers="frozen", step=4.0, graphs=False, profile="kernels"))
+        rows.append(_run("floor-prof", layers="frozen", step=4.0, graphs=True, profile="kernels"))
         _profile(tmp_path, "floor-prof", FLOOR_TOP, FLOOR_TOTALS)
     if row_profile:
-        rows.append(_run("kernel-prof", layers="lora-kernel", step=5.0, graphs=False, profile="kernels",
+        rows.append(_run("kernel-prof", layers="lora-kernel", step=5.0, graphs=True, profile="kernels",
                          grads="deferred"))
         _profile(tmp_path, "kernel-prof", ROW_TOP, ROW_TOTALS)
         # the same variant with its adapter gradients inline: another step, never this group's profile
-        rows.append(_run("inline-prof", layers="lora-kernel", step=5.0, graphs=False, profile="kernels",
+        rows.append(_run("inline-prof", layers="lora-kernel", step=5.0, graphs=True, profile="kernels",
                          started="2026-01-02T00:00:00+00:00"))
         _profile(tmp_path, "inline-prof", [("forward", "_lora_mm_kernel", 1.0, 99.0)], {"forward": (1.0, 99.0)})
+        # an eager step's profile (its layers choose the eager plans): never a graphed group's, however new
+        rows.append(_run("eager-prof", layers="lora-kernel", step=5.0, graphs=False, profile="kernels",
+                         grads="deferred", started="2026-01-03T00:00:00+00:00"))
+        _profile(tmp_path, "eager-prof", [("forward", "direct_gemm", 1.0, 99.0)], {"forward": (1.0, 99.0)})
     pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     return load_results([tmp_path])
 

@@ -205,10 +205,16 @@ def test_impossible_combinations_are_refused():
         pytest.raises(ConfigError, TrainConfig(weights="random", compile_scope="blocks").validate).value)
     # compile inside captured graphs is a valid combination (the graphs replay compiled kernels)
     TrainConfig(weights="random", cuda_graphs=True, compile=True).validate()
-    # neither profiler sees inside a replayed graph: refused instead of a kernel table of copies
-    for prof in ("torch", "line"):
-        msg = str(pytest.raises(ConfigError, TrainConfig(weights="random", cuda_graphs=True, profile=prof).validate).value)
-        assert f"profile={prof} cannot see inside a replayed CUDA graph" in msg and "without cuda_graphs" in msg
+    # line_profiler finds no Python lines inside a replayed graph: refused; a kernel profile of a
+    # graphed step runs its steps one by one with the plans a capture chooses (one process)
+    msg = str(pytest.raises(ConfigError, TrainConfig(weights="random", cuda_graphs=True, profile="line").validate).value)
+    assert "profile=line cannot see inside a replayed CUDA graph" in msg and "without cuda_graphs" in msg
+    for prof in ("torch", "kernels"):
+        TrainConfig(weights="random", cuda_graphs=True, profile=prof).validate()
+        msg = str(pytest.raises(ConfigError, TrainConfig(weights="random", cuda_graphs=True, profile=prof, nproc=2,
+                                                         batch_size=8).validate).value)
+        assert f"profile={prof} with cuda_graphs profiles one process's graphed step" in msg, msg
+    TrainConfig(weights="random", profile="kernels", nproc=2, batch_size=8).validate()  # without graphs: as before
 
 
 @pytest.mark.parametrize("layers", ["all", "lora-kernel"])

@@ -534,21 +534,21 @@ def test_a_line_profile_of_a_pack_follows_the_packs_loop(tmp_path, cache_dir):
     assert "obj.objective(loss).backward()" in texts[0] and "F.cross_entropy(per_point[p]" in texts[0]
 
 
-def test_a_pack_is_not_profiled_under_cuda_graphs(tmp_path, cache_dir, run_cli):
-    """As a solo run: a profiler sees nothing inside a replayed graph, so the pack is refused before
-    anything is recorded, and a sweep file that asks for it does not validate."""
+def test_a_pack_is_not_line_profiled_under_cuda_graphs(tmp_path, cache_dir, run_cli):
+    """As a solo run: line_profiler sees no Python lines inside a replayed graph, so the pack is
+    refused before anything is recorded, and a sweep file that asks for it does not validate."""
     from lora_bench.errors import ConfigError
 
-    points = cfgs(POINTS[:2], device="cuda", cuda_graphs=True, profile="kernels")
-    with pytest.raises(ConfigError, match="profile=kernels cannot see inside a replayed CUDA graph"):
+    points = cfgs(POINTS[:2], device="cuda", cuda_graphs=True, profile="line")
+    with pytest.raises(ConfigError, match="profile=line cannot see inside a replayed CUDA graph"):
         execute([Point(c, f"p{i}") for i, c in enumerate(points)], results_dir=tmp_path / "r",
                 console=Console(quiet=True), progress=False, cache_dir=cache_dir)
     assert not (tmp_path / "r").exists()
     path = _sweep_file(tmp_path, "name: pg\nbase:\n" + TINY_BASE.replace("device: cpu", "device: cuda")
-                       + "  trainable_layers: lora\n  cuda_graphs: true\n  profile: torch\npack: 2\n"
+                       + "  trainable_layers: lora\n  cuda_graphs: true\n  profile: line\npack: 2\n"
                        + "grid:\n  lora_rank: [2, 4]\n")
     code, out = run_cli("validate", path)
-    assert code == 2 and "profile=torch cannot see inside a replayed CUDA graph" in " ".join(out.split()), out
+    assert code == 2 and "profile=line cannot see inside a replayed CUDA graph" in " ".join(out.split()), out
     assert "Traceback" not in out
 
 

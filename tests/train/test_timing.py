@@ -293,3 +293,25 @@ def test_gpu_profile_counts_the_fused_layers_forward_kernels_in_the_forward(tiny
     assert fwd["calls_per_step"].sum() >= adapted - 2 * gpt.n_layers  # q, k and v may run as one call
     phases = pd.read_csv(tmp_path / adapter_grads / "kernels_by_phase.csv").set_index("phase")
     assert phases.loc["forward", "kernel_ms_per_step"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_kernel_profile_of_a_graphed_step_holds_the_kernels_its_graphs_replay(tiny_cfg, tmp_path):
+    """A profiler sees no kernel inside a replayed graph, so a kernel profile of a graphed step
+    captures none: its steps run one by one, every layer with the plan a capture gives it. Its
+    layers record the graphed run's plans, not the eager run's, and its profile counts the
+    forward's fused-layer launches; it records no graph."""
+    from lora_bench.kernels.available import HAVE_CPP
+
+    base = tiny_cfg.replace(device="cuda", trainable_layers="lora-kernel", precision="bf16", attention="sdpa",
+                            ops="fused", optimizer="fused", max_steps=16, warmup_steps=2, eval_freq=0)
+    rows = {name: _run(cfg, tmp_path, name) for name, cfg in (
+        ("graphed", base.replace(cuda_graphs=True)), ("profiled", base.replace(cuda_graphs=True, profile="kernels")),
+        ("eager", base))}
+    assert rows["profiled"]["status"] == "done", rows["profiled"].get("error")
+    assert rows["profiled"]["backend"] == rows["graphed"]["backend"], rows
+    if HAVE_CPP:  # eager 16-bit calls run the C++ op's direct plan where it is built, captured ones do not
+        assert rows["profiled"]["backend"] != rows["eager"]["backend"], rows
+    assert rows["graphed"].get("graph_capture_s") and not rows["profiled"].get("graph_capture_s")
+    top = pd.read_csv(tmp_path / "profiled" / "top_kernels.csv")
+    assert top[(top["phase"] == "forward") & top["kernel"].str.startswith("_lora_")]["calls_per_step"].sum() > 0
