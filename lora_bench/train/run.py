@@ -11,7 +11,6 @@ beside it; whatever ends the pack (an error, a signal) ends each of its points."
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from rich.console import Console
 
 from lora_bench.config import TrainConfig
-from lora_bench.kernels.policy import record_plans, use_policy
+from lora_bench.kernels.policy import graph_plan, record_plans, use_policy
 from lora_bench.progress import CountProgress, TrainProgress
 from lora_bench.signals import RaiseOnSignal, signals_deferred
 from lora_bench.timing import PhaseTimer
@@ -191,7 +190,6 @@ class _Run:
         # a kernel profile of a graphed step: its steps one by one, each call's plan a capture's
         stand_in = profiles_graphs(cfg)
         step_fn = GraphedStep(context, timer=timer) if cfg.cuda_graphs and not stand_in else None
-        policy = dataclasses.replace(context.kernel_policy, capture=True) if stand_in else context.kernel_policy
         if stand_in:
             self.say_all(f"profile={cfg.profile} with cuda_graphs: no graph is captured; each step runs its "
                          "kernels one by one, every layer with the plan a capture gives it, so the profile holds "
@@ -199,7 +197,8 @@ class _Run:
         total = cfg.max_steps if cfg.max_steps else cfg.num_epochs * len(context.loaders.train)
         self.result = res = TrainResult(self.n)
         with (TrainProgress(self.console, total=total, enabled=self.progress, timer=timer) as bar,
-              use_policy(policy), record_plans(context.kernel_plans)):
+              use_policy(context.kernel_policy), graph_plan() if stand_in else contextlib.nullcontext(),
+              record_plans(context.kernel_plans)):
             timer.label_phases = profiler.labels_phases
             profiler.run(train_classifier, context.forward_model, context.loaders.train, context.loaders.val, context.optimizer,
                          context.device, settings=context.loop_settings(), timer=timer, points=self.n, amp=context.amp,
