@@ -100,7 +100,34 @@ def dora_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: flo
     return (weight_sq + (2 * scale) * cross + (scale * scale) * update_sq).clamp_min(0).sqrt()
 
 
-class DoRALinearBase(LoRALinearBase):
+class HoldsWeightSq(nn.Module):
+    """A DoRA layer's ‖W_j‖² of its frozen W (``frozen_weight``; None: no shared W to hold them for),
+    in the non-persistent buffer ``weight_sq``: formed by ``hold_weight_sq``, and again after
+    ``Module.to`` and its kin (a float64 copy's from its float64 weight, not the float32 norms cast)
+    and after ``load_state_dict``."""
+
+    def frozen_weight(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def hold_weight_sq(self) -> None:
+        self.register_buffer("weight_sq", torch.empty(0), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_weight_sq())
+        self.refresh_weight_sq()
+
+    @torch.no_grad()
+    def refresh_weight_sq(self) -> None:
+        """‖W_j‖² from the weight as it is held now."""
+        w = self.frozen_weight()
+        if w is not None:
+            self.weight_sq = w.detach().pow(2).sum(1)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.refresh_weight_sq()
+        return out
+
+
+class DoRALinearBase(HoldsWeightSq, LoRALinearBase):
     """DoRA: the weight ``m ⊙ (W + s·(A·B)ᵀ) / ‖W + s·(A·B)ᵀ‖``, each output's row scaled to the
     trained magnitude ``m`` (out), which starts as W's row norms, so the layer starts as ``linear``
     (B being zero). ``detach_norm``: the norm is a constant in backward (DoRA's paper trains so)."""
@@ -110,15 +137,11 @@ class DoRALinearBase(LoRALinearBase):
         self.detach_norm = detach_norm
         self.m = nn.Parameter(torch.empty(linear.out_features, dtype=linear.weight.dtype,
                                           device=linear.weight.device))
-        self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of a frozen W
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_weight_sq())
+        self.hold_weight_sq()
         self.weight_changed()
 
-    @torch.no_grad()
-    def refresh_weight_sq(self) -> None:
-        """‖W_j‖² from the weight as it is held now: after ``Module.to`` and its kin (a float64 copy's
-        from its float64 weight, not the float32 norms cast) and after ``load_state_dict``."""
-        self.weight_sq = self.linear.weight.detach().pow(2).sum(1)
+    def frozen_weight(self) -> torch.Tensor:
+        return self.linear.weight
 
     def weight_changed(self) -> None:
         """W's row norms again, and the magnitude reset to the current weight's: the layer computes
@@ -126,11 +149,6 @@ class DoRALinearBase(LoRALinearBase):
         self.refresh_weight_sq()
         with torch.no_grad():
             self.m.copy_(merged_norm(self.linear.weight, self.lora.A, self.lora.B, self.lora.alpha))
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        self.refresh_weight_sq()
-        return out
 
     def norm(self) -> torch.Tensor:
         """‖W_j + s·(A·B)_j‖ per output (``dora_norm``), detached with ``detach_norm``."""

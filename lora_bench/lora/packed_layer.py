@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lora_bench.lora.layer import LoRALayer, dora_norm
+from lora_bench.lora.layer import HoldsWeightSq, LoRALayer, dora_norm
 
 
 class PackedLoRALinear(nn.Module):
@@ -109,7 +109,7 @@ class PackedLoRALinear(nn.Module):
         return f"adapters={self.n}, ranks={ranks}, base={'shared' if self.linear is not None else 'per adapter'}"
 
 
-class PackedDoRALinear(PackedLoRALinear):
+class PackedDoRALinear(HoldsWeightSq, PackedLoRALinear):
     """DoRA's unmerged layer (``layer.LinearWithDoRA``) for N points: point p's rows give
     ``(m_p / ‖W + s_p·(A_p·B_p)ᵀ‖) ⊙ (x·Wᵀ + s_p·(x·A_p)·B_p) + b``, the magnitudes stacked in ``m``
     (N, out). The norms of all points come from ``layer.dora_norm``'s terms, batched: ‖W_j‖² (held
@@ -126,20 +126,11 @@ class PackedDoRALinear(PackedLoRALinear):
         with torch.no_grad():
             self.m = nn.Parameter(torch.stack([m.detach() for m in magnitudes]),
                                   requires_grad=self.A.requires_grad)
-        self.register_buffer("weight_sq", torch.empty(0), persistent=False)  # ‖W_j‖² of the shared W
-        self.refresh_weight_sq()
+        self.hold_weight_sq()
 
-    @torch.no_grad()
-    def refresh_weight_sq(self) -> None:
-        """The shared frozen W's row norms squared, from the weight as it is held now (as the solo
-        layer's ``refresh_weight_sq``: again after ``Module.to`` and its kin)."""
-        if self.linear is not None:
-            self.weight_sq = self.linear.weight.detach().pow(2).sum(1)
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        self.refresh_weight_sq()
-        return out
+    def frozen_weight(self) -> torch.Tensor | None:
+        """The shared W (per-point heads: none to hold norms for)."""
+        return None if self.linear is None else self.linear.weight
 
     def norm(self) -> torch.Tensor:
         """‖W_j + s_p·(A_p·B_p)_j‖ per point and output (N, out) (``layer.dora_norm`` over the
