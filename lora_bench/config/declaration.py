@@ -44,7 +44,8 @@ BF16_TRUE = "bf16-true"
 PRECISIONS = ("fp32", "tf32", "bf16", BF16_TRUE)
 ATTENTION = ("book", "sdpa")
 OPS = ("book", "fused")
-OPTIMIZERS = ("book", "fused")
+ONE_LAUNCH = "one-launch"
+OPTIMIZERS = ("book", "fused", ONE_LAUNCH)
 COMPILE_SCOPES = ("model", "blocks")
 KERNEL_PLANS = (AUTO, *PLAN_NAMES)
 # How the frozen linear weights of the transformer blocks are stored (lora_bench.lora.quantized):
@@ -219,7 +220,10 @@ class SettingFields:
     cuda_graphs: bool = _s(False, "Capture the training step (and the evaluation forwards) as CUDA graphs and "
                            "replay them.", MODES)
     optimizer: str = _s("book", "book: torch.optim.AdamW's default multi-tensor update; fused: "
-                        "AdamW(fused=True), the whole update in a few kernels.", MODES, choices=OPTIMIZERS)
+                        "AdamW(fused=True), the whole update in a few kernels; one-launch: the fused update's "
+                        "arithmetic in one Triton launch over every trainable tensor (under bf16-true also reading "
+                        "the bfloat16 gradients and writing the bfloat16 parameters), torch's update on the CPU.",
+                        MODES, choices=OPTIMIZERS)
     nproc: int = _s(1, "Data-parallel processes (DDP, one per GPU, started under torchrun on this host); "
                     "batch_size stays the global batch, split evenly over them.", MODES, minimum=1)
     ddp_bucket_mb: float = _s(25.0, "With nproc > 1: the size of DDP's gradient buckets in MiB (torch's default "

@@ -75,7 +75,7 @@ def launch(fn, grid: tuple[int, int, int], tensors: tuple, ints: tuple, tail: tu
     'divisible by 16', so never wrong; a training run repeats a handful of shapes) and requires
     every pointer to be 16-byte aligned (torch's allocations are); anything else takes Triton's
     own path each time."""
-    fast = FAST and max(ints) < _I32 and min(ints) >= -_I32  # i64 arguments: Triton's own path
+    fast = FAST and all(-_I32 <= i < _I32 for i in ints)  # i64 arguments: Triton's own path
     if fast:
         ptrs = list(map(_PTR, tensors))
         fast = not (functools.reduce(operator.or_, ptrs) & 15)

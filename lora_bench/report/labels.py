@@ -44,7 +44,8 @@ def mode_name(row: Mapping) -> str:
     precision = get("precision", "fp32")
     name = " + ".join(head) + " + " if head else "eager "
     name += PRECISION_NAMES.get(precision, precision)
-    extras = [("attention", "sdpa", "SDPA"), ("ops", "fused", "fused ops"), ("optimizer", "fused", "fused AdamW")]
+    extras = [("attention", "sdpa", "SDPA"), ("ops", "fused", "fused ops"), ("optimizer", "fused", "fused AdamW"),
+              ("optimizer", "one-launch", "one-launch AdamW")]
     name += "".join(f" + {text}" for field, value, text in extras if get(field, "book") == value)
     return name
 

@@ -25,7 +25,7 @@ from lora_bench.peers.hf import build_hf_classifier, cast_frozen_hf, hf_base_wei
 from lora_bench.train.master_weights import MasterWeights
 from lora_bench.train.packed_adamw import PackedAdamW
 from lora_bench.train.setup import build_optimizer as solo_optimizer
-from lora_bench.train.setup import over_masters, prepare_precision
+from lora_bench.train.setup import adamw_class, over_masters, prepare_precision
 
 
 @dataclass
@@ -146,15 +146,16 @@ def loraplus_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options):
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         groups = [{"params": [p for p, b in zip(params, is_b) if not b], "lr": lr},
                   {"params": [p for p, b in zip(params, is_b) if b], "lr": lr * ratio}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=cfg.weight_decay,
-                                 **options)
+        return adamw_class(cfg)([g for g in groups if g["params"]], lr=lr, weight_decay=cfg.weight_decay,
+                                **options)
 
     return over_masters(cfg, [p for _, p in named], make)
 
 
 def optimizer_options(cfg: TrainConfig) -> dict:
     """AdamW's options beyond the learning rate and weight decay: the fused update when asked, and
-    a capturable one (its step count on the device) for a step captured as CUDA graphs."""
+    a capturable one (its step count on the device) for a step captured as CUDA graphs (the one-launch
+    update takes both and needs neither)."""
     opt_kw: dict = {"fused": True} if cfg.optimizer == "fused" else {}
     if cfg.cuda_graphs:
         opt_kw["capturable"] = True

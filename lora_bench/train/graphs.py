@@ -117,6 +117,9 @@ class GraphedStep:
         pool = g_fwd.pool()
         with torch.cuda.graph(g_bwd, pool=pool):
             self.static_objective.backward()
+        before = getattr(self.optimizer, "before_capture", None)
+        if before is not None:  # what the update copies from the host (the one-launch tables), outside the capture
+            before()
         with torch.cuda.graph(g_opt, pool=pool):
             self.optimizer.step()
         self.graphs = (g_fwd, g_bwd, g_opt)

@@ -7,7 +7,9 @@ bfloat16 step of its parameter still accumulates in the master, where a bfloat16
 it away; the parameters the model computes with are always the masters rounded to nearest.
 
 Every tensor the step touches is allocated once (the masters at construction, the gradient buffers
-at the first step), so the step can be captured as a CUDA graph. ``state`` shows the inner
+at the first step), so the step can be captured as a CUDA graph. An inner optimizer with
+``step_masters`` (``train.one_launch_adamw``) takes the bfloat16 gradients and parameters itself,
+in the same launch as the update, and the float32 gradient buffers are not made. ``state`` shows the inner
 optimizer's state and, under each model parameter, its master (``"master"``): whatever snapshots
 and restores an optimizer's state (``train.graphs``' warm-up before capture) restores the masters
 with it."""
@@ -43,6 +45,9 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self) -> None:
+        if hasattr(self.inner, "step_masters"):  # one launch reads the gradients and writes the parameters
+            self.inner.step_masters([p.grad for p in self.params], self.params)
+            return
         used = [i for i, p in enumerate(self.params) if p.grad is not None]
         for m in self.masters:  # a parameter without a gradient this step: AdamW skips its master too
             m.grad = None
@@ -55,6 +60,15 @@ class MasterWeights:
         self.inner.step()
         if used:
             torch._foreach_copy_([self.params[i] for i in used], [self.masters[i] for i in used])
+
+    def before_capture(self) -> None:
+        """The inner optimizer's (``OneLaunchAdamW``: its tables for the gradients in place now)."""
+        before = getattr(self.inner, "before_capture", None)
+        if before is not None:
+            if hasattr(self.inner, "step_masters"):
+                before([p.grad for p in self.params], self.params)
+            else:
+                before()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The model's gradients, as ``Optimizer.zero_grad`` clears them (the float32 buffers are

@@ -120,17 +120,24 @@ class PackedAdamW(torch.optim.Optimizer):
     def _torch_update(self, p, g, m, v, lrs, corrections, beta1, beta2, eps) -> None:
         """Each point's slice as ``torch.optim.AdamW``'s single-tensor update does it, with the
         group's learning rates and the step's ``bias_corrections``."""
-        bias_correction1, bias_correction2_sqrt = corrections
         for i, (lr, wd) in enumerate(zip(lrs, self.weight_decays)):
-            pi, gi, mi, vi = p[i], g[i].to(p.dtype), m[i], v[i]
-            pi.mul_(1 - lr * wd)
-            mi.lerp_(gi, 1 - beta1)
-            vi.mul_(beta2).addcmul_(gi, gi, value=1 - beta2)
-            denom = (vi.sqrt() / bias_correction2_sqrt).add_(eps)
-            if torch.is_tensor(bias_correction1):
-                pi.sub_(mi / denom * (lr / bias_correction1))
-            else:
-                pi.addcdiv_(mi, denom, value=-(lr / bias_correction1))
+            adamw_update_(p[i], g[i].to(p.dtype), m[i], v[i], lr=lr, weight_decay=wd, corrections=corrections,
+                          beta1=beta1, beta2=beta2, eps=eps)
+
+
+def adamw_update_(p, g, m, v, *, lr: float, weight_decay: float, corrections: tuple, beta1: float, beta2: float,
+                  eps: float) -> None:
+    """``torch.optim.AdamW``'s single-tensor update of one tensor, in place, with the step's
+    ``bias_corrections``: the same operations in the same order, so the same bits."""
+    bias_correction1, bias_correction2_sqrt = corrections
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    if torch.is_tensor(bias_correction1):
+        p.sub_(m / denom * (lr / bias_correction1))
+    else:
+        p.addcdiv_(m, denom, value=-(lr / bias_correction1))
 
 
 def bias_corrections(step: torch.Tensor, beta1: float, beta2: float, *, host_step: bool) -> tuple:

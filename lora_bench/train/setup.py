@@ -10,9 +10,11 @@ from typing import Callable
 import torch
 
 from lora_bench.config import BF16_TRUE, TrainConfig
+from lora_bench.config.declaration import ONE_LAUNCH
 from lora_bench.errors import UsageError
 from lora_bench.train.distributed import RankEnv
 from lora_bench.train.master_weights import MasterWeights
+from lora_bench.train.one_launch_adamw import OneLaunchAdamW
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,7 +61,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, **options) -> torc
     parameters; under bf16-true over float32 master copies of the trainable bfloat16 ones
     (``train.master_weights``)."""
     kw = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **options)
-    return over_masters(cfg, model.parameters(), lambda params: torch.optim.AdamW(params, **kw))
+    adamw = adamw_class(cfg)
+    return over_masters(cfg, model.parameters(), lambda params: adamw(params, **kw))
+
+
+def adamw_class(cfg: TrainConfig) -> type[torch.optim.Optimizer]:
+    """``torch.optim.AdamW``, or with ``optimizer: one-launch`` the same update in one launch
+    (``train.one_launch_adamw``)."""
+    return OneLaunchAdamW if cfg.optimizer == ONE_LAUNCH else torch.optim.AdamW
 
 
 def over_masters(cfg: TrainConfig, params, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):

@@ -1,0 +1,259 @@
+"""optimizer=one-launch (lora_bench.train.one_launch_adamw): AdamW's update, on CUDA in one Triton
+launch over every tensor.
+
+- On the CPU its torch ops are AdamW's single-tensor update: parameters and moments equal
+  ``torch.optim.AdamW(foreach=False)``'s bit for bit, with two parameter groups, over several
+  steps, and after its state is saved and loaded; under bf16-true's master copies likewise the
+  float32 path's (``train.master_weights``), masters and bfloat16 parameters.
+- The kernel (Triton's CPU interpreter; on CUDA eagerly and replayed from a CUDA graph): every
+  tensor's update and moments after several steps of fresh random gradients against float64 AdamW,
+  within another rounding order's distance of torch's own AdamW (``numerics.assert_same_function``);
+  bfloat16 gradients read as they are; the bfloat16 parameters written are the masters rounded; one
+  launch per kind of tensor whatever their number.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from numerics import assert_same_function, fresh, interpreted_runs
+
+from lora_bench.train.master_weights import MasterWeights
+from lora_bench.train.one_launch_adamw import OneLaunchAdamW
+
+SHAPES = [(33, 17), (1027,), (3,), (2, 1024), (1,)]  # odd sizes: partly filled blocks, one exactly two blocks
+GROUPS = [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 3e-3, "weight_decay": 0.0}]  # tensors 0-2, then 3-4
+STEPS = 5
+
+
+def _grouped(params):
+    return [{"params": params[:3], **GROUPS[0]}, {"params": params[3:], **GROUPS[1]}]
+
+
+def _start(device, dtype=torch.float32):
+    return [fresh(*s, device=device, dtype=dtype) for s in SHAPES]
+
+
+def _grads(device, dtype=torch.float32):
+    return [[fresh(*s, device=device, dtype=dtype, scale=0.1) for s in SHAPES] for _ in range(STEPS)]
+
+
+def _train(make, start, grads):
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = make(_grouped(params))
+    for step in grads:
+        for t, g in zip(params, step):
+            t.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+def _results(params, opt) -> dict:
+    return {f"{k}{i}": v for i, t in enumerate(params)
+            for k, v in (("p", t.detach()), ("m", opt.state[t]["exp_avg"]), ("v", opt.state[t]["exp_avg_sq"]))}
+
+
+def _float64(start, grads) -> dict:
+    """AdamW from its definition in float64 (betas 0.9, 0.999, eps 1e-8), each tensor at its group's rates."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    out = {}
+    for i, t in enumerate(start):
+        hyper = GROUPS[0] if i < 3 else GROUPS[1]
+        lr, wd = hyper["lr"], hyper["weight_decay"]
+        x = t.double().clone()
+        m, v = torch.zeros_like(x), torch.zeros_like(x)
+        for k, step in enumerate(grads, start=1):
+            g = step[i].double()
+            x = x - lr * wd * x
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            x = x - lr / (1 - b1 ** k) * m / (v.sqrt() / (1 - b2 ** k) ** 0.5 + eps)
+        out.update({f"p{i}": x, f"m{i}": m, f"v{i}": v})
+    return out
+
+
+def _updates(results: dict, start) -> dict:
+    """Parameters as their change from the start (what the learning rate scales), moments as they are."""
+    return {k: (v.double() - start[int(k[1:])].double() if k[0] == "p" else v.double()) for k, v in results.items()}
+
+
+def test_one_launch_adamw_is_adamw_bit_for_bit_on_the_cpu():
+    start, grads = _start("cpu"), _grads("cpu")
+    got = _results(*_train(lambda groups: OneLaunchAdamW(groups), start, grads))
+    want = _results(*_train(lambda groups: torch.optim.AdamW(groups, foreach=False), start, grads))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_its_state_saved_and_loaded_continues_as_if_never_stopped():
+    """Two steps, save, a new optimizer loads the state, three more: the same bits as five in a row,
+    with one step count shared by every tensor again."""
+    start, grads = _start("cpu"), _grads("cpu")
+    whole = _results(*_train(lambda groups: OneLaunchAdamW(groups), start, grads))
+    params, opt = _train(lambda groups: OneLaunchAdamW(groups), start, grads[:2])
+    resumed = OneLaunchAdamW(_grouped(params))
+    resumed.load_state_dict(opt.state_dict())
+    steps = {id(s["step"]) for s in resumed.state.values()}
+    assert len(steps) == 1 and float(resumed.state[params[0]]["step"]) == 2
+    for step in grads[2:]:
+        for t, g in zip(params, step):
+            t.grad = g.clone()
+        resumed.step()
+    got = _results(params, resumed)
+    for name in whole:
+        assert torch.equal(got[name], whole[name]), name
+
+
+def test_groups_with_other_betas_or_eps_are_refused():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="one betas and eps for all groups"):
+        OneLaunchAdamW([{"params": [a]}, {"params": [b], "betas": (0.8, 0.99)}])
+
+
+def _masters(make, start_bf16, grads_bf16):
+    params = [torch.nn.Parameter(t.clone()) for t in start_bf16]
+    opt = MasterWeights(params, lambda masters: make(_grouped(masters)))
+    for step in grads_bf16:
+        for t, g in zip(params, step):
+            t.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def test_under_master_copies_it_is_the_float32_path_bit_for_bit_on_the_cpu():
+    """bf16-true: the one-launch update reads the bfloat16 gradients and writes the bfloat16
+    parameters itself; masters and parameters equal those of the copies around AdamW."""
+    start, grads = _start("cpu", torch.bfloat16), _grads("cpu", torch.bfloat16)
+    params, opt = _masters(lambda groups: OneLaunchAdamW(groups), start, grads)
+    ref_params, ref_opt = _masters(lambda groups: torch.optim.AdamW(groups, foreach=False), start, grads)
+    for i, (p, r, m, rm) in enumerate(zip(params, ref_params, opt.masters, ref_opt.masters)):
+        assert torch.equal(m, rm), f"master {i}"
+        assert p.dtype is torch.bfloat16 and torch.equal(p.detach(), r.detach()), f"parameter {i}"
+    assert opt._grads == [None] * len(params)  # no float32 gradient buffers
+
+
+# -- the kernel --------------------------------------------------------------------------------------
+
+
+def _kernel_case(device, *, masters: bool, steps: int = STEPS) -> dict:
+    """Train the SHAPES tensors through the kernel path (float32 parameters with float32 gradients,
+    or float32 masters with bfloat16 gradients writing bfloat16 parameters); return each tensor's
+    error against float64 AdamW beside torch AdamW's own, and the kernel's launches per step."""
+    from lora_bench.kernels import adamw_triton
+    from lora_bench.kernels.triton_launch import recording
+
+    start = _start(device)
+    grads = [[g.to(torch.bfloat16) if masters else g for g in step] for step in _grads(device)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    outs = [t.to(torch.bfloat16) for t in start] if masters else None
+    opt = OneLaunchAdamW(_grouped(params))
+    launches = []
+    for step in grads:
+        items = [(p, g, None if outs is None else o, opt.param_groups[0 if i < 3 else 1])
+                 for i, (p, g, o) in enumerate(zip(params, step, outs or [None] * len(params)))]
+        with recording() as rec:
+            if device == "cpu":  # the optimizer takes the torch update on the CPU: drive its kernel path here
+                _kernel_step(opt, adamw_triton, items)
+            elif masters:
+                opt.step_masters(step, outs)
+            else:
+                for p, g in zip(params, step):
+                    p.grad = g
+                opt.step()
+        launches.append(sum(tag == "adamw_tensors" for tag, _, _ in rec))
+    ref_params = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = torch.optim.AdamW(_grouped(ref_params), foreach=False)
+    for step in grads:
+        for t, g in zip(ref_params, step):
+            t.grad = g.float()
+        ref.step()
+    f64 = _float64(start, [[g.float() for g in step] for step in grads])
+    got = _updates(_results(params, opt), start)
+    want = _updates(_results(ref_params, ref), start)
+    ref64 = _updates(f64, start)
+    out = {"launches": launches, "errors": {}}
+    for name in ref64:
+        out["errors"][name] = [got[name].tolist(), want[name].tolist(), ref64[name].tolist()]
+    if masters:
+        out["rounded"] = [[o.float().tolist(), p.detach().tolist()] for o, p in zip(outs, params)]
+    return out
+
+
+def _kernel_step(opt, adamw_triton, items) -> None:
+    """One step of OneLaunchAdamW's kernel path on CPU tensors (Triton's interpreter)."""
+    step = opt._steps.setdefault(torch.device("cpu"), torch.zeros(()))
+    step += 1
+    for p, _, _, _ in items:
+        if not opt.state[p]:
+            opt.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    by_kind = opt._by_kind(items)
+    assert len(by_kind) == 1
+    for kind, members in by_kind.items():
+        table, tiles, hyper = opt._table(adamw_triton, kind, members)
+        adamw_triton.adamw_tensors_(table, tiles, hyper, step, grad_bf16=kind[0], write_bf16=kind[1],
+                                    beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def _interp_main() -> None:
+    """Run with TRITON_INTERPRET=1: one JSON line per case."""
+    for masters in (False, True):
+        print(json.dumps({"masters": masters, **_kernel_case("cpu", masters=masters)}))
+
+
+def _check(case: dict, *, exact_rounding: bool) -> None:
+    assert case["launches"] == [1] * STEPS, case["launches"]
+    for name, (got, want, ref) in case["errors"].items():
+        assert_same_function(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                             torch.tensor(ref, dtype=torch.float64), what=f"{name} (masters={case['masters']})")
+    for i, (out, master) in enumerate(case.get("rounded", [])):
+        out, master = torch.tensor(out), torch.tensor(master)
+        if exact_rounding:  # the GPU rounds to nearest, as torch's copy does
+            assert torch.equal(out, master.to(torch.bfloat16).float()), f"tensor {i}"
+        else:  # the interpreter's conversion may round toward zero: within one bfloat16 step
+            ulp = torch.finfo(torch.bfloat16).eps * master.abs().clamp_min(torch.finfo(torch.float32).tiny)
+            assert ((out - master).abs() <= ulp).all(), f"tensor {i}"
+
+
+def test_the_kernel_in_the_interpreter_against_float64():
+    cases = interpreted_runs(__file__)
+    assert [c["masters"] for c in cases] == [False, True]
+    for case in cases:
+        _check(case, exact_rounding=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masters", [False, True], ids=["fp32", "masters"])
+def test_the_kernel_on_cuda_against_float64(masters):
+    from lora_bench.train import one_launch_adamw
+
+    assert one_launch_adamw._kernels() is not None, "the Triton update does not load on this CUDA machine"
+    _check({"masters": masters, **_kernel_case("cuda", masters=masters)}, exact_rounding=True)
+
+
+@pytest.mark.gpu
+def test_a_captured_step_replays_the_eager_updates():
+    """The update captured as a CUDA graph (tables built by before_capture, outside the capture),
+    replayed on gradients copied into the captured ones: the same bits as the eager steps."""
+    start, grads = _start("cuda"), _grads("cuda")
+    eager = _results(*_train(lambda groups: OneLaunchAdamW(groups), start, grads))
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = OneLaunchAdamW(_grouped(params))
+    for t, g in zip(params, grads[0]):
+        t.grad = g.clone()
+    opt.step()  # the first step eagerly: moments and tables
+    static = [t.grad for t in params]
+    opt.before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for step in grads[1:]:
+        for buf, g in zip(static, step):
+            buf.copy_(g)
+        graph.replay()
+    torch.cuda.synchronize()
+    got = _results(params, opt)
+    for name in eager:
+        assert torch.equal(got[name], eager[name]), name
