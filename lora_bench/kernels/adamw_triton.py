@@ -11,7 +11,8 @@ decay ``p -= lr·wd·p``; moments ``m = β1·m + (1-β1)·g``, ``v = β2·v + (1
 host, in double precision); step
 ``p -= lr/(1-β1ᵗ) · m / (√v/√(1-β2ᵗ) + ε)``. The step count ``t`` is read from the device (a
 capturable optimizer's), so a CUDA graph that replays the launch takes every step's own count.
-``β^t`` is computed as ``exp2(t·log2 β)`` with ``log2 β`` from the host in double precision.
+The bias corrections ``1 - β^t`` come from ``t·ln β`` (``ln β`` from the host in double precision)
+without cancellation (``_one_minus_pow``).
 
 This module imports Triton; import it lazily (``lora_bench.kernels.available`` does for the
 LoRA kernels; the optimizers do on their first CUDA step).
@@ -35,9 +36,26 @@ TABLE_COLUMNS = 6
 
 
 @triton.jit
-def _adamw(p, g, m, v, lr, wd, step, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, log2_beta1, log2_beta2):
-    bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+def _one_minus_pow(ln_beta, step):
+    """``1 - β^t`` in float32 without the cancellation of ``1 - exp(t·ln β)`` near t·ln β = 0 (where
+    it loses all but a few bits: 1 - 0.999 in float32 is 1.3e-5 off): ``-expm1(x)`` by its series
+    for |x| < 0.5 (nine terms, below float32's rounding there), ``1 - exp(x)`` beyond."""
+    x = step * ln_beta
+    series = x / 9.0 + 1.0
+    series = x / 8.0 * series + 1.0
+    series = x / 7.0 * series + 1.0
+    series = x / 6.0 * series + 1.0
+    series = x / 5.0 * series + 1.0
+    series = x / 4.0 * series + 1.0
+    series = x / 3.0 * series + 1.0
+    series = x / 2.0 * series + 1.0
+    return tl.where(x > -0.5, -(x * series), 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _adamw(p, g, m, v, lr, wd, step, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, ln_beta1, ln_beta2):
+    bias_correction1 = _one_minus_pow(ln_beta1, step)
+    bias_correction2_sqrt = tl.sqrt(_one_minus_pow(ln_beta2, step))
     p = p - lr * wd * p
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
@@ -48,7 +66,7 @@ def _adamw(p, g, m, v, lr, wd, step, beta1, beta2, one_minus_beta1, one_minus_be
 
 @triton.jit
 def _packed_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, step_ptr, per_point,
-                         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, log2_beta1, log2_beta2,
+                         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, ln_beta1, ln_beta2,
                          BLOCK: tl.constexpr):
     point = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -56,7 +74,7 @@ def _packed_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, step_ptr, p
     at = point.to(tl.int64) * per_point + offs
     p, m, v = _adamw(tl.load(p_ptr + at, mask=mask), tl.load(g_ptr + at, mask=mask), tl.load(m_ptr + at, mask=mask),
                      tl.load(v_ptr + at, mask=mask), tl.load(lr_ptr + point), tl.load(wd_ptr + point),
-                     tl.load(step_ptr), beta1, beta2, one_minus_beta1, one_minus_beta2, eps, log2_beta1, log2_beta2)
+                     tl.load(step_ptr), beta1, beta2, one_minus_beta1, one_minus_beta2, eps, ln_beta1, ln_beta2)
     tl.store(p_ptr + at, p, mask=mask)
     tl.store(m_ptr + at, m, mask=mask)
     tl.store(v_ptr + at, v, mask=mask)
@@ -76,7 +94,7 @@ def packed_adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Te
 
 @triton.jit
 def _adamw_tensors_kernel(table_ptr, tiles_ptr, hyper_ptr, step_ptr, beta1, beta2, one_minus_beta1, one_minus_beta2,
-                          eps, log2_beta1, log2_beta2,
+                          eps, ln_beta1, ln_beta2,
                           GRAD_BF16: tl.constexpr, WRITE_BF16: tl.constexpr, COLUMNS: tl.constexpr,
                           BLOCK: tl.constexpr):
     tile = tl.program_id(0)
@@ -94,7 +112,7 @@ def _adamw_tensors_kernel(table_ptr, tiles_ptr, hyper_ptr, step_ptr, beta1, beta
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), g, tl.load(m_ptr + offs, mask=mask),
                      tl.load(v_ptr + offs, mask=mask), tl.load(hyper_ptr + 2 * t), tl.load(hyper_ptr + 2 * t + 1),
-                     tl.load(step_ptr), beta1, beta2, one_minus_beta1, one_minus_beta2, eps, log2_beta1, log2_beta2)
+                     tl.load(step_ptr), beta1, beta2, one_minus_beta1, one_minus_beta2, eps, ln_beta1, ln_beta2)
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
@@ -106,7 +124,7 @@ def _adamw_tensors_kernel(table_ptr, tiles_ptr, hyper_ptr, step_ptr, beta1, beta
 def _floats(beta1: float, beta2: float, eps: float) -> tuple[float, ...]:
     """The kernels' float arguments. ``1 - β`` is formed on the host in double precision: in float32
     ``1 - 0.999`` is 1.3e-5 off, and every second moment with it."""
-    return (float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, float(eps), math.log2(beta1), math.log2(beta2))
+    return (float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, float(eps), math.log(beta1), math.log(beta2))
 
 
 def tiles_of(numels: list[int]) -> list[int]:

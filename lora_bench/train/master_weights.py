@@ -46,7 +46,7 @@ class MasterWeights:
     @torch.no_grad()
     def step(self) -> None:
         if hasattr(self.inner, "step_masters"):  # one launch reads the gradients and writes the parameters
-            self.inner.step_masters([p.grad for p in self.params], self.params)
+            self.inner.step_masters(self.masters, [p.grad for p in self.params], self.params)
             return
         used = [i for i, p in enumerate(self.params) if p.grad is not None]
         for m in self.masters:  # a parameter without a gradient this step: AdamW skips its master too
@@ -66,7 +66,7 @@ class MasterWeights:
         before = getattr(self.inner, "before_capture", None)
         if before is not None:
             if hasattr(self.inner, "step_masters"):
-                before([p.grad for p in self.params], self.params)
+                before(self.masters, [p.grad for p in self.params], self.params)
             else:
                 before()
 

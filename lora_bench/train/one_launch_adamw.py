@@ -70,17 +70,18 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_masters(self, grads: list[torch.Tensor | None], outs: list[torch.Tensor]) -> None:
-        """One step of the float32 masters (this optimizer's parameters, in order) from ``grads``
-        (the bfloat16 model parameters' gradients; None: no step for that master), each result
-        also rounded into ``outs`` (the bfloat16 parameters)."""
-        self._update(self._master_items(grads, outs))
+    def step_masters(self, masters: list[torch.Tensor], grads: list[torch.Tensor | None],
+                     outs: list[torch.Tensor]) -> None:
+        """One step of ``masters`` (float32, this optimizer's parameters, in any order) from ``grads``
+        (the bfloat16 model parameters' gradients, in the same order; None: no step for that
+        master), each result also rounded into ``outs`` (the bfloat16 parameters)."""
+        self._update(self._master_items(masters, grads, outs))
 
-    def before_capture(self, grads: list[torch.Tensor | None] | None = None,
+    def before_capture(self, masters: list[torch.Tensor] | None = None, grads: list[torch.Tensor | None] | None = None,
                        outs: list[torch.Tensor] | None = None) -> None:
-        """Build the tables of the gradients in place now (``grads`` and ``outs`` as for
+        """Build the tables of the gradients in place now (``masters``, ``grads`` and ``outs`` as for
         ``step_masters``), so that a capture of the next step copies nothing from the host."""
-        items = (self._master_items(grads, outs) if grads is not None else
+        items = (self._master_items(masters, grads, outs) if masters is not None else
                  [(p, p.grad, None, group) for group in self.param_groups for p in group["params"] if p.grad is not None])
         kernels = _kernels()
         if kernels is not None and items and items[0][0].is_cuda:
@@ -102,12 +103,11 @@ class OneLaunchAdamW(torch.optim.Optimizer):
                 state["step"] = self._steps.setdefault(
                     p.device, step.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone())
 
-    def _master_items(self, grads, outs) -> list[tuple]:
-        masters = [p for group in self.param_groups for p in group["params"]]
-        groups = [group for group in self.param_groups for _ in group["params"]]
+    def _master_items(self, masters, grads, outs) -> list[tuple]:
+        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         if not len(masters) == len(grads) == len(outs):
             raise ValueError(f"{len(masters)} masters, {len(grads)} gradients and {len(outs)} parameters")
-        return [(p, g, out, group) for p, g, out, group in zip(masters, grads, outs, groups) if g is not None]
+        return [(p, g, out, group_of[id(p)]) for p, g, out in zip(masters, grads, outs) if g is not None]
 
     # -- the update ---------------------------------------------------------------------------------
     def _update(self, items: list[tuple]) -> None:
