@@ -144,8 +144,6 @@ def test_under_master_copies_it_is_the_float32_path_bit_for_bit_on_the_cpu():
 def test_a_tiny_run_trains_as_with_torchs_adamw_bit_for_bit_on_the_cpu(precision, ratio):
     """The run's own model and optimizer (train.build) for optimizer one-launch and book: the same
     losses over several steps, and the same parameters after them."""
-    from tiny import SAMPLE  # noqa: F401  (the tiny model's settings live beside it)
-
     results = {}
     for optimizer in ("book", "one-launch"):
         cfg = TrainConfig(model_size="tiny", weights="random", trainable_layers="lora", device="cpu",
