@@ -222,7 +222,8 @@ class SettingFields:
     optimizer: str = _s("book", "book: torch.optim.AdamW's default multi-tensor update; fused: "
                         "AdamW(fused=True), the whole update in a few kernels; one-launch: the fused update's "
                         "arithmetic in one Triton launch over every trainable tensor (under bf16-true also reading "
-                        "the bfloat16 gradients and writing the bfloat16 parameters), torch's update on the CPU.",
+                        "the bfloat16 gradients and writing the bfloat16 parameters), torch's update on the CPU. A pack's "
+                        "points train with their own packed AdamW whichever is chosen.",
                         MODES, choices=OPTIMIZERS)
     nproc: int = _s(1, "Data-parallel processes (DDP, one per GPU, started under torchrun on this host); "
                     "batch_size stays the global batch, split evenly over them.", MODES, minimum=1)

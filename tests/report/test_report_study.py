@@ -31,6 +31,8 @@ GRAPHS = "CUDA graphs + bf16 + SDPA + fused ops + fused AdamW"
       "cfg_optimizer": "book", "cfg_compile": "False"}, "eager fp32"),
     ({"cfg_precision": "bf16", "cfg_attention": "sdpa", "cfg_ops": "fused", "cfg_cuda_graphs": "True",
       "cfg_optimizer": "fused"}, GRAPHS),
+    ({"cfg_precision": "bf16-true", "cfg_attention": "sdpa", "cfg_ops": "fused", "cfg_cuda_graphs": "True",
+      "cfg_optimizer": "one-launch"}, "CUDA graphs + bf16-true + SDPA + fused ops + one-launch AdamW"),
     ({"cfg_precision": "bf16", "cfg_attention": "sdpa", "cfg_ops": "fused"}, "eager bf16 + SDPA + fused ops"),
     ({"cfg_compile": "True", "cfg_compile_scope": "blocks", "cfg_cuda_graphs": "True", "cfg_precision": "bf16"},
      "block-compiled + CUDA graphs + bf16"),
