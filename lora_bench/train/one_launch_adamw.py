@@ -24,21 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_bench.train.packed_adamw import adamw_update_, bias_corrections
-
-_KERNEL = None  # kernels.adamw_triton, or False where it cannot run
-
-
-def _kernels():
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            from lora_bench.kernels import adamw_triton
-
-            _KERNEL = adamw_triton
-        except Exception:  # no Triton, or one that fails to initialise: the torch ops serve
-            _KERNEL = False
-    return _KERNEL or None
+from lora_bench.train.packed_adamw import adamw_kernels, adamw_update_, bias_corrections
 
 
 class OneLaunchAdamW(torch.optim.Optimizer):
@@ -83,7 +69,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         ``step_masters``), so that a capture of the next step copies nothing from the host."""
         items = (self._master_items(masters, grads, outs) if masters is not None else
                  [(p, p.grad, None, group) for group in self.param_groups for p in group["params"] if p.grad is not None])
-        kernels = _kernels()
+        kernels = adamw_kernels()
         if kernels is not None and items and items[0][0].is_cuda:
             for p, _, _, _ in items:
                 if not self.state[p]:
@@ -126,7 +112,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         beta1, beta2 = items[0][3]["betas"]
         eps = items[0][3]["eps"]
-        kernels = _kernels() if step.is_cuda else None
+        kernels = adamw_kernels() if step.is_cuda else None
         rest = items
         if kernels is not None:
             by_kind = self._by_kind(items)

@@ -19,19 +19,26 @@ from __future__ import annotations
 
 import torch
 
-_KERNEL = None  # the Triton update (kernels.adamw_triton.packed_adamw_), or False where it cannot run
+_KERNELS = None  # the module of the Triton updates (kernels.adamw_triton), or False where it cannot run
+
+
+def adamw_kernels():
+    """``lora_bench.kernels.adamw_triton`` (imported on first use), or None where Triton is missing
+    or fails to initialise: then the torch ops serve."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            from lora_bench.kernels import adamw_triton
+
+            _KERNELS = adamw_triton
+        except Exception:
+            _KERNELS = False
+    return _KERNELS or None
 
 
 def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            from lora_bench.kernels.adamw_triton import packed_adamw_
-
-            _KERNEL = packed_adamw_
-        except Exception:  # no Triton, or one that fails to initialise: the torch ops serve
-            _KERNEL = False
-    return _KERNEL or None
+    kernels = adamw_kernels()
+    return kernels.packed_adamw_ if kernels is not None else None
 
 
 class PackedAdamW(torch.optim.Optimizer):
