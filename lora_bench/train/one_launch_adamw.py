@@ -44,6 +44,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
             raise ValueError(f"OneLaunchAdamW takes one betas and eps for all groups, got {sorted(hyper)}")
         self._steps: dict[torch.device, torch.Tensor] = {}  # the shared step count, per device
         self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._captured: set[tuple] = set()  # keys of the tables a graph capture may read: never dropped
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -75,13 +76,14 @@ class OneLaunchAdamW(torch.optim.Optimizer):
                 if not self.state[p]:
                     return  # the first step makes the moments, and then the tables, eagerly
             for kind, members in self._by_kind(items).items():
-                self._table(kernels, kind, members)
+                self._captured.add(self._table(kernels, kind, members, key_only=True))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """AdamW's, then one step count again for all tensors (the loaded one), and no table that
         points at the replaced moments."""
         super().load_state_dict(state_dict)
         self._tables.clear()
+        self._captured.clear()
         self._steps.clear()
         for p, state in self.state.items():
             step = state.get("step")
@@ -151,14 +153,14 @@ class OneLaunchAdamW(torch.optim.Optimizer):
             out.setdefault((g.dtype == torch.bfloat16, dst is not None), []).append(item)
         return out
 
-    def _table(self, kernels, kind: tuple[bool, bool], members: list[tuple]) -> tuple[torch.Tensor, ...]:
+    def _table(self, kernels, kind: tuple[bool, bool], members: list[tuple], *, key_only: bool = False):
         """The (addresses, tiles, learning rates and weight decays) of these tensors on their device,
-        built once for each set of addresses."""
+        built once for each set of addresses (``key_only``: build it, return its key)."""
         key = (kind, tuple((p.data_ptr(), g.data_ptr(), 0 if out is None else out.data_ptr(), group["lr"],
                             group["weight_decay"]) for p, g, out, group in members))
         entry = self._tables.get(key)
         if entry is not None:
-            return entry
+            return key if key_only else entry
         if members[0][0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("OneLaunchAdamW: a step captured as a CUDA graph needs its tables built "
                                "before the capture (call before_capture())")
@@ -173,7 +175,8 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         entry = (torch.tensor(rows, dtype=torch.int64, device=device),
                  torch.tensor(kernels.tiles_of(numels), dtype=torch.int64, device=device),
                  torch.tensor(hyper, dtype=torch.float32, device=device))
-        if len(self._tables) >= 64:  # gradients that keep moving: keep the newest tables
-            self._tables.pop(next(iter(self._tables)))
+        dropped = [k for k in self._tables if k not in self._captured]
+        if len(dropped) >= 64:  # gradients that keep moving: keep the newest tables (and the captured)
+            del self._tables[dropped[0]]
         self._tables[key] = entry
-        return entry
+        return key if key_only else entry

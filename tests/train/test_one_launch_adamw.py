@@ -303,3 +303,27 @@ def test_a_captured_step_replays_the_eager_updates():
     got = _results(params, opt)
     for name in eager:
         assert torch.equal(got[name], eager[name]), name
+
+
+def test_tables_a_capture_may_read_are_kept_while_others_make_way():
+    """Gradients at new addresses every step build new tables; the 64 newest stay, and a table
+    built for a capture (before_capture) is never dropped. Driven on CPU tensors (no launch)."""
+    pytest.importorskip("triton")
+    from lora_bench.kernels import adamw_triton
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = OneLaunchAdamW([p])
+    opt.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))
+    group = opt.param_groups[0]
+
+    def build(grad, **kw):
+        return opt._table(adamw_triton, (False, False), [(p, grad, None, group)], **kw)
+
+    grads = [torch.zeros(3) for _ in range(100)]  # kept alive: every one at its own address
+    captured = build(grads[0], key_only=True)
+    opt._captured.add(captured)
+    for g in grads[1:]:
+        build(g)
+    assert captured in opt._tables
+    held = {key[1][0][1] for key in opt._tables}  # each table's gradient address
+    assert held == {g.data_ptr() for g in [grads[0], *grads[-64:]]}
