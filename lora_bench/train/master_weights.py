@@ -62,13 +62,9 @@ class MasterWeights:
             torch._foreach_copy_([self.params[i] for i in used], [self.masters[i] for i in used])
 
     def before_capture(self) -> None:
-        """The inner optimizer's (``OneLaunchAdamW``: its tables for the gradients in place now)."""
-        before = getattr(self.inner, "before_capture", None)
-        if before is not None:
-            if hasattr(self.inner, "step_masters"):
-                before(self.masters, [p.grad for p in self.params], self.params)
-            else:
-                before()
+        """An inner optimizer with ``step_masters`` builds its tables for the gradients in place now."""
+        if hasattr(self.inner, "step_masters"):
+            self.inner.before_capture(self.masters, [p.grad for p in self.params], self.params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The model's gradients, as ``Optimizer.zero_grad`` clears them (the float32 buffers are
