@@ -30,8 +30,8 @@ from lora_bench.kernels.triton_launch import launch
 
 BLOCK = 1024
 NUM_WARPS = 4
-# the columns of adamw_tensors_'s address table, one row per tensor
-P, G, M, V, OUT, NUMEL = range(6)
+# the columns of adamw_tensors_'s table, one row per tensor: the addresses of the parameter, its
+# gradient, its two moments and the bfloat16 parameter to write, then its number of elements
 TABLE_COLUMNS = 6
 
 
