@@ -52,8 +52,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update([(p, p.grad, None, group) for group in self.param_groups for p in group["params"]
-                      if p.grad is not None])
+        self._update(self._grad_items())
         return loss
 
     @torch.no_grad()
@@ -68,8 +67,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
                        outs: list[torch.Tensor] | None = None) -> None:
         """Build the tables of the gradients in place now (``masters``, ``grads`` and ``outs`` as for
         ``step_masters``), so that a capture of the next step copies nothing from the host."""
-        items = (self._master_items(masters, grads, outs) if masters is not None else
-                 [(p, p.grad, None, group) for group in self.param_groups for p in group["params"] if p.grad is not None])
+        items = self._master_items(masters, grads, outs) if masters is not None else self._grad_items()
         kernels = adamw_kernels()
         if kernels is not None and items and items[0][0].is_cuda:
             for p, _, _, _ in items:
@@ -90,6 +88,10 @@ class OneLaunchAdamW(torch.optim.Optimizer):
             if torch.is_tensor(step):
                 state["step"] = self._steps.setdefault(
                     p.device, step.detach().to(device=p.device, dtype=torch.float32).reshape(()).clone())
+
+    def _grad_items(self) -> list[tuple]:
+        """(parameter, its gradient, no parameter to write, its group) for each parameter with a gradient."""
+        return [(p, p.grad, None, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _master_items(self, masters, grads, outs) -> list[tuple]:
         group_of = {id(p): group for group in self.param_groups for p in group["params"]}
