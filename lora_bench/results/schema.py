@@ -79,6 +79,10 @@ RUN_COLUMNS: list[Column] = [
            "triton: the norm formed ahead, the scale in the LoRA GEMM (its epilogue scaled the output), torch: why "
            "(torch ops: the CPU, no Triton, a dtype or rank the kernels do not take, torch.compile) "
            "(docs/variants.md); blank for other choices"),
+    Column("optimizer_update", "string", "", "optimizer one-launch, and a pack's AdamW: where its updates ran, "
+           "as it recorded them ('; '-joined): triton (the Triton kernel), torch: why (torch's single-tensor "
+           "update: the CPU, Triton not loaded with its error, a tensor the kernel does not take) "
+           "(docs/kernel-design.md); blank for torch's AdamW"),
     Column("timing_clock", "string", "", "cuda_events, cuda_sync (perturbing), host (CPU) or off"),
     Column("warmup_steps", "Int64", "steps", "steps excluded from the summaries"),
     Column("measured_steps", "Int64", "steps", "steps in the summaries"),

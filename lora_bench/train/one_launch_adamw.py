@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_bench.train.packed_adamw import adamw_kernels, adamw_update_, bias_corrections
+from lora_bench.train.packed_adamw import FOREIGN, TRITON, adamw_kernels, adamw_update_, bias_corrections, torch_path
 
 
 class OneLaunchAdamW(torch.optim.Optimizer):
@@ -45,6 +45,7 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         self._steps: dict[torch.device, torch.Tensor] = {}  # the shared step count, per device
         self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._captured: set[tuple] = set()  # keys of the tables a graph capture may read: never dropped
+        self.update_paths: set[str] = set()  # where the updates ran: TRITON, or "torch: why"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -118,14 +119,19 @@ class OneLaunchAdamW(torch.optim.Optimizer):
         eps = items[0][3]["eps"]
         kernels = adamw_kernels() if step.is_cuda else None
         rest = items
-        if kernels is not None:
+        if kernels is None:
+            self.update_paths.add(torch_path(step.device))
+        else:
             by_kind = self._by_kind(items)
             for kind, members in by_kind.items():
                 table, tiles, hyper = self._table(kernels, kind, members)
                 kernels.adamw_tensors_(table, tiles, hyper, step, grad_bf16=kind[0], write_bf16=kind[1],
                                        beta1=beta1, beta2=beta2, eps=eps)
+                self.update_paths.add(TRITON)
             taken = {id(m[0]) for members in by_kind.values() for m in members}
             rest = [item for item in items if id(item[0]) not in taken]
+            if rest:
+                self.update_paths.add(FOREIGN)
         if rest:
             corrections = bias_corrections(step, beta1, beta2, host_step=not step.is_cuda)
             for p, g, out, group in rest:

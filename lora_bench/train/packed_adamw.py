@@ -20,20 +20,40 @@ from __future__ import annotations
 import torch
 
 _KERNELS = None  # the module of the Triton updates (kernels.adamw_triton), or False where it cannot run
+_KERNELS_PROBLEM = ""  # why it cannot: the import's error
 
 
 def adamw_kernels():
     """``lora_bench.kernels.adamw_triton`` (imported on first use), or None where Triton is missing
     or fails to initialise: then the torch ops serve."""
-    global _KERNELS
+    global _KERNELS, _KERNELS_PROBLEM
     if _KERNELS is None:
         try:
             from lora_bench.kernels import adamw_triton
 
             _KERNELS = adamw_triton
-        except Exception:
-            _KERNELS = False
+        except Exception as e:  # noqa: BLE001 - any failure to load means the torch update, with its reason
+            _KERNELS, _KERNELS_PROBLEM = False, f"{type(e).__name__}: {e}".splitlines()[0][:200]
     return _KERNELS or None
+
+
+TRITON = "triton"  # an update path: the Triton kernel (``update_paths``)
+FOREIGN = "torch: a tensor the kernel does not take (not float32 and contiguous, or on another device)"
+
+
+def torch_path(device: torch.device) -> str:
+    """Why an update on ``device`` takes the torch ops rather than the Triton kernel, as
+    ``update_paths`` notes it: not a CUDA device, or Triton did not load (its error)."""
+    if device.type != "cuda":
+        return f"torch: the {device.type.upper()}"
+    return f"torch: no Triton ({_KERNELS_PROBLEM or 'not loaded'})"
+
+
+def update_path(optimizer) -> str:
+    """Where an optimizer's updates ran ('; '-joined, each once: ``triton``, ``torch: why``), for the
+    optimizers that note it (the one-launch and packed AdamW, inside master copies too); '' for others."""
+    paths = getattr(getattr(optimizer, "inner", optimizer), "update_paths", None)
+    return "; ".join(sorted(paths)) if paths else ""
 
 
 def _kernel():
@@ -72,6 +92,7 @@ class PackedAdamW(torch.optim.Optimizer):
         self.weight_decays = [float(x) for x in weight_decays]
         self._step = None  # the shared step count, made on the first step
         self._hyper = {}  # (device, learning rates) -> (lrs, weight decays) as float32 tensors
+        self.update_paths: set[str] = set()  # where the updates ran: TRITON, or "torch: why"
 
     def _step_count(self, device: torch.device) -> torch.Tensor:
         if self._step is None:
@@ -97,6 +118,8 @@ class PackedAdamW(torch.optim.Optimizer):
         step = self._step_count(todo[0].device)
         step += 1
         kernel = _kernel() if step.is_cuda else None
+        if kernel is None:
+            self.update_paths.add(torch_path(step.device))
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             eps = group["eps"]
@@ -118,7 +141,10 @@ class PackedAdamW(torch.optim.Optimizer):
                     if hyper is None:
                         hyper = self._device_hyper(p.device, group["lrs"])
                     kernel(p, g, m, v, *hyper, step, beta1=beta1, beta2=beta2, eps=eps)
+                    self.update_paths.add(TRITON)
                 else:
+                    if kernel is not None:
+                        self.update_paths.add(FOREIGN)
                     if corrections is None:
                         corrections = bias_corrections(step, beta1, beta2, host_step=not step.is_cuda)
                     self._torch_update(p, g, m, v, group["lrs"], corrections, beta1, beta2, eps)

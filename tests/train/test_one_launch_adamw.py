@@ -327,3 +327,92 @@ def test_tables_a_capture_may_read_are_kept_while_others_make_way():
     assert captured in opt._tables
     held = {key[1][0][1] for key in opt._tables}  # each table's gradient address
     assert held == {g.data_ptr() for g in [grads[0], *grads[-64:]]}
+
+
+# -- where the update ran -----------------------------------------------------------------------------
+
+
+def test_the_update_notes_where_it_ran_on_the_cpu():
+    """On the CPU both AdamW kernels' optimizers take torch's update and say so (``update_paths``),
+    also from inside master copies (``update_path``); torch's own AdamW notes nothing."""
+    from lora_bench.train.packed_adamw import PackedAdamW, update_path
+
+    start, grads = _start("cpu"), _grads("cpu")
+    params, opt = _train(lambda groups: OneLaunchAdamW(groups), start, grads)
+    assert opt.update_paths == {"torch: the CPU"} and update_path(opt) == "torch: the CPU"
+    packed = torch.nn.Parameter(torch.zeros(2, 3))
+    popt = PackedAdamW([packed], lrs=[1e-3, 2e-3], weight_decays=[0.0, 0.1])
+    packed.grad = torch.ones(2, 3)
+    popt.step()
+    assert update_path(popt) == "torch: the CPU"
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    wrapped = MasterWeights(model.parameters(), lambda masters: OneLaunchAdamW(masters))
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    wrapped.step()
+    assert update_path(wrapped) == "torch: the CPU"
+    assert update_path(torch.optim.AdamW(params)) == ""
+
+
+def test_a_cuda_update_without_triton_names_the_import_error(monkeypatch):
+    """Where the Triton module cannot load, the reason a CUDA device's update took torch's ops is
+    the import's error, as the run records it."""
+    import sys
+
+    from lora_bench.train import packed_adamw
+
+    monkeypatch.setattr(packed_adamw, "_KERNELS", None)
+    monkeypatch.setattr(packed_adamw, "_KERNELS_PROBLEM", "")
+    import lora_bench.kernels
+
+    monkeypatch.setitem(sys.modules, "lora_bench.kernels.adamw_triton", None)  # the import fails
+    monkeypatch.delattr(lora_bench.kernels, "adamw_triton", raising=False)
+    assert packed_adamw.adamw_kernels() is None
+    why = packed_adamw.torch_path(torch.device("cuda"))
+    assert why.startswith("torch: no Triton (ModuleNotFoundError: ") and "adamw_triton" in why, why
+    assert packed_adamw.torch_path(torch.device("cpu")) == "torch: the CPU"
+
+
+def test_a_run_records_where_its_update_ran(run_cli, tmp_path):
+    """``--optimizer one-launch`` trains a tiny run on the CPU and records the update's path
+    (``optimizer_update``); with torch's AdamW the column is blank."""
+    import pandas as pd
+    from tiny import SAMPLE
+
+    args = ["train", "--device", "cpu", "--weights", "random", "--model-size", "tiny", "--data-file", SAMPLE,
+            "--trainable-layers", "lora", "--num-epochs", "1", "--max-steps", "2", "--warmup-steps", "1",
+            "--eval-freq", "0", "--skip-final-eval"]
+    for optimizer, want in (("one-launch", "torch: the CPU"), ("fused", None)):
+        out_dir = tmp_path / optimizer
+        code, out = run_cli(*args, "--optimizer", optimizer, "--results-dir", out_dir)
+        assert code == 0, out
+        row = pd.read_csv(out_dir / "runs.csv").iloc[0]
+        assert row["status"] == "done" and row["cfg_optimizer"] == optimizer
+        if want is None:
+            assert pd.isna(row["optimizer_update"]), row["optimizer_update"]
+        else:
+            assert row["optimizer_update"] == want, row["optimizer_update"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_update_notes_the_kernel_and_a_tensor_it_does_not_take():
+    """On CUDA the kernel's tensors note ``triton``; a float64 parameter among them takes torch's
+    update, noted with its reason, and is updated as AdamW updates it."""
+    from lora_bench.train.packed_adamw import FOREIGN, TRITON, update_path
+
+    start, grads = _start("cuda"), _grads("cuda")
+    params, opt = _train(lambda groups: OneLaunchAdamW(groups), start, grads)
+    assert opt.update_paths == {TRITON}, opt.update_paths
+    odd = torch.nn.Parameter(fresh(5, 3, device="cuda", dtype=torch.float64))
+    ref, start_odd = torch.nn.Parameter(odd.detach().clone()), odd.detach().clone()
+    opt2, ref_opt = OneLaunchAdamW([*params[:2], odd]), torch.optim.AdamW([ref], foreach=False)
+    for t, g in zip(params[:2], grads[0][:2]):
+        t.grad = g.clone()
+    odd.grad = fresh(5, 3, device="cuda", dtype=torch.float64, scale=0.1)
+    ref.grad = odd.grad.clone()
+    opt2.step()
+    ref_opt.step()
+    assert opt2.update_paths == {TRITON, FOREIGN} and update_path(opt2) == f"{FOREIGN}; {TRITON}"
+    # AdamW's update but for its bias corrections, formed in float32 from the device's step count:
+    # each within a few float32 roundings of its value, so the update within a few of its own
+    got, want = odd.detach() - start_odd, ref.detach() - start_odd
+    torch.testing.assert_close(got, want, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
