@@ -151,8 +151,15 @@ def why_slower(g: Group, b: Group) -> str:
         return f"{where} the {bound}{', and ' + work if work else ''}: {step_change(g, b)}."
     deltas = phase_deltas(g, b)
     measured = _measured(b) and _measured(g)
-    return (f"{where} {'no phase of both is host-bound' if measured else 'the cause is not measured (no profiled repeat)'}; "
-            f"{g.variant} {deltas or 'changes no phase by much'}: {step_change(g, b)}.")
+    if measured:
+        shown = [p for x in (b, g) for p in x.phases.values() if p.busy is not None and p.device.known
+                 and p.device.median >= MIN_SHARE * x.step.median]
+        cause = "no phase of both is host-bound" + (
+            f" (in a profiled repeat of each the GPU ran kernels for {_busy_range(shown)} of a phase's device time)"
+            if shown else "")
+    else:
+        cause = "the cause is not measured (no profiled repeat)"
+    return f"{where} {cause}; {g.variant} {deltas or 'changes no phase by much'}: {step_change(g, b)}."
 
 
 def why_faster(g: Group, b: Group, *, smallest: Group | None) -> str:

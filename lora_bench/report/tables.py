@@ -17,6 +17,7 @@ from lora_bench.report.order_stats import MIN_REPEATS
 from lora_bench.report.per_layer import NOTE as PER_LAYER_NOTE, UNIT as PER_LAYER
 from lora_bench.report.per_layer import against_floor, is_lora, per_layer_text
 from lora_bench.report.stats import RESAMPLING, STATISTIC, STEPS_MARK, STEPS_NOTE, TOO_FEW, Estimate, span_text
+from lora_bench.report.study_header import LAYERS
 from lora_bench.report.study_model import GPU_BOUND, STARVED, Group, Study
 from lora_bench.timing import PHASES
 
@@ -155,13 +156,20 @@ def fastest_lora_table(study: Study) -> Table | None:
     if not best:
         return None
     with_cond = any(g.condition for g in best.values())
-    head = ["size", "trainable layers", "execution mode", *(["condition"] if with_cond else []), f"step ms {CI}"]
-    rows = [[s, best[s].variant, best[s].mode or "-", *([best[s].condition or "-"] if with_cond else []),
-             est(best[s].step, digits=2)] for s in study.sizes if s in best]
+    # the groups' variant is their trainable layers only where the study compares those alone
+    with_variant = study.variant_keys != [LAYERS]
+    head = ["size", "trainable layers", *(["variant"] if with_variant else []), "execution mode",
+            *(["condition"] if with_cond else []), f"step ms {CI}"]
+    rows = [[s, *([", ".join(sorted({str(v) for v in best[s].runs[LAYERS].dropna()})), best[s].variant]
+                  if with_variant else [best[s].variant]), best[s].mode or "-",
+             *([best[s].condition or "-"] if with_cond else []), est(best[s].step, digits=2)]
+            for s in study.sizes if s in best]
     notes = [f"the LoRA group with the lowest median step at each size, among those measured here; step ms: "
              f"{STEP_STATISTIC}; [lo–hi] (n, confidence): its {STATISTIC}", *interval_notes(*(g.step for g in best.values()))]
+    if with_variant:
+        notes.append(f"variant: the group's value of what the report compares ({study.baseline_text} is the baseline)")
     return Table(title=f"Fastest measured LoRA step per size ({study.device})", head=head, rows=rows, notes=notes,
-                 n_keys=4 if with_cond else 3)
+                 n_keys=len(head) - 1)
 
 
 # -- where the time goes -------------------------------------------------------------------------

@@ -354,6 +354,21 @@ def test_the_fastest_lora_step_per_size_is_named_with_its_configuration(tmp_path
     assert fastest_lora_table(_study(tmp_path, only_all, baseline="trainable_layers=all")) is None
 
 
+def test_the_fastest_lora_step_names_its_trainable_layers_when_the_report_compares_another_setting(tmp_path):
+    """Against optimizer=fused the groups' variant is the optimizer: the table names the trainable
+    layers from the runs and the variant beside them, never the variant as the layers."""
+    from lora_bench.report.tables import fastest_lora_table
+
+    rows = []
+    for i, (layers, optimizer, step) in enumerate((("frozen", "fused", 2.5), ("frozen", "one-launch", 2.4),
+                                                    ("lora-kernel", "fused", 3.6), ("lora-kernel", "one-launch", 3.5))):
+        rows.append({**_run(i, size="124M", layers=layers, step=step, graphs=True), "cfg_optimizer": optimizer})
+    table = fastest_lora_table(_study(tmp_path, rows, baseline="optimizer=fused"))
+    assert table.head[:3] == ["size", "trainable layers", "variant"], table.head
+    assert table.rows[0][:3] == ["124M", "lora-kernel", "one-launch"], table.rows
+    assert any("optimizer=fused" in n for n in table.notes)
+
+
 def test_a_glance_of_many_variants_names_those_farthest_from_the_baseline_and_counts_the_rest(tmp_path):
     """Eight variants against `all`: the glance names the five whose step lies farthest from the
     baseline's (either way), in the line's order, and says how many more the answer holds; with five
