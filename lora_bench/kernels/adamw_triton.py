@@ -124,7 +124,12 @@ def _adamw_tensors_kernel(table_ptr, tiles_ptr, hyper_ptr, step_ptr, beta1, beta
 def _floats(beta1: float, beta2: float, eps: float) -> tuple[float, ...]:
     """The kernels' float arguments. ``1 - β`` is formed on the host in double precision: in float32
     ``1 - 0.999`` is 1.3e-5 off, and every second moment with it."""
-    return (float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, float(eps), math.log(beta1), math.log(beta2))
+    return (float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, float(eps), ln_beta(beta1), ln_beta(beta2))
+
+
+def ln_beta(beta: float) -> float:
+    """``ln β`` for ``1 - βᵗ = -expm1(t·ln β)``; -inf for β = 0 (AdamW allows it: ``1 - 0ᵗ`` is 1)."""
+    return math.log(beta) if beta > 0 else -math.inf
 
 
 def tiles_of(numels: list[int]) -> list[int]:

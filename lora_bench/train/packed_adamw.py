@@ -184,4 +184,5 @@ def bias_corrections(step: torch.Tensor, beta1: float, beta2: float, *, host_ste
     if host_step:
         t = step.item()
         return 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5
-    return -torch.expm1(step * math.log(beta1)), (-torch.expm1(step * math.log(beta2))).sqrt()
+    ln1, ln2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))  # β = 0: 1 - 0ᵗ is 1
+    return -torch.expm1(step * ln1), (-torch.expm1(step * ln2)).sqrt()

@@ -448,3 +448,19 @@ def test_the_torch_update_from_a_device_step_count_is_adamws_within_float32_bias
         opt.step()
         adam += (before * (1 - 1e-3 * 0.1) - ref.detach()).abs()
         _check_device_step_update(p - p0, ref.detach() - p0, adam)
+
+
+def test_bias_corrections_from_a_device_step_count_take_a_beta_of_zero():
+    """AdamW allows β = 0: 1 - 0ᵗ is 1 for every step, from the step count on the device as from the
+    host's (no log of zero), and the kernels' host arguments are formed for it too."""
+    from lora_bench.train.packed_adamw import bias_corrections
+
+    for t in (1.0, 2.0, 50.0):
+        step = torch.tensor(t)
+        dev = [float(x) for x in bias_corrections(step, 0.0, 0.0, host_step=False)]
+        assert dev == [1.0, 1.0] == list(bias_corrections(step, 0.0, 0.0, host_step=True)), (t, dev)
+    pytest.importorskip("triton")
+    from lora_bench.kernels.adamw_triton import ln_beta
+
+    assert ln_beta(0.0) == float("-inf") and ln_beta(0.9) == pytest.approx(-0.10536051565782628, rel=1e-15)
+
