@@ -20,6 +20,7 @@ from lora_bench.train.distributed import DataParallel
 from lora_bench.train.graphs import GraphedEval
 from lora_bench.train.loop import LoopSettings
 from lora_bench.train.memory import fit_problem
+from lora_bench.train.packed_adamw import update_path
 from lora_bench.train.profiling import profiles_graphs
 from lora_bench.train.setup import amp_context, compile_model, resolve_device, set_precision
 
@@ -101,6 +102,11 @@ class RunContext:
         if self.cfg.trainable_layers != "lora-kernel" or self.cfg.lora_variant != "dora":
             return ""
         return self.kernel_plans.dora_norms()
+
+    def optimizer_update(self) -> str:
+        """Where the optimizer's updates ran, as it noted them (``packed_adamw.update_path``): the
+        one-launch and packed AdamW; '' for torch's AdamW."""
+        return update_path(self.optimizer)
 
 
 def execution_models(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,

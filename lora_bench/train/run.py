@@ -30,7 +30,6 @@ from lora_bench.train.estimate import announce
 from lora_bench.train.evaluate import calc_accuracy_loader
 from lora_bench.train.graphs import GraphedStep
 from lora_bench.train.loop import TrainResult, train_classifier
-from lora_bench.train.packed_adamw import update_path
 from lora_bench.train.points import Point, checked_cache_dir, checked_points, points_pack_columns
 from lora_bench.train.profiling import Profiler, profiles_graphs
 from lora_bench.train.record import divergence, peer_versions, run_environment, summary
@@ -210,7 +209,7 @@ class _Run:
             out.update(context.dp.gather(timer))
         out["backend"] = context.backend()  # what the layers ran (recorded while the loop ran)
         out["dora_norms"] = context.dora_norms()
-        out["optimizer_update"] = update_path(context.optimizer)
+        out["optimizer_update"] = context.optimizer_update()
         if step_fn is not None:
             out.update(step_fn.record())
         for p, row in enumerate(rows):
