@@ -12,6 +12,7 @@ shapes, host launch cost, then ``run_kernel_bench``; the short table prints last
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -32,7 +33,9 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
     gen = torch.Generator().manual_seed(int(time.time()))  # fresh inputs each run
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}
     for dt in (torch.float32, torch.float16):
-        for M, K, N, R, s in ((45, 70, 53, 5, 0.7), (64, 64, 64, 16, 2.0), (33, 96, 17, 1, 0.0), (20, 40, 36, 33, 1.5)):
+        cases = ((45, 70, 53, 5, 0.7), (64, 64, 64, 16, 2.0), (33, 96, 17, 1, 0.0), (20, 40, 36, 33, 1.5))
+        # each case with H formed in the GEMM's K loop and before the launch (lora_triton.h_apart)
+        for (M, K, N, R, s), apart in itertools.product(cases, (False, True)):
             def rnd(*shape, scale=1.0):
                 return (torch.randn(*shape, generator=gen) * scale).to(dt)
 
@@ -40,9 +43,9 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
             w, a, b, bias = rnd(N, K, scale=K ** -0.5), rnd(K, R, scale=K ** -0.5), rnd(R, N), rnd(N)
             nan = float("nan")
             y, h = torch.full((M, N), nan, dtype=dt), torch.full((M, R), nan, dtype=dt)
-            lt.lora_mm(x, w.t(), a, b, bias, scale=s, out=y, h_out=h)
+            lt.lora_mm(x, w.t(), a, b, bias, scale=s, out=y, h_out=h, apart=apart)
             gx, u = torch.full((M, K), nan, dtype=dt), torch.full((M, R), nan, dtype=dt)
-            lt.lora_mm(g, w, b.t(), a.t(), None, scale=s, out=gx, h_out=u)
+            lt.lora_mm(g, w, b.t(), a.t(), None, scale=s, out=gx, h_out=u, apart=apart)
             ga, gb = torch.full((K, R), nan), torch.full((R, N), nan)
             lt.lora_grad_ab(x, u, h, g, scale=s, ga_out=ga, gb_out=gb)
             X, G, W, A, B = (t.double() for t in (x, g, w, a, b))
@@ -55,7 +58,7 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
             }
             if dt != torch.float32:  # fp32 master A/B (autocast): rounded in registers, same result as a cast
                 y32, h32 = torch.full((M, N), nan, dtype=dt), torch.full((M, R), nan, dtype=dt)
-                lt.lora_mm(x, w.t(), a.float(), b.float(), bias, scale=s, out=y32, h_out=h32)
+                lt.lora_mm(x, w.t(), a.float(), b.float(), bias, scale=s, out=y32, h_out=h32, apart=apart)
                 checks["y(fp32 A,B)"] = (y32, y.double()) if torch.equal(h32, h) else (h32, h.double())
             for name, (out, ref) in checks.items():
                 if ref is None:  # alpha 0: the gradient is exactly zero
@@ -64,9 +67,9 @@ def interpreter_check(*, verbose: bool = True) -> list[str]:
                     e = _err(out, ref)
                     ok = e <= tol[dt] and not out.isnan().any()
                 if verbose:
-                    print(f"interp {str(dt)[6:]:8} M{M} K{K} N{N} r{R} s{s} {name:6} err {e:.1e} {'ok' if ok else 'FAIL'}")
+                    print(f"interp {str(dt)[6:]:8} M{M} K{K} N{N} r{R} s{s} {'apart' if apart else 'fused'} {name:6} err {e:.1e} {'ok' if ok else 'FAIL'}")
                 if not ok:
-                    failures.append(f"{dt} {(M, K, N, R, s)} {name} err={e:.2e}")
+                    failures.append(f"{dt} {(M, K, N, R, s)} apart={apart} {name} err={e:.2e}")
     failures += _function_check(gen, verbose=verbose)
     return failures
 

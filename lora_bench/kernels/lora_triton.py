@@ -49,9 +49,10 @@ def _main_loop(
     stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, RS: tl.constexpr, P_SS: tl.constexpr,
-    P_SEG: tl.constexpr,
+    P_SEG: tl.constexpr, DO_H: tl.constexpr = True,
 ):
-    # The K loop of both forward GEMM kernels: acc (BM × BN) = X·Wt and hacc (BM × BR) = X·P over all of K.
+    # The K loop of both forward GEMM kernels: acc (BM × BN) = X·Wt and, with DO_H, hacc (BM × BR) = X·P over
+    # all of K (without it hacc stays zero: H was formed before the launch).
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -72,28 +73,32 @@ def _main_loop(
         if EVEN_K:
             xt = tl.load(x_ptrs)
             wt = tl.load(w_ptrs)
-            if P_SEG > 0:
-                pt = tl.load(p_ptrs, mask=r_mask[None, :] & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :]),
-                             other=0.0)
-            elif EVEN_R:
-                pt = tl.load(p_ptrs)
-            else:
-                pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
         else:
             # the K tail must read zeros: it is summed
             k_mask = offs_k < K - k0
             xt = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            p_mask = k_mask[:, None] & r_mask[None, :]
-            if P_SEG > 0:
-                p_mask = p_mask & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :])
-            pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
+        if DO_H:
+            if EVEN_K:
+                if P_SEG > 0:
+                    pt = tl.load(p_ptrs, mask=r_mask[None, :] & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :]),
+                                 other=0.0)
+                elif EVEN_R:
+                    pt = tl.load(p_ptrs)
+                else:
+                    pt = tl.load(p_ptrs, mask=r_mask[None, :], other=0.0)
+            else:
+                p_mask = (offs_k < K - k0)[:, None] & r_mask[None, :]
+                if P_SEG > 0:
+                    p_mask = p_mask & ((k0 + offs_k)[:, None] // P_SEG == seg_r[None, :])
+                pt = tl.load(p_ptrs, mask=p_mask, other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-        # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
-        hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
+        if DO_H:
+            # p may be the fp32 master copy of A (or Bᵀ) under autocast: rounded here, as a cast would
+            hacc = tl.dot(xt, pt.to(xt.dtype), hacc, input_precision=PRECISION)
+            p_ptrs += BLOCK_K * stride_pk
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-        p_ptrs += BLOCK_K * stride_pk
     return acc, hacc
 
 
@@ -120,8 +125,10 @@ def _lora_mm_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
     RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
-    Q_SEG: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0, H_IN: tl.constexpr = False,
 ):
+    # H_IN: H = X·P was formed before the launch and is read from h_ptr (M × R, columns in adapter order)
+    # for the epilogue; the K loop then runs the frozen product alone (``h_apart``).
     # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
     # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
     # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
@@ -130,15 +137,19 @@ def _lora_mm_kernel(
     pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
                            stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
-                           BLOCK_K, BLOCK_R, RS, P_SS, P_SEG)
+                           BLOCK_K, BLOCK_R, RS, P_SS, P_SEG, not H_IN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     rn = offs_n % N
-    # H is rounded to the input dtype, as torch's x @ A would be, before the second product
-    h = hacc.to(x_ptr.dtype.element_ty)
     m_mask = offs_m < M
-    if WRITE_H:
+    if H_IN:
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
+                    mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    else:
+        # H is rounded to the input dtype, as torch's x @ A would be, before the second product
+        h = hacc.to(x_ptr.dtype.element_ty)
+    if WRITE_H and not H_IN:
         if pid_n == 0:
             h_ptrs = h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr
             tl.store(h_ptrs, h, mask=m_mask[:, None] & (offs_r < R)[None, :])
@@ -160,21 +171,27 @@ def _lora_mm_scale_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
     RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, Q_SEG: tl.constexpr = 0,
+    H_IN: tl.constexpr = False,
 ):
+    # H_IN: h holds H = X·P formed before the launch, as in _lora_mm_kernel.
     # A DoRA layer's forward whose per-output scale g (float32) was formed before the call: z = X·Wt +
     # s·(X·P)·Q (no bias) and h = X·P as _lora_mm_kernel computes them, z stored (the backward reads
     # it) and out = g ⊙ z + bias, from z as stored, as a scale launched apart computes it.
     pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
                            stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
-                           BLOCK_K, BLOCK_R, RS, P_SS, 0)
+                           BLOCK_K, BLOCK_R, RS, P_SS, 0, not H_IN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     rn = offs_n % N
     m_mask = offs_m < M
-    h = hacc.to(x_ptr.dtype.element_ty)
-    if pid_n == 0:
+    if H_IN:
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
+                    mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    else:
+        h = hacc.to(x_ptr.dtype.element_ty)
+    if pid_n == 0 and not H_IN:
         tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr, h,
                  mask=m_mask[:, None] & (offs_r < R)[None, :])
     qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
@@ -276,11 +293,27 @@ def _alloc(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None
 _NO_SEGMENTS = (0, 0, 0, 0, 0)
 
 
-def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS):
+# From this many adapter columns (R = S·r for S layers side by side; the kernel pads R to 32 or more)
+# the forward GEMMs take H = X·P formed before the launch, by torch's GEMM, and their K loop runs
+# the frozen product alone. In the fused kernel every output tile's program forms its rows of H
+# again, over all of K: at R = 48 (a block's query, key and value at rank 16, padded to 64) that is
+# half again the MMA work of the 64×128 output tile, and the grouped launch ran at 2.7× cuBLAS's
+# frozen product (GPT-2 1558M, 960 rows, graph replay, H100); at R ≤ 16 it is an eighth, cheaper
+# than a second launch. Why: docs/kernel-design.md#h-formed-apart.
+H_APART_MIN_R = 17
+
+
+def h_apart(R: int, choice: bool | None = None) -> bool:
+    """Whether the forward GEMM of R adapter columns takes H formed before its launch (``choice``, where
+    a caller forces it, else the rule above)."""
+    return R >= H_APART_MIN_R if choice is None else bool(choice)
+
+
+def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS, h_in=False):
     """Launch ``_lora_mm_kernel``; operands come with explicit (row, col) strides so callers pass
     W, A, B as stored instead of building transposed views (each view costs host time). ``seg``:
     the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG), always passed (the fast launch
-    hands every constexpr to Triton's launcher)."""
+    hands every constexpr to Triton's launcher). ``h_in``: ``h`` already holds H = X·P (``h_apart``)."""
     c = config or _mm_config(M, N, K, x)
     br = block_r(R)
     write_h = h is not None
@@ -293,7 +326,7 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, se
         (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
         (float(scale),),
         (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
-         c.block_k, br, 8, *seg),
+         c.block_k, br, 8, *seg, bool(h_in)),
         tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
     )
 
@@ -301,80 +334,107 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, se
 def lora_mm(
     x: torch.Tensor, wt: torch.Tensor, p: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None = None,
     *, scale: float, out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
-    write_h: bool = True, config: MMConfig | None = None,
+    write_h: bool = True, config: MMConfig | None = None, apart: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out (M×N) = x·wt + bias + scale·(x·p)·q, and h_out (M×R) = x·p when ``write_h``.
 
     x: M×K, wt: K×N, p: K×R, q: R×N, bias: N; any strides (views such as Wᵀ work). One dtype;
-    fp32 accumulation. The layer itself uses ``lora_fwd``/``lora_bwd_x``, which skip the views."""
+    fp32 accumulation. ``apart``: H formed before the launch (default: ``h_apart``'s rule). The
+    layer itself uses ``lora_fwd``/``lora_bwd_x``, which skip the views."""
     M, K = x.shape
     N, R = wt.shape[1], p.shape[1]
     assert wt.shape[0] == K and p.shape[0] == K and q.shape == (R, N), (x.shape, wt.shape, p.shape, q.shape)
     assert R <= MAX_RANK, R
     out = _alloc((M, N), x) if out is None else out
-    if write_h and h_out is None:
+    apart = h_apart(R, apart)
+    if (write_h or apart) and h_out is None:
         h_out = _alloc((M, R), x)
-    _mm(x, x.stride(), wt, wt.stride(), p, p.stride(), q, q.stride(), bias, out, h_out if write_h else None,
-        M, N, K, R, scale, config)
-    return out, h_out
+    if apart:
+        torch.mm(x, p.to(x.dtype), out=h_out)
+    _mm(x, x.stride(), wt, wt.stride(), p, p.stride(), q, q.stride(), bias, out,
+        h_out if write_h or apart else None, M, N, K, R, scale, config, h_in=apart)
+    return out, (h_out if write_h else None)
 
 
-def lora_fwd(x, w, a, b, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = x·Wᵀ + bias + s·(x·A)·B and h = x·A for x (M×k), W (n×k), A (k×r), B (r×n)."""
+def lora_fwd(x, w, a, b, bias, scale: float, *, apart: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x·Wᵀ + bias + s·(x·A)·B and h = x·A for x (M×k), W (n×k), A (k×r), B (r×n); ``apart``: H
+    formed by torch's GEMM before the launch (default: ``h_apart``'s rule)."""
     M, K = x.shape
     N, R = w.shape[0], a.shape[1]
     y, h = _alloc((M, N), x), _alloc((M, R), x)
+    apart = h_apart(R, apart)
+    if apart:
+        torch.mm(x, a.to(x.dtype), out=h)
     ws = w.stride()
-    _mm(x, x.stride(), w, (ws[1], ws[0]), a, a.stride(), b, b.stride(), bias, y, h, M, N, K, R, scale, None)
+    _mm(x, x.stride(), w, (ws[1], ws[0]), a, a.stride(), b, b.stride(), bias, y, h, M, N, K, R, scale, None,
+        h_in=apart)
     return y, h
 
 
-def lora_bwd_x(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_bwd_x(g, w, a, b, scale: float, *, apart: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ for g (M×n): the forward kernel on (g, W, Bᵀ, Aᵀ)."""
     M, K = g.shape  # K here is n, the reduction
     N, R = w.shape[1], a.shape[1]
     gx, u = _alloc((M, N), g), _alloc((M, R), g)
+    apart = h_apart(R, apart)
+    if apart:
+        torch.mm(g, b.t().to(g.dtype), out=u)
     bs, as_ = b.stride(), a.stride()
-    _mm(g, g.stride(), w, w.stride(), b, (bs[1], bs[0]), a, (as_[1], as_[0]), None, gx, u, M, N, K, R, scale, None)
+    _mm(g, g.stride(), w, w.stride(), b, (bs[1], bs[0]), a, (as_[1], as_[0]), None, gx, u, M, N, K, R, scale, None,
+        h_in=apart)
     return gx, u
 
 
-def lora_fwd_segments(x, w, a, b, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_fwd_segments(x, w, a, b, bias, scale: float, *, apart: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """S layers that share their input, side by side, in one launch: y = x·Wᵀ + bias + s·(x·A_i)·B_i
     for each layer i's columns, and h = [x·A_1 | … | x·A_S].
 
     x (M×k); w (S·n × k): layer i's rows at i·n; a (S×k×r), b (S×r×n): each layer's adapter at its
-    index (any strides); bias (S·n) or None. Returns y (M × S·n), h (M × S·r)."""
+    index (any strides); bias (S·n) or None. Returns y (M × S·n), h (M × S·r). ``apart``: h formed
+    before the launch, by torch's GEMM on the adapters laid side by side (default: ``h_apart``'s rule)."""
     S, k, r = a.shape
     n = b.shape[2]
     M = x.shape[0]
     y, h = _alloc((M, S * n), x), _alloc((M, S * r), x)
+    apart = h_apart(S * r, apart)
+    if apart:
+        torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)
     ws = w.stride()
     seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), 0, n)  # B block-diagonal: Q_SEG = n
     _mm(x, x.stride(), w, (ws[1], ws[0]), a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), bias,
-        y, h, M, S * n, k, S * r, scale, None, seg)
+        y, h, M, S * n, k, S * r, scale, None, seg, h_in=apart)
     return y, h
 
 
-def lora_bwd_x_segments(g, w, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_bwd_x_segments(g, w, a, b, scale: float, *, apart: bool | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_x = g·W + s·Σ_i u_i·A_iᵀ and u = [g_1·B_1ᵀ | … | g_S·B_Sᵀ] for ``lora_fwd_segments``'
-    operands: g (M × S·n), g_i its layer-i columns. Returns grad_x (M×k), u (M × S·r)."""
+    operands: g (M × S·n), g_i its layer-i columns. Returns grad_x (M×k), u (M × S·r). ``apart``: u
+    formed before the launch, by one batched GEMM over the layers (default: ``h_apart``'s rule)."""
     S, k, r = a.shape
     n = b.shape[2]
     M = g.shape[0]
     gx, u = _alloc((M, k), g), _alloc((M, S * r), g)
+    apart = h_apart(S * r, apart)
+    if apart:
+        u.view(M, S, r).copy_(torch.bmm(g.unflatten(1, (S, n)).transpose(0, 1), b.to(g.dtype).transpose(1, 2))
+                              .transpose(0, 1))
     seg = (r, b.stride(0) - n * b.stride(2), a.stride(0), n, 0)  # Bᵀ block-diagonal along K: P_SEG = n
     _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
-        gx, u, M, k, S * n, S * r, scale, None, seg)
+        gx, u, M, k, S * n, S * r, scale, None, seg, h_in=apart)
     return gx, u
 
 
-def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg):
+def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg, h_apart_of=None):
     """Launch ``_lora_mm_scale_kernel`` (``lora_fwd_scaled``: one layer; ``lora_fwd_scaled_segments``:
-    S side by side, seg the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). Returns (y, z, h)."""
+    S side by side, seg the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). ``h_apart_of``: None, or
+    a function that writes H = X·P into the tensor it is given before the launch. Returns (y, z, h)."""
     c = _mm_config(M, N, K, x)
     br = block_r(R)
     y, z, h = _alloc((M, N), x), _alloc((M, N), x), _alloc((M, R), x)
+    if h_apart_of is not None:
+        h_apart_of(h)
     ws, xs = w.stride(), x.stride()
     launch(
         _lora_mm_scale_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
@@ -383,30 +443,36 @@ def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg):
          h.stride(1)),
         (float(scale),),
         (bias is not None, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n, c.block_k, br, 8,
-         *seg),
+         *seg, h_apart_of is not None),
         tag="mm_scale", num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return y, z, h
 
 
-def lora_fwd_scaled(x, w, a, b, g, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lora_fwd_scaled(x, w, a, b, g, bias, scale: float, *, apart: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lora_fwd`` without a bias, scaled by a DoRA layer's g in its epilogue, in one launch: z = x·Wᵀ +
     s·(x·A)·B and h = x·A as ``lora_fwd`` gives them, and y = g ⊙ z + bias (computed in float32 from z
-    as stored, g float32, the bias read as stored). Returns (y, z, h), y and z in x's dtype."""
+    as stored, g float32, the bias read as stored). Returns (y, z, h), y and z in x's dtype. ``apart``:
+    as in ``lora_fwd``."""
     M, K = x.shape
     N, R = w.shape[0], a.shape[1]
     assert R <= MAX_RANK and b.shape == (R, N) and g.shape == (N,) and g.dtype == torch.float32, (w.shape, g.shape)
-    return _mm_scale(x, w, a, a.stride(), b, b.stride(), g, bias, M, N, K, R, scale, (0, 0, 0, 0))
+    form = (lambda h: torch.mm(x, a.to(x.dtype), out=h)) if h_apart(R, apart) else None
+    return _mm_scale(x, w, a, a.stride(), b, b.stride(), g, bias, M, N, K, R, scale, (0, 0, 0, 0), form)
 
 
-def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float, *, apart: bool | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lora_fwd_scaled`` for S layers that share their input, side by side as in ``lora_fwd_segments``:
     W (S·n × k), A (S×k×r), B (S×r×n), g and the bias (S·n); y and z (M × S·n), h (M × S·r)."""
     S, k, r = a.shape
     n = b.shape[2]
     seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), n)  # B block-diagonal: Q_SEG = n
+    form = (lambda h: torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)) if h_apart(S * r, apart) \
+        else None
     return _mm_scale(x, w, a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), g, bias, x.shape[0], S * n,
-                     k, S * r, scale, seg)
+                     k, S * r, scale, seg, form)
 
 
 def lora_grad_ab(

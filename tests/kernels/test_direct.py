@@ -62,7 +62,8 @@ def test_real_kernels_compiled_for_sm90_keep_every_canonical_argument(which):
     if which == "mm":
         fn, canonical = tk.KERNELS["mm"], direct.MM_ARGS
         consts = dict(HAS_BIAS=True, WRITE_H=True, EVEN_K=True, EVEN_R=True, PRECISION="tf32", BLOCK_M=64,
-                      BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, RS=0, P_SS=0, Q_SS=0, P_SEG=0, Q_SEG=0)
+                      BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, RS=0, P_SS=0, Q_SS=0, P_SEG=0, Q_SEG=0,
+                      H_IN=False)  # (H formed in the K loop: how the direct plan compiles it)
     else:
         fn, canonical = tk.KERNELS["ab"], direct.AB_ARGS
         consts = dict(PRECISION="tf32", BLOCK_M=64, BLOCK_D=32, BLOCK_R=16, ATOMIC=False, RS=0, GA_SS=0, GB_SS=0,

@@ -212,14 +212,15 @@ def _interp_main() -> None:
         W = fresh(S * n, k, device="cpu", dtype=dtype, scale=k ** -0.5)
         A, B = fresh(S, k, r, device="cpu", dtype=dtype, scale=k ** -0.5), fresh(S, r, n, device="cpu", dtype=dtype)
         b = fresh(S * n, device="cpu", dtype=dtype) if bias else None
-        y, h = lt.lora_fwd_segments(x, W, A, B, b, s)
-        gx, u = lt.lora_bwd_x_segments(g, W, A, B, s)
-        ga, gb = lt.lora_grad_ab(x, u, h, g, scale=s, grad_dtype=torch.float32, segments=S,
-                                 config=lt.ABConfig(32, 16, 4, 1, split))
         ref = _reference(x, W, A, B, b, g, s)
-        errs = [rel_err(t, rt) for t, rt in zip((y, h, gx, u, ga, gb), ref)]
-        shapes = [list(ga.shape), list(gb.shape)]
-        print(json.dumps(dict(case=i, errs=errs, shapes=shapes)), flush=True)
+        for apart in (False, True):  # H and u formed in the GEMM's K loop, and before its launch
+            y, h = lt.lora_fwd_segments(x, W, A, B, b, s, apart=apart)
+            gx, u = lt.lora_bwd_x_segments(g, W, A, B, s, apart=apart)
+            ga, gb = lt.lora_grad_ab(x, u, h, g, scale=s, grad_dtype=torch.float32, segments=S,
+                                     config=lt.ABConfig(32, 16, 4, 1, split))
+            errs = [rel_err(t, rt) for t, rt in zip((y, h, gx, u, ga, gb), ref)]
+            shapes = [list(ga.shape), list(gb.shape)]
+            print(json.dumps(dict(case=i, apart=apart, errs=errs, shapes=shapes)), flush=True)
 
     calls = []
     real = lt.lora_fwd_segments
@@ -243,10 +244,11 @@ def interp_runs():
     return interpreted_runs(__file__)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["h-in-gemm", "h-apart"])
 @pytest.mark.parametrize("i", range(len(SEGMENT_CASES)))
-def test_segment_kernels_under_triton_interpreter(interp_runs, i):
+def test_segment_kernels_under_triton_interpreter(interp_runs, i, apart):
     M, k, n, r, S, dt, bias, split = SEGMENT_CASES[i]
-    run, = (x for x in interp_runs if x.get("case") == i)
+    run, = (x for x in interp_runs if x.get("case") == i and x["apart"] == apart)
     assert run["shapes"] == [[S, k, r], [S, r, n]]
     chains = lora_chains(rows=M, k=k, n=n, r=r, segments=S)
     for name, err in zip(("y", "h", "grad_x", "u", "grad_A", "grad_B"), run["errs"]):

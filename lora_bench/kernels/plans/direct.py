@@ -114,8 +114,9 @@ def build(M: int, N: int, K: int, R: int, dtype: torch.dtype, adtype: torch.dtyp
     bias = rnd(N) if has_bias else None
     cfg = tk.pick_ab_config(M, K, N, device)._replace(split_m=1)  # one split: a direct store, no zero-fill
     with _launch.recording() as rec:
-        _, h = tk.lora_fwd(x, w, a, b, bias, 1.0)
-        _, u = tk.lora_bwd_x(g, w, a, b, 1.0)
+        # the C++ op launches these kernels alone: H formed in the GEMM, whatever the rank
+        _, h = tk.lora_fwd(x, w, a, b, bias, 1.0, apart=False)
+        _, u = tk.lora_bwd_x(g, w, a, b, 1.0, apart=False)
         tk.lora_grad_ab(x, u, h, g, scale=1.0, grad_dtype=adtype, config=cfg)
     if len(rec) != 3 or [t for t, _, _ in rec] != ["mm", "mm", "ab"] or any(k is None for _, _, k in rec):
         raise Unsupported(f"recorded launches {[t for t, _, _ in rec]} (Triton's fast launch off?)")
