@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO,
+from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_GEMM, AUTO,
                                            DORA_NORM_LAUNCHES, PLAN_NAMES)
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
@@ -162,6 +162,11 @@ class SettingFields:
                             "step's critical path (the Python plans fused, cublas and torch; the C++ op's plans and "
                             "torch.compile stay inline; refused with a process group) (docs/kernel-design.md).",
                             LORA, choices=ADAPTER_GRADS)
+    adapter_h: str = _s(ADAPTER_H_GEMM, "lora-kernel: where its fused GEMMs form x·A (forward) and g·Bᵀ (backward). "
+                        "gemm: in the GEMM's K loop, by every output tile; apart: by torch's GEMM before the "
+                        "launch, for launches of 17 adapter columns or more (a block's query, key and value "
+                        "side by side, a rank above 16), the K loop then running the frozen product alone. The "
+                        "fused plan on a GPU, not compiled (docs/kernel-design.md).", LORA, choices=ADAPTER_H)
     dora_norm_launch: str = _s(AUTO, "lora-kernel with lora_variant=dora: when each layer's norm is "
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "
                                "the start of the model's forward, on a side stream beside the layers' products, each "

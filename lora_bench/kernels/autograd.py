@@ -22,7 +22,7 @@ import torch
 from lora_bench.kernels import available, deferred
 from lora_bench.kernels.call import Plan
 from lora_bench.kernels.plans import PYTHON, cpp, direct, fused
-from lora_bench.kernels.policy import choose, current_policy, note, note_adapter_grads
+from lora_bench.kernels.policy import choose, current_policy, h_apart, note, note_adapter_grads
 
 
 def compute_dtype(x: torch.Tensor, dev: str) -> torch.dtype:
@@ -88,7 +88,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, A, B, scale, plan, defer, dora=None):
+    def forward(ctx, x, weight, bias, A, B, scale, plan, defer, dora=None, apart=False):
         n, k = weight.shape
         dev = "cuda" if x.is_cuda else x.device.type
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (N, k); a copy only if the batch dims don't flatten
@@ -102,18 +102,16 @@ class LoRAKernelFunction(torch.autograd.Function):
                 # on an H200 (4.52 vs 4.26 ms): the fp32 tiles cost more inside the K loop than the
                 # two launches they save (docs/kernel-design.md).
                 a, bm = cast(A, cdt), cast(B, cdt)
-                y, h = PYTHON[plan].forward(x2, w, b, a, bm, s) if dora is None else \
-                    fused.forward_scaled(x2, w, a, bm, s, dora)
+                y, h = _forward(plan, x2, w, b, a, bm, s, dora, apart)
         else:
             for p in (weight, A, B, bias):
                 if p is not None and p.dtype is not x.dtype:
                     raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
             w, a, bm, b = weight, A, B, bias
-            y, h = PYTHON[plan].forward(x2, w, b, a, bm, s) if dora is None else \
-                fused.forward_scaled(x2, w, a, bm, s, dora)
+            y, h = _forward(plan, x2, w, b, a, bm, s, dora, apart)
         ctx.save_for_backward(x2, h, w, a, bm)
         ctx.scale, ctx.plan, ctx.dev = s, plan, dev
-        ctx.defer = defer
+        ctx.defer, ctx.apart = defer, apart
         ctx.ab_edges = (3, 4) if bias is not None else (2, 3)  # A's and B's among the tensor inputs
         ctx.x_meta = (x.shape, x.dtype)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None, A.dtype, B.dtype)
@@ -134,7 +132,7 @@ class LoRAKernelFunction(torch.autograd.Function):
         g = cast(g, x2.dtype)
         u = None
         if need_x:
-            gx, u = PYTHON[mode].grad_x_u(g, w, a, bm, s)
+            gx, u = fused.grad_x_u(g, w, a, bm, s, apart=True) if ctx.apart else PYTHON[mode].grad_x_u(g, w, a, bm, s)
             x_shape, x_dt = ctx.x_meta
             grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
         elif need_a:
@@ -155,7 +153,17 @@ class LoRAKernelFunction(torch.autograd.Function):
             grad_w = cast(g.t() @ x2, w_dt)  # (n, k)
         if need_b:
             grad_b = cast(g.sum(0), b_dt)
-        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None, None, None
+        return grad_x, grad_w, grad_b, grad_a, grad_bl, None, None, None, None, None
+
+
+def _forward(plan, x2, w, b, a, bm, s, dora, apart):
+    """(y, h) of the Function's forward through ``plan`` (a DoRA layer's scaled forward: the fused plan);
+    ``apart``: the fused plan with H formed before its GEMM (``policy.h_apart``)."""
+    if dora is not None:
+        return fused.forward_scaled(x2, w, a, bm, s, dora, apart=apart)
+    if apart:
+        return fused.forward(x2, w, b, a, bm, s, apart=True)
+    return PYTHON[plan].forward(x2, w, b, a, bm, s)
 
 
 # ------------------------------------------------------------------ under torch.compile
@@ -271,7 +279,8 @@ def lora_linear(x, weight, bias, A, B, scale, dora=None):
     _note(plan)
     if plan is Plan.CPP:
         return cpp.layer(x, weight, bias, A, B, scale)
-    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan, deferred.chosen((A, B)), dora)
+    apart = plan is Plan.FUSED and h_apart(A.shape[1])
+    return LoRAKernelFunction.apply(x, weight, bias, A, B, scale, plan, deferred.chosen((A, B)), dora, apart)
 
 
 __all__ = ["LoRAKernelFunction", "call_plan", "cast", "compute_dtype", "exact_fp32", "lora_linear", "outside_autocast",

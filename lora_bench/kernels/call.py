@@ -20,6 +20,9 @@ CPP_GRAPH_MIN_WEIGHT = 1600 * 6400
 # The Triton kernels keep the rank-r accumulator in registers beside the output tile; above this
 # rank the plans that use them give way to torch ops.
 TRITON_MAX_RANK = 128
+# With the adapter_h setting at apart, forward GEMMs of this many adapter columns or more (R = S·r for S
+# layers side by side) take H = X·P formed before the launch: docs/kernel-design.md#h-formed-apart.
+H_APART_MIN_R = 17
 DTYPES_16 = (torch.bfloat16, torch.float16)  # the compute dtypes of the direct plan
 
 
@@ -71,4 +74,4 @@ class Call(NamedTuple):
         return not (self.capturing or self.compiling)
 
 
-__all__ = ["CPP_GRAPH_MIN_WEIGHT", "Call", "DTYPES_16", "Plan", "TRITON_MAX_RANK"]
+__all__ = ["CPP_GRAPH_MIN_WEIGHT", "Call", "DTYPES_16", "H_APART_MIN_R", "Plan", "TRITON_MAX_RANK"]

@@ -128,7 +128,7 @@ def _lora_mm_kernel(
     Q_SEG: tl.constexpr = 0, H_IN: tl.constexpr = False,
 ):
     # H_IN: H = X·P was formed before the launch and is read from h_ptr (M × R, columns in adapter order)
-    # for the epilogue; the K loop then runs the frozen product alone (``h_apart``).
+    # for the epilogue; the K loop then runs the frozen product alone (``apart``).
     # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
     # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
     # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
@@ -293,27 +293,11 @@ def _alloc(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None
 _NO_SEGMENTS = (0, 0, 0, 0, 0)
 
 
-# From this many adapter columns (R = S·r for S layers side by side; the kernel pads R to 32 or more)
-# the forward GEMMs take H = X·P formed before the launch, by torch's GEMM, and their K loop runs
-# the frozen product alone. In the fused kernel every output tile's program forms its rows of H
-# again, over all of K: at R = 48 (a block's query, key and value at rank 16, padded to 64) that is
-# half again the MMA work of the 64×128 output tile, and the grouped launch ran at 2.7× cuBLAS's
-# frozen product (GPT-2 1558M, 960 rows, graph replay, H100); at R ≤ 16 it is an eighth, cheaper
-# than a second launch. Why: docs/kernel-design.md#h-formed-apart.
-H_APART_MIN_R = 17
-
-
-def h_apart(R: int, choice: bool | None = None) -> bool:
-    """Whether the forward GEMM of R adapter columns takes H formed before its launch (``choice``, where
-    a caller forces it, else the rule above)."""
-    return R >= H_APART_MIN_R if choice is None else bool(choice)
-
-
 def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, seg=_NO_SEGMENTS, h_in=False):
     """Launch ``_lora_mm_kernel``; operands come with explicit (row, col) strides so callers pass
     W, A, B as stored instead of building transposed views (each view costs host time). ``seg``:
     the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG), always passed (the fast launch
-    hands every constexpr to Triton's launcher). ``h_in``: ``h`` already holds H = X·P (``h_apart``)."""
+    hands every constexpr to Triton's launcher). ``h_in``: ``h`` already holds H = X·P (``apart``)."""
     c = config or _mm_config(M, N, K, x)
     br = block_r(R)
     write_h = h is not None
@@ -334,19 +318,19 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, se
 def lora_mm(
     x: torch.Tensor, wt: torch.Tensor, p: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None = None,
     *, scale: float, out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
-    write_h: bool = True, config: MMConfig | None = None, apart: bool | None = None,
+    write_h: bool = True, config: MMConfig | None = None, apart: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out (M×N) = x·wt + bias + scale·(x·p)·q, and h_out (M×R) = x·p when ``write_h``.
 
     x: M×K, wt: K×N, p: K×R, q: R×N, bias: N; any strides (views such as Wᵀ work). One dtype;
-    fp32 accumulation. ``apart``: H formed before the launch (default: ``h_apart``'s rule). The
+    fp32 accumulation. ``apart``: H formed before the launch by torch's GEMM, the K loop running the frozen
+    product alone (the ``adapter_h`` setting's apart: docs/kernel-design.md#h-formed-apart). The
     layer itself uses ``lora_fwd``/``lora_bwd_x``, which skip the views."""
     M, K = x.shape
     N, R = wt.shape[1], p.shape[1]
     assert wt.shape[0] == K and p.shape[0] == K and q.shape == (R, N), (x.shape, wt.shape, p.shape, q.shape)
     assert R <= MAX_RANK, R
     out = _alloc((M, N), x) if out is None else out
-    apart = h_apart(R, apart)
     if (write_h or apart) and h_out is None:
         h_out = _alloc((M, R), x)
     if apart:
@@ -356,13 +340,12 @@ def lora_mm(
     return out, (h_out if write_h else None)
 
 
-def lora_fwd(x, w, a, b, bias, scale: float, *, apart: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_fwd(x, w, a, b, bias, scale: float, *, apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """y = x·Wᵀ + bias + s·(x·A)·B and h = x·A for x (M×k), W (n×k), A (k×r), B (r×n); ``apart``: H
-    formed by torch's GEMM before the launch (default: ``h_apart``'s rule)."""
+    formed by torch's GEMM before the launch (as in ``lora_mm``)."""
     M, K = x.shape
     N, R = w.shape[0], a.shape[1]
     y, h = _alloc((M, N), x), _alloc((M, R), x)
-    apart = h_apart(R, apart)
     if apart:
         torch.mm(x, a.to(x.dtype), out=h)
     ws = w.stride()
@@ -371,12 +354,11 @@ def lora_fwd(x, w, a, b, bias, scale: float, *, apart: bool | None = None) -> tu
     return y, h
 
 
-def lora_bwd_x(g, w, a, b, scale: float, *, apart: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_bwd_x(g, w, a, b, scale: float, *, apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_x = g·W + s·u·Aᵀ and u = g·Bᵀ for g (M×n): the forward kernel on (g, W, Bᵀ, Aᵀ)."""
     M, K = g.shape  # K here is n, the reduction
     N, R = w.shape[1], a.shape[1]
     gx, u = _alloc((M, N), g), _alloc((M, R), g)
-    apart = h_apart(R, apart)
     if apart:
         torch.mm(g, b.t().to(g.dtype), out=u)
     bs, as_ = b.stride(), a.stride()
@@ -385,19 +367,18 @@ def lora_bwd_x(g, w, a, b, scale: float, *, apart: bool | None = None) -> tuple[
     return gx, u
 
 
-def lora_fwd_segments(x, w, a, b, bias, scale: float, *, apart: bool | None = None
+def lora_fwd_segments(x, w, a, b, bias, scale: float, *, apart: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """S layers that share their input, side by side, in one launch: y = x·Wᵀ + bias + s·(x·A_i)·B_i
     for each layer i's columns, and h = [x·A_1 | … | x·A_S].
 
     x (M×k); w (S·n × k): layer i's rows at i·n; a (S×k×r), b (S×r×n): each layer's adapter at its
     index (any strides); bias (S·n) or None. Returns y (M × S·n), h (M × S·r). ``apart``: h formed
-    before the launch, by torch's GEMM on the adapters laid side by side (default: ``h_apart``'s rule)."""
+    before the launch, by torch's GEMM on the adapters laid side by side."""
     S, k, r = a.shape
     n = b.shape[2]
     M = x.shape[0]
     y, h = _alloc((M, S * n), x), _alloc((M, S * r), x)
-    apart = h_apart(S * r, apart)
     if apart:
         torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)
     ws = w.stride()
@@ -407,16 +388,15 @@ def lora_fwd_segments(x, w, a, b, bias, scale: float, *, apart: bool | None = No
     return y, h
 
 
-def lora_bwd_x_segments(g, w, a, b, scale: float, *, apart: bool | None = None
+def lora_bwd_x_segments(g, w, a, b, scale: float, *, apart: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_x = g·W + s·Σ_i u_i·A_iᵀ and u = [g_1·B_1ᵀ | … | g_S·B_Sᵀ] for ``lora_fwd_segments``'
     operands: g (M × S·n), g_i its layer-i columns. Returns grad_x (M×k), u (M × S·r). ``apart``: u
-    formed before the launch, by one batched GEMM over the layers (default: ``h_apart``'s rule)."""
+    formed before the launch, by one batched GEMM over the layers."""
     S, k, r = a.shape
     n = b.shape[2]
     M = g.shape[0]
     gx, u = _alloc((M, k), g), _alloc((M, S * r), g)
-    apart = h_apart(S * r, apart)
     if apart:
         u.view(M, S, r).copy_(torch.bmm(g.unflatten(1, (S, n)).transpose(0, 1), b.to(g.dtype).transpose(1, 2))
                               .transpose(0, 1))
@@ -449,7 +429,7 @@ def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg, h_apart_of=No
     return y, z, h
 
 
-def lora_fwd_scaled(x, w, a, b, g, bias, scale: float, *, apart: bool | None = None
+def lora_fwd_scaled(x, w, a, b, g, bias, scale: float, *, apart: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lora_fwd`` without a bias, scaled by a DoRA layer's g in its epilogue, in one launch: z = x·Wᵀ +
     s·(x·A)·B and h = x·A as ``lora_fwd`` gives them, and y = g ⊙ z + bias (computed in float32 from z
@@ -458,19 +438,18 @@ def lora_fwd_scaled(x, w, a, b, g, bias, scale: float, *, apart: bool | None = N
     M, K = x.shape
     N, R = w.shape[0], a.shape[1]
     assert R <= MAX_RANK and b.shape == (R, N) and g.shape == (N,) and g.dtype == torch.float32, (w.shape, g.shape)
-    form = (lambda h: torch.mm(x, a.to(x.dtype), out=h)) if h_apart(R, apart) else None
+    form = (lambda h: torch.mm(x, a.to(x.dtype), out=h)) if apart else None
     return _mm_scale(x, w, a, a.stride(), b, b.stride(), g, bias, M, N, K, R, scale, (0, 0, 0, 0), form)
 
 
-def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float, *, apart: bool | None = None
+def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float, *, apart: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lora_fwd_scaled`` for S layers that share their input, side by side as in ``lora_fwd_segments``:
     W (S·n × k), A (S×k×r), B (S×r×n), g and the bias (S·n); y and z (M × S·n), h (M × S·r)."""
     S, k, r = a.shape
     n = b.shape[2]
     seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), n)  # B block-diagonal: Q_SEG = n
-    form = (lambda h: torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)) if h_apart(S * r, apart) \
-        else None
+    form = (lambda h: torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)) if apart else None
     return _mm_scale(x, w, a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), g, bias, x.shape[0], S * n,
                      k, S * r, scale, seg, form)
 

@@ -15,3 +15,8 @@ ADAPTER_GRADS = (ADAPTER_GRADS_INLINE, ADAPTER_GRADS_DEFERRED)
 DORA_NORM_INLINE = "inline"
 DORA_NORM_AHEAD = "ahead"
 DORA_NORM_LAUNCHES = (AUTO, DORA_NORM_INLINE, DORA_NORM_AHEAD)
+# where the fused forward GEMMs form H = x·A (and the backward's u = g·Bᵀ): gemm, in the GEMM's K loop;
+# apart, by torch's GEMM before the launch, for launches of H_APART_MIN_R adapter columns or more
+ADAPTER_H_GEMM = "gemm"
+ADAPTER_H_APART = "apart"
+ADAPTER_H = (ADAPTER_H_GEMM, ADAPTER_H_APART)

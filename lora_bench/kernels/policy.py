@@ -24,8 +24,9 @@ from collections.abc import Iterator
 import torch
 
 from lora_bench.errors import UsageError
-from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.plan_names import ADAPTER_GRADS, ADAPTER_GRADS_INLINE, AUTO
+from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, H_APART_MIN_R, TRITON_MAX_RANK, Call, Plan
+from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_APART,
+                                           ADAPTER_H_GEMM, AUTO)
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.plan_rules import RULES
 
@@ -42,17 +43,22 @@ class PlanPolicy:
     GEMMs. ``capture``: choose as under CUDA-graph capture (graph warm-ups, ``graph_plan``).
     ``adapter_grads``: where the Python plans' backward runs the adapter gradients: ``inline`` in
     the layer's backward, ``deferred`` on a side stream joined once per backward pass
-    (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline)."""
+    (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline). ``adapter_h``: where
+    the fused plan's GEMMs form x·A and g·Bᵀ: ``gemm``, in their K loop; ``apart``, before the launch for
+    launches of ``H_APART_MIN_R`` adapter columns or more (``h_apart``)."""
 
     forced: Plan | None = None
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT
     capture: bool = False
     adapter_grads: str = ADAPTER_GRADS_INLINE
+    adapter_h: str = ADAPTER_H_GEMM
 
     def __post_init__(self) -> None:
         if self.forced is not None and not isinstance(self.forced, Plan):  # a plan's name
             object.__setattr__(self, "forced", parse_plan(str(self.forced)))
         object.__setattr__(self, "adapter_grads", parse_adapter_grads(self.adapter_grads))
+        if self.adapter_h not in ADAPTER_H:
+            raise KernelPlanError(f"lora-kernel adapter_h {self.adapter_h!r}: expected one of {', '.join(ADAPTER_H)}")
 
 
 def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bool, compiling: bool,
@@ -122,15 +128,26 @@ def parse_adapter_grads(text: str) -> str:
     return name
 
 
-def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None) -> PlanPolicy:
+def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None,
+               adapter_h: str | None = None) -> PlanPolicy:
     """``base`` (default: the policy in force) with the plan a run's ``kernel_plan`` setting forces
-    (``auto``: none) and, where given, where the adapter gradients run."""
+    (``auto``: none) and, where given, where the adapter gradients run and where the fused GEMMs form H."""
     base = current_policy() if base is None else base
+    if adapter_h is not None:
+        base = dataclasses.replace(base, adapter_h=adapter_h)
     if adapter_grads is not None:
         base = dataclasses.replace(base, adapter_grads=adapter_grads)
     if kernel_plan == AUTO:
         return base
     return dataclasses.replace(base, forced=parse_plan(kernel_plan))
+
+
+def h_apart(columns: int, policy: PlanPolicy | None = None) -> bool:
+    """Whether a fused GEMM launch of ``columns`` adapter columns (r, or S·r for S layers side by side)
+    takes H formed before it, under ``policy`` (default: the one in force). Asked in a layer's forward,
+    on the caller's thread, and kept for its backward (which may run on autograd's own thread)."""
+    policy = current_policy() if policy is None else policy
+    return policy.adapter_h == ADAPTER_H_APART and columns >= H_APART_MIN_R
 
 
 # ------------------------------------------------------------------------- the policy in force
@@ -234,4 +251,4 @@ def note_dora(where: str) -> None:
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "h_apart", "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

@@ -16,7 +16,7 @@ from lora_bench.kernels import available, deferred
 from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
 from lora_bench.kernels.plans import fused
-from lora_bench.kernels.policy import note
+from lora_bench.kernels.policy import h_apart, note
 
 
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -48,7 +48,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, scale, segments, has_bias, defer, dora, *params):
+    def forward(ctx, x, scale, segments, has_bias, defer, dora, apart, *params):
         S = segments
         ws, bs = params[:S], (params[S:2 * S] if has_bias else None)
         As, Bs = params[S + S * has_bias:2 * S + S * has_bias], params[2 * S + S * has_bias:]
@@ -63,19 +63,19 @@ class LoRASegmentsFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, w3, bias3, a3, b3 = (cast(t, cdt) for t in (x2, w3, bias3, a3, b3))
-                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s) if dora is None else \
-                    fused.forward_scaled_segments(x2, w3, a3, b3, s, dora)
+                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s, apart=apart) if dora is None else \
+                    fused.forward_scaled_segments(x2, w3, a3, b3, s, dora, apart=apart)
         else:
             for p in params:
                 if p.dtype is not x.dtype:
                     raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
-            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s) if dora is None else \
-                fused.forward_scaled_segments(x2, w3, a3, b3, s, dora)
+            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s, apart=apart) if dora is None else \
+                fused.forward_scaled_segments(x2, w3, a3, b3, s, dora, apart=apart)
         ctx.save_for_backward(x2, h, w3, a3, b3)
         ctx.scale, ctx.segments, ctx.has_bias, ctx.dev = s, S, has_bias, dev
         ctx.x_meta = (x.shape, x.dtype)
         ctx.ab_dtypes = (As[0].dtype, Bs[0].dtype)
-        ctx.defer = defer
+        ctx.defer, ctx.apart = defer, apart
         return y if x.dim() == 2 else y.view(*x.shape[:-1], S * n)
 
     @staticmethod
@@ -92,7 +92,7 @@ class LoRASegmentsFunction(torch.autograd.Function):
         g = cast(g.contiguous(), x2.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            gx, u = kern.lora_bwd_x_segments(g, w3, a3, b3, s)
+            gx, u = kern.lora_bwd_x_segments(g, w3, a3, b3, s, apart=ctx.apart)
             x_shape, x_dt = ctx.x_meta
             grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
         else:  # the input needs no gradient: u alone, each layer's g·Bᵀ
@@ -107,8 +107,8 @@ class LoRASegmentsFunction(torch.autograd.Function):
         ab = range(1 + len(frozen), 1 + len(frozen) + 2 * S)  # A_1..A_S, B_1..B_S among the tensor inputs
         if ctx.defer and deferred.accumulating(ctx, ab):
             deferred.defer(ctx, ab, adapter_grads, reads=(x2, u, h, g), device=g.device)
-            return (grad_x, None, None, None, None, None, *frozen, *(None,) * (2 * S))
-        return (grad_x, None, None, None, None, None, *frozen, *adapter_grads())
+            return (grad_x, None, None, None, None, None, None, *frozen, *(None,) * (2 * S))
+        return (grad_x, None, None, None, None, None, None, *frozen, *adapter_grads())
 
 
 def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None, dora=None) -> torch.Tensor | None:
@@ -141,7 +141,8 @@ def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None, d
     note(Plan.FUSED)
     if defer is None:
         defer = deferred.chosen(params[-2 * S:])
-    return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, dora, *params)
+    apart = h_apart(S * rank)
+    return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, dora, apart, *params)
 
 
 def lora_linear_segments(x, layers) -> tuple[torch.Tensor, ...]:

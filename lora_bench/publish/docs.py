@@ -52,7 +52,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "step-kernels": method.table_step_kernels,
     "five-epochs": method.table_five_epochs,
     "qkv-group": method.table_qkv_group,
-    "h-apart": method.table_h_apart,
     "first-use": method.table_first_use,
     "order-stats": table_order_stats,
     "variants-best": variants.table_variants_best,

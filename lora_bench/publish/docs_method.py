@@ -213,37 +213,6 @@ def table_qkv_group() -> str:
                    "grouped / one by one"], rows)
 
 
-def table_h_apart() -> str:
-    """The fused LoRA step with H formed in the GEMM (``before``) and apart (``after``), the one-launch
-    AdamW rows of configs/targets.yaml, repeats of both interleaved in one call; the floor from ``after``."""
-    from lora_bench.report.stats import Sample, interval_text, median_interval, ratio_interval, verdict
-
-    base = RESULTS / "kernel" / "h-apart"
-    before, after = pd.read_csv(base / "before" / "runs.csv"), pd.read_csv(base / "after" / "runs.csv")
-    rows = []
-    for size in ("124M", "1558M"):
-        for precision, label, floor in (("bf16 autocast", "lora-kernel-one-launch", "floor-one-launch"),
-                                        ("bf16-true", "lora-kernel-bf16-true-one-launch", "floor-bf16-true-one-launch")):
-            def sample(df, lab, col="step_ms_median"):
-                d = df[(df.model_size == size) & (df.sweep_label == lab) & (df.status == "done")]
-                return Sample.of(d[col], keys=list(d.repeat))
-
-            b, a, f = sample(before, label), sample(after, label), sample(after, floor)
-            r = ratio_interval(a, b)
-            phases = ", ".join(" → ".join(f"{sample(d, label, f'{ph}_ms_median').point:.2f}" for d in (before, after))
-                               for ph in ("forward", "backward"))
-            rows.append([f"{size}, {precision}", interval_text(median_interval(b), told=False),
-                         interval_text(median_interval(a), told=False),
-                         f"{interval_text(r, digits=3, unit='×', told=False)} {verdict(r)}",
-                         interval_text(median_interval(f), told=False),
-                         f"{interval_text(ratio_interval(b, f), unit='×', told=False)} → "
-                         f"{interval_text(ratio_interval(a, f), unit='×', told=False)}",
-                         phases])
-    return md_table(["fused LoRA, one-launch AdamW, 8 × 120, r16", "H in the GEMM, step ms", "H apart, step ms",
-                     "apart ÷ in the GEMM", "floor, step ms", "÷ floor, in the GEMM → apart",
-                     "forward, backward ms: in the GEMM → apart"], rows)
-
-
 def table_first_use() -> str:
     """A 124M 5-epoch run's one-time costs with cold and warm caches."""
     df = pd.read_csv(RESULTS / "kernel" / "first-use" / "runs.csv")

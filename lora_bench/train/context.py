@@ -48,7 +48,8 @@ class RunContext:
     def _setup_device(self) -> None:
         # lora-kernel: the plan policy of this run (its kernel_plan setting may force a plan), and
         # the plans its layers run, noted while the loop runs
-        self.kernel_policy = policy_for(self.cfg.kernel_plan, adapter_grads=self.cfg.adapter_grads)
+        self.kernel_policy = policy_for(self.cfg.kernel_plan, adapter_grads=self.cfg.adapter_grads,
+                                        adapter_h=self.cfg.adapter_h)
         self.kernel_plans = PlanLog()
         self.device = self.dp.device if self.dp is not None else resolve_device(self.cfg.device)
         set_precision(self.cfg)

@@ -238,6 +238,21 @@ def _interp_main() -> None:
                           grads=[rms_rel_err(g1, g64), same_function_tol(g0, g64)] if same_keys else None,
                           same_keys=same_keys)), flush=True)
 
+    # adapter_h=apart, its column threshold lowered to 1 so the tiny model's rank-4 layers (12 columns
+    # side by side) take it: every GEMM launch reads H formed before it, forward and backward
+    from lora_bench.kernels import policy as pol
+
+    pol.H_APART_MIN_R = 1
+    h_in = []
+    real_mm = lt._mm
+    lt._mm = lambda *a, **kw: (h_in.append(kw.get("h_in", False)), real_mm(*a, **kw))[1]
+    with use_policy(PlanPolicy(forced=Plan.FUSED, adapter_h="apart")):
+        (l2, g2), (l3, g3) = run_model(plain, idx), run_model(grouped, idx)
+    print(json.dumps(dict(apart_model=True, launches=len(h_in), all_apart=all(h_in),
+                          logits=[max(rms_rel_err(l2, l64), rms_rel_err(l3, l64)), same_function_tol(l0, l64)],
+                          grads=[max(rms_rel_err(g2, g64), rms_rel_err(g3, g64)), same_function_tol(g0, g64)])),
+          flush=True)
+
 
 @pytest.fixture(scope="module")
 def interp_runs():
@@ -253,6 +268,17 @@ def test_segment_kernels_under_triton_interpreter(interp_runs, i, apart):
     chains = lora_chains(rows=M, k=k, n=n, r=r, segments=S)
     for name, err in zip(("y", "h", "grad_x", "u", "grad_A", "grad_B"), run["errs"]):
         assert err <= kernel_tol(dt, chains[name]), (name, err, kernel_tol(dt, chains[name]))
+
+
+def test_adapter_h_apart_runs_every_launch_with_h_formed_before_it_and_matches_float64(interp_runs):
+    """The tiny model one by one and grouped under the fused plan with adapter_h=apart (threshold
+    lowered): H and u formed before every GEMM launch, through the Functions' forward and backward,
+    and the loss and gradients as close to float64 as the model with H in the GEMM."""
+    run, = (x for x in interp_runs if x.get("apart_model"))
+    assert run["launches"] >= 8 and run["all_apart"], run
+    for what in ("logits", "grads"):
+        err, bound = run[what]
+        assert err <= bound, (what, err, bound)
 
 
 def test_grouped_model_under_triton_interpreter_takes_one_launch_per_block(interp_runs):
