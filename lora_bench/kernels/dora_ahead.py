@@ -6,7 +6,7 @@ other on the step's stream, the norm's first launch (W·A), the LoRA op and the 
 the norm and scales z. Ahead, a hook at the start of the model's forward launches every layer's
 norm (both of its launches, ``dora_triton.dora_norm``) on one side stream per device, each followed
 by an event; a layer call then waits for its own norm's event and launches only its LoRA op, whose
-GEMM scales its output in the epilogue (``lora_triton.lora_fwd_scaled``, ``EpilogueScale``) where the
+GEMM scales its output in the epilogue (``lora_triton_scaled.lora_fwd_scaled``, ``EpilogueScale``) where the
 op runs the fused plan, else the scale after it (``dora_triton.dora_scale``); so the norms run beside
 the main stream's GEMMs instead of between them. A hook at the end of the forward makes the step's
 stream wait for the side stream, so a captured forward joins every stream it forked. Under CUDA
@@ -149,7 +149,7 @@ SCALED = "triton: the norm formed ahead, the scale in the LoRA GEMM"  # the plan
 @dataclasses.dataclass
 class EpilogueScale:
     """A call's request that its LoRA op, where it runs the fused plan, scale its output in the GEMM's
-    epilogue by the g formed ahead (y = g ⊙ z + b, ``lora_triton.lora_fwd_scaled``): g and the bias it
+    epilogue by the g formed ahead (y = g ⊙ z + b, ``lora_triton_scaled.lora_fwd_scaled``): g and the bias it
     reads, then y once written; else ``why`` it was not."""
 
     g: torch.Tensor

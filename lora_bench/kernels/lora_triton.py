@@ -116,24 +116,17 @@ def _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R: tl.constexpr, RS: tl.co
 
 
 @triton.jit
-def _lora_mm_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
-    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
-    Q_SEG: tl.constexpr = 0, H_IN: tl.constexpr = False,
+def _lora_tile(
+    x_ptr, w_ptr, p_ptr, q_ptr, h_ptr, M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr, stride_qr, stride_qn, stride_hm, stride_hr, scale,
+    WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, RS: tl.constexpr, P_SS: tl.constexpr, Q_SS: tl.constexpr, P_SEG: tl.constexpr,
+    Q_SEG: tl.constexpr, H_IN: tl.constexpr,
 ):
-    # H_IN: H = X·P was formed before the launch and is read from h_ptr (M × R, columns in adapter order)
-    # for the epilogue; the K loop then runs the frozen product alone (``apart``).
-    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
-    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
-    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
-    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
-    # or Q_SEG is that stretch's width and the rest reads as zero.
+    # One program's output tile of both forward GEMM kernels, before their epilogues: acc = X·Wt + s·H·Q
+    # with H = X·P from the K loop (stored by the first column of programs where WRITE_H) or, with H_IN,
+    # read from h_ptr. Returns acc with the tile's rows, columns, wrapped columns and row mask.
     pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
                            stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
@@ -155,55 +148,36 @@ def _lora_mm_kernel(
             tl.store(h_ptrs, h, mask=m_mask[:, None] & (offs_r < R)[None, :])
     qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
     acc += scale * tl.dot(h, qt, input_precision=PRECISION)
+    return acc, offs_m, offs_n, rn, m_mask
+
+
+@triton.jit
+def _lora_mm_kernel(
+    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr,
+    M, N, K, R,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
+    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
+    HAS_BIAS: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, P_SEG: tl.constexpr = 0,
+    Q_SEG: tl.constexpr = 0, H_IN: tl.constexpr = False,
+):
+    # H_IN: H = X·P was formed before the launch and is read from h_ptr (M × R, columns in adapter order)
+    # for the epilogue; the K loop then runs the frozen product alone (``apart``).
+    # Segments (RS > 0): S layers side by side with one input (a block's query, key and value),
+    # adapter j of the R = S·RS columns belonging to layer j // RS. P and Q column/row j then lie
+    # at (j // RS)·P_SS + (j % RS)·stride (Q alike): the layers' adapters as stored, one after the
+    # other. Where a segment's P or Q covers only its own stretch of K or N (block-diagonal), P_SEG
+    # or Q_SEG is that stretch's width and the rest reads as zero.
+    acc, offs_m, offs_n, rn, m_mask = _lora_tile(
+        x_ptr, w_ptr, p_ptr, q_ptr, h_ptr, M, N, K, R, stride_xm, stride_xk, stride_wk, stride_wn, stride_pk,
+        stride_pr, stride_qr, stride_qn, stride_hm, stride_hr, scale, WRITE_H, EVEN_K, EVEN_R, PRECISION, BLOCK_M,
+        BLOCK_N, BLOCK_K, BLOCK_R, GROUP_M, RS, P_SS, Q_SS, P_SEG, Q_SEG, H_IN)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _lora_mm_scale_kernel(
-    x_ptr, w_ptr, p_ptr, q_ptr, bias_ptr, out_ptr, h_ptr, z_ptr, g_ptr,
-    M, N, K, R,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_pk, stride_pr,
-    stride_qr, stride_qn, stride_om, stride_on, stride_hm, stride_hr, scale,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-    RS: tl.constexpr = 0, P_SS: tl.constexpr = 0, Q_SS: tl.constexpr = 0, Q_SEG: tl.constexpr = 0,
-    H_IN: tl.constexpr = False,
-):
-    # H_IN: h holds H = X·P formed before the launch, as in _lora_mm_kernel.
-    # A DoRA layer's forward whose per-output scale g (float32) was formed before the call: z = X·Wt +
-    # s·(X·P)·Q (no bias) and h = X·P as _lora_mm_kernel computes them, z stored (the backward reads
-    # it) and out = g ⊙ z + bias, from z as stored, as a scale launched apart computes it.
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc, hacc = _main_loop(x_ptr, w_ptr, p_ptr, pid_m, pid_n, M, N, K, R, stride_xm, stride_xk, stride_wk,
-                           stride_wn, stride_pk, stride_pr, EVEN_K, EVEN_R, PRECISION, BLOCK_M, BLOCK_N,
-                           BLOCK_K, BLOCK_R, RS, P_SS, 0, not H_IN)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    rn = offs_n % N
-    m_mask = offs_m < M
-    if H_IN:
-        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr,
-                    mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0)
-    else:
-        h = hacc.to(x_ptr.dtype.element_ty)
-    if pid_n == 0 and not H_IN:
-        tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_r[None, :] * stride_hr, h,
-                 mask=m_mask[:, None] & (offs_r < R)[None, :])
-    qt = _q_tile(q_ptr, rn, R, stride_qr, stride_qn, BLOCK_R, RS, Q_SS, Q_SEG).to(h.dtype)
-    acc += scale * tl.dot(h, qt, input_precision=PRECISION)
-    z = acc.to(z_ptr.dtype.element_ty)
-    mask = m_mask[:, None] & (offs_n < N)[None, :]
-    tl.store(z_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, z, mask=mask)
-    y = z.to(tl.float32) * tl.load(g_ptr + rn)[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @triton.jit
@@ -404,54 +378,6 @@ def lora_bwd_x_segments(g, w, a, b, scale: float, *, apart: bool = False
     _mm(g, g.stride(), w, w.stride(), b, (b.stride(2), b.stride(1)), a, (a.stride(2), a.stride(1)), None,
         gx, u, M, k, S * n, S * r, scale, None, seg, h_in=apart)
     return gx, u
-
-
-def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg, h_apart_of=None):
-    """Launch ``_lora_mm_scale_kernel`` (``lora_fwd_scaled``: one layer; ``lora_fwd_scaled_segments``:
-    S side by side, seg the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). ``h_apart_of``: None, or
-    a function that writes H = X·P into the tensor it is given before the launch. Returns (y, z, h)."""
-    c = _mm_config(M, N, K, x)
-    br = block_r(R)
-    y, z, h = _alloc((M, N), x), _alloc((M, N), x), _alloc((M, R), x)
-    if h_apart_of is not None:
-        h_apart_of(h)
-    ws, xs = w.stride(), x.stride()
-    launch(
-        _lora_mm_scale_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
-        (x, w, p, q, bias if bias is not None else g, y, h, z, g),
-        (M, N, K, R, xs[0], xs[1], ws[1], ws[0], ps[0], ps[1], qs[0], qs[1], y.stride(0), y.stride(1), h.stride(0),
-         h.stride(1)),
-        (float(scale),),
-        (bias is not None, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n, c.block_k, br, 8,
-         *seg, h_apart_of is not None),
-        tag="mm_scale", num_warps=c.num_warps, num_stages=c.num_stages,
-    )
-    return y, z, h
-
-
-def lora_fwd_scaled(x, w, a, b, g, bias, scale: float, *, apart: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lora_fwd`` without a bias, scaled by a DoRA layer's g in its epilogue, in one launch: z = x·Wᵀ +
-    s·(x·A)·B and h = x·A as ``lora_fwd`` gives them, and y = g ⊙ z + bias (computed in float32 from z
-    as stored, g float32, the bias read as stored). Returns (y, z, h), y and z in x's dtype. ``apart``:
-    as in ``lora_fwd``."""
-    M, K = x.shape
-    N, R = w.shape[0], a.shape[1]
-    assert R <= MAX_RANK and b.shape == (R, N) and g.shape == (N,) and g.dtype == torch.float32, (w.shape, g.shape)
-    form = (lambda h: torch.mm(x, a.to(x.dtype), out=h)) if apart else None
-    return _mm_scale(x, w, a, a.stride(), b, b.stride(), g, bias, M, N, K, R, scale, (0, 0, 0, 0), form)
-
-
-def lora_fwd_scaled_segments(x, w, a, b, g, bias, scale: float, *, apart: bool = False
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lora_fwd_scaled`` for S layers that share their input, side by side as in ``lora_fwd_segments``:
-    W (S·n × k), A (S×k×r), B (S×r×n), g and the bias (S·n); y and z (M × S·n), h (M × S·r)."""
-    S, k, r = a.shape
-    n = b.shape[2]
-    seg = (r, a.stride(0), b.stride(0) - n * b.stride(2), n)  # B block-diagonal: Q_SEG = n
-    form = (lambda h: torch.mm(x, a.to(x.dtype).transpose(0, 1).reshape(k, S * r), out=h)) if apart else None
-    return _mm_scale(x, w, a, (a.stride(1), a.stride(2)), b, (b.stride(1), b.stride(2)), g, bias, x.shape[0], S * n,
-                     k, S * r, scale, seg, form)
 
 
 def lora_grad_ab(

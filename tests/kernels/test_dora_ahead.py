@@ -57,7 +57,7 @@ EPILOGUE_CASES = [(37, 53, 41, 7, 1, "fp32", True), (17, 48, 40, 16, 3, "fp32", 
 
 def _epilogue_case(rows: int, out: int, k: int, r: int, S: int, dt: str, bias: bool) -> dict[str, bool]:
     """``lora_fwd_scaled`` (one launch) against ``lora_fwd`` then ``dora_scale`` (two): y, z and h."""
-    from lora_bench.kernels import dora_triton, lora_triton
+    from lora_bench.kernels import dora_triton, lora_triton, lora_triton_scaled
 
     dtype = DTYPE[dt]
     x = fresh(rows, k, device="cpu", dtype=dtype)
@@ -69,10 +69,10 @@ def _epilogue_case(rows: int, out: int, k: int, r: int, S: int, dt: str, bias: b
     lora_triton.POISON_OUTPUTS = True
     try:
         if S > 1:
-            y, z, h = lora_triton.lora_fwd_scaled_segments(x, w, a, b, g, bb, 1.5)
+            y, z, h = lora_triton_scaled.lora_fwd_scaled_segments(x, w, a, b, g, bb, 1.5)
             z2, h2 = lora_triton.lora_fwd_segments(x, w, a, b, None, 1.5)
         else:
-            y, z, h = lora_triton.lora_fwd_scaled(x, w, a, b, g, bb, 1.5)
+            y, z, h = lora_triton_scaled.lora_fwd_scaled(x, w, a, b, g, bb, 1.5)
             z2, h2 = lora_triton.lora_fwd(x, w, a, b, None, 1.5)
         y2 = dora_triton.dora_scale(z2, g, bb)
     finally:

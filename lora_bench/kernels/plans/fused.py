@@ -22,15 +22,18 @@ def forward(x, w, b, a, bm, s, apart=False):
 def forward_scaled(x, w, a, bm, s, request, apart=False):
     """``forward`` of a DoRA layer whose scale g was formed ahead (``dora_ahead.EpilogueScale``): (z, h),
     and y = g ⊙ z + b from the GEMM's epilogue left in ``request``."""
-    y, z, h = available.triton_kernels().lora_fwd_scaled(x, w, a, bm, request.g, request.bias, s, apart=apart)
+    from lora_bench.kernels.lora_triton_scaled import lora_fwd_scaled
+
+    y, z, h = lora_fwd_scaled(x, w, a, bm, request.g, request.bias, s, apart=apart)
     request.y = y
     return z, h
 
 
 def forward_scaled_segments(x, w, a, bm, s, request, apart=False):
-    """``forward_scaled`` for S layers side by side (``lora_triton.lora_fwd_scaled_segments``)."""
-    y, z, h = available.triton_kernels().lora_fwd_scaled_segments(x, w, a, bm, request.g, request.bias, s,
-                                                                   apart=apart)
+    """``forward_scaled`` for S layers side by side (``lora_triton_scaled.lora_fwd_scaled_segments``)."""
+    from lora_bench.kernels.lora_triton_scaled import lora_fwd_scaled_segments
+
+    y, z, h = lora_fwd_scaled_segments(x, w, a, bm, request.g, request.bias, s, apart=apart)
     request.y = y
     return z, h
 
