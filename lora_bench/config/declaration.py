@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_GEMM, AUTO,
-                                           DORA_NORM_LAUNCHES, PLAN_NAMES)
+                                           DORA_NORM_LAUNCHES, GEMM_TILES, GEMM_TILES_PICKED, PLAN_NAMES)
 from lora_bench.model.sizes import MAX_BLOCKS, MAX_WIDTH, MODEL_SIZES, REFERENCE_NAMES
 
 # Allowed values: one place. The CLI, sweep validation, reports and docs read these.
@@ -167,6 +167,11 @@ class SettingFields:
                         "launch, for launches of 17 adapter columns or more (a block's query, key and value "
                         "side by side, a rank above 16), the K loop then running the frozen product alone. The "
                         "fused plan on a GPU, not compiled (docs/kernel-design.md).", LORA, choices=ADAPTER_H)
+    gemm_tiles: str = _s(GEMM_TILES_PICKED, "lora-kernel: how its fused GEMMs' tiles are chosen. picked: by "
+                         "the launch shape's waves on this GPU; timed: on each launch shape's first eager launch, "
+                         "the fastest of five candidate tiles timed on the launch's own operands (device events, "
+                         "about a millisecond once per shape; the run's gemm_tiles column records each choice). "
+                         "The fused plan on a GPU (docs/kernel-design.md).", LORA, choices=GEMM_TILES)
     dora_norm_launch: str = _s(AUTO, "lora-kernel with lora_variant=dora: when each layer's norm is "
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "
                                "the start of the model's forward, on a side stream beside the layers' products, each "

@@ -21,7 +21,7 @@ from lora_bench.model.sizes import MODEL_SIZES, REFERENCE_NAMES, GPTConfig
 from lora_bench.safe_yaml import short_repr
 
 # settings of the fused LoRA layer alone: any other trainable-layer choice runs them at their default
-KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads", "adapter_h", "dora_norm_launch")
+KERNEL_LAYER_SETTINGS = ("kernel_plan", "adapter_grads", "adapter_h", "gemm_tiles", "dora_norm_launch")
 
 
 # -- problems ---------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from lora_bench.kernels.plan_names import GEMM_TILES_TIMED
+
 
 class MMConfig(NamedTuple):
     block_m: int
@@ -117,3 +119,128 @@ def _mm_config(M: int, N: int, K: int, x: torch.Tensor) -> MMConfig:
     if c is None:
         c = _PICKED[key] = pick_mm_config(M, N, K, x.dtype, x.device)
     return c
+
+
+# ------------------------------------------------------------------------- tiles chosen by timing
+# The gemm_tiles setting's timed: each launch shape, with the adapter columns its K loop carries, takes
+# the fastest of these on its first eager launch (docs/kernel-design.md#tiles-chosen-by-timing). The five
+# that a tile sweep of the GPT-2 launch shapes found within reach of the best; the 256-wide tiles spill.
+_MM_TIMED_16 = (MMConfig(64, 128, 64, 4, 4), MMConfig(64, 128, 64, 4, 3), MMConfig(128, 128, 64, 8, 4),
+                MMConfig(128, 128, 64, 8, 3), MMConfig(128, 64, 64, 4, 4))
+_MM_TIMED_32 = (MMConfig(64, 128, 32, 4, 3), MMConfig(64, 128, 32, 4, 2), MMConfig(128, 128, 32, 8, 3),
+                MMConfig(128, 64, 32, 4, 3))
+TIMED: dict[tuple, MMConfig] = {}  # (tag, M, N, K, dtype, BLOCK_R, H read in) -> the config timing chose
+TIMED_US: dict[tuple, dict[MMConfig, float]] = {}  # the same key -> µs per launch of every candidate
+_TIMING_ROUNDS = 3
+_LAUNCHES_PER_ROUND = 4
+_SLEEP_CYCLES = 2_000_000  # ~1 ms at Hopper clocks: the host queues every timed launch before they run
+
+
+def timed_candidates(dtype: torch.dtype) -> tuple[MMConfig, ...]:
+    return _MM_TIMED_32 if dtype == torch.float32 else _MM_TIMED_16
+
+
+def fastest(times: dict[MMConfig, list[float]]) -> MMConfig:
+    """The candidate of least median time (µs per launch over the rounds); ties go to the earlier
+    candidate (the picker's order), so equal timings keep the picker's tile."""
+    def median(v: list[float]) -> float:
+        v = sorted(v)
+        n = len(v)
+        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+    return min(times, key=lambda c: (median(times[c]), list(times).index(c)))
+
+
+def can_time() -> bool:
+    """Whether a launch may be timed here: on the GPU, eager (not captured in a CUDA graph, not
+    traced by torch.compile), and not inside a launch recording (the C++ op's direct plan keeps
+    the kernels it records; :mod:`lora_bench.kernels.plans.direct`)."""
+    from lora_bench.kernels import triton_launch
+    return (torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling() and triton_launch.RECORD is None)
+
+
+def time_configs(run, candidates: tuple[MMConfig, ...], rounds: int = _TIMING_ROUNDS,
+                 per_round: int = _LAUNCHES_PER_ROUND) -> dict[MMConfig, list[float]]:
+    """µs per launch of ``run(config)`` for each candidate, ``rounds`` times, the candidates
+    interleaved within each round. Device-side events; each candidate launched (and compiled) once
+    before; each round starts behind a sleep kernel, so the events time the GPU and not the host's
+    launch gaps. ``run`` must be idempotent (the GEMMs write their outputs and read only inputs)."""
+    for c in candidates:
+        run(c)
+    torch.cuda.synchronize()
+    times: dict[MMConfig, list[float]] = {c: [] for c in candidates}
+    for _ in range(rounds):
+        marks = []
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        for c in candidates:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_round):
+                run(c)
+            end.record()
+            marks.append((c, start, end))
+        torch.cuda.synchronize()
+        for c, start, end in marks:
+            times[c].append(1000.0 * start.elapsed_time(end) / per_round)
+    return times
+
+
+def mm_config_for(tag: str, M: int, N: int, K: int, R: int, h_in: bool, x: torch.Tensor, run) -> MMConfig:
+    """The tile of one GEMM launch: a measured one from ``TUNED``; under the ``gemm_tiles`` setting's
+    timed, the fastest candidate timed on this launch's own operands at its first eager launch (cached
+    per shape and adapter columns for the process, and noted in the run's record); else the picker's
+    (``_mm_config``). A launch that cannot be timed (captured, compiled, recorded) before its shape
+    was timed takes the picker's tile, and the record says why."""
+    if _policy().gemm_tiles != GEMM_TILES_TIMED or x.device.type != "cuda" or (M, N, K, x.dtype) in TUNED:
+        return _mm_config(M, N, K, x)
+    key = (tag, M, N, K, x.dtype, block_r(R), bool(h_in))
+    c = TIMED.get(key)
+    if c is None:
+        if not can_time():
+            _note_tiles(key, _why_not_timed())
+            return _mm_config(M, N, K, x)
+        times = time_configs(run, timed_candidates(x.dtype))
+        c = TIMED[key] = fastest(times)
+        TIMED_US[key] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    _note_tiles(key, None)
+    return c
+
+
+def tile_name(c: MMConfig) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
+
+
+def describe_tiles(key: tuple, why_not: str | None) -> str:
+    """One launch shape's tile as a run records it: the timed choice with every candidate's µs per
+    launch, or the picker's with the reason it was not timed."""
+    tag, M, N, K, dtype, br, h_in = key
+    shape = f"{tag} {M}x{K}->{N} {str(dtype).removeprefix('torch.')} R{br}{' H-in' if h_in else ''}"
+    if why_not is not None or key not in TIMED:
+        return f"{shape}: picked ({why_not or 'not timed'})"
+    others = ", ".join(f"{tile_name(k)} {us:.1f}" for k, us in TIMED_US[key].items())
+    return f"{shape}: {tile_name(TIMED[key])} ({others} µs)"
+
+
+def _why_not_timed() -> str:
+    from lora_bench.kernels import triton_launch
+    if triton_launch.RECORD is not None:
+        return "launch recorded for the direct plan"
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile"
+    return "first launched under CUDA-graph capture"
+
+
+_POLICY_MODULE = None
+
+
+def _policy():
+    global _POLICY_MODULE
+    if _POLICY_MODULE is None:
+        from lora_bench.kernels import policy  # the policy imports the plans, which import this module
+        _POLICY_MODULE = policy
+    return _POLICY_MODULE.current_policy()
+
+
+def _note_tiles(key: tuple, why_not: str | None) -> None:
+    _policy()
+    _POLICY_MODULE.note_tiles(key, why_not)

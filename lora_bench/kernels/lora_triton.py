@@ -14,8 +14,8 @@ import triton.language as tl
 from lora_bench.kernels.triton_launch import launch
 from lora_bench.kernels.call import TRITON_MAX_RANK as MAX_RANK  # H lives in registers beside the tile
 from lora_bench.kernels.lora_tiles import (  # noqa: F401 (the tiles' names, as callers of this module read them)
-    AB_PICKED, TUNED, ABConfig, MMConfig, _mm_config, _precision, _sm_count, ab_split, block_r, pick_ab_config,
-    pick_mm_config)
+    AB_PICKED, TUNED, ABConfig, MMConfig, _precision, _sm_count, ab_split, block_r, mm_config_for,
+    pick_ab_config, pick_mm_config)
 
 # Tests set this to fill every output the wrappers allocate with NaN, so an element a kernel
 # forgets to write shows up instead of hiding behind whatever memory held before.
@@ -272,21 +272,24 @@ def _mm(x, xs, wt, ws, p, ps, q, qs, bias, out, h, M, N, K, R, scale, config, se
     W, A, B as stored instead of building transposed views (each view costs host time). ``seg``:
     the kernel's segment constants (RS, P_SS, Q_SS, P_SEG, Q_SEG), always passed (the fast launch
     hands every constexpr to Triton's launcher). ``h_in``: ``h`` already holds H = X·P (``apart``)."""
-    c = config or _mm_config(M, N, K, x)
     br = block_r(R)
     write_h = h is not None
     h_arg = h if write_h else out  # an unused pointer still needs a tensor
     hs = h_arg.stride()
     os_ = out.stride()
-    launch(
-        _lora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
-        (x, wt, p, q, bias if bias is not None else out, out, h_arg),
-        (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
-        (float(scale),),
-        (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
-         c.block_k, br, 8, *seg, bool(h_in)),
-        tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
-    )
+
+    def run(c: MMConfig) -> None:
+        launch(
+            _lora_mm_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
+            (x, wt, p, q, bias if bias is not None else out, out, h_arg),
+            (M, N, K, R, xs[0], xs[1], ws[0], ws[1], ps[0], ps[1], qs[0], qs[1], os_[0], os_[1], hs[0], hs[1]),
+            (float(scale),),
+            (bias is not None, write_h, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n,
+             c.block_k, br, 8, *seg, bool(h_in)),
+            tag="mm", num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    run(config or mm_config_for("mm", M, N, K, R, h_in, x, run))
 
 
 def lora_mm(

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from lora_bench.kernels.call import TRITON_MAX_RANK as MAX_RANK
-from lora_bench.kernels.lora_triton import _alloc, _lora_tile, _mm_config, _precision, block_r
+from lora_bench.kernels.lora_triton import MMConfig, _alloc, _lora_tile, _precision, block_r, mm_config_for
 from lora_bench.kernels.triton_launch import launch
 
 
@@ -48,22 +48,25 @@ def _mm_scale(x, w, p, ps, q, qs, g, bias, M, N, K, R, scale, seg, h_apart_of=No
     """Launch ``_lora_mm_scale_kernel`` (``lora_fwd_scaled``: one layer; ``lora_fwd_scaled_segments``:
     S side by side, seg the kernel's segment constants RS, P_SS, Q_SS, Q_SEG). ``h_apart_of``: None, or
     a function that writes H = X·P into the tensor it is given before the launch. Returns (y, z, h)."""
-    c = _mm_config(M, N, K, x)
     br = block_r(R)
     y, z, h = _alloc((M, N), x), _alloc((M, N), x), _alloc((M, R), x)
     if h_apart_of is not None:
         h_apart_of(h)
     ws, xs = w.stride(), x.stride()
-    launch(
-        _lora_mm_scale_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
-        (x, w, p, q, bias if bias is not None else g, y, h, z, g),
-        (M, N, K, R, xs[0], xs[1], ws[1], ws[0], ps[0], ps[1], qs[0], qs[1], y.stride(0), y.stride(1), h.stride(0),
-         h.stride(1)),
-        (float(scale),),
-        (bias is not None, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n, c.block_k, br, 8,
-         *seg, h_apart_of is not None),
-        tag="mm_scale", num_warps=c.num_warps, num_stages=c.num_stages,
-    )
+
+    def run(c: MMConfig) -> None:
+        launch(
+            _lora_mm_scale_kernel, (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), 1, 1),
+            (x, w, p, q, bias if bias is not None else g, y, h, z, g),
+            (M, N, K, R, xs[0], xs[1], ws[1], ws[0], ps[0], ps[1], qs[0], qs[1], y.stride(0), y.stride(1),
+             h.stride(0), h.stride(1)),
+            (float(scale),),
+            (bias is not None, K % c.block_k == 0, R == br, _precision(x.dtype), c.block_m, c.block_n, c.block_k,
+             br, 8, *seg, h_apart_of is not None),
+            tag="mm_scale", num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    run(mm_config_for("mm_scale", M, N, K, R, h_apart_of is not None, x, run))
     return y, z, h
 
 

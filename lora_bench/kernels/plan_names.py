@@ -20,3 +20,8 @@ DORA_NORM_LAUNCHES = (AUTO, DORA_NORM_INLINE, DORA_NORM_AHEAD)
 ADAPTER_H_GEMM = "gemm"
 ADAPTER_H_APART = "apart"
 ADAPTER_H = (ADAPTER_H_GEMM, ADAPTER_H_APART)
+# how the fused GEMMs' tiles are chosen: picked, by the launch shape's waves on this GPU; timed, the
+# fastest of a few candidates timed on each launch shape's first eager launch
+GEMM_TILES_PICKED = "picked"
+GEMM_TILES_TIMED = "timed"
+GEMM_TILES = (GEMM_TILES_PICKED, GEMM_TILES_TIMED)

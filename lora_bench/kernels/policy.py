@@ -26,7 +26,7 @@ import torch
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, H_APART_MIN_R, TRITON_MAX_RANK, Call, Plan
 from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_APART,
-                                           ADAPTER_H_GEMM, AUTO)
+                                           ADAPTER_H_GEMM, AUTO, GEMM_TILES, GEMM_TILES_PICKED)
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.plan_rules import RULES
 
@@ -45,13 +45,16 @@ class PlanPolicy:
     the layer's backward, ``deferred`` on a side stream joined once per backward pass
     (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline). ``adapter_h``: where
     the fused plan's GEMMs form x·A and g·Bᵀ: ``gemm``, in their K loop; ``apart``, before the launch for
-    launches of ``H_APART_MIN_R`` adapter columns or more (``h_apart``)."""
+    launches of ``H_APART_MIN_R`` adapter columns or more (``h_apart``). ``gemm_tiles``: how the fused
+    GEMMs' tiles are chosen: ``picked`` by the launch shape, ``timed`` on each shape's first eager launch
+    (:func:`lora_bench.kernels.lora_tiles.mm_config_for`)."""
 
     forced: Plan | None = None
     cpp_graph_min_weight: int = CPP_GRAPH_MIN_WEIGHT
     capture: bool = False
     adapter_grads: str = ADAPTER_GRADS_INLINE
     adapter_h: str = ADAPTER_H_GEMM
+    gemm_tiles: str = GEMM_TILES_PICKED
 
     def __post_init__(self) -> None:
         if self.forced is not None and not isinstance(self.forced, Plan):  # a plan's name
@@ -59,6 +62,9 @@ class PlanPolicy:
         object.__setattr__(self, "adapter_grads", parse_adapter_grads(self.adapter_grads))
         if self.adapter_h not in ADAPTER_H:
             raise KernelPlanError(f"lora-kernel adapter_h {self.adapter_h!r}: expected one of {', '.join(ADAPTER_H)}")
+        if self.gemm_tiles not in GEMM_TILES:
+            raise KernelPlanError(f"lora-kernel gemm_tiles {self.gemm_tiles!r}: expected one of "
+                                  f"{', '.join(GEMM_TILES)}")
 
 
 def choose(policy: PlanPolicy, *, device: str, dtype: torch.dtype, capturing: bool, compiling: bool,
@@ -129,10 +135,13 @@ def parse_adapter_grads(text: str) -> str:
 
 
 def policy_for(kernel_plan: str, base: PlanPolicy | None = None, *, adapter_grads: str | None = None,
-               adapter_h: str | None = None) -> PlanPolicy:
+               adapter_h: str | None = None, gemm_tiles: str | None = None) -> PlanPolicy:
     """``base`` (default: the policy in force) with the plan a run's ``kernel_plan`` setting forces
-    (``auto``: none) and, where given, where the adapter gradients run and where the fused GEMMs form H."""
+    (``auto``: none) and, where given, where the adapter gradients run, where the fused GEMMs form H and
+    how their tiles are chosen."""
     base = current_policy() if base is None else base
+    if gemm_tiles is not None:
+        base = dataclasses.replace(base, gemm_tiles=gemm_tiles)
     if adapter_h is not None:
         base = dataclasses.replace(base, adapter_h=adapter_h)
     if adapter_grads is not None:
@@ -195,6 +204,8 @@ class PlanLog:
         self.plans: set[Plan] = set()
         self.adapter_grads: set[str] = set()  # "inline", "deferred", or "inline: why it could not defer"
         self.dora: set[str] = set()  # where DoRA's norm ran (lora_bench.kernels.dora): "triton", or "torch: why"
+        # gemm_tiles timed: each launch shape's key (lora_tiles.mm_config_for) -> None (timed) or why not
+        self.tiles: dict[tuple, str | None] = {}
 
     def __iter__(self) -> Iterator[Plan]:
         return iter(sorted(self.plans, key=lambda p: p.value))
@@ -211,6 +222,12 @@ class PlanLog:
     def dora_norms(self) -> str:
         """Where DoRA layers' norms formed, each note once, '; '-joined ('' if none)."""
         return "; ".join(sorted(self.dora))
+
+    def gemm_tiles(self) -> str:
+        """Under gemm_tiles timed: each fused GEMM launch shape's tile and every candidate's µs per
+        launch, or the picker's tile and why it was not timed; '; '-joined ('' if none)."""
+        from lora_bench.kernels.lora_tiles import describe_tiles
+        return "; ".join(sorted(describe_tiles(k, why) for k, why in self.tiles.items()))
 
 
 DORA_NORM_PREFIX = "dora-norm-"  # a DoRA norm's path as the backend names it
@@ -242,6 +259,15 @@ def note_adapter_grads(where: str) -> None:
         log.adapter_grads.add(where)
 
 
+def note_tiles(key: tuple, why_not: str | None) -> None:
+    """Record the tile of a fused GEMM launch shape under gemm_tiles timed (``why_not``: None where it
+    was timed, else why it took the picker's; a timed note replaces a why-not). Noted with gradients on
+    or off: a shape is timed once, on its first launch, which may come in an evaluation."""
+    log = _LOG.get()
+    if log is not None and (why_not is None or key not in log.tiles):
+        log.tiles[key] = why_not
+
+
 def note_dora(where: str) -> None:
     """Record where a DoRA layer call's norm runs (calls with gradients enabled, while recording)."""
     log = _LOG.get()
@@ -251,4 +277,4 @@ def note_dora(where: str) -> None:
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "h_apart", "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "h_apart", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

@@ -79,6 +79,10 @@ RUN_COLUMNS: list[Column] = [
            "triton: the norm formed ahead, the scale in the LoRA GEMM (its epilogue scaled the output), torch: why "
            "(torch ops: the CPU, no Triton, a dtype or rank the kernels do not take, torch.compile) "
            "(docs/variants.md); blank for other choices"),
+    Column("gemm_tiles", "string", "", "lora-kernel with gemm_tiles timed: each fused GEMM launch shape's tile "
+           "('; '-joined): the launch (mm, mm_scale), rows x inner -> columns, dtype, the adapter columns padded "
+           "(R) and H-in where H was formed before the launch, then the tile chosen with every candidate's µs "
+           "per launch, or picked (why it was not timed) (docs/kernel-design.md); blank otherwise"),
     Column("optimizer_update", "string", "", "optimizer one-launch, and a pack's AdamW: where its updates ran, "
            "as it recorded them ('; '-joined): triton (the Triton kernel), torch: why (torch's single-tensor "
            "update: the CPU, Triton not loaded with its error, a tensor the kernel does not take) "

@@ -49,7 +49,7 @@ class RunContext:
         # lora-kernel: the plan policy of this run (its kernel_plan setting may force a plan), and
         # the plans its layers run, noted while the loop runs
         self.kernel_policy = policy_for(self.cfg.kernel_plan, adapter_grads=self.cfg.adapter_grads,
-                                        adapter_h=self.cfg.adapter_h)
+                                        adapter_h=self.cfg.adapter_h, gemm_tiles=self.cfg.gemm_tiles)
         self.kernel_plans = PlanLog()
         self.device = self.dp.device if self.dp is not None else resolve_device(self.cfg.device)
         set_precision(self.cfg)
@@ -103,6 +103,13 @@ class RunContext:
         if self.cfg.trainable_layers != "lora-kernel" or self.cfg.lora_variant != "dora":
             return ""
         return self.kernel_plans.dora_norms()
+
+    def gemm_tiles(self) -> str:
+        """Under gemm_tiles timed, each fused GEMM launch shape's tile as the layers recorded it
+        (``PlanLog.gemm_tiles``); '' otherwise."""
+        if self.cfg.trainable_layers != "lora-kernel":
+            return ""
+        return self.kernel_plans.gemm_tiles()
 
     def optimizer_update(self) -> str:
         """Where the optimizer's updates ran, as it noted them (``packed_adamw.update_path``): the

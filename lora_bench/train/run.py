@@ -209,6 +209,7 @@ class _Run:
             out.update(context.dp.gather(timer))
         out["backend"] = context.backend()  # what the layers ran (recorded while the loop ran)
         out["dora_norms"] = context.dora_norms()
+        out["gemm_tiles"] = context.gemm_tiles()
         out["optimizer_update"] = context.optimizer_update()
         if step_fn is not None:
             out.update(step_fn.record())
