@@ -119,7 +119,7 @@ GPU_CASES = [  # odd sizes; ranks 1..64; bf16 and fp32
 def _layer_and_grads(policy, operands):
     from lora_bench.kernels.autograd import lora_linear
 
-    x, w, b, a, bm = (t.detach().clone().requires_grad_(i in (0, 3, 4)) for i, t in enumerate(operands))
+    x, w, b, a, bm = (t.detach().clone().requires_grad_(i in (0, 3, 4)) for i, t in enumerate(operands[:5]))
     g = operands[-1]
     with use_policy(policy), record_plans() as log:
         y = lora_linear(x, w, b, a, bm, 2.0)
@@ -180,3 +180,31 @@ def test_gpu_a_shape_first_seen_under_capture_takes_the_picked_tile_and_replays_
     with use_policy(PlanPolicy(forced=Plan.FUSED)):
         want = lora_linear(x2, w, b, a, bm, 2.0)
     assert torch.equal(y, want)  # the same tile, the same rounding
+
+
+def test_the_backward_runs_under_the_forwards_policy_on_any_thread(monkeypatch):
+    """On a GPU autograd runs the backward on its own thread, where the caller's policy (a context
+    variable) is not set: the layer's backward takes the forward's policy with it, so its launches
+    are chosen under the same settings (gemm_tiles timed among them)."""
+    import threading
+
+    from lora_bench.kernels.autograd import LoRAKernelFunction, lora_linear
+
+    seen = []
+    original = LoRAKernelFunction._backward
+
+    def spy(ctx, grad_out):
+        seen.append(current_policy())
+        return original(ctx, grad_out)
+
+    monkeypatch.setattr(LoRAKernelFunction, "_backward", staticmethod(spy))
+    policy = PlanPolicy(forced=Plan.TORCH, gemm_tiles="timed", adapter_h="apart")
+    x, w, b, a, bm = layer_operands(batch=(5,), k=7, n=6, r=3, device="cpu", dtype=torch.float64)
+    a.requires_grad_(True)
+    with use_policy(policy):
+        y = lora_linear(x, w, b, a, bm, 2.0)
+    worker = threading.Thread(target=lambda: y.sum().backward())  # no policy set on this thread
+    worker.start()
+    worker.join()
+    assert seen == [policy] and a.grad is not None
+    assert current_policy() != policy  # and none left behind here
