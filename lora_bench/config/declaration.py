@@ -165,8 +165,10 @@ class SettingFields:
     adapter_h: str = _s(ADAPTER_H_GEMM, "lora-kernel: where its fused GEMMs form x·A (forward) and g·Bᵀ (backward). "
                         "gemm: in the GEMM's K loop, by every output tile; apart: by torch's GEMM before the "
                         "launch, for launches of 17 adapter columns or more (a block's query, key and value "
-                        "side by side, a rank above 16), the K loop then running the frozen product alone. The "
-                        "fused plan on a GPU, not compiled (docs/kernel-design.md).", LORA, choices=ADAPTER_H)
+                        "side by side, a rank above 16), the K loop then running the frozen product alone; cublas: "
+                        "those calls on torch's GEMMs (cuBLAS) altogether, s·H·B added by one batched GEMM over "
+                        "the layers side by side (DoRA layers take apart). The fused plan on a GPU, not compiled "
+                        "(docs/kernel-design.md).", LORA, choices=ADAPTER_H)
     gemm_tiles: str = _s(GEMM_TILES_PICKED, "lora-kernel: how its fused GEMMs' tiles are chosen. picked: by "
                          "the launch shape's waves on this GPU; timed: on each launch shape's first eager launch, "
                          "the fastest of five candidate tiles timed on the launch's own operands (device events, "

@@ -22,7 +22,8 @@ import torch
 from lora_bench.kernels import available, deferred
 from lora_bench.kernels.call import Plan
 from lora_bench.kernels.plans import PYTHON, cpp, direct, fused
-from lora_bench.kernels.policy import choose, current_policy, h_apart, note, note_adapter_grads, use_policy
+from lora_bench.kernels.policy import (choose, current_policy, h_apart, h_by_cublas, note, note_adapter_grads,
+                                      use_policy)
 
 
 def compute_dtype(x: torch.Tensor, dev: str) -> torch.dtype:
@@ -278,6 +279,8 @@ def lora_linear(x, weight, bias, A, B, scale, dora=None):
             _note(plan)
             return y
         plan = Plan.CPP  # this shape could not be registered: the C++ op's ATen GEMMs
+    if plan is Plan.FUSED and dora is None and h_by_cublas(A.shape[1]):
+        plan = Plan.CUBLAS  # adapter_h cublas: torch's GEMMs for a layer of 17 adapter columns or more
     _note(plan)
     if plan is Plan.CPP:
         return cpp.layer(x, weight, bias, A, B, scale)

@@ -17,9 +17,11 @@ DORA_NORM_AHEAD = "ahead"
 DORA_NORM_LAUNCHES = (AUTO, DORA_NORM_INLINE, DORA_NORM_AHEAD)
 # where the fused forward GEMMs form H = x·A (and the backward's u = g·Bᵀ): gemm, in the GEMM's K loop;
 # apart, by torch's GEMM before the launch, for launches of H_APART_MIN_R adapter columns or more
+# cublas: as apart, and the frozen product by torch's GEMM too, s·H·B added by one batched GEMM
 ADAPTER_H_GEMM = "gemm"
 ADAPTER_H_APART = "apart"
-ADAPTER_H = (ADAPTER_H_GEMM, ADAPTER_H_APART)
+ADAPTER_H_CUBLAS = "cublas"
+ADAPTER_H = (ADAPTER_H_GEMM, ADAPTER_H_APART, ADAPTER_H_CUBLAS)
 # how the fused GEMMs' tiles are chosen: picked, by the launch shape's waves on this GPU; timed, the
 # fastest of a few candidates timed on each launch shape's first eager launch
 GEMM_TILES_PICKED = "picked"

@@ -25,7 +25,7 @@ import torch
 
 from lora_bench.errors import UsageError
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, H_APART_MIN_R, TRITON_MAX_RANK, Call, Plan
-from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_APART,
+from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_CUBLAS,
                                            ADAPTER_H_GEMM, AUTO, GEMM_TILES, GEMM_TILES_PICKED)
 from lora_bench.kernels.plans import MODULES
 from lora_bench.kernels.plan_rules import RULES
@@ -45,7 +45,8 @@ class PlanPolicy:
     the layer's backward, ``deferred`` on a side stream joined once per backward pass
     (:mod:`lora_bench.kernels.deferred`; the C++ op's plans always run them inline). ``adapter_h``: where
     the fused plan's GEMMs form x·A and g·Bᵀ: ``gemm``, in their K loop; ``apart``, before the launch for
-    launches of ``H_APART_MIN_R`` adapter columns or more (``h_apart``). ``gemm_tiles``: how the fused
+    launches of ``H_APART_MIN_R`` adapter columns or more (``h_apart``); ``cublas``, those calls on torch's
+    GEMMs altogether (``h_by_cublas``). ``gemm_tiles``: how the fused
     GEMMs' tiles are chosen: ``picked`` by the launch shape, ``timed`` on each shape's first eager launch
     (:func:`lora_bench.kernels.lora_tiles.mm_config_for`)."""
 
@@ -156,7 +157,14 @@ def h_apart(columns: int, policy: PlanPolicy | None = None) -> bool:
     takes H formed before it, under ``policy`` (default: the one in force). Asked in a layer's forward,
     on the caller's thread, and kept for its backward (which may run on autograd's own thread)."""
     policy = current_policy() if policy is None else policy
-    return policy.adapter_h == ADAPTER_H_APART and columns >= H_APART_MIN_R
+    return policy.adapter_h != ADAPTER_H_GEMM and columns >= H_APART_MIN_R
+
+
+def h_by_cublas(columns: int, policy: PlanPolicy | None = None) -> bool:
+    """Whether a call of ``columns`` adapter columns runs on torch's GEMMs (cuBLAS) instead of the fused
+    GEMM: the ``adapter_h`` setting's cublas, from ``H_APART_MIN_R`` columns (asked where ``h_apart`` is)."""
+    policy = current_policy() if policy is None else policy
+    return policy.adapter_h == ADAPTER_H_CUBLAS and columns >= H_APART_MIN_R
 
 
 # ------------------------------------------------------------------------- the policy in force
@@ -277,4 +285,4 @@ def note_dora(where: str) -> None:
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "h_apart", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "h_apart", "h_by_cublas", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

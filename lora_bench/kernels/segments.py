@@ -16,7 +16,7 @@ from lora_bench.kernels import available, deferred
 from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
 from lora_bench.kernels.plans import fused
-from lora_bench.kernels.policy import current_policy, h_apart, note, use_policy
+from lora_bench.kernels.policy import current_policy, h_apart, h_by_cublas, note, use_policy
 
 
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -63,14 +63,12 @@ class LoRASegmentsFunction(torch.autograd.Function):
             cdt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 x2, w3, bias3, a3, b3 = (cast(t, cdt) for t in (x2, w3, bias3, a3, b3))
-                y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s, apart=apart) if dora is None else \
-                    fused.forward_scaled_segments(x2, w3, a3, b3, s, dora, apart=apart)
+                y, h = _forward(kern, x2, w3, a3, b3, bias3, s, dora, apart)
         else:
             for p in params:
                 if p.dtype is not x.dtype:
                     raise TypeError(f"lora-kernel: input is {x.dtype} but a parameter is {p.dtype} (use autocast to mix)")
-            y, h = kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s, apart=apart) if dora is None else \
-                fused.forward_scaled_segments(x2, w3, a3, b3, s, dora, apart=apart)
+            y, h = _forward(kern, x2, w3, a3, b3, bias3, s, dora, apart)
         ctx.save_for_backward(x2, h, w3, a3, b3)
         ctx.scale, ctx.segments, ctx.has_bias, ctx.dev = s, S, has_bias, dev
         ctx.x_meta = (x.shape, x.dtype)
@@ -94,7 +92,8 @@ class LoRASegmentsFunction(torch.autograd.Function):
         g = cast(g.contiguous(), x2.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            gx, u = kern.lora_bwd_x_segments(g, w3, a3, b3, s, apart=ctx.apart)
+            gx, u = (torch_bwd_x_segments(g, w3, a3, b3, s) if ctx.apart == CUBLAS else
+                     kern.lora_bwd_x_segments(g, w3, a3, b3, s, apart=bool(ctx.apart)))
             x_shape, x_dt = ctx.x_meta
             grad_x = cast(gx if len(x_shape) == 2 else gx.view(x_shape), x_dt)
         else:  # the input needs no gradient: u alone, each layer's g·Bᵀ
@@ -111,6 +110,44 @@ class LoRASegmentsFunction(torch.autograd.Function):
             deferred.defer(ctx, ab, adapter_grads, reads=(x2, u, h, g), device=g.device)
             return (grad_x, None, None, None, None, None, None, *frozen, *(None,) * (2 * S))
         return (grad_x, None, None, None, None, None, None, *frozen, *adapter_grads())
+
+
+CUBLAS = "cublas"  # LoRASegmentsFunction's ``apart`` when the calls run on torch's GEMMs (``h_by_cublas``)
+
+
+def _forward(kern, x2, w3, a3, b3, bias3, s, dora, apart):
+    """(y, h) of the segments' forward: the fused launch (H in its K loop, or formed before it where
+    ``apart``), DoRA's scaled one, or torch's GEMMs where ``apart`` is ``CUBLAS``."""
+    if dora is not None:
+        return fused.forward_scaled_segments(x2, w3, a3, b3, s, dora, apart=bool(apart))
+    if apart == CUBLAS:
+        return torch_fwd_segments(x2, w3, a3, b3, bias3, s)
+    return kern.lora_fwd_segments(x2, w3, a3, b3, bias3, s, apart=bool(apart))
+
+
+def torch_fwd_segments(x, w, a, b, bias, s):
+    """``lora_fwd_segments`` on torch's GEMMs (cuBLAS on a GPU): y = x·Wᵀ + bias for the S layers in one
+    GEMM, h = [x·A_1 | … | x·A_S] in one GEMM on the adapters laid side by side, then s·h_i·B_i added
+    to each layer's columns by one batched GEMM writing in place. Shapes as ``lora_fwd_segments``; y is
+    rounded once more than the fused launch rounds it (after the frozen product)."""
+    S, k, r = a.shape
+    n, M = b.shape[2], x.shape[0]
+    y = torch.addmm(bias, x, w.t()) if bias is not None else torch.mm(x, w.t())
+    h = torch.mm(x, a.transpose(0, 1).reshape(k, S * r))
+    y.view(M, S, n).transpose(0, 1).baddbmm_(h.view(M, S, r).transpose(0, 1), b, alpha=s)
+    return y, h
+
+
+def torch_bwd_x_segments(g, w, a, b, s):
+    """``lora_bwd_x_segments`` on torch's GEMMs: grad_x = g·W + s·Σ_i u_i·A_iᵀ and u = [g_1·B_1ᵀ | … |
+    g_S·B_Sᵀ] (g_i: layer i's columns of g), in three GEMMs: g·W, one batched GEMM for u, and u·Aᵀ
+    added in place with the adapters laid side by side."""
+    S, k, r = a.shape
+    n, M = b.shape[2], g.shape[0]
+    gx = torch.mm(g, w)
+    u = torch.bmm(g.view(M, S, n).transpose(0, 1), b.transpose(1, 2)).transpose(0, 1).reshape(M, S * r)
+    gx.addmm_(u, a.transpose(1, 2).reshape(S * r, k).to(g.dtype), alpha=s)
+    return gx, u
 
 
 def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None, dora=None) -> torch.Tensor | None:
@@ -140,10 +177,10 @@ def fused_segments(x, layers, *, bias: bool = True, defer: bool | None = None, d
     has_bias = first.linear.bias is not None
     if has_bias and not bias:
         params = params[:S] + params[2 * S:]
-    note(Plan.FUSED)
+    apart = CUBLAS if dora is None and h_by_cublas(S * rank) else h_apart(S * rank)
+    note(Plan.CUBLAS if apart == CUBLAS else Plan.FUSED)
     if defer is None:
         defer = deferred.chosen(params[-2 * S:])
-    apart = h_apart(S * rank)
     return LoRASegmentsFunction.apply(x, first.lora.alpha, S, has_bias and bias, defer, dora, apart, *params)
 
 

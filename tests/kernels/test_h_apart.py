@@ -23,9 +23,19 @@ def test_apart_from_17_columns_only_where_the_setting_asks(columns, apart):
         assert current_policy().adapter_h == "apart" and h_apart(columns) is apart
 
 
+@pytest.mark.parametrize("columns,wide", [(16, False), (17, True), (48, True)])
+def test_cublas_forms_h_apart_and_runs_the_wide_calls_on_torch_gemms(columns, wide):
+    from lora_bench.kernels.policy import h_by_cublas
+
+    cublas, apart = PlanPolicy(adapter_h="cublas"), PlanPolicy(adapter_h="apart")
+    assert h_apart(columns, cublas) is wide and h_by_cublas(columns, cublas) is wide
+    assert h_by_cublas(columns, apart) is False and h_by_cublas(columns, PlanPolicy()) is False
+
+
 def test_the_setting_names_its_choices_and_refuses_others():
     assert TrainConfig().adapter_h == "gemm"
     assert TrainConfig(adapter_h="apart").adapter_h == "apart"
+    assert TrainConfig(adapter_h="cublas").adapter_h == "cublas"
     with pytest.raises(UsageError, match="gemm"):
         PlanPolicy(adapter_h="sideways")
 

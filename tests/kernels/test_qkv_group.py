@@ -20,6 +20,7 @@ from numerics import (
     kernel_tol,
     lora_chains,
     model_pair,
+    rounded_input_tol,
     rel_err,
     rms_rel_err,
     run_model,
@@ -253,6 +254,16 @@ def _interp_main() -> None:
                           grads=[max(rms_rel_err(g2, g64), rms_rel_err(g3, g64)), same_function_tol(g0, g64)])),
           flush=True)
 
+    # adapter_h=cublas, the same threshold: no fused GEMM launch at all, every layer and group on
+    # torch's GEMMs (the cublas plan), the adapter gradients still from the Triton kernel
+    h_in.clear()
+    with use_policy(PlanPolicy(forced=Plan.FUSED, adapter_h="cublas")), record_plans() as log:
+        (l4, g4), (l5, g5) = run_model(plain, idx), run_model(grouped, idx)
+    print(json.dumps(dict(cublas_model=True, launches=len(h_in), plans=sorted(p.value for p in set(log)),
+                          logits=[max(rms_rel_err(l4, l64), rms_rel_err(l5, l64)), same_function_tol(l0, l64)],
+                          grads=[max(rms_rel_err(g4, g64), rms_rel_err(g5, g64)), same_function_tol(g0, g64)])),
+          flush=True)
+
 
 @pytest.fixture(scope="module")
 def interp_runs():
@@ -279,6 +290,43 @@ def test_adapter_h_apart_runs_every_launch_with_h_formed_before_it_and_matches_f
     for what in ("logits", "grads"):
         err, bound = run[what]
         assert err <= bound, (what, err, bound)
+
+
+def test_adapter_h_cublas_runs_every_layer_on_torch_gemms_and_matches_float64(interp_runs):
+    """The tiny model one by one and grouped with adapter_h=cublas (threshold lowered): no fused GEMM
+    launch, every call noted as the cublas plan, loss and gradients as close to float64 as the model
+    with H in the GEMM."""
+    run, = (x for x in interp_runs if x.get("cublas_model"))
+    assert run["launches"] == 0 and run["plans"] == ["cublas"], run
+    for what in ("logits", "grads"):
+        err, bound = run[what]
+        assert err <= bound, (what, err, bound)
+
+
+TORCH_CASES = SEGMENT_CASES + [(41, 70, 53, 16, 3, "bf16", True, 1), (29, 45, 33, 64, 2, "bf16", False, 1)]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: f"{c[5]}-r{c[3]}-S{c[4]}")
+def test_torch_segments_match_float64(case):
+    """adapter_h=cublas's segment functions (torch's GEMMs) against float64 at odd sizes, ranks 1-64:
+    y is rounded once more than in the fused launch (after the frozen product), so its bound counts
+    one more rounding."""
+    from lora_bench.kernels.segments import torch_bwd_x_segments, torch_fwd_segments
+
+    M, k, n, r, S, dt, bias, _ = case
+    dtype, s = DTYPE[dt], 0.7
+    x, g = fresh(M, k, device="cpu", dtype=dtype), fresh(M, S * n, device="cpu", dtype=dtype)
+    W = fresh(S * n, k, device="cpu", dtype=dtype, scale=k ** -0.5)
+    A, B = fresh(S, k, r, device="cpu", dtype=dtype, scale=k ** -0.5), fresh(S, r, n, device="cpu", dtype=dtype)
+    b = fresh(S * n, device="cpu", dtype=dtype) if bias else None
+    Y, H, GX, U, _, _ = _reference(x, W, A, B, b, g, s)
+    y, h = torch_fwd_segments(x, W, A, B, b, s)
+    gx, u = torch_bwd_x_segments(g, W, A, B, s)
+    chains = lora_chains(rows=M, k=k, n=n, r=r, segments=S)
+    y_tol = kernel_tol(dt, chains["y"]) if dt == "fp32" else rounded_input_tol(DTYPE[dt], 4)
+    assert rel_err(y, Y) <= y_tol
+    for name, got, want in (("h", h, H), ("grad_x", gx, GX), ("u", u, U)):
+        assert got.dtype == dtype and rel_err(got, want) <= kernel_tol(dt, chains[name]), name
 
 
 def test_grouped_model_under_triton_interpreter_takes_one_launch_per_block(interp_runs):
