@@ -5,6 +5,7 @@ docs/kernel-design.md#the-implementations."""
 
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 import torch
@@ -143,11 +144,7 @@ def timed_candidates(dtype: torch.dtype) -> tuple[MMConfig, ...]:
 def fastest(times: dict[MMConfig, list[float]]) -> MMConfig:
     """The candidate of least median time (µs per launch over the rounds); ties go to the earlier
     candidate (the picker's order), so equal timings keep the picker's tile."""
-    def median(v: list[float]) -> float:
-        v = sorted(v)
-        n = len(v)
-        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-    return min(times, key=lambda c: (median(times[c]), list(times).index(c)))
+    return min(times, key=lambda c: (statistics.median(times[c]), list(times).index(c)))
 
 
 def can_time() -> bool:
@@ -201,7 +198,7 @@ def mm_config_for(tag: str, M: int, N: int, K: int, R: int, h_in: bool, x: torch
             return _mm_config(M, N, K, x)
         times = time_configs(run, timed_candidates(x.dtype))
         c = TIMED[key] = fastest(times)
-        TIMED_US[key] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        TIMED_US[key] = {k: statistics.median(v) for k, v in times.items()}
     _note_tiles(key, None)
     return c
 
