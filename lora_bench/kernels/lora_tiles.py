@@ -230,14 +230,17 @@ def _why_not_timed() -> str:
 _POLICY_MODULE = None
 
 
-def _policy():
+def _policy_module():
     global _POLICY_MODULE
     if _POLICY_MODULE is None:
         from lora_bench.kernels import policy  # the policy imports the plans, which import this module
         _POLICY_MODULE = policy
-    return _POLICY_MODULE.current_policy()
+    return _POLICY_MODULE
+
+
+def _policy():
+    return _policy_module().current_policy()
 
 
 def _note_tiles(key: tuple, why_not: str | None) -> None:
-    _policy()
-    _POLICY_MODULE.note_tiles(key, why_not)
+    _policy_module().note_tiles(key, why_not)
