@@ -22,8 +22,8 @@ import torch
 from lora_bench.kernels import available, deferred
 from lora_bench.kernels.call import Plan
 from lora_bench.kernels.plans import PYTHON, cpp, direct, fused
-from lora_bench.kernels.policy import (choose, current_policy, h_apart, h_by_cublas, note, note_adapter_grads,
-                                      use_policy)
+from lora_bench.kernels.policy import (carried, choose, current_policy, h_apart, h_by_cublas, in_force, note,
+                                      note_adapter_grads)
 
 
 def compute_dtype(x: torch.Tensor, dev: str) -> torch.dtype:
@@ -113,7 +113,7 @@ class LoRAKernelFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, h, w, a, bm)
         ctx.scale, ctx.plan, ctx.dev = s, plan, dev
         ctx.defer, ctx.apart = defer, apart
-        ctx.policy = current_policy()  # the backward may run on autograd's thread, outside the caller's policy
+        ctx.in_force = in_force()  # the backward may run on autograd's thread, outside the caller's policy
         ctx.ab_edges = (3, 4) if bias is not None else (2, 3)  # A's and B's among the tensor inputs
         ctx.x_meta = (x.shape, x.dtype)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None, A.dtype, B.dtype)
@@ -121,7 +121,7 @@ class LoRAKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        with use_policy(ctx.policy):  # the forward's (its gemm_tiles, say), on whichever thread runs this
+        with carried(ctx.in_force):  # the forward's policy and plan log, on whichever thread runs this
             return outside_autocast(LoRAKernelFunction._backward, ctx, grad_out)
 
     @staticmethod

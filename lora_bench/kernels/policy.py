@@ -253,6 +253,24 @@ def record_plans(log: PlanLog | None = None) -> Iterator[PlanLog]:
         _LOG.reset(token)
 
 
+def in_force() -> tuple[PlanPolicy, PlanLog | None]:
+    """The policy in force and the log being recorded into: what a layer's forward hands its backward,
+    which on a GPU autograd runs on a thread of its own, where neither is set (``carried``)."""
+    return current_policy(), _LOG.get()
+
+
+@contextlib.contextmanager
+def carried(state: tuple[PlanPolicy, PlanLog | None]) -> Iterator[None]:
+    """Run the block under the policy and into the log ``in_force`` gave, on whichever thread."""
+    policy, log = state
+    p, lg = _POLICY.set(policy), _LOG.set(log)
+    try:
+        yield
+    finally:
+        _LOG.reset(lg)
+        _POLICY.reset(p)
+
+
 def note(plan: Plan) -> None:
     """Record that a layer call ran ``plan`` (calls with gradients enabled, while recording)."""
     log = _LOG.get()
@@ -284,5 +302,5 @@ def note_dora(where: str) -> None:
 
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
-           "TRITON_MAX_RANK", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "h_apart", "h_by_cublas", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "TRITON_MAX_RANK", "carried", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
+           "h_apart", "h_by_cublas", "in_force", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

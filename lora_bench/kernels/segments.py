@@ -16,7 +16,7 @@ from lora_bench.kernels import available, deferred
 from lora_bench.kernels.autograd import cast, lora_linear, outside_autocast, plan_for_size
 from lora_bench.kernels.call import TRITON_MAX_RANK, Plan
 from lora_bench.kernels.plans import fused
-from lora_bench.kernels.policy import current_policy, h_apart, h_by_cublas, note, use_policy
+from lora_bench.kernels.policy import carried, h_apart, h_by_cublas, in_force, note
 
 
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -74,12 +74,12 @@ class LoRASegmentsFunction(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype)
         ctx.ab_dtypes = (As[0].dtype, Bs[0].dtype)
         ctx.defer, ctx.apart = defer, apart
-        ctx.policy = current_policy()  # the backward may run on autograd's thread, outside the caller's policy
+        ctx.in_force = in_force()  # the backward may run on autograd's thread, outside the caller's policy
         return y if x.dim() == 2 else y.view(*x.shape[:-1], S * n)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with use_policy(ctx.policy):  # the forward's, on whichever thread runs this
+        with carried(ctx.in_force):  # the forward's policy and plan log, on whichever thread runs this
             return outside_autocast(LoRASegmentsFunction._backward, ctx, grad_out)
 
     @staticmethod

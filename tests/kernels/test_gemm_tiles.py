@@ -182,29 +182,30 @@ def test_gpu_a_shape_first_seen_under_capture_takes_the_picked_tile_and_replays_
     assert torch.equal(y, want)  # the same tile, the same rounding
 
 
-def test_the_backward_runs_under_the_forwards_policy_on_any_thread(monkeypatch):
-    """On a GPU autograd runs the backward on its own thread, where the caller's policy (a context
-    variable) is not set: the layer's backward takes the forward's policy with it, so its launches
-    are chosen under the same settings (gemm_tiles timed among them)."""
+def test_the_backward_runs_under_the_forwards_policy_and_log_on_any_thread(monkeypatch):
+    """On a GPU autograd runs the backward on its own thread, where the caller's policy and plan log
+    (context variables) are not set: the layer's backward takes the forward's with it, so its launches
+    are chosen under the same settings (gemm_tiles timed among them) and noted in the same record."""
     import threading
 
+    from lora_bench.kernels import policy as pol
     from lora_bench.kernels.autograd import LoRAKernelFunction, lora_linear
 
     seen = []
     original = LoRAKernelFunction._backward
 
     def spy(ctx, grad_out):
-        seen.append(current_policy())
+        seen.append((current_policy(), pol._LOG.get()))
         return original(ctx, grad_out)
 
     monkeypatch.setattr(LoRAKernelFunction, "_backward", staticmethod(spy))
     policy = PlanPolicy(forced=Plan.TORCH, gemm_tiles="timed", adapter_h="apart")
     x, w, b, a, bm = layer_operands(batch=(5,), k=7, n=6, r=3, device="cpu", dtype=torch.float64)
     a.requires_grad_(True)
-    with use_policy(policy):
+    with use_policy(policy), record_plans() as log:
         y = lora_linear(x, w, b, a, bm, 2.0)
-    worker = threading.Thread(target=lambda: y.sum().backward())  # no policy set on this thread
+    worker = threading.Thread(target=lambda: y.sum().backward())  # neither set on this thread
     worker.start()
     worker.join()
-    assert seen == [policy] and a.grad is not None
-    assert current_policy() != policy  # and none left behind here
+    assert len(seen) == 1 and seen[0][0] == policy and seen[0][1] is log and a.grad is not None
+    assert current_policy() != policy and pol._LOG.get() is None  # and none left behind here
