@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from lora_bench.kernels.plan_names import GEMM_TILES_TIMED
+from lora_bench.kernels import tile_record
 
 
 class MMConfig(NamedTuple):
@@ -130,8 +130,6 @@ _MM_TIMED_16 = (MMConfig(64, 128, 64, 4, 4), MMConfig(64, 128, 64, 4, 3), MMConf
                 MMConfig(128, 128, 64, 8, 3), MMConfig(128, 64, 64, 4, 4))
 _MM_TIMED_32 = (MMConfig(64, 128, 32, 4, 3), MMConfig(64, 128, 32, 4, 2), MMConfig(128, 128, 32, 8, 3),
                 MMConfig(128, 64, 32, 4, 3))
-TIMED: dict[tuple, MMConfig] = {}  # (tag, M, N, K, dtype, BLOCK_R, H read in) -> the config timing chose
-TIMED_US: dict[tuple, dict[MMConfig, float]] = {}  # the same key -> µs per launch of every candidate
 _TIMING_ROUNDS = 3
 _LAUNCHES_PER_ROUND = 4
 _SLEEP_CYCLES = 2_000_000  # ~1 ms at Hopper clocks: the host queues every timed launch before they run
@@ -188,34 +186,19 @@ def mm_config_for(tag: str, M: int, N: int, K: int, R: int, h_in: bool, x: torch
     per shape and adapter columns for the process, and noted in the run's record); else the picker's
     (``_mm_config``). A launch that cannot be timed (captured, compiled, recorded) before its shape
     was timed takes the picker's tile, and the record says why."""
-    if _policy().gemm_tiles != GEMM_TILES_TIMED or x.device.type != "cuda" or (M, N, K, x.dtype) in TUNED:
+    if tile_record.MODE.get() != tile_record.TIMED_MODE or x.device.type != "cuda" or (M, N, K, x.dtype) in TUNED:
         return _mm_config(M, N, K, x)
     key = (tag, M, N, K, x.dtype, block_r(R), bool(h_in))
-    c = TIMED.get(key)
+    c = tile_record.TIMED.get(key)
     if c is None:
         if not can_time():
-            _note_tiles(key, _why_not_timed())
+            tile_record.note(key, _why_not_timed())
             return _mm_config(M, N, K, x)
         times = time_configs(run, timed_candidates(x.dtype))
-        c = TIMED[key] = fastest(times)
-        TIMED_US[key] = {k: statistics.median(v) for k, v in times.items()}
-    _note_tiles(key, None)
+        c = tile_record.TIMED[key] = fastest(times)
+        tile_record.TIMED_US[key] = {k: statistics.median(v) for k, v in times.items()}
+    tile_record.note(key, None)
     return c
-
-
-def tile_name(c: MMConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
-
-
-def describe_tiles(key: tuple, why_not: str | None) -> str:
-    """One launch shape's tile as a run records it: the timed choice with every candidate's µs per
-    launch, or the picker's with the reason it was not timed."""
-    tag, M, N, K, dtype, br, h_in = key
-    shape = f"{tag} {M}x{K}->{N} {str(dtype).removeprefix('torch.')} R{br}{' H-in' if h_in else ''}"
-    if why_not is not None or key not in TIMED:
-        return f"{shape}: picked ({why_not or 'not timed'})"
-    others = ", ".join(f"{tile_name(k)} {us:.1f}" for k, us in TIMED_US[key].items())
-    return f"{shape}: {tile_name(TIMED[key])} ({others} µs)"
 
 
 def _why_not_timed() -> str:
@@ -225,22 +208,3 @@ def _why_not_timed() -> str:
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
     return "first launched under CUDA-graph capture"
-
-
-_POLICY_MODULE = None
-
-
-def _policy_module():
-    global _POLICY_MODULE
-    if _POLICY_MODULE is None:
-        from lora_bench.kernels import policy  # the policy imports the plans, which import this module
-        _POLICY_MODULE = policy
-    return _POLICY_MODULE
-
-
-def _policy():
-    return _policy_module().current_policy()
-
-
-def _note_tiles(key: tuple, why_not: str | None) -> None:
-    _policy_module().note_tiles(key, why_not)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from lora_bench.errors import UsageError
+from lora_bench.kernels import tile_record
 from lora_bench.kernels.call import CPP_GRAPH_MIN_WEIGHT, DTYPES_16, H_APART_MIN_R, TRITON_MAX_RANK, Call, Plan
 from lora_bench.kernels.plan_names import (ADAPTER_GRADS, ADAPTER_GRADS_INLINE, ADAPTER_H, ADAPTER_H_CUBLAS,
                                            ADAPTER_H_GEMM, AUTO, GEMM_TILES, GEMM_TILES_PICKED)
@@ -188,10 +189,11 @@ def current_policy() -> PlanPolicy:
 @contextlib.contextmanager
 def use_policy(policy: PlanPolicy) -> Iterator[PlanPolicy]:
     """Run the block with ``policy`` in force (in this thread / task)."""
-    token = _POLICY.set(policy)
+    token, mode = _POLICY.set(policy), tile_record.MODE.set(policy.gemm_tiles)
     try:
         yield policy
     finally:
+        tile_record.MODE.reset(mode)
         _POLICY.reset(token)
 
 
@@ -234,8 +236,7 @@ class PlanLog:
     def gemm_tiles(self) -> str:
         """Under gemm_tiles timed: each fused GEMM launch shape's tile and every candidate's µs per
         launch, or the picker's tile and why it was not timed; '; '-joined ('' if none)."""
-        from lora_bench.kernels.lora_tiles import describe_tiles
-        return "; ".join(sorted(describe_tiles(k, why) for k, why in self.tiles.items()))
+        return "; ".join(sorted(tile_record.describe(k, why) for k, why in self.tiles.items()))
 
 
 DORA_NORM_PREFIX = "dora-norm-"  # a DoRA norm's path as the backend names it
@@ -246,10 +247,11 @@ _LOG: contextvars.ContextVar[PlanLog | None] = contextvars.ContextVar("lora_benc
 def record_plans(log: PlanLog | None = None) -> Iterator[PlanLog]:
     """Note into ``log`` (a new one by default) the plan of every layer call in the block."""
     log = PlanLog() if log is None else log
-    token = _LOG.set(log)
+    token, notes = _LOG.set(log), tile_record.NOTES.set(log.tiles)
     try:
         yield log
     finally:
+        tile_record.NOTES.reset(notes)
         _LOG.reset(token)
 
 
@@ -263,12 +265,13 @@ def in_force() -> tuple[PlanPolicy, PlanLog | None]:
 def carried(state: tuple[PlanPolicy, PlanLog | None]) -> Iterator[None]:
     """Run the block under the policy and into the log ``in_force`` gave, on whichever thread."""
     policy, log = state
-    p, lg = _POLICY.set(policy), _LOG.set(log)
-    try:
-        yield
-    finally:
-        _LOG.reset(lg)
-        _POLICY.reset(p)
+    with use_policy(policy):
+        lg, notes = _LOG.set(log), tile_record.NOTES.set(log.tiles if log is not None else None)
+        try:
+            yield
+        finally:
+            tile_record.NOTES.reset(notes)
+            _LOG.reset(lg)
 
 
 def note(plan: Plan) -> None:
@@ -285,15 +288,6 @@ def note_adapter_grads(where: str) -> None:
         log.adapter_grads.add(where)
 
 
-def note_tiles(key: tuple, why_not: str | None) -> None:
-    """Record the tile of a fused GEMM launch shape under gemm_tiles timed (``why_not``: None where it
-    was timed, else why it took the picker's; a timed note replaces a why-not). Noted with gradients on
-    or off: a shape is timed once, on its first launch, which may come in an evaluation."""
-    log = _LOG.get()
-    if log is not None and (why_not is None or key not in log.tiles):
-        log.tiles[key] = why_not
-
-
 def note_dora(where: str) -> None:
     """Record where a DoRA layer call's norm runs (calls with gradients enabled, while recording)."""
     log = _LOG.get()
@@ -303,4 +297,4 @@ def note_dora(where: str) -> None:
 
 __all__ = ["AUTO", "CPP_GRAPH_MIN_WEIGHT", "DTYPES_16", "KernelPlanError", "Plan", "PlanLog", "PlanPolicy",
            "TRITON_MAX_RANK", "carried", "choose", "current_policy", "default_policy", "graph_plan", "note", "note_adapter_grads",
-           "h_apart", "h_by_cublas", "in_force", "note_dora", "note_tiles", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]
+           "h_apart", "h_by_cublas", "in_force", "note_dora", "parse_adapter_grads", "parse_plan", "policy_for", "record_plans", "use_policy"]

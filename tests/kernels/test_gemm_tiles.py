@@ -14,7 +14,7 @@ from numerics import kernel_tol, layer_operands, lora_chains, rel_err
 
 from lora_bench.config import TrainConfig
 from lora_bench.errors import UsageError
-from lora_bench.kernels import lora_tiles
+from lora_bench.kernels import lora_tiles, tile_record
 from lora_bench.kernels.lora_tiles import MMConfig, fastest, mm_config_for
 from lora_bench.kernels.policy import Plan, PlanPolicy, current_policy, policy_for, record_plans, use_policy
 
@@ -51,8 +51,8 @@ def timing(monkeypatch):
     """``mm_config_for`` on a stand-in CUDA input, its timing replaced: each call of the timer is
     recorded and returns the µs given for each candidate; ``can`` says whether a launch may be timed."""
     state = dict(calls=[], can=True, us={C1: [30.0, 31.0, 29.0], C2: [20.0, 21.0, 22.0], C3: [25.0, 25.0, 25.0]})
-    monkeypatch.setattr(lora_tiles, "TIMED", {})
-    monkeypatch.setattr(lora_tiles, "TIMED_US", {})
+    monkeypatch.setattr(tile_record, "TIMED", {})
+    monkeypatch.setattr(tile_record, "TIMED_US", {})
     monkeypatch.setattr(lora_tiles, "timed_candidates", lambda dtype: (C1, C2, C3))
     monkeypatch.setattr(lora_tiles, "can_time", lambda: state["can"])
     monkeypatch.setattr(lora_tiles, "_why_not_timed", lambda: "first launched under CUDA-graph capture")
@@ -132,8 +132,8 @@ def _layer_and_grads(policy, operands):
 @gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"r{c['r']}-{str(c['dtype'])[6:]}")
 def test_gpu_timed_tiles_give_the_fused_layer_against_float64(case, monkeypatch):
-    monkeypatch.setattr(lora_tiles, "TIMED", {})
-    monkeypatch.setattr(lora_tiles, "TIMED_US", {})
+    monkeypatch.setattr(tile_record, "TIMED", {})
+    monkeypatch.setattr(tile_record, "TIMED_US", {})
     k, n, r, dtype = case["k"], case["n"], case["r"], case["dtype"]
     x, w, b, a, bm = layer_operands(batch=(case["rows"],), k=k, n=n, r=r, device="cuda", dtype=dtype)
     g = torch.randn(case["rows"], n, device="cuda").to(dtype)
@@ -148,9 +148,9 @@ def test_gpu_timed_tiles_give_the_fused_layer_against_float64(case, monkeypatch)
                                       (chains["y"], chains["grad_x"], chains["grad_A"], chains["grad_B"])):
         assert rel_err(out, want) <= kernel_tol(prec, chain), name
     # both GEMM launches (forward, input gradient) were timed, every candidate with a finite time
-    assert len(lora_tiles.TIMED) == 2 and set(log.tiles) == set(lora_tiles.TIMED)
+    assert len(tile_record.TIMED) == 2 and set(log.tiles) == set(tile_record.TIMED)
     assert all(why is None for why in log.tiles.values())
-    for us in lora_tiles.TIMED_US.values():
+    for us in tile_record.TIMED_US.values():
         assert len(us) == len(lora_tiles.timed_candidates(dtype))
         assert all(math.isfinite(t) and t > 0 for t in us.values())
 
@@ -160,8 +160,8 @@ def test_gpu_timed_tiles_give_the_fused_layer_against_float64(case, monkeypatch)
 def test_gpu_a_shape_first_seen_under_capture_takes_the_picked_tile_and_replays_as_eager(monkeypatch):
     from lora_bench.kernels.autograd import lora_linear
 
-    monkeypatch.setattr(lora_tiles, "TIMED", {})
-    monkeypatch.setattr(lora_tiles, "TIMED_US", {})
+    monkeypatch.setattr(tile_record, "TIMED", {})
+    monkeypatch.setattr(tile_record, "TIMED_US", {})
     x, w, b, a, bm = layer_operands(batch=(333,), k=160, n=200, r=16, device="cuda", dtype=torch.bfloat16)
     # the picked tiles compiled eagerly first, as a graph's warm-up would (under the default policy)
     with use_policy(PlanPolicy(forced=Plan.FUSED)):
@@ -171,7 +171,7 @@ def test_gpu_a_shape_first_seen_under_capture_takes_the_picked_tile_and_replays_
     with use_policy(PlanPolicy(forced=Plan.FUSED, gemm_tiles="timed")), record_plans() as log:
         with torch.cuda.graph(graph):
             y = lora_linear(static, w, b, a, bm, 2.0)
-    assert lora_tiles.TIMED == {}
+    assert tile_record.TIMED == {}
     assert list(log.tiles.values()) == ["first launched under CUDA-graph capture"]
     x2 = torch.randn_like(x)
     static.copy_(x2)
