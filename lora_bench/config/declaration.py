@@ -171,8 +171,9 @@ class SettingFields:
                         "(docs/kernel-design.md).", LORA, choices=ADAPTER_H)
     gemm_tiles: str = _s(GEMM_TILES_PICKED, "lora-kernel: how its fused GEMMs' tiles are chosen. picked: by "
                          "the launch shape's waves on this GPU; timed: on each launch shape's first eager launch, "
-                         "the fastest of five candidate tiles timed on the launch's own operands (device events, "
-                         "about a millisecond once per shape; the run's gemm_tiles column records each choice). "
+                         "the fastest of five candidate tiles (four in fp32) timed on the launch's own operands "
+                         "(device events, about a millisecond once per shape; the run's gemm_tiles column records "
+                         "each choice). "
                          "The fused plan on a GPU (docs/kernel-design.md).", LORA, choices=GEMM_TILES)
     dora_norm_launch: str = _s(AUTO, "lora-kernel with lora_variant=dora: when each layer's norm is "
                                "launched. inline: in the layer's call, before its scale; ahead: every layer's at "

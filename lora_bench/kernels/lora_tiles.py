@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from lora_bench.kernels import tile_record
+from lora_bench.kernels import tile_record, triton_launch
 
 
 class MMConfig(NamedTuple):
@@ -149,7 +149,6 @@ def can_time() -> bool:
     """Whether a launch may be timed here: on the GPU, eager (not captured in a CUDA graph, not
     traced by torch.compile), and not inside a launch recording (the C++ op's direct plan keeps
     the kernels it records; :mod:`lora_bench.kernels.plans.direct`)."""
-    from lora_bench.kernels import triton_launch
     return (torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
             and not torch.compiler.is_compiling() and triton_launch.RECORD is None)
 
@@ -202,7 +201,6 @@ def mm_config_for(tag: str, M: int, N: int, K: int, R: int, h_in: bool, x: torch
 
 
 def _why_not_timed() -> str:
-    from lora_bench.kernels import triton_launch
     if triton_launch.RECORD is not None:
         return "launch recorded for the direct plan"
     if torch.compiler.is_compiling():
